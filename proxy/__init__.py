@@ -1,0 +1,1 @@
+"""toolquake's proxy: routes, relay, profiles, metrics, CLI."""

@@ -1,0 +1,159 @@
+"""Server-sent events for chat completions: parse a stream, reassemble it, emit one.
+
+`SSEParser` turns raw bytes (split anywhere) into `data:` payloads; `StreamAssembler` folds
+chat.completion.chunk objects into one chat.completion; `emit_stream` renders a complete
+chat.completion as a valid OpenAI stream (role chunk, content, tool_call deltas with index and
+id, finish chunk, `data: [DONE]`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import msgspec
+
+DONE = b"[DONE]"
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+class SSEParser:
+    """Incremental SSE parser: feed bytes, get the `data` payload of each complete event."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk.replace(b"\r\n", b"\n")
+        out: list[bytes] = []
+        while True:
+            end = self._buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, self._buf = self._buf[:end], self._buf[end + 2:]
+            data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                out.append(b"\n".join(data))
+        return out
+
+    def flush(self) -> list[bytes]:
+        """Whatever complete-looking event is left when the stream ends without a blank line."""
+        rest, self._buf = self._buf, b""
+        return self.feed(rest + b"\n\n") if rest.strip() else []
+
+
+class StreamAssembler:
+    """Fold chat.completion.chunk payloads into a single chat.completion dict."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.model: str | None = None
+        self.created: int | None = None
+        self.usage: dict[str, Any] | None = None
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.done = False
+        self.chunks = 0
+        self.extra: dict[str, Any] = {}
+
+    def add_payload(self, payload: bytes) -> None:
+        if payload.strip() == DONE:
+            self.done = True
+            return
+        try:
+            chunk = _decode(payload)
+        except msgspec.DecodeError:
+            return
+        if isinstance(chunk, dict):
+            self.add_chunk(chunk)
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        self.id = self.id or chunk.get("id")
+        self.model = self.model or chunk.get("model")
+        self.created = self.created or chunk.get("created")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("system_fingerprint"):
+            self.extra["system_fingerprint"] = chunk["system_fingerprint"]
+        for choice in chunk.get("choices") or []:
+            idx = choice.get("index", 0)
+            acc = self.choices.setdefault(idx, {"role": None, "content": None, "tool_calls": {},
+                                                "finish_reason": None})
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                acc["role"] = delta["role"]
+            if delta.get("content"):
+                acc["content"] = (acc["content"] or "") + delta["content"]
+            for tc in delta.get("tool_calls") or []:
+                slot = acc["tool_calls"].setdefault(tc.get("index", len(acc["tool_calls"])),
+                                                    {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                if tc.get("id"):
+                    slot["id"] = tc["id"]
+                if tc.get("type"):
+                    slot["type"] = tc["type"]
+                fn = tc.get("function") or {}
+                if fn.get("name"):
+                    slot["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    slot["function"]["arguments"] += fn["arguments"]
+            if choice.get("finish_reason"):
+                acc["finish_reason"] = choice["finish_reason"]
+
+    def result(self) -> dict[str, Any]:
+        choices = []
+        for idx in sorted(self.choices):
+            acc = self.choices[idx]
+            message: dict[str, Any] = {"role": acc["role"] or "assistant", "content": acc["content"]}
+            if acc["tool_calls"]:
+                message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+            choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"]})
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
+                               "model": self.model, "choices": choices}
+        out.update(self.extra)
+        if self.usage:
+            out["usage"] = self.usage
+        return out
+
+
+def assemble_sse(data: bytes) -> dict[str, Any]:
+    """A whole SSE body (bytes) folded into one chat.completion dict."""
+    parser, asm = SSEParser(), StreamAssembler()
+    for payload in parser.feed(data) + parser.flush():
+        asm.add_payload(payload)
+    return asm.result()
+
+
+def _frame(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def emit_stream(response: dict[str, Any], *, args_chunk: int = 64) -> Iterator[bytes]:
+    """Render a complete chat.completion dict as OpenAI SSE frames, ending with `data: [DONE]`."""
+    base = {"id": response.get("id") or "chatcmpl-toolquake", "object": "chat.completion.chunk",
+            "created": response.get("created") or int(time.time()), "model": response.get("model") or ""}
+    if response.get("system_fingerprint"):
+        base["system_fingerprint"] = response["system_fingerprint"]
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _frame({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+
+    for choice in response.get("choices") or []:
+        idx = choice.get("index", 0)
+        msg = choice.get("message") or {}
+        yield chunk(idx, {"role": msg.get("role") or "assistant", "content": ""})
+        if msg.get("content"):
+            yield chunk(idx, {"content": msg["content"]})
+        for n, tc in enumerate(msg.get("tool_calls") or []):
+            fn = tc.get("function") or {}
+            yield chunk(idx, {"tool_calls": [{"index": n, "id": tc.get("id"), "type": "function",
+                                              "function": {"name": fn.get("name", ""), "arguments": ""}}]})
+            args = fn.get("arguments") or ""
+            for start in range(0, len(args), args_chunk):
+                yield chunk(idx, {"tool_calls": [{"index": n, "function": {
+                    "arguments": args[start:start + args_chunk]}}]})
+        yield chunk(idx, {}, choice.get("finish_reason") or "stop")
+    if response.get("usage"):
+        yield _frame({**base, "choices": [], "usage": response["usage"]})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,1 @@
+"""Scorers: corpus loading, BFCL-compatible AST scoring, semantic matching, error taxonomy."""

@@ -1,0 +1,251 @@
+"""A fake OpenAI-compatible upstream, run as its own process: `python -m tests.fake_upstream --port N`.
+
+Raw ASGI on uvicorn (httptools + uvloop) so benchmarks measure the proxy, not this server.
+
+What it answers with, per request (headers are end-to-end, so they pass through the proxy):
+- `X-Fake-Answer: {"calls": [{"name": ..., "arguments": {...}}]}` or `{"text": "..."}`;
+- else a script entry (`--script FILE`, JSON lines `{"match": "<substring of the last user
+  message>", "answer": {...same shape...}}`; first match wins);
+- else a call to the tool named by `tool_choice`, or the first tool, with arguments made from its
+  schema's required parameters; else a short text.
+
+Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
+`invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
+one byte at a time), `chunk-delay:MS` (between SSE frames).
+
+Introspection for tests: every request is recorded (last 2,000); `GET /_fake/requests` returns
+them (`?tag=X` filters on the `X-Test-Tag` header); `DELETE /_fake/requests` clears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+import time
+from typing import Any
+
+import msgspec
+
+_enc = msgspec.json.encode
+_dec = msgspec.json.decode
+_ids = itertools.count(1)
+RECORDED: collections.deque = collections.deque(maxlen=2000)
+SCRIPT: list[dict[str, Any]] = []
+MODEL = "fake-model"
+
+
+def _example(schema: dict[str, Any]) -> Any:
+    t = schema.get("type")
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if t == "integer":
+        return 1
+    if t == "number":
+        return 1.5
+    if t == "boolean":
+        return True
+    if t == "array":
+        return [_example(schema.get("items") or {"type": "string"})]
+    if t == "object":
+        props = schema.get("properties") or {}
+        return {k: _example(v) for k, v in props.items() if k in (schema.get("required") or [])}
+    return "example"
+
+
+def _last_user(body: dict[str, Any]) -> str:
+    for msg in reversed(body.get("messages") or []):
+        if isinstance(msg, dict) and msg.get("role") == "user":
+            c = msg.get("content")
+            return c if isinstance(c, str) else _enc(c).decode()
+    return ""
+
+
+def choose_answer(body: dict[str, Any], header: str | None) -> dict[str, Any]:
+    if header:
+        return _dec(header)
+    if SCRIPT:
+        text = _last_user(body)
+        for entry in SCRIPT:
+            if entry["match"] in text:
+                return entry["answer"]
+    tools = body.get("tools") or []
+    if tools:
+        wanted = body.get("tool_choice")
+        tool = tools[0]
+        if isinstance(wanted, dict):
+            name = (wanted.get("function") or {}).get("name")
+            tool = next((t for t in tools if t.get("function", {}).get("name") == name), tool)
+        fn = tool.get("function") or {}
+        return {"calls": [{"name": fn.get("name", "f"), "arguments": _example(
+            {"type": "object", **(fn.get("parameters") or {})})}]}
+    return {"text": "Hello from the fake upstream."}
+
+
+def completion(answer: dict[str, Any], model: str) -> dict[str, Any]:
+    n = next(_ids)
+    message: dict[str, Any] = {"role": "assistant", "content": answer.get("text")}
+    finish = "stop"
+    if answer.get("calls"):
+        message["tool_calls"] = [
+            {"id": f"call_{n}_{i}", "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(c["arguments"], str)
+                          else _enc(c["arguments"]).decode()}}
+            for i, c in enumerate(answer["calls"])]
+        finish = "tool_calls"
+    return {"id": f"chatcmpl-fake-{n}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+def stream_frames(resp: dict[str, Any], piece: int = 8) -> list[bytes]:
+    base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"], "model": resp["model"]}
+    msg = resp["choices"][0]["message"]
+
+    def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return b"data: " + _enc({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+    out = [frame({"role": "assistant", "content": ""})]
+    text = msg.get("content") or ""
+    for i in range(0, len(text), piece):
+        out.append(frame({"content": text[i:i + piece]}))
+    for n, tc in enumerate(msg.get("tool_calls") or []):
+        out.append(frame({"tool_calls": [{"index": n, "id": tc["id"], "type": "function",
+                                          "function": {"name": tc["function"]["name"], "arguments": ""}}]}))
+        args = tc["function"]["arguments"]
+        for i in range(0, len(args), piece):
+            out.append(frame({"tool_calls": [{"index": n, "function": {"arguments": args[i:i + piece]}}]}))
+    out.append(frame({}, resp["choices"][0]["finish_reason"]))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b"".join(chunks)
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", extra=()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def app(scope, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    path, method = scope["path"], scope["method"]
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    raw = await _read_body(receive)
+    if path == "/_fake/requests":
+        if method == "DELETE":
+            RECORDED.clear()
+            return await _send(send, 204, b"")
+        tag = None
+        for part in scope.get("query_string", b"").decode().split("&"):
+            if part.startswith("tag="):
+                tag = part[4:]
+        items = [r for r in RECORDED if tag is None or r["headers"].get("x-test-tag") == tag]
+        return await _send(send, 200, _enc(items))
+    RECORDED.append({"method": method, "path": path, "query": scope.get("query_string", b"").decode(),
+                     "headers": headers, "body": raw.decode("utf-8", "replace")})
+    fault = headers.get("x-fake-fault", "")
+    kind, _, arg = fault.partition(":")
+    if kind == "delay":
+        await asyncio.sleep(float(arg) / 1000)
+    elif kind == "hang":
+        await asyncio.sleep(3600)
+    elif kind == "status":
+        return await _send(send, int(arg), _enc({"error": {"message": f"injected {arg}", "type": "server_error",
+                                                           "code": "injected"}}))
+    if path.endswith("/chat/completions") and method == "POST":
+        return await _chat(raw, headers, kind, arg, send)
+    if path.endswith("/models"):
+        return await _send(send, 200, _enc({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
+    if path.endswith("/completions") and method == "POST":
+        return await _send(send, 200, _enc({"id": "cmpl-fake", "object": "text_completion", "model": MODEL,
+                                            "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}]}))
+    if path.endswith("/embeddings") and method == "POST":
+        return await _send(send, 200, _enc({"object": "list", "model": MODEL,
+                                            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]}))
+    if path in ("/tokenize", "/extras/tokenize/count"):
+        try:
+            body = _dec(raw) if raw else {}
+        except msgspec.DecodeError:
+            return await _send(send, 400, b'{"error":{"message":"bad json","type":"invalid_request_error"}}')
+        text = _enc([body.get("messages") or body.get("prompt") or body.get("input") or "", body.get("tools") or []])
+        count = max(1, len(text) // 4)
+        payload = {"count": count} if path.startswith("/extras") else {"count": count, "max_model_len": 131072,
+                                                                         "tokens": []}
+        return await _send(send, 200, _enc(payload))
+    return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
+
+
+async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send) -> None:
+    try:
+        body = _dec(raw)
+    except msgspec.DecodeError:
+        return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
+    resp = completion(choose_answer(body, headers.get("x-fake-answer")), body.get("model") or MODEL)
+    if kind == "invalid-json":
+        return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
+    if not body.get("stream"):
+        data = _enc(resp)
+        if kind == "slow-bytes":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            for i in range(len(data)):
+                await send({"type": "http.response.body", "body": data[i:i + 1], "more_body": True})
+                await asyncio.sleep(float(arg) / 1000)
+            return await send({"type": "http.response.body", "body": b""})
+        return await _send(send, 200, data)
+    frames = stream_frames(resp)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    if kind == "cut-stream":
+        for f in frames[: max(1, len(frames) // 2)]:
+            await send({"type": "http.response.body", "body": f, "more_body": True})
+        raise ConnectionAbortedError("fake upstream cut the stream on purpose")
+    delay = float(arg) / 1000 if kind in ("chunk-delay", "slow-bytes") else 0.0
+    for f in frames:
+        if kind == "slow-bytes":
+            for i in range(len(f)):
+                await send({"type": "http.response.body", "body": f[i:i + 1], "more_body": True})
+                await asyncio.sleep(delay)
+            continue
+        await send({"type": "http.response.body", "body": f, "more_body": True})
+        if delay:
+            await asyncio.sleep(delay)
+    await send({"type": "http.response.body", "body": b""})
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Fake OpenAI-compatible upstream for tests and benchmarks.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--script", help="JSON lines of {match, answer} (see module docstring)")
+    args = parser.parse_args(argv)
+    if args.script:
+        with open(args.script) as f:
+            SCRIPT.extend(_dec(line) for line in f if line.strip())
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="error",
+                access_log=False, lifespan="on")
+
+
+if __name__ == "__main__":
+    main()
