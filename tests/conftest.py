@@ -1,0 +1,119 @@
+"""Shared fixtures: real processes on loopback (the fake upstream, the proxy), started and stopped here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_process(args: list[str], port: int, ready_path: str = "/healthz", env: dict[str, str] | None = None,
+                  timeout: float = 30.0) -> Proc:
+    """Start `args` (a python module command line) and wait until GET ready_path answers."""
+    log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdout=log.open("wb"),
+                             stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"{args} exited with {popen.returncode}:\n{log.read_text(errors='replace')}")
+        try:
+            if httpx.get(url + ready_path, timeout=1.0).status_code < 500:
+                return Proc(popen, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    popen.kill()
+    raise RuntimeError(f"{args} did not become ready on {url}:\n{log.read_text(errors='replace')}")
+
+
+def start_fake_upstream(*extra: str) -> Proc:
+    port = free_port()
+    return start_process(["-m", "tests.fake_upstream", "--port", str(port), *extra], port, "/v1/models")
+
+
+def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str, str] | None = None,
+                *extra: str) -> Proc:
+    """Start `toolquake serve` against `upstream_url` (the fake's root URL; /v1 is appended)."""
+    port = free_port()
+    args = ["-m", "proxy", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port)]
+    if config_text is not None:
+        cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
+        cfg.write_text(config_text)
+        args += ["--config", str(cfg)]
+    return start_process([*args, *extra], port, "/healthz", env=env)
+
+
+@pytest.fixture(scope="session")
+def fake_upstream() -> Iterator[Proc]:
+    proc = start_fake_upstream()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(fake_upstream: Proc) -> Iterator[Proc]:
+    """The proxy with the packaged example profiles, in front of the session's fake upstream."""
+    proc = start_proxy(fake_upstream.url)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def proxy_factory(fake_upstream: Proc) -> Iterator[Callable[..., Proc]]:
+    """Start extra proxies (own config/env) for one test; all are stopped afterwards."""
+    started: list[Proc] = []
+
+    def make(config_text: str | None = None, env: dict[str, str] | None = None, upstream: str | None = None,
+             *extra: str) -> Proc:
+        proc = start_proxy(upstream or fake_upstream.url, config_text, env, *extra)
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.stop()
+
+
+def recorded(fake: Proc, tag: str) -> list[dict]:
+    """What the fake upstream received for requests sent with `X-Test-Tag: tag`."""
+    return httpx.get(f"{fake.url}/_fake/requests", params={"tag": tag}).json()
