@@ -497,6 +497,9 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         debug=False,
     )
     app.state.proxy = st
+    from proxy.scoring import attach as attach_scoring  # case resolver; scoring queue when [scoring] enabled
+
+    attach_scoring(app, st)
     if state_hook is not None:
         state_hook(st)
     return app

@@ -40,6 +40,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args, upstream=args.upstream, host=args.host, port=args.port,
                                default_profile=args.default_profile, token_counter=args.token_counter)
+    from proxy.scoring import apply_cli
+
+    config = apply_cli(config, corpus=args.corpus, no_scoring=args.no_scoring, results_db=args.results_db,
+                       store_contents=args.store_contents, no_content_match=args.no_content_match)
     server = config.server
     logs.configure(server.log_level)
     if server.default_profile != "off" and server.default_profile not in config.profiles:
@@ -122,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "TOOLQUAKE_DEFAULT_PROFILE; default 'off')")
     serve.add_argument("--token-counter", help="'estimate', 'upstream' or 'tokenizer:/path/tokenizer.json' "
                        "(env TOOLQUAKE_TOKEN_COUNTER)")
+    serve.add_argument("--corpus", metavar="DIR", help="where the BFCL corpus is: a toolquake cache dir or the "
+                       "data dir `toolquake corpus path` prints ([scoring] corpus; default: the pull cache)")
+    serve.add_argument("--no-scoring", action="store_true", help="do not score answers, count verdicts or "
+                       "store results ([scoring] enabled = false); X-Toolquake-Case still reaches the perturbers")
+    serve.add_argument("--no-content-match", action="store_true", help="tie requests to cases only by the "
+                       "X-Toolquake-Case header, never by the hash of the first user message ([scoring] "
+                       "match_content = false)")
+    serve.add_argument("--results-db", metavar="PATH", help="SQLite results store, or 'off' ([scoring] store; "
+                       "default: results.sqlite in the cache dir)")
+    serve.add_argument("--store-contents", action="store_true", help="also keep request and answer bodies in "
+                       "the results store ([scoring] store_contents; off by default)")
     serve.set_defaults(func=cmd_serve)
 
     perturb = sub.add_parser("perturb", help="dry run: print a perturbed request",

@@ -73,9 +73,34 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_body_bytes must be positive")
 
 
+class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Live scoring (`[scoring]`): case resolution, the background queue, the results store."""
+
+    enabled: bool = True
+    #: BFCL data directory (default: the `toolquake corpus pull` cache)
+    corpus: str = ""
+    #: tie requests without X-Toolquake-Case to a case by their first user message (content hash)
+    match_content: bool = True
+    queue_size: int = 1024
+    workers: int = 2
+    #: also score in semantic mode and count the verdicts it flips (toolquake_semantic_flips_total)
+    semantic: bool = True
+    #: SQLite results file; "" = results.sqlite under the cache dir, "off" = no store
+    store: str = ""
+    #: keep request and answer bodies in the store (off by default)
+    store_contents: bool = False
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ValueError("queue_size must be at least 1")
+        if self.workers < 1:
+            raise ValueError("workers must be at least 1")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     profiles: dict[str, ProfileSpec] = {}
+    scoring: ScoringConfig = msgspec.field(default_factory=ScoringConfig)
 
 
 # environment variable -> (server field, type)
