@@ -13,6 +13,7 @@ trip (they come back as `array` / `string` / their JSON equivalents): see `proje
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -132,6 +133,49 @@ def from_openai_tools(tools: list[dict[str, Any]], name_map: dict[str, str] | No
                 if isinstance(sub, dict):
                     _from_openai_schema(sub)
         docs.append(doc)
+    return docs
+
+
+def _language(category: str) -> str:
+    if "java" in category and "javascript" not in category:
+        return "Java"
+    return "JavaScript" if "javascript" in category else "Python"
+
+
+_HINTS = {"Java": " Note that the provided function is in Java 8 SDK syntax.",
+          "JavaScript": " Note that the provided function is in JavaScript syntax.",
+          "Python": " Note that the provided function is in Python 3 syntax."}
+
+
+def with_language_hints(functions: list[dict[str, Any]], category: str) -> list[dict[str, Any]]:
+    """The docs as BFCL shows them to a model at generation time (a copy).
+
+    Every description gets a language note; for Java and JavaScript each parameter becomes a
+    `string` whose description tells its real type (values are expected as source text).
+    """
+    lang = _language(category)
+    docs = _copy(functions)
+    for doc in docs:
+        doc["description"] = doc.get("description", "") + _HINTS[lang]
+        if lang == "Python":
+            continue
+        for schema in (doc.get("parameters", {}).get("properties") or {}).values():
+            kind = schema.get("type")
+            desc = schema.get("description", "")
+            if kind == "any":
+                desc += f" This parameter can be of any type of {lang} object in string representation."
+            else:
+                desc += f" This is {lang} {kind} type parameter in string representation."
+            if kind in (("ArrayList", "Array") if lang == "Java" else ("array",)) and "items" in schema:
+                desc += (f" The list elements are of type {schema['items'].get('type')}; "
+                         "they are not in string representation.")
+                del schema["items"]
+            if lang == "JavaScript" and kind == "dict" and "properties" in schema:
+                desc += (" The dictionary entries have the following schema; they are not in string "
+                         f"representation. {json.dumps(schema['properties'])}")
+                del schema["properties"]
+            schema["description"] = desc
+            schema["type"] = "string"
     return docs
 
 

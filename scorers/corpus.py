@@ -447,15 +447,21 @@ def category_counts() -> dict[str, int]:
 # requests and the content-hash index
 
 
-def case_request(case: Case, model: str | None = None, turn: int = 0) -> dict[str, Any]:
-    """A chat-completions body for one turn of a case: its messages plus the tools as an FC model sees them."""
-    from scorers.convert import to_openai_tools
+def case_request(case: Case, model: str | None = None, turn: int = 0,
+                 language_hints: bool = True) -> dict[str, Any]:
+    """A chat-completions body for one turn of a case: its messages plus the tools as an FC model sees them.
+
+    With `language_hints` (BFCL's generation-time behaviour) the docs carry BFCL's language note and
+    Java/JavaScript parameters are offered as strings; `case.functions` itself is never changed.
+    """
+    from scorers.convert import to_openai_tools, with_language_hints
 
     if not 0 <= turn < len(case.turns):
         raise LookupError(f"{case.id} has {len(case.turns)} turn(s); turn {turn} does not exist")
     body: dict[str, Any] = {"model": model or "default",
                             "messages": [dict(m) for m in case.turns[turn]]}
-    tools, _ = to_openai_tools(case.functions)
+    docs = with_language_hints(case.functions, case.category) if language_hints else case.functions
+    tools, _ = to_openai_tools(docs)
     if tools:
         body["tools"] = tools
     return body

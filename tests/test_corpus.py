@@ -227,3 +227,19 @@ def test_perturb_dry_run_accepts_a_case_id(tmp_path: Path) -> None:
     assert [t["function"]["name"] for t in body["tools"]] == [d["name"].replace(".", "_") for d in case.functions]
     unknown = run_cli("perturb", "--config", str(cfg), "--profile", "plain", "--case", "parallel_9999")
     assert unknown.returncode != 0 and "unknown case id" in unknown.stderr
+
+
+@pytest.mark.needs_corpus
+def test_case_request_shows_docs_as_bfcl_does_at_generation_time() -> None:
+    java = corpus.load_case("simple_java_0")
+    body = corpus.case_request(java)
+    fn = body["tools"][0]["function"]
+    assert fn["description"].endswith(" Note that the provided function is in Java 8 SDK syntax.")
+    for name, schema in fn["parameters"]["properties"].items():
+        original = java.functions[0]["parameters"]["properties"][name]["type"]
+        assert schema["type"] == "string" and "items" not in schema
+        assert f"Java {original} type" in schema["description"] or original == "any"
+    py = corpus.case_request(corpus.load_case("simple_python_0"))["tools"][0]["function"]
+    assert py["description"].endswith(" Note that the provided function is in Python 3 syntax.")
+    raw = corpus.case_request(corpus.load_case("simple_python_0"), language_hints=False)["tools"][0]["function"]
+    assert raw["description"] == corpus.load_case("simple_python_0").functions[0]["description"]
