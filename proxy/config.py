@@ -65,6 +65,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: log message contents (debug only; never Authorization or keys)
     log_contents: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: extra modules to import at start-up; they register their own perturbers with @register
+    plugins: list[str] = []
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -114,6 +116,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_TOKEN_COUNTER": ("token_counter", str),
     "TOOLQUAKE_LOG_CONTENTS": ("log_contents", bool),
     "TOOLQUAKE_LOG_LEVEL": ("log_level", str),
+    "TOOLQUAKE_PLUGINS": ("plugins", list),
 }
 
 
@@ -142,6 +145,8 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
             try:
                 if kind is bool:
                     server[key] = value.strip().lower() in ("1", "true", "yes", "on")
+                elif kind is list:
+                    server[key] = [v.strip() for v in value.split(",") if v.strip()]
                 else:
                     server[key] = kind(value)
             except ValueError:
@@ -151,8 +156,19 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
             server[key] = value
     raw["server"] = server
     config = _decode(raw, str(source))
+    load_plugins(config.server.plugins)
     validate_profiles(config.profiles)
     return config
+
+
+def load_plugins(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"plugin module {name!r} cannot be imported: {exc}") from None
 
 
 def decode_profile(payload: bytes | dict[str, Any], name: str) -> ProfileSpec:

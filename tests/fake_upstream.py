@@ -4,6 +4,8 @@ Raw ASGI on uvicorn (httptools + uvloop) so benchmarks measure the proxy, not th
 
 What it answers with, per request (headers are end-to-end, so they pass through the proxy):
 - `X-Fake-Answer: {"calls": [{"name": ..., "arguments": {...}}]}` or `{"text": "..."}`;
+- `X-Fake-Answer-By-First-Tool: {"<tool name>": <answer>, ...}`: the answer for the name of the
+  request's first tool (so a perturbation that reorders tools changes the answer);
 - else a script entry (`--script FILE`, JSON lines `{"match": "<substring of the last user
   message>", "answer": {...same shape...}}`; first match wins);
 - else a call to the tool named by `tool_choice`, or the first tool, with arguments made from its
@@ -34,6 +36,10 @@ _ids = itertools.count(1)
 RECORDED: collections.deque = collections.deque(maxlen=2000)
 SCRIPT: list[dict[str, Any]] = []
 MODEL = "fake-model"
+#: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
+TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
+_TOKENIZE_CHOICES = {"both": TOKENIZE_ROUTES.copy(), "vllm": {"/tokenize"}, "llamacpp": {"/extras/tokenize/count"},
+                     "none": set()}
 
 
 def _example(schema: dict[str, Any]) -> Any:
@@ -60,6 +66,16 @@ def _last_user(body: dict[str, Any]) -> str:
             c = msg.get("content")
             return c if isinstance(c, str) else _enc(c).decode()
     return ""
+
+
+def _by_first_tool(body: dict[str, Any], headers: dict[str, str]) -> str | None:
+    """The `X-Fake-Answer-By-First-Tool` entry for the request's first tool, as an X-Fake-Answer value."""
+    table = headers.get("x-fake-answer-by-first-tool")
+    tools = body.get("tools") or []
+    if not table or not tools:
+        return None
+    answer = _dec(table).get((tools[0].get("function") or {}).get("name"))
+    return None if answer is None else _enc(answer).decode()
 
 
 def choose_answer(body: dict[str, Any], header: str | None) -> dict[str, Any]:
@@ -172,7 +188,7 @@ async def app(scope, receive, send) -> None:
         return await _send(send, int(arg), _enc({"error": {"message": f"injected {arg}", "type": "server_error",
                                                            "code": "injected"}}))
     if path.endswith("/chat/completions") and method == "POST":
-        return await _chat(raw, headers, kind, arg, send)
+        return await _chat(raw, headers, kind, arg, send, receive)
     if path.endswith("/models"):
         return await _send(send, 200, _enc({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
     if path.endswith("/completions") and method == "POST":
@@ -181,7 +197,7 @@ async def app(scope, receive, send) -> None:
     if path.endswith("/embeddings") and method == "POST":
         return await _send(send, 200, _enc({"object": "list", "model": MODEL,
                                             "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]}))
-    if path in ("/tokenize", "/extras/tokenize/count"):
+    if path in TOKENIZE_ROUTES:
         try:
             body = _dec(raw) if raw else {}
         except msgspec.DecodeError:
@@ -194,12 +210,13 @@ async def app(scope, receive, send) -> None:
     return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
 
 
-async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send) -> None:
+async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, receive) -> None:
     try:
         body = _dec(raw)
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
-    resp = completion(choose_answer(body, headers.get("x-fake-answer")), body.get("model") or MODEL)
+    resp = completion(choose_answer(body, headers.get("x-fake-answer") or _by_first_tool(body, headers)),
+                      body.get("model") or MODEL)
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
     if not body.get("stream"):
@@ -213,6 +230,26 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send) 
             return await send({"type": "http.response.body", "body": b""})
         return await _send(send, 200, data)
     frames = stream_frames(resp)
+    state = {"complete": False}
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, headers, state))
+    try:
+        await _stream(send, frames, kind, arg, state)
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(receive, headers: dict[str, str], state: dict[str, bool]) -> None:
+    """Record the moment the client (the proxy) closes a stream's connection early."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            if state["complete"]:
+                return
+            RECORDED.append({"method": "EVENT", "path": "disconnect", "query": "", "headers": headers, "body": ""})
+            return
+
+
+async def _stream(send, frames: list[bytes], kind: str, arg: str, state: dict[str, bool]) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
     if kind == "cut-stream":
@@ -229,6 +266,7 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send) 
         await send({"type": "http.response.body", "body": f, "more_body": True})
         if delay:
             await asyncio.sleep(delay)
+    state["complete"] = True
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -239,7 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--script", help="JSON lines of {match, answer} (see module docstring)")
+    parser.add_argument("--tokenize", choices=tuple(_TOKENIZE_CHOICES), default="both",
+                        help="tokenizer endpoints to serve: vLLM's /tokenize, llama.cpp's /extras/tokenize/count, "
+                             "both (default) or none")
     args = parser.parse_args(argv)
+    TOKENIZE_ROUTES.clear()
+    TOKENIZE_ROUTES.update(_TOKENIZE_CHOICES[args.tokenize])
     if args.script:
         with open(args.script) as f:
             SCRIPT.extend(_dec(line) for line in f if line.strip())
