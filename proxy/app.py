@@ -155,6 +155,10 @@ class ChatHandler:
                     raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
                 for a in outcome.applied:
                     st.metrics.perturbations.labels(a.name).inc()
+                    added = a.report.get("tokens_added")
+                    if isinstance(added, int) and added >= 0:
+                        st.metrics.tokens_added.labels(a.name, getattr(st.services.token_counter, "source",
+                                                                       "none")).observe(added)
                 for f in outcome.failed:
                     st.metrics.perturbation_failures.labels(f).inc()
                 if outcome.changed:

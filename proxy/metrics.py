@@ -10,6 +10,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025,
                     0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+# tokens a perturber added to a request (budgets of the lengthening perturbers go to 120K)
+TOKEN_BUCKETS = (0, 10, 100, 1000, 5000, 10000, 20000, 40000, 80000, 120000, 250000)
 
 
 class Metrics:
@@ -44,6 +46,9 @@ class Metrics:
                                        "Upstream failures answered by the proxy (unreachable, timeout, protocol).",
                                        ["kind"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r)
+        self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
+                                      "(non-negative reports only), by the token counter that measured them.",
+                                      ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
 
     def model_label(self, model: str | None) -> str:
         if not model:

@@ -1,0 +1,99 @@
+"""conversation_lengthening: earlier turns from other corpus cases until the request reaches a token budget."""
+
+from __future__ import annotations
+
+import string
+from typing import Any, ClassVar, Iterator
+
+from perturbers import register
+from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.budget import check_position, fit, slot
+from perturbers.filler import SETTINGS, FillerItem, filler_pool
+
+_LEADING = ("system", "developer")
+
+
+@register
+class ConversationLengthening(Perturber):
+    """Filler turns before the last user message; the conversation's own history starts at `position`."""
+
+    name = "conversation_lengthening"
+    blocking: ClassVar[bool] = True
+    budget_tokens: int = 20000
+    #: "unstructured": user/assistant prose turns; "structured": assistant tool calls with tool results
+    setting: str = "unstructured"
+    #: where the request's own earlier turns (the informative ones) sit among the filler turns:
+    #: 1-based index, or a fraction (0.0 = first, 1.0 = just before the last user message)
+    position: int | float = 1
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens < 1:
+            raise ValueError("budget_tokens must be positive")
+        if self.setting not in SETTINGS:
+            raise ValueError(f"setting must be one of {', '.join(SETTINGS)}")
+        check_position(self.position)
+
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+        counter = ctx.services.token_counter
+        messages = request.messages
+        last_user = request.last_user_index()
+        ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens, setting=self.setting)
+        if last_user is None:
+            ctx.report.update(tokens_added=0, reason="no user message")
+            return request
+        lead = 0
+        while lead < last_user and messages[lead].get("role") in _LEADING:
+            lead += 1
+        head, history, tail = messages[:lead], messages[lead:last_user], messages[last_user:]
+
+        pool = filler_pool(ctx.services)
+        final_query = messages[last_user].get("content")
+        case_id = getattr(ctx.case, "id", None)
+        items = [it for it in pool.items if it.query != final_query and it.case_id != case_id]
+        tag = _id_tag(ctx, messages)
+        units: list[FillerItem] = []
+        setting_index = SETTINGS.index(self.setting)
+
+        def costs() -> Iterator[float]:
+            order = list(range(len(items)))
+            while True:  # a fresh shuffle each time the pool runs out
+                ctx.rng.shuffle(order)
+                for i in order:
+                    units.append(items[i])
+                    yield items[i].costs[setting_index]
+
+        def render(n: int) -> list[dict[str, Any]]:
+            turns, serial = [], 0
+            for item in units[:n]:
+                ids = [f"call_{tag}{serial + j:06d}" for j in range(len(item.calls))]
+                serial += len(item.calls)
+                turns.append(item.messages(self.setting, ids))
+            before = slot(self.position, n) if history else n
+            out = list(head)
+            for turn in turns[:before]:
+                out += turn
+            out += history
+            for turn in turns[before:]:
+                out += turn
+            return out + tail
+
+        base = counter.count_request(request.body)
+        result = fit(counter, self.budget_tokens, base, costs(),
+                     lambda n: counter.count_request(request.replace(messages=render(n)).body))
+        ctx.report.update(tokens_added=result.total - base, tokens_total=result.total, turns_added=result.units,
+                          counts=result.counts,
+                          position=(slot(self.position, result.units) + 1) if history else None)
+        if result.units == 0:
+            ctx.report["reason"] = "the request is already at or over the budget"
+            return request
+        return request.replace(messages=render(result.units))
+
+
+def _id_tag(ctx: PerturbContext, messages: list[dict[str, Any]]) -> str:
+    """Four letters for this request's filler tool_call ids, clashing with no id already there."""
+    existing = {str(c.get("id")) for m in messages for c in (m.get("tool_calls") or []) if isinstance(c, dict)}
+    existing |= {str(m.get("tool_call_id")) for m in messages if m.get("tool_call_id")}
+    while True:
+        tag = "".join(ctx.rng.choice(string.ascii_lowercase) for _ in range(4))
+        if not any(e.startswith(f"call_{tag}") for e in existing):
+            return tag
