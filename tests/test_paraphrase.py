@@ -1,0 +1,152 @@
+"""paraphrase against a real OpenAI-compatible server process (the fake upstream, scripted), and
+through the proxy; the value checks (numbers, quoted strings) on their own."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from perturbers import build
+from perturbers.base import ChatRequest, PerturbContext, Services
+from perturbers.paraphrase import EXAMPLE_REPHRASING, SYSTEM_PROMPT
+from perturbers.protected import missing_from
+from perturbers.tokens import EstimateCounter
+from tests.conftest import Proc, free_port, recorded, start_fake_upstream
+
+GOOD = "Calculate the depreciated value of a property costing $200,000 with an annual depreciation rate of 3% for 5 years."
+GOOD_REPHRASED = "Determine the value of a $200,000 asset which loses 3% of its worth each year, after 5 years."
+LOSES_NUMBER = "Find the area of a triangle with a base of 10 units and height of 5 units."
+LOSES_NUMBER_REPHRASED = "What is the area of a triangle whose base is ten units and height is five units?"
+LOSES_QUOTE = 'Search my files for the phrase "quarterly report" in the docs folder.'
+LOSES_QUOTE_REPHRASED = "Look through the docs folder for files mentioning the quarterly results."
+QUOTED_ANSWER = "Which game had the highest number of points scored by one NBA player?"
+QUOTED_QUERY = "What is the record for the highest number of points scored by a single player in an NBA game?"
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Iterator[Proc]:
+    """A second fake upstream playing the generator: it answers each known request with a rephrasing."""
+    script = tmp_path_factory.mktemp("gen") / "script.jsonl"
+    entries = [(GOOD, GOOD_REPHRASED), (LOSES_NUMBER, LOSES_NUMBER_REPHRASED), (LOSES_QUOTE, LOSES_QUOTE_REPHRASED),
+               (QUOTED_QUERY, f'"{QUOTED_ANSWER}"')]
+    script.write_text("".join(json.dumps({"match": q, "answer": {"text": a}}) + "\n" for q, a in entries))
+    proc = start_fake_upstream("--script", str(script))
+    yield proc
+    proc.stop()
+
+
+def generator_requests(gen: Proc) -> list[dict[str, Any]]:
+    return [json.loads(r["body"]) for r in httpx.get(f"{gen.url}/_fake/requests").json()
+            if r["path"].endswith("/chat/completions")]
+
+
+def request(text: str) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": text}]}
+
+
+def run(gen_url: str, text: str, cache_dir: Path, **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    perturber = build("paraphrase", {"generator_url": gen_url, "cache_dir": str(cache_dir), **params})
+    ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
+    out = perturber.apply(ChatRequest(request(text)), ctx)
+    return out.body, ctx.report
+
+
+def test_accepted_paraphrase_replaces_the_last_user_message(generator, tmp_path) -> None:
+    before = len(generator_requests(generator))
+    out, report = run(f"{generator.url}/v1", GOOD, tmp_path, generator_model="rephraser")
+    assert report["paraphrase"] == "accepted" and report["cached"] is False
+    assert out["messages"][-1] == {"role": "user", "content": GOOD_REPHRASED}
+    assert out["messages"][0] == request(GOOD)["messages"][0]
+    assert report["tokens_added"] == EstimateCounter().count_text(GOOD_REPHRASED) - EstimateCounter().count_text(GOOD)
+    sent = generator_requests(generator)[before:]
+    assert len(sent) == 1
+    asked = sent[0]
+    assert asked["model"] == "rephraser" and asked["temperature"] == 0
+    assert asked["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert asked["messages"][2]["content"] == EXAMPLE_REPHRASING
+    assert asked["messages"][-1] == {"role": "user", "content": GOOD}
+
+
+def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tmp_path) -> None:
+    run(f"{generator.url}/v1", GOOD, tmp_path)
+    files = list(tmp_path.rglob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["original"] == GOOD
+    before = len(generator_requests(generator))
+    out, report = run(f"{generator.url}/v1", GOOD, tmp_path)
+    assert report["cached"] is True and out["messages"][-1]["content"] == GOOD_REPHRASED
+    assert len(generator_requests(generator)) == before, "a cached paraphrase asks the generator nothing"
+    # another replica sharing the directory, whose generator is down, gets the same answer
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    out, report = run(dead, GOOD, tmp_path)
+    assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
+
+
+@pytest.mark.parametrize("text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"'])])
+def test_paraphrase_losing_a_value_is_rejected_and_counted(generator, tmp_path, text: str, lost: list[str]) -> None:
+    out, report = run(f"{generator.url}/v1", text, tmp_path)
+    assert out == request(text)
+    assert report["paraphrase"] == "rejected" and report["rejected_for"] == lost
+
+
+def test_quotes_wrapping_the_whole_answer_are_removed(generator, tmp_path) -> None:
+    out, report = run(f"{generator.url}/v1", QUOTED_QUERY, tmp_path)
+    assert report["paraphrase"] == "accepted"
+    assert out["messages"][-1]["content"] == QUOTED_ANSWER
+
+
+def test_unreachable_generator_raises_so_the_pipeline_serves_unperturbed(tmp_path) -> None:
+    with pytest.raises(httpx.HTTPError):
+        run(f"http://127.0.0.1:{free_port()}/v1", GOOD, tmp_path, timeout_s=2)
+    assert not list(tmp_path.rglob("*.json")), "failures are not cached"
+
+
+def test_value_checks() -> None:
+    assert missing_from("Pay $1,200 on 2024-05-01", "On 2024-05-01, pay 1200 dollars") == []
+    assert missing_from("Pay $1,200 now", "Pay twelve hundred now") == ["1200"]
+    assert missing_from("rate of -2.5 per 'unit'", "a -2.5 rate per item") == ['"unit"']
+    assert missing_from("Find 'Miami, FL' weather", "Weather for 'Miami, FL'") == []
+
+
+def test_parameters_are_checked() -> None:
+    with pytest.raises(ValueError):
+        build("paraphrase", {})
+    with pytest.raises(ValueError):
+        build("paraphrase", {"generator_url": "localhost:8000"})
+    with pytest.raises(ValueError):
+        build("paraphrase", {"generator_url": "http://x/v1", "temperature": 0.5})
+
+
+def test_through_the_proxy_the_upstream_gets_the_paraphrase(generator, proxy_factory, fake_upstream, tmp_path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    config = f"""
+[profiles.rephrased]
+mode = "perturb"
+perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{generator.url}/v1", cache_dir = "{tmp_path / 'c'}" }} }}]
+
+[profiles.rephrased_down]
+mode = "perturb"
+perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cache_dir = "{tmp_path / 'd'}", timeout_s = 2 }} }}]
+"""
+    proxy = proxy_factory(config)
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/rephrased/v1", api_key="sk-test")
+    answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
+                                            extra_headers={"X-Test-Tag": "rephrased"})
+    assert answer.choices[0].message.content
+    sent = json.loads(recorded(fake_upstream, "rephrased")[-1]["body"])
+    assert sent["messages"][-1]["content"] == GOOD_REPHRASED
+    # the generator is down: the agent still gets its answer, to its original request
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/rephrased_down/v1", api_key="sk-test")
+    answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
+                                            extra_headers={"X-Test-Tag": "rephrased-down"})
+    assert answer.choices[0].message.content
+    sent = json.loads(recorded(fake_upstream, "rephrased-down")[-1]["body"])
+    assert sent["messages"][-1]["content"] == GOOD
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert 'toolquake_perturbation_failures_total{perturber="paraphrase"} 1.0' in metrics
