@@ -135,18 +135,17 @@ mode = "perturb"
 perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cache_dir = "{tmp_path / 'd'}", timeout_s = 2 }} }}]
 """
     proxy = proxy_factory(config)
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/rephrased/v1", api_key="sk-test")
-    answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
-                                            extra_headers={"X-Test-Tag": "rephrased"})
-    assert answer.choices[0].message.content
-    sent = json.loads(recorded(fake_upstream, "rephrased")[-1]["body"])
-    assert sent["messages"][-1]["content"] == GOOD_REPHRASED
+
+    def upstream_got(profile: str) -> str:
+        """Send GOOD through `profile` like an agent would; what the upstream received as the question."""
+        client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test")
+        answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
+                                                extra_headers={"X-Test-Tag": f"para-{profile}"})
+        assert answer.choices[0].message.content
+        return json.loads(recorded(fake_upstream, f"para-{profile}")[-1]["body"])["messages"][-1]["content"]
+
+    assert upstream_got("rephrased") == GOOD_REPHRASED
     # the generator is down: the agent still gets its answer, to its original request
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/rephrased_down/v1", api_key="sk-test")
-    answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
-                                            extra_headers={"X-Test-Tag": "rephrased-down"})
-    assert answer.choices[0].message.content
-    sent = json.loads(recorded(fake_upstream, "rephrased-down")[-1]["body"])
-    assert sent["messages"][-1]["content"] == GOOD
+    assert upstream_got("rephrased_down") == GOOD
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert 'toolquake_perturbation_failures_total{perturber="paraphrase"} 1.0' in metrics
