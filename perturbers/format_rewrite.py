@@ -1,0 +1,236 @@
+"""format_rewrite: takes the tools away and asks for calls as text in one of BFCL V4's 26 formats.
+
+The upstream gets no `tools`/`tool_choice`: the function docs and the call-format instructions go
+into the system prompt (kept before any system message the client sent), earlier assistant
+`tool_calls` are shown as text in the chosen format and tool results as a user message, as BFCL
+does for prompting models. On the way back the answer text is parsed (strict = BFCL's decoder,
+lenient = also the documented near-misses) into OpenAI `tool_calls`, so the agent keeps working;
+text that does not decode reaches the client as content with finish_reason `stop`.
+
+What restore found is reported in `ctx.report["decode"]` (filled in place after the answer came
+back): `strict` and `lenient` verdicts (`ok`, `calls`, `error`, `leniencies`), which of them the
+client got (`used`), and `wrong_syntax` (strict decoding failed). The exact decoded calls (python
+values, dotted names) are in `ctx.state["decoded"]` for the scorer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, ClassVar
+
+from perturbers import register
+from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.callformat_parse import Decoded, Schemas, parse_both
+from perturbers.callformat_render import python_call, render_calls, tool_results_text
+from perturbers.callformats import PARSE_MODES, CallFormat
+
+
+def _text(content: Any) -> str:
+    """A message's content as plain text (OpenAI content parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return str(content)
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    return str(key)
+
+
+def jsonable(value: Any) -> Any:
+    """A decoded value as JSON can carry it: tuples as lists, keys as strings, odd scalars as text."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {_key(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+class _Names:
+    """OpenAI tool names (what the client sent) ⇄ names shown to the model (the corpus's dotted names)."""
+
+    def __init__(self, tool_names: list[str], case: Any) -> None:
+        originals: dict[str, str] = {}
+        for fn in getattr(case, "functions", None) or []:
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str):
+                originals[name.replace(".", "_")] = name
+        self.shown = {n: originals.get(n, n) for n in tool_names}
+        self.sent = {shown: n for n, shown in self.shown.items()}
+
+    def to_model(self, name: str) -> str:
+        return self.shown.get(name, name)
+
+    def to_client(self, name: Any) -> str:
+        """The client's name for a name the model wrote (unknown names pass through as written)."""
+        name = "" if name is None else str(name)
+        return self.sent.get(name, name)
+
+
+@register
+class FormatRewrite(Perturber):
+    """Tools moved into the system prompt in one of BFCL V4's call formats; text answers parsed back."""
+
+    name = "format_rewrite"
+    rewrites_response: ClassVar[bool] = True
+
+    return_format: str = "python"
+    function_doc_format: str = "json"
+    tool_call_tag: bool = False
+    prompt_format: str = "plaintext"
+    prompt_style: str = "classic"
+    parse: str = "strict"
+
+    def __post_init__(self) -> None:
+        _ = self.call_format  # CallFormat validates the five format choices
+        if self.parse not in PARSE_MODES:
+            raise ValueError(f"parse must be one of {', '.join(PARSE_MODES)} (got {self.parse!r})")
+
+    @property
+    def call_format(self) -> CallFormat:
+        return CallFormat(self.return_format, self.tool_call_tag, self.function_doc_format, self.prompt_format,
+                          self.prompt_style)
+
+    # --- request ----------------------------------------------------------------------------------
+
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+        from scorers.convert import from_openai_tools
+
+        tools = [t for t in request.tools if isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str)]
+        if not tools:
+            ctx.report["skipped"] = "no tools in the request"
+            return request
+        if request.body.get("tool_choice") == "none":
+            ctx.report["skipped"] = "tool_choice is none"
+            return request
+        fmt = self.call_format
+        names = _Names([t["function"]["name"] for t in tools], ctx.case)
+        docs = from_openai_tools(tools, names.shown)
+        system = fmt.system_prompt(docs)
+        messages = self._history(request.messages, system, names)
+        schemas: Schemas = {}
+        for doc in docs:
+            props = (doc.get("parameters") or {}).get("properties") or {}
+            schemas[doc["name"]] = props if isinstance(props, dict) else {}
+        ctx.state.update(active=True, names=names, schemas=schemas)
+        ctx.report["config"] = fmt.config_string
+        ctx.report["parse"] = self.parse
+        ctx.report["prompt_chars"] = len(system)
+        if request.body.get("tool_choice") not in (None, "auto"):
+            ctx.report["tool_choice_dropped"] = request.body["tool_choice"]
+        # filled in place by restore(): the pipeline's copy of this report shares the dict
+        ctx.report["decode"] = {}
+        return request.replace(messages=messages, tools=None, tool_choice=None, parallel_tool_calls=None)
+
+    def _history(self, messages: list[dict[str, Any]], system: str, names: _Names) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        calls_by_id: dict[str, str] = {}
+        pending: list[tuple[str, str]] = []
+
+        def flush() -> None:
+            if pending:
+                out.append({"role": "user", "content": tool_results_text(pending)})
+                pending.clear()
+
+        for i, msg in enumerate(messages):
+            role = msg.get("role") if isinstance(msg, dict) else None
+            if role in ("tool", "function"):
+                call_id = msg.get("tool_call_id")
+                shown = calls_by_id.get(call_id) if isinstance(call_id, str) else None
+                pending.append((shown or names.to_model(str(msg.get("name") or "")), _text(msg.get("content"))))
+                continue
+            flush()
+            if i == 0 and role == "system":
+                out.append({**msg, "content": system + "\n\n" + _text(msg.get("content"))})
+                continue
+            if role == "assistant" and msg.get("tool_calls"):
+                calls = []
+                for tc in msg["tool_calls"]:
+                    fn = tc.get("function") or {}
+                    call = {"name": names.to_model(str(fn.get("name") or "")), "arguments": _arguments(fn.get("arguments"))}
+                    calls.append(call)
+                    if isinstance(tc.get("id"), str):
+                        calls_by_id[tc["id"]] = python_call(call)
+                text = render_calls(calls, self.return_format, self.tool_call_tag)
+                prose = _text(msg.get("content")).strip()
+                rest = {k: v for k, v in msg.items() if k not in ("tool_calls", "content", "function_call")}
+                out.append({**rest, "content": f"{prose}\n\n{text}" if prose else text})
+                continue
+            out.append(msg)
+        flush()
+        if not (messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
+            out.insert(0, {"role": "system", "content": system})
+        return out
+
+    # --- response ---------------------------------------------------------------------------------
+
+    def restore(self, response: dict[str, Any], ctx: PerturbContext) -> dict[str, Any]:
+        if not ctx.state.get("active"):
+            return response
+        names: _Names = ctx.state["names"]
+        schemas: Schemas = ctx.state["schemas"]
+        choices = []
+        records = []
+        for choice in response.get("choices") or []:
+            msg = choice.get("message") or {}
+            text = msg.get("content")
+            if not isinstance(text, str) or msg.get("tool_calls"):
+                choices.append(choice)
+                continue
+            strict, lenient = parse_both(text, self.return_format, self.tool_call_tag, schemas)
+            chosen = lenient if self.parse == "lenient" else strict
+            records.append((choice.get("index", 0), strict, lenient, chosen))
+            if not chosen.has_calls:
+                choices.append(choice)
+                continue
+            key = f"{ctx.seed}:{response.get('id')}:{choice.get('index', 0)}"
+            tool_calls = [{"id": _call_id(key, n), "type": "function",
+                           "function": {"name": names.to_client(c["name"]),
+                                        "arguments": json.dumps(jsonable(c["arguments"]), ensure_ascii=False)}}
+                          for n, c in enumerate(chosen.calls)]
+            choices.append({**choice, "message": {**msg, "content": None, "tool_calls": tool_calls},
+                            "finish_reason": "tool_calls"})
+        self._record(ctx, records)
+        return {**response, "choices": choices}
+
+    def _record(self, ctx: PerturbContext, records: list[tuple[int, Decoded, Decoded, Decoded]]) -> None:
+        report = ctx.report.setdefault("decode", {})
+        ctx.state["decoded"] = [{"index": i, "strict": s, "lenient": l} for i, s, l, _ in records]
+        summaries = []
+        for index, strict, lenient, chosen in records:
+            summaries.append({"index": index, "strict": strict.summary(), "lenient": lenient.summary(),
+                              "used": self.parse if chosen.has_calls else "text",
+                              "wrong_syntax": not strict.ok})
+        if summaries:
+            report.update(summaries[0])
+            if len(summaries) > 1:
+                report["choices"] = summaries
+
+
+def _call_id(key: str, n: int) -> str:
+    return "call_" + hashlib.blake2b(f"{key}:{n}".encode(), digest_size=12).hexdigest()
