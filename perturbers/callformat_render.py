@@ -63,26 +63,29 @@ def _attr(value: str) -> str:
     return quoteattr(value, _ATTR_ENTITIES)
 
 
-def render_verbose_xml(calls: list[dict[str, Any]]) -> str:
+def _verbose_param(name: str, value: Any) -> str:
+    return f"<param name={_attr(name)} value={_attr(xml_text(value))} type=\"{xml_type(value)}\"/>"
+
+
+def _concise_param(name: str, value: Any) -> str:
+    return f"<param name={_attr(name)} type=\"{xml_type(value)}\">{escape(xml_text(value))}</param>"
+
+
+def _render_xml(calls: list[dict[str, Any]], param: Any, wrap: tuple[str, str]) -> str:
     out = ["<functions>"]
     for c in calls:
-        out.append(f"<function name={_attr(c['name'])}><params>")
-        for k, v in (c.get("arguments") or {}).items():
-            out.append(f"<param name={_attr(k)} value={_attr(xml_text(v))} type=\"{xml_type(v)}\"/>")
-        out.append("</params></function>")
+        params = "".join(param(k, v) for k, v in (c.get("arguments") or {}).items())
+        out.append(f"<function name={_attr(c['name'])}>{wrap[0]}{params}{wrap[1]}</function>")
     out.append("</functions>")
     return "".join(out)
+
+
+def render_verbose_xml(calls: list[dict[str, Any]]) -> str:
+    return _render_xml(calls, _verbose_param, ("<params>", "</params>"))
 
 
 def render_concise_xml(calls: list[dict[str, Any]]) -> str:
-    out = ["<functions>"]
-    for c in calls:
-        out.append(f"<function name={_attr(c['name'])}>")
-        for k, v in (c.get("arguments") or {}).items():
-            out.append(f"<param name={_attr(k)} type=\"{xml_type(v)}\">{escape(xml_text(v))}</param>")
-        out.append("</function>")
-    out.append("</functions>")
-    return "".join(out)
+    return _render_xml(calls, _concise_param, ("", ""))
 
 
 RENDERERS = {

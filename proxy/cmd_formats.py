@@ -49,22 +49,15 @@ def _table(as_json: bool) -> int:
 
 
 def _source(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    if args.request:
-        try:
-            with open(args.request, "rb") if args.request != "-" else sys.stdin.buffer as f:
-                body = json.loads(f.read())
-        except (OSError, json.JSONDecodeError) as exc:
-            sys.exit(f"toolquake: cannot read request {args.request}: {exc}")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            sys.exit("toolquake: the request must be a chat-completions JSON object with a 'messages' list")
-        return body, None
-    from scorers import corpus
+    """The request to render (from --request or --case) and its BFCL case (None for --request)."""
+    from proxy.cli import _load_request
 
-    try:
-        case = corpus.load_case(args.case)
-    except (LookupError, FileNotFoundError, corpus.CorpusError) as exc:
-        sys.exit(f"toolquake: {exc}")
-    return corpus.case_request(case), case
+    body = _load_request(args)
+    if not args.case:
+        return body, None
+    from proxy.cases import case_by_id
+
+    return body, case_by_id(args.case)
 
 
 def _render(args: argparse.Namespace) -> int:
