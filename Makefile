@@ -8,7 +8,7 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings corpus test test-fast bench demo clean
+.PHONY: install install-embeddings corpus tools test test-fast bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,13 @@ install-embeddings: $(VENV)/.embeddings
 corpus: install
 	$(BIN)/toolquake corpus pull
 
+# promtool and prometheus (Debian package prometheus) for the deployment tests; CI runs as root
+tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
-test: install-embeddings corpus
+test: install-embeddings corpus tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
