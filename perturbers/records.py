@@ -101,11 +101,12 @@ class _Hole:
     characters of one class, or a (words, capitalisation) run choosing a same-length word.
     """
 
-    __slots__ = ("original", "wordy", "plan", "safe")
+    __slots__ = ("original", "wordy", "plan", "safe", "misses")
 
     def __init__(self, original: Any, wordy: bool) -> None:
         self.original = original
         self.wordy = wordy
+        self.misses = 0  # drawn values that were taken already: many means too few words to combine
         self.plan: list[Any] = []
         self.safe = False  # True when a drawn value needs no JSON escaping
 
@@ -152,7 +153,7 @@ class RecordSource:
     """Draws synthetic records like the originals of one JSON value's main array."""
 
     def __init__(self, value: Any, rng: random.Random, separators: tuple[str, str] = (", ", ": "),
-                 variants: int = 24) -> None:
+                 words: str = "", variants: int = 16) -> None:
         found = find_main_array(value)
         if found is None:
             raise LookupError("the JSON holds no array of records")
@@ -166,6 +167,9 @@ class RecordSource:
         for rec in self.originals:
             self._collect(rec, ())
         self._forbidden |= _all_leaves(value)
+        for w in _WORD.findall(words + " " + " ".join(x for x in self._forbidden if isinstance(x, str) and not _URL.match(x))):
+            if len(w) > 1:
+                self._words.setdefault(len(w), []).append(w.lower())
         for length in self._words:
             self._words[length] = sorted(set(self._words[length]))
         self._used: set[Any] = set()
@@ -238,10 +242,11 @@ class RecordSource:
     # -- fresh identifiers (fast path, every record) ----------------------------------------------
     def _fresh(self, hole: _Hole) -> Any:
         for attempt in range(12):
-            value = self._draw(hole, attempt >= 2)
+            value = self._draw(hole, attempt >= 2 or hole.misses > 16)
             if value not in self._forbidden and value not in self._used:
                 self._used.add(value)
                 return value
+            hole.misses += 1
         value = self._draw(hole, True)
         while value in self._forbidden or value in self._used:  # tiny alphabets: widen the value
             value = value * 10 + self.rng.randrange(10) if isinstance(value, int) else value + self.rng.choice("0123456789")

@@ -17,7 +17,7 @@ _TOOL_ROLES = ("tool", "function")
 class _Target:
     """One tool message being padded: its records (JSON) or prose blocks (plain text)."""
 
-    def __init__(self, index: int, content: str, ctx: PerturbContext) -> None:
+    def __init__(self, index: int, content: str, ctx: PerturbContext, words: str) -> None:
         self.index = index
         self.source: RecordSource | None = None
         self.prose: list[tuple[str, int]] = []
@@ -26,7 +26,8 @@ class _Target:
         except ValueError:
             value = None
         if isinstance(value, (dict, list)):
-            self.source = RecordSource(value, ctx.rng, separators_of(content))  # LookupError: no array
+            # LookupError when there is no array of records
+            self.source = RecordSource(value, ctx.rng, separators_of(content), words=words)
             self.originals = self.source.original_texts()
         else:
             from perturbers.filler import filler_pool
@@ -78,9 +79,12 @@ class ResponseLengthening(Perturber):
         if self.target == "last":
             wanted = wanted[-1:]
         targets, skipped = [], []
+        # words for look-alike names: the conversation's own prose
+        words = " ".join(m["content"] for m in messages if isinstance(m.get("content"), str)
+                         and m.get("role") not in _TOOL_ROLES)
         for i in wanted:
             try:
-                targets.append(_Target(i, messages[i]["content"], ctx))
+                targets.append(_Target(i, messages[i]["content"], ctx, words))
             except LookupError:
                 skipped.append(i)
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
