@@ -49,6 +49,7 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m tests.bench.proxy_overhead
+	$(BIN)/python -m tests.bench.lengthening
 
 clean:
 	rm -rf $(VENV) .pytest_cache
