@@ -155,6 +155,8 @@ class Job:
     answer: dict[str, Any] | None
     sent: dict[str, Any] | None
     applied: list[Applied] = field(default_factory=list)
+    #: (perturber, context) of steps that rewrote the answer (format_rewrite keeps its decodes there)
+    restorers: list[tuple[Any, Any]] = field(default_factory=list)
     status: int = 200
     upstream_s: float = 0.0
     total_s: float | None = None
@@ -224,7 +226,8 @@ class Grader:
             m = self._maps[case.id] = to_openai_tools(case.functions)[1]
         return m
 
-    def grade(self, case: Any, answer: dict[str, Any], applied: list[Applied]) -> Grade:
+    def grade(self, case: Any, answer: dict[str, Any], applied: list[Applied],
+              restorers: list[tuple[Any, Any]] | None = None) -> Grade:
         from scorers.ast_checker import check
         from scorers.decode import calls_from_message
 
@@ -238,8 +241,14 @@ class Grader:
             target = msgspec.structs.replace(case, category="irrelevance", ground_truth=None)
         message = consistency.answer_message(answer) or {}
         calls = calls_from_message(message, self.name_map(case))
+        strict_lenient = rewritten_decodes(restorers or [])
+        lenient_calls = calls
+        if strict_lenient is not None:
+            # the answer came back as text: BFCL's verdict is on the strict decode, `fair` on the lenient one
+            strict, lenient = strict_lenient
+            calls, lenient_calls = as_calls(strict), as_calls(lenient)
         v = check(target, calls, mode="bfcl")
-        fair = v.valid if expected != "ground_truth" else check(target, calls, mode="fair").valid
+        fair = check(target, lenient_calls, mode="fair").valid
         sem = None
         if self.semantic and not v.valid and expected == "ground_truth" and not self._semantic_broken:
             try:
@@ -248,6 +257,25 @@ class Grader:
                 self._semantic_broken = True
                 log.warning("semantic_scoring_unavailable", error=str(exc)[:200])
         return Grade(expected, v.valid, v.error_type, v.taxonomy, list(v.errors), fair, sem)
+
+
+def rewritten_decodes(restorers: list[tuple[Any, Any]]) -> tuple[Any, Any] | None:
+    """format_rewrite's (strict, lenient) decodes of the first choice, when it parsed the answer text."""
+    for perturber, ctx in restorers:
+        for record in ctx.state.get("decoded") or []:
+            if record.get("index", 0) == 0 and "strict" in record:
+                return record["strict"], record.get("lenient", record["strict"])
+    return None
+
+
+def as_calls(decoded: Any) -> Any:
+    """A format_rewrite decode (ok, calls, error) as the scorer's input: calls or a DecodeFailure."""
+    from scorers.decode import DECODER_FAILED, DecodeFailure
+
+    if decoded.ok:
+        return list(decoded.calls)
+    error = decoded.error or DECODER_FAILED
+    return DecodeFailure(decoded.detail or error, error if ":" in error else f"ast_decoder:{error}")
 
 
 def _safe_report(report: dict[str, Any]) -> dict[str, Any]:
@@ -288,8 +316,8 @@ class LiveScorer:
         if ex.mode == "shadow":
             if ex.case is not None:
                 # the client's answer is an unperturbed answer: it counts toward the `off` baseline
-                self._enqueue(Job(ex, "off", "original", ex.response, ex.request, [], ex.status, ex.upstream_s,
-                                  ex.total_s))
+                self._enqueue(Job(ex, "off", "original", ex.response, ex.request, [], [], ex.status,
+                                  ex.upstream_s, ex.total_s))
             self._start()
             self.shadow.launch(ex)
             return
@@ -297,16 +325,18 @@ class LiveScorer:
             self.metrics.skipped.labels(ex.profile, "unlabeled").inc()
             return
         applied = list(ex.outcome.applied) if ex.outcome else []
-        self._enqueue(Job(ex, ex.profile, "live", ex.response, ex.sent, applied, ex.status, ex.upstream_s,
-                          ex.total_s))
+        restorers = list(ex.outcome.restorers) if ex.outcome else []
+        self._enqueue(Job(ex, ex.profile, "live", ex.response, ex.sent, applied, restorers, ex.status,
+                          ex.upstream_s, ex.total_s))
 
     def _twin_done(self, ex: Exchange, twin: Twin) -> None:
         if twin.error is not None:
             log.info("shadow_twin_failed", request_id=ex.request_id, profile=ex.profile, error=twin.error)
             return
         applied = list(twin.outcome.applied) if twin.outcome else []
-        self._enqueue(Job(ex, ex.profile, "twin", twin.answer, twin.sent, applied, twin.status, twin.upstream_s,
-                          None, original=ex.response))
+        restorers = list(twin.outcome.restorers) if twin.outcome else []
+        self._enqueue(Job(ex, ex.profile, "twin", twin.answer, twin.sent, applied, restorers, twin.status,
+                          twin.upstream_s, None, original=ex.response))
 
     def _enqueue(self, job: Job) -> None:
         self._start()
@@ -365,7 +395,7 @@ class LiveScorer:
                 skip = "no_answer"
             else:
                 try:
-                    grade = self.grader.grade(case, job.answer, job.applied)
+                    grade = self.grader.grade(case, job.answer, job.applied, job.restorers)
                 except Exception as exc:  # fail-open: a scorer bug costs this verdict only
                     skip = "scorer_error"
                     log.warning("scoring_failed", request_id=ex.request_id, case=case.id,
