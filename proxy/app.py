@@ -6,6 +6,7 @@ exchange is handed to observers (the scoring queue) after the fact.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -407,6 +408,13 @@ class Passthrough:
             m.duration.labels("-", route_label, "false").observe(time.perf_counter() - t0)
 
 
+def _loop_tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # no running loop (scraped from another thread)
+        return 0
+
+
 def create_app(config: Config, *, admin_token: str | None = None, services: Services | None = None,
                state_hook: Callable[[ProxyState], None] | None = None) -> Litestar:
     """Build the Litestar app. `state_hook` lets optional parts (scoring, corpus) attach to the state."""
@@ -423,6 +431,7 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         services=services or Services(token_counter=make_counter(server.token_counter, server.upstream)),
         admin_token=admin_token,
     )
+    st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
     chat_handler = ChatHandler(st)
     passthrough = Passthrough(st)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]

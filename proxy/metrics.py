@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
 
 # seconds: from 100 µs (proxy overhead) to 10 min (long generations)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -50,6 +53,10 @@ class Metrics:
                                       "(non-negative reports only), by the token counter that measured them.",
                                       ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
 
+    def watch_runtime(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
+        """Gauges read at scrape time: upstream pool connections by state, and event-loop tasks."""
+        self.registry.register(_RuntimeCollector(pool_states, tasks))
+
     def model_label(self, model: str | None) -> str:
         if not model:
             return "none"
@@ -57,3 +64,22 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RuntimeCollector:
+    def __init__(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
+        self.pool_states = pool_states
+        self.tasks = tasks
+
+    def collect(self):
+        conns = GaugeMetricFamily("toolquake_upstream_connections",
+                                  "Connections in the upstream pool, by state (active = serving a request).",
+                                  labels=["state"])
+        for state, n in self.pool_states().items():
+            conns.add_metric([state], n)
+        yield conns
+        yield GaugeMetricFamily("toolquake_event_loop_tasks", "asyncio tasks alive in the proxy's event loop.",
+                                value=self.tasks())
+
+    def describe(self):
+        return []

@@ -73,5 +73,13 @@ class Upstream:
         request = self.client.build_request(method, url, headers=headers, content=content)
         return await self.client.send(request, stream=True)
 
+    def pool_states(self) -> dict[str, int]:
+        """Connections in the pool: `active` (a request in flight) and `idle` (kept alive)."""
+        pool = getattr(getattr(self.client, "_transport", None), "_pool", None)
+        states = {"active": 0, "idle": 0}
+        for conn in getattr(pool, "connections", ()) or ():
+            states["idle" if conn.is_idle() else "active"] += 1
+        return states
+
     async def aclose(self) -> None:
         await self.client.aclose()

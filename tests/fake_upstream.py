@@ -221,6 +221,11 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
     if not body.get("stream"):
         data = _enc(resp)
+        if kind == "cut-stream":  # the body stops halfway and the connection drops
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
+            raise ConnectionAbortedError("fake upstream cut the body on purpose")
         if kind == "slow-bytes":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
