@@ -1,0 +1,268 @@
+"""Model output → calls `[{"name": dotted_name, "arguments": {...}}]`, decoded as BFCL decodes it.
+
+Two paths:
+* `decode_python(text)`: BFCL's python call syntax (`[f(a=1), g(b='x')]`) through a safe walk of
+  Python's AST, with BFCL's value-resolution rules and quirks (see docs/scoring.md). Nothing is ever
+  evaluated: the arithmetic BFCL computes with `eval` is computed here by a small evaluator that only
+  accepts literal operands and refuses results that would be huge.
+* `calls_from_message(message, name_map)`: an OpenAI chat-completions assistant message (native tool
+  calls, the FC path); OpenAI names go back to the corpus's dotted names through `name_map`.
+
+A failure is returned as a `DecodeFailure`, never raised.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from typing import Any
+
+import msgspec
+
+DECODER_FAILED = "ast_decoder:decoder_failed"
+WRONG_OUTPUT_FORMAT = "ast_decoder:decoder_wrong_output_format"
+
+
+class DecodeFailure(msgspec.Struct, frozen=True):
+    """The model output could not be turned into calls (`error_type` is BFCL's decoder error)."""
+
+    reason: str
+    error_type: str = DECODER_FAILED
+
+
+Calls = list[dict[str, Any]]
+
+_TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _unparse(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+# --- the arithmetic BFCL evaluates (BinOp), over literal operands only --------------------------
+
+_MAX_ITEMS = 1_000_000       # longest sequence / string a BinOp may build
+_MAX_INT_BITS = 1 << 16      # largest integer a BinOp may build
+
+_BINOPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.MatMult: operator.matmul,
+}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert, ast.Not: operator.not_}
+_COMPARE = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}
+
+
+def _size(x: Any) -> int:
+    if isinstance(x, bool):
+        return 1
+    if isinstance(x, int):
+        return x.bit_length() // 16
+    if isinstance(x, (str, bytes, list, tuple, dict, set, frozenset)):
+        return len(x)
+    return 1
+
+
+def _guard_binop(op: type, a: Any, b: Any) -> None:
+    """Refuse operations whose result would be enormous (BFCL would hang or exhaust memory)."""
+    ints = isinstance(a, int) and isinstance(b, int)
+    if op is ast.Pow and ints and b > 0 and abs(a) > 1 and b * abs(a).bit_length() > _MAX_INT_BITS:
+        raise _Unsupported("power too large")
+    if op is ast.LShift and ints and b > _MAX_INT_BITS:
+        raise _Unsupported("shift too large")
+    if op is ast.Mult:
+        for seq, n in ((a, b), (b, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and n * len(seq) > _MAX_ITEMS:
+                raise _Unsupported("repetition too large")
+        if ints and a.bit_length() + b.bit_length() > _MAX_INT_BITS:
+            raise _Unsupported("product too large")
+
+
+def _literal(node: ast.AST) -> Any:
+    """Python semantics for a literal expression (what BFCL's eval of a BinOp computes)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.BinOp):
+        op = type(node.op)
+        left, right = _literal(node.left), _literal(node.right)
+        _guard_binop(op, left, right)
+        result = _BINOPS[op](left, right)
+        if _size(result) > _MAX_ITEMS:
+            raise _Unsupported("result too large")
+        return result
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](_literal(node.operand))
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Tuple):
+        return tuple(_literal(e) for e in node.elts)
+    if isinstance(node, ast.Set):
+        return {_literal(e) for e in node.elts}
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise _Unsupported("** inside a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.BoolOp):
+        value = _literal(node.values[0])
+        for sub in node.values[1:]:
+            if (isinstance(node.op, ast.And) and not value) or (isinstance(node.op, ast.Or) and value):
+                return value
+            value = _literal(sub)
+        return value
+    if isinstance(node, ast.Compare):
+        left = _literal(node.left)
+        for op, comp in zip(node.ops, node.comparators):
+            right = _literal(comp)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return _literal(node.body) if _literal(node.test) else _literal(node.orelse)
+    raise _Unsupported(f"{type(node).__name__} inside an arithmetic expression")
+
+
+# --- BFCL's value resolution ----------------------------------------------------------------------
+
+
+def _resolve(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant):
+        return "..." if node.value is Ellipsis else node.value
+    if isinstance(node, ast.UnaryOp):
+        # BFCL negates the operand's constant whatever the operator: +5 → -5, not True → -1
+        operand = node.operand
+        if not isinstance(operand, ast.Constant):
+            raise _Unsupported("unary operator on a non-constant")
+        return -operand.value
+    if isinstance(node, ast.List):
+        return [_resolve(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values):
+            if k is None:
+                raise _Unsupported("** inside a dict")
+            key = _resolve(k)
+            out[key] = _resolve(v)
+        return out
+    if isinstance(node, ast.BinOp):
+        return _literal(node)
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Call):
+        return _unparse(node) if not node.keywords else _resolve_call(node)
+    if isinstance(node, ast.Tuple):
+        return tuple(_resolve(e) for e in node.elts)
+    if isinstance(node, ast.Subscript):
+        return f"{_unparse(node.value)}[{_unparse(node.slice)}]"
+    raise _Unsupported(f"unsupported syntax: {type(node).__name__}")
+
+
+def _call_name(func: ast.AST) -> str:
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if isinstance(func, ast.Name):
+        parts.append(func.id)
+    return ".".join(reversed(parts))
+
+
+def _resolve_call(node: ast.Call) -> dict[str, Any]:
+    """A nested call value, in BFCL's shape {name: {keyword: value}} (positional arguments dropped)."""
+    return {_call_name(node.func): {kw.arg: _resolve(kw.value) for kw in node.keywords}}
+
+
+def _to_call(node: ast.Call) -> dict[str, Any]:
+    args: dict[Any, Any] = {}
+    for kw in node.keywords:  # positional arguments are dropped, as BFCL does
+        args[kw.arg] = _resolve(kw.value)
+    return {"name": _call_name(node.func), "arguments": args}
+
+
+def prepare_text(text: str, tool_call_tag: bool = False) -> str:
+    """BFCL's pre-processing: strip backticks/newlines/spaces, wrap in [ ], optional <TOOLCALL> extraction."""
+    text = text.strip("`\n ")
+    if not text.startswith("["):
+        text = "[" + text
+    if not text.endswith("]"):
+        text = text + "]"
+    if tool_call_tag:
+        match = _TOOLCALL.search(text)
+        if match is None:
+            raise _Unsupported("no <TOOLCALL>…</TOOLCALL> block")
+        text = match.group(1).strip()
+    return text
+
+
+def decode_python(text: Any, tool_call_tag: bool = False) -> Calls | DecodeFailure:
+    """BFCL's python call-syntax decoding (prompting models), without ever evaluating the text."""
+    if not isinstance(text, str):
+        return DecodeFailure(f"expected text, got {type(text).__name__}")
+    try:
+        source = prepare_text(text, tool_call_tag).strip().strip("'")
+        body = ast.parse(source, mode="eval").body
+        if isinstance(body, ast.Call):
+            return [_to_call(body)]
+        if not isinstance(body, (ast.List, ast.Tuple, ast.Set)):
+            raise _Unsupported(f"expected a list of calls, got {type(body).__name__}")
+        calls = []
+        for elem in body.elts:
+            if not isinstance(elem, ast.Call):
+                raise _Unsupported(f"list element is not a call: {type(elem).__name__}")
+            calls.append(_to_call(elem))
+        return calls
+    except Exception as exc:  # noqa: BLE001 — any failure to decode is a decode failure, as in BFCL
+        return DecodeFailure(f"{type(exc).__name__}: {exc}"[:300])
+
+
+def calls_from_message(message: dict[str, Any] | None, name_map: dict[str, str] | None = None
+                       ) -> Calls | DecodeFailure:
+    """An OpenAI assistant message → calls (FC path). A text answer is a DecodeFailure, as in BFCL."""
+    names = name_map or {}
+    if not isinstance(message, dict):
+        return DecodeFailure("no assistant message")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is None:
+        content = message.get("content")
+        if content == "" or content == []:
+            return []
+        return DecodeFailure("the model answered in text, with no tool call")
+    if not isinstance(tool_calls, list):
+        return DecodeFailure("tool_calls is not a list")
+    calls: Calls = []
+    for tc in tool_calls:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return DecodeFailure("a tool call without a function name")
+        raw = fn.get("arguments")
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            return DecodeFailure(f"tool call arguments are not JSON: {exc}"[:300])
+        if raw is None:
+            return DecodeFailure("tool call without arguments")
+        if not isinstance(args, dict):
+            return DecodeFailure("tool call arguments are not a JSON object", WRONG_OUTPUT_FORMAT)
+        calls.append({"name": names.get(fn["name"], fn["name"]), "arguments": args})
+    return calls
+
+
+def is_well_formed(calls: Any) -> bool:
+    """BFCL's call-format check: a list of calls, each with a string name and an arguments dict."""
+    if type(calls) is not list:
+        return False
+    for call in calls:
+        if type(call) is not dict or type(call.get("arguments")) is not dict or type(call.get("name")) is not str:
+            return False
+    return True
