@@ -8,10 +8,14 @@ computes, in this test, for the very answers the client received.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sqlite3
+import subprocess
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import openai
@@ -332,3 +336,120 @@ def test_the_store_path_from_the_command_line(proxy_factory, tmp_path):
         "X-Test-Tag": uuid.uuid4().hex})
     wait_for(lambda: db.exists() and len(results.read_rows(db)) == 1, what="the row in --results-db")
     assert not (tmp_path / "from-config.sqlite").exists()
+
+
+# --- the Grafana dashboard and the documented PromQL ------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "toolquake-dashboard.json"
+VARIABLES = {"$model": ".*", "$profile": ".*", "$window": "1m", "$__rate_interval": "1m"}
+
+
+def dashboard_queries() -> dict[str, list[str]]:
+    """Panel title → its PromQL, with the dashboard variables filled in as "All" / 1m would."""
+    out: dict[str, list[str]] = {}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, value in VARIABLES.items():
+                expr = expr.replace(var, value)
+            out.setdefault(panel["title"], []).append(expr)
+    return out
+
+
+def test_dashboard_queries_name_only_metrics_the_proxy_exports(proxy_factory, tmp_path):
+    proxy = proxy_factory(live_config(tmp_path / "d.sqlite"))
+    exported = set(re.findall(r"^# HELP (\S+)", httpx.get(f"{proxy.url}/metrics").text, re.M))
+    used = {name for exprs in dashboard_queries().values() for e in exprs for name in re.findall(r"toolquake_\w+", e)}
+    assert used, "the dashboard has no toolquake queries"
+    missing = {n for n in used if n not in exported and n.removesuffix("_bucket") not in exported}
+    assert not missing, f"dashboard queries metrics the proxy does not export: {sorted(missing)}"
+    for contract in ("toolquake_scored_total", "toolquake_errors_total", "toolquake_semantic_flips_total",
+                     "toolquake_consistency_total", "toolquake_proxy_overhead_seconds_bucket"):
+        assert contract in used
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": expr}
+        for i, expr in enumerate(e for exprs in dashboard_queries().values() for e in exprs)]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """A real Prometheus scraping the targets written into its file_sd file every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian package prometheus)")
+    from tests.conftest import free_port
+
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]")
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                               "scrape_configs": [{"job_name": "toolquake", "file_sd_configs": [
+                                   {"files": [str(targets)], "refresh_interval": "1s"}]}]}))
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url), timeout=30, what="prometheus")
+        yield url, targets
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def promql(url: str, expr: str) -> dict[str, float]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}).json()
+    assert r["status"] == "success", (expr, r)
+    return {json.dumps(s["metric"], sort_keys=True): float(s["value"][1]) for s in r["data"]["result"]}
+
+
+@pytest.mark.needs_corpus
+def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, prometheus, tmp_path):
+    from scorers.corpus import case_request, load_case
+
+    prom, targets = prometheus
+    db = tmp_path / "p.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    targets.write_text(json.dumps([{"targets": [proxy.url.removeprefix("http://")]}]))
+    plan = {"off": ["right", "right", "right", "wrong"], "reversed": ["right", "wrong", "wrong", "wrong"]}
+    n = 0
+    for profile, kinds in plan.items():
+        for i, kind in enumerate(kinds):
+            case = load_case(f"multiple_{10 + i}")
+            calls = gt_calls(case)
+            send(proxy, profile, case_request(case), answer={"calls": calls if kind == "right" else wrong_value(calls)},
+                 case_header=case.id, stream=False)
+            n += 1
+    wait_for(lambda: metric(proxy, "toolquake_scored_total") == n, what="every answer scored")
+    wait_for(lambda: promql(prom, "sum(toolquake_scored_total)") == {"{}": n}, timeout=30, what="a scrape")
+    summary = results.summarize(db)
+    queries = dashboard_queries()
+    [accuracy] = queries["Accuracy by profile (since the proxies started)"]
+    [drop] = queries["Relative drop vs off (seed 001 Table 2)"]
+    got_acc = {json.loads(k)["profile"]: v for k, v in promql(prom, accuracy).items()}
+    got_drop = {json.loads(k)["profile"]: v for k, v in promql(prom, drop).items()}
+    assert set(got_acc) == set(plan)
+    for profile in plan:
+        assert got_acc[profile] == pytest.approx(summary["arms"][profile]["accuracy"])
+        assert got_drop[profile] == pytest.approx(summary["arms"][profile]["drop_vs_off"])
+    for title, exprs in queries.items():  # every other panel's query evaluates without error
+        for expr in exprs:
+            promql(prom, expr)
