@@ -98,6 +98,21 @@ def test_bind_mounted_files_exist() -> None:
             assert (DEPLOY / source).exists(), f"{name}: mounts {source}, which does not exist"
 
 
+def test_read_only_proxies_get_a_writable_cache_volume() -> None:
+    from tests.test_deploy_image import parse_assignments, stages
+
+    env: dict[str, str] = {}
+    for rest in stages()[1][-1].all("ENV"):
+        env.update(parse_assignments(rest))
+    named = set(compose()["volumes"])
+    for name in ("toolquake", "toolquake-cpu"):
+        svc = services()[name]
+        assert svc["read_only"] is True and "/tmp" in svc["tmpfs"]
+        mounts = [v.split(":")[:2] for v in svc["volumes"]]
+        assert any(src in named and dst == env["TOOLQUAKE_CACHE"] for src, dst in mounts), \
+            f"{name}: the cache directory {env['TOOLQUAKE_CACHE']} must be a named volume"
+
+
 def test_gpu_profile_runs_vllm_with_tool_calling_behind_the_proxy() -> None:
     svc = services()
     vllm, proxy = svc["vllm"], svc["toolquake"]

@@ -251,17 +251,44 @@ def _config_mount(spec: dict[str, Any], container: dict[str, Any]) -> None:
     assert config_path.name in cm["data"]
 
 
+def image_cache_dir() -> str:
+    """TOOLQUAKE_CACHE as deploy/Dockerfile sets it: where a baked corpus lives in the image."""
+    from tests.test_deploy_image import parse_assignments, stages
+
+    env: dict[str, str] = {}
+    for rest in stages()[1][-1].all("ENV"):
+        env.update(parse_assignments(rest))
+    return env["TOOLQUAKE_CACHE"]
+
+
 def _hardened(spec: dict[str, Any], container: dict[str, Any]) -> None:
-    pod_sc, sc = spec.get("securityContext", {}), container["securityContext"]
-    assert pod_sc.get("runAsNonRoot") or sc.get("runAsNonRoot")
-    assert (sc.get("runAsUser") or pod_sc.get("runAsUser") or 0) != 0
-    assert sc["readOnlyRootFilesystem"] is True
-    assert sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"]["drop"] == ["ALL"]
-    writable = {m["mountPath"] for m in container["volumeMounts"]
-                if "emptyDir" in next(v for v in spec["volumes"] if v["name"] == m["name"])}
-    assert "/tmp" in writable, "a read-only root filesystem needs an emptyDir for /tmp and caches"
-    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    """Non-root, read-only root filesystem, no privileges, resources; writable emptyDirs for /tmp
+    and the cache, the cache seeded from the image by an init container that runs before it."""
+    pod_sc = spec.get("securityContext", {})
+    inits = spec.get("initContainers", [])
+    image_containers = [c for c in inits + spec["containers"] if c["image"].startswith("toolquake:")]
+    assert container in image_containers
+    for c in image_containers:
+        sc = c["securityContext"]
+        assert pod_sc.get("runAsNonRoot") or sc.get("runAsNonRoot"), c["name"]
+        assert (sc.get("runAsUser") or pod_sc.get("runAsUser") or 0) != 0, c["name"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], c["name"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    writable = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if "emptyDir" in volumes[m["name"]]}
+    cache = env_of(container)["TOOLQUAKE_CACHE"]
+    assert cache == image_cache_dir()
+    assert "/tmp" in writable and cache in writable, "a read-only root filesystem needs emptyDirs for /tmp and the cache"
+    (seeder,) = [c for c in inits if any(m["name"] == writable[cache] for m in c["volumeMounts"]) and c is not container]
+    assert "restartPolicy" not in seeder, "the seeding init container must run to completion first"
+    if container in inits:
+        assert inits.index(seeder) < inits.index(container)
+    (src, dst) = re.findall(r"copytree\('([^']+)', '([^']+)'", " ".join(seeder["command"]))[0]
+    assert src == cache, "the seed comes from the image's own cache directory"
+    assert {m["mountPath"]: m["name"] for m in seeder["volumeMounts"]}[dst] == writable[cache]
+    assert not any(m["mountPath"] == cache for m in seeder["volumeMounts"]), "the image's cache must stay visible"
 
 
 def test_sidecar_is_a_native_sidecar_that_the_agent_reaches_on_loopback() -> None:
