@@ -144,3 +144,21 @@ def test_a_multi_step_conversation_keeps_working(fmt_proxy, fake_upstream):
     assert sent[2]["content"] == "[get_weather(city='Paris', days=3), get_time(city='Tokyo')]"
     assert sent[3]["content"] == repr([{"role": "tool", "name": "get_weather(city='Paris', days=3)", "content": "rain"},
                                        {"role": "tool", "name": "get_time(city='Tokyo')", "content": "09:00"}])
+
+
+@pytest.mark.needs_corpus
+def test_a_bfcl_case_shows_dotted_names_upstream_and_the_client_gets_its_own_names(fmt_proxy, fake_upstream):
+    from scorers import corpus
+
+    body = corpus.case_request(corpus.load_case("multiple_0"), model="fake-model")
+    tag = uuid.uuid4().hex
+    c = openai.OpenAI(base_url=f"{fmt_proxy.url}/p/fmt-python/v1", api_key="k", default_headers={
+        "X-Fake-Answer": json.dumps({"text": "[triangle_properties.get(side1=5, side2=4, side3=3)]"}),
+        "X-Test-Tag": tag, "X-Toolquake-Case": "multiple_0"})
+    resp = c.chat.completions.create(**body)
+    (tc,) = resp.choices[0].message.tool_calls
+    assert tc.function.name == "triangle_properties_get" == body["tools"][0]["function"]["name"]
+    assert json.loads(tc.function.arguments) == {"side1": 5, "side2": 4, "side3": 3}
+    sent = upstream_body(fake_upstream, tag)
+    assert '"name": "triangle_properties.get"' in sent["messages"][0]["content"]
+    assert "triangle_properties_get" not in sent["messages"][0]["content"]
