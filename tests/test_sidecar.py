@@ -71,7 +71,14 @@ def wait_for(url: str, path: str, status: int, timeout: float) -> None:
 def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: Path) -> None:
     sidecar, agent = pod()
     assert sidecar["restartPolicy"] == "Always"
-    env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
+    # the container's environment: the image's ENV, then the manifest's
+    from tests.test_deploy_image import parse_assignments, stages
+
+    env: dict[str, str] = {}
+    for rest in stages()[1][-1].all("ENV"):
+        env.update(parse_assignments(rest))
+    env.pop("PATH")
+    env.update({e["name"]: e["value"] for e in sidecar["env"] if "value" in e})
     pod_port = int(env["TOOLQUAKE_PORT"])
     startup_path = sidecar["startupProbe"]["httpGet"]["path"]
 
@@ -86,7 +93,7 @@ def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: P
     port, upstream_port = free_port(), free_port()
     env.update(TOOLQUAKE_PORT=str(port), TOOLQUAKE_HOST="127.0.0.1", TOOLQUAKE_CONFIG=str(local_config),
                TOOLQUAKE_UPSTREAM=f"http://127.0.0.1:{upstream_port}/v1", HOME=str(tmp_path),
-               XDG_CACHE_HOME=str(tmp_path / "cache"))
+               XDG_CACHE_HOME=str(tmp_path / "xdg-cache"), TOOLQUAKE_CACHE=str(tmp_path / "cache-emptydir"))
     agent_env = {e["name"]: e["value"] for e in agent["env"] if "value" in e}
     base_url = agent_env["OPENAI_BASE_URL"]
     m = re.fullmatch(rf"http://127\.0\.0\.1:{pod_port}/p/([^/]+)/v1", base_url)
