@@ -85,11 +85,12 @@ class ResponseLengthening(Perturber):
         for i in wanted:
             try:
                 targets.append(_Target(i, messages[i]["content"], ctx, words))
-            except LookupError:
-                skipped.append(i)
+            except (LookupError, OSError, RuntimeError) as exc:  # no array of records; prose without a corpus
+                skipped.append({"message": i, "reason": str(exc)[:200]})
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
         if not targets:
-            ctx.report.update(tokens_added=0, reason="no tool message with records or text to pad")
+            ctx.report.update(tokens_added=0, reason="no tool message with records or text to pad",
+                              skipped_messages=skipped)
             return request
 
         def build(n: int) -> tuple[ChatRequest, list[int]]:

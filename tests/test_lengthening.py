@@ -344,3 +344,10 @@ def test_toolquake_perturb_reports_tokens_added(tmp_path) -> None:
     out = json.loads(proc.stdout)
     assert applied["tokens_added"] == EstimateCounter().count_request(out) - EstimateCounter().count_request(tool_request())
     assert applied["tokens_added"] > 35_000
+
+
+def test_json_without_records_is_skipped_with_the_reason() -> None:
+    body = tool_request(content=json.dumps({"status": "ok", "temperature_c": 21}))
+    out, report = run("response_lengthening", {"budget_tokens": 5_000}, body)
+    assert out == body and report["tokens_added"] == 0
+    assert report["skipped_messages"] == [{"message": 3, "reason": "the JSON holds no array of records"}]

