@@ -87,6 +87,11 @@ def _header(headers: list[tuple[str, str]], name: str) -> str | None:
     return None
 
 
+def _invalid_json(exc: Exception) -> ProxyError:
+    reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+    return ProxyError(400, f"Request body is not valid JSON: {reason}", code="invalid_json")
+
+
 def _error(exc: ProxyError, extra_headers: dict[str, str] | None = None) -> Response:
     return Response(content=exc.body(), status_code=exc.status, media_type=JSON, headers=extra_headers)
 
@@ -111,8 +116,8 @@ class ChatHandler:
                 req = request_decoder.decode(raw)
             except msgspec.ValidationError as exc:
                 raise ProxyError(400, f"Invalid request body: {exc}", code="invalid_type") from None
-            except msgspec.DecodeError as exc:
-                raise ProxyError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise _invalid_json(exc) from None
             stream, model = bool(req.stream), req.model
             name = profile_name or _header(headers, "x-toolquake-profile") or st.config.server.default_profile
             profile = st.profiles.get(name)
@@ -139,7 +144,10 @@ class ChatHandler:
         seed = seed_for(_header(headers, "x-toolquake-seed"), raw)
         send_raw = raw
         if profile.mode == "perturb" and profile.steps or want_exchange:
-            body = _decode(raw)
+            try:
+                body = _decode(raw)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise _invalid_json(exc) from None  # e.g. bad UTF-8 in a key the typed decode skipped
             if not isinstance(body, dict):
                 raise ProxyError(400, "Request body must be a JSON object.", code="invalid_type")
             chat = ChatRequest(body)
