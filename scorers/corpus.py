@@ -425,8 +425,8 @@ def load_case(case_id: str) -> Case:
         extra = {**original.extra, "format_config": parts[1], "original_id": original.id}
         return msgspec.structs.replace(original, id=case_id, extra=extra)
     if category not in CATEGORIES:
-        raise LookupError(f"unknown case id {case_id!r}: category {category!r} is not one of "
-                          f"{', '.join(CATEGORIES)}")
+        raise LookupError(f"unknown case id {case_id!r}: no category {category!r} "
+                          "(`toolquake corpus list` shows the categories)")
     case = _category_cases(category)[1].get(case_id)
     if case is None:
         raise LookupError(f"unknown case id {case_id!r}: no such entry in {category}")

@@ -104,15 +104,25 @@ def _literal(node: ast.AST) -> Any:
     if isinstance(node, ast.UnaryOp):
         return _UNARY[type(node.op)](_literal(node.operand))
     if isinstance(node, ast.List):
-        return [_literal(e) for e in node.elts]
+        return _elements(node.elts)
     if isinstance(node, ast.Tuple):
-        return tuple(_literal(e) for e in node.elts)
+        return tuple(_elements(node.elts))
     if isinstance(node, ast.Set):
-        return {_literal(e) for e in node.elts}
+        return set(_elements(node.elts))
     if isinstance(node, ast.Dict):
-        if any(k is None for k in node.keys):
-            raise _Unsupported("** inside a dict")
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+        out: dict[Any, Any] = {}
+        for k, v in zip(node.keys, node.values):
+            if k is None:
+                out.update(_literal(v))
+            else:
+                out[_literal(k)] = _literal(v)
+        return out
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else _formatted(v) for v in node.values)
+    if isinstance(node, ast.Subscript):
+        return _literal(node.value)[_literal(node.slice)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if part is None else _literal(part) for part in (node.lower, node.upper, node.step)))
     if isinstance(node, ast.BoolOp):
         value = _literal(node.values[0])
         for sub in node.values[1:]:
@@ -131,6 +141,30 @@ def _literal(node: ast.AST) -> Any:
     if isinstance(node, ast.IfExp):
         return _literal(node.body) if _literal(node.test) else _literal(node.orelse)
     raise _Unsupported(f"{type(node).__name__} inside an arithmetic expression")
+
+
+def _elements(nodes: list[ast.expr]) -> list[Any]:
+    out: list[Any] = []
+    for node in nodes:
+        if isinstance(node, ast.Starred):
+            out.extend(_literal(node.value))
+        else:
+            out.append(_literal(node))
+    if len(out) > _MAX_ITEMS:
+        raise _Unsupported("result too large")
+    return out
+
+
+_CONVERSIONS = {-1: lambda v: v, 115: str, 114: repr, 97: ascii}
+_SPEC_NUMBER = re.compile(r"\d+")
+
+
+def _formatted(node: ast.FormattedValue) -> str:
+    value = _CONVERSIONS[node.conversion](_literal(node.value))
+    spec = _literal(node.format_spec) if node.format_spec is not None else ""
+    if any(len(n) > 4 for n in _SPEC_NUMBER.findall(spec)):
+        raise _Unsupported("format width too large")
+    return format(value, spec)
 
 
 # --- BFCL's value resolution ----------------------------------------------------------------------
