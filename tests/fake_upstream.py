@@ -11,6 +11,11 @@ What it answers with, per request (headers are end-to-end, so they pass through 
 - else a call to the tool named by `tool_choice`, or the first tool, with arguments made from its
   schema's required parameters; else a short text.
 
+Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first user message>", "turns":
+[[<answer>, ...] per turn]}`): a request whose first user message is `first_user` gets the answer of
+its turn (user messages so far - 1) and step (assistant messages since the last user message); past
+the end of a turn's list, a short text (the turn ends).
+
 Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
 `invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
 one byte at a time), `chunk-delay:MS` (between SSE frames).
@@ -35,6 +40,7 @@ _dec = msgspec.json.decode
 _ids = itertools.count(1)
 RECORDED: collections.deque = collections.deque(maxlen=2000)
 SCRIPT: list[dict[str, Any]] = []
+TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
 MODEL = "fake-model"
 #: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
 TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
@@ -78,9 +84,28 @@ def _by_first_tool(body: dict[str, Any], headers: dict[str, str]) -> str | None:
     return None if answer is None else _enc(answer).decode()
 
 
+def _trajectory_answer(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `--trajectories` answer for this point of a multi-turn conversation, if one is scripted."""
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        return None
+    turns = TRAJECTORIES.get(str(messages[users[0]].get("content")))
+    if turns is None:
+        return None
+    turn = len(users) - 1
+    step = sum(1 for m in messages[users[-1]:] if m.get("role") == "assistant")
+    steps = turns[turn] if turn < len(turns) else []
+    return steps[step] if step < len(steps) else {"text": "Done."}
+
+
 def choose_answer(body: dict[str, Any], header: str | None) -> dict[str, Any]:
     if header:
         return _dec(header)
+    if TRAJECTORIES:
+        answer = _trajectory_answer(body)
+        if answer is not None:
+            return answer
     if SCRIPT:
         text = _last_user(body)
         for entry in SCRIPT:
@@ -285,7 +310,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenize", choices=tuple(_TOKENIZE_CHOICES), default="both",
                         help="tokenizer endpoints to serve: vLLM's /tokenize, llama.cpp's /extras/tokenize/count, "
                              "both (default) or none")
+    parser.add_argument("--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents "
+                                                "(see module docstring)")
     args = parser.parse_args(argv)
+    if args.trajectories:
+        with open(args.trajectories) as f:
+            for line in f:
+                if line.strip():
+                    entry = _dec(line)
+                    TRAJECTORIES[entry["first_user"]] = entry["turns"]
     TOKENIZE_ROUTES.clear()
     TOKENIZE_ROUTES.update(_TOKENIZE_CHOICES[args.tokenize])
     if args.script:

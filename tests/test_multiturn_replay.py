@@ -1,0 +1,166 @@
+"""The multi-turn agent loop end to end: a scripted model (fake upstream process) behind the proxy
+(`toolquake serve`), the loop calling the proxy over HTTP, the simulators in their sandboxed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scorers import multiturn as mt
+from scorers.backends import Backends
+from tests.conftest import Proc, recorded, start_fake_upstream
+
+pytestmark = pytest.mark.needs_corpus
+
+GROUND_TRUTH_CASES = ("multi_turn_base_1", "multi_turn_miss_func_2", "multi_turn_miss_param_3",
+                      "multi_turn_long_context_4")
+WRONG_DIRECTORY_CASE = "multi_turn_base_0"   # the model creates `tmp` instead of `temp`
+LOOPING_CASE = "multi_turn_base_5"           # the model calls pwd() forever in turn 0
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[Backends]:
+    from scorers.backends import ensure_installed
+
+    try:
+        ensure_installed()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no corpus/simulators: {exc}")
+    with Backends() as b:
+        yield b
+
+
+def load(case_id: str) -> Any:
+    from scorers.corpus import load_case
+
+    return load_case(case_id)
+
+
+def first_user(case: Any) -> str:
+    return case.turns[0][0]["content"]
+
+
+def scripted_turns(result: mt.MultiTurnResult) -> list[list[dict[str, Any]]]:
+    """A model run as the fake's answers: each step's calls, then a text answer that ends the turn."""
+    turns = []
+    for steps in result.turns:
+        answers = [{"calls": s.calls} for s in steps if s.calls]
+        turns.append([*answers, {"text": "Done."}])
+    return turns
+
+
+@pytest.fixture(scope="module")
+def model(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The fake upstream playing ground-truth, wrong and looping trajectories."""
+    script: dict[str, list[list[dict[str, Any]]]] = {}
+    for case_id in GROUND_TRUTH_CASES:
+        c = load(case_id)
+        script[first_user(c)] = scripted_turns(mt.ground_truth_result(c, backends))
+    wrong = mt.ground_truth_result(load(WRONG_DIRECTORY_CASE), backends)
+    wrong.turns[0] = [mt.Step(calls=[{"name": "cd", "arguments": {"folder": "document"}},
+                                     {"name": "mkdir", "arguments": {"dir_name": "tmp"}},
+                                     {"name": "mv", "arguments": {"source": "final_report.pdf", "destination": "tmp"}}])]
+    script[first_user(load(WRONG_DIRECTORY_CASE))] = scripted_turns(wrong)
+    script[first_user(load(LOOPING_CASE))] = [[{"calls": [{"name": "pwd", "arguments": {}}]}] * 30]
+    assert len(script) == len(GROUND_TRUTH_CASES) + 2, "first user messages must tell the cases apart"
+    path = tmp_path_factory.mktemp("multiturn") / "trajectories.jsonl"
+    path.write_text("".join(json.dumps({"first_user": k, "turns": v}) + "\n" for k, v in script.items()))
+    proc = start_fake_upstream("--trajectories", str(path))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(model: Proc) -> Iterator[Proc]:
+    """The proxy with the packaged profiles (`shuffled` reorders the tools of every request)."""
+    from tests.conftest import start_proxy
+
+    proc = start_proxy(model.url)
+    yield proc
+    proc.stop()
+
+
+def play(proxy: Proc, case_id: str, backends: Backends, profile: str = "shuffled") -> mt.MultiTurnResult:
+    from proxy.multiturn import run_case
+
+    return asyncio.run(run_case(load(case_id), f"{proxy.url}/p/{profile}/v1", model="fake-model",
+                                headers={"X-Test-Tag": f"{profile}-{case_id}"}, backends=backends))
+
+
+def tool_names(request: dict[str, Any]) -> list[str]:
+    return [t["function"]["name"] for t in json.loads(request["body"]).get("tools") or []]
+
+
+@pytest.mark.parametrize("case_id", GROUND_TRUTH_CASES)
+def test_ground_truth_played_through_the_proxy_passes(proxy: Proc, model: Proc, backends: Backends,
+                                                      case_id: str) -> None:
+    c = load(case_id)
+    result = play(proxy, case_id, backends)
+    assert result.error is None and not result.force_terminated
+    assert len(result.turns) == len(c.turns)
+    verdict = mt.check(c, result, backends=backends)
+    assert verdict.valid, verdict
+    # every step went through the proxy and upstream, each with its tools shuffled by the profile
+    sent = recorded(model, f"shuffled-{case_id}")
+    assert len(sent) == sum(len(turn) for turn in result.turns)
+    in_doc_order = sum(1 for r in sent if tool_names(r) == sorted(tool_names(r), key=_doc_order(c)))
+    assert in_doc_order < len(sent) / 2, "the profile did not reorder the tools"
+    # the executed results were fed back as tool messages, in the order of the calls
+    last = json.loads(sent[-1]["body"])["messages"]
+    fed_back = [m["content"] for m in last if m["role"] == "tool"]
+    executed = [r for turn in result.turns for s in turn for r in (s.results or [])]
+    assert fed_back == executed and executed
+
+
+def _doc_order(case: Any) -> Any:
+    held = [f["name"] for fs in (case.extra.get("missed_function") or {}).values() for f in fs]
+    order = {name: i for i, name in enumerate([f["name"] for f in case.functions] + held)}
+    return lambda name: order.get(name, len(order))
+
+
+def test_miss_func_reveals_the_held_out_functions_at_their_turn(proxy: Proc, model: Proc, backends: Backends) -> None:
+    from proxy.multiturn import ADDITIONAL_FUNCTIONS_PROMPT
+
+    case_id = "multi_turn_miss_func_2"
+    c = load(case_id)
+    reveal = int(next(iter(c.extra["missed_function"])))
+    held = {f["name"] for f in c.extra["missed_function"][str(reveal)]}
+    result = play(proxy, case_id, backends, profile="reversed")
+    assert mt.check(c, result, backends=backends).valid
+    for request in recorded(model, f"reversed-{case_id}"):
+        body = json.loads(request["body"])
+        turn = sum(1 for m in body["messages"] if m["role"] == "user") - 1
+        offered = set(tool_names(request))
+        assert (held <= offered) == (turn >= reveal), (turn, held, offered)
+        if turn == reveal:
+            users = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            assert users[-1] == ADDITIONAL_FUNCTIONS_PROMPT
+
+
+def test_wrong_action_fails_with_a_state_mismatch(proxy: Proc, backends: Backends) -> None:
+    result = play(proxy, WRONG_DIRECTORY_CASE, backends)
+    verdict = mt.check(load(WRONG_DIRECTORY_CASE), result, backends=backends)
+    assert (verdict.valid, verdict.error_type, verdict.turn) == (False, mt.STATE_MISMATCH, 0)
+
+
+def test_a_model_looping_past_twenty_steps_is_force_terminated(proxy: Proc, model: Proc, backends: Backends) -> None:
+    result = play(proxy, LOOPING_CASE, backends)
+    assert result.force_terminated and len(result.turns) == 1
+    assert len(result.turns[0]) == mt.MAXIMUM_STEPS + 1
+    assert len(recorded(model, f"shuffled-{LOOPING_CASE}")) == mt.MAXIMUM_STEPS + 1
+    verdict = mt.check(load(LOOPING_CASE), result, backends=backends)
+    assert (verdict.error_type, verdict.taxonomy) == (mt.FORCE_TERMINATED, mt.TERMINATED)
+
+
+def test_an_upstream_failure_is_an_inference_error(tmp_path: Path, backends: Backends) -> None:
+    from proxy.multiturn import run_case
+
+    c = load("multi_turn_base_1")
+    result = asyncio.run(run_case(c, "http://127.0.0.1:9/v1", backends=backends, timeout_s=5))
+    assert result.error and "turn 0, step 0" in result.error
+    assert mt.check(c, result, backends=backends).error_type == mt.INFERENCE_ERROR
