@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -117,3 +117,16 @@ def proxy_factory(fake_upstream: Proc) -> Iterator[Callable[..., Proc]]:
 def recorded(fake: Proc, tag: str) -> list[dict]:
     """What the fake upstream received for requests sent with `X-Test-Tag: tag`."""
     return httpx.get(f"{fake.url}/_fake/requests", params={"tag": tag}).json()
+
+
+@pytest.fixture(scope="session")
+def backends() -> Iterator[Any]:
+    """BFCL's multi-turn API simulators in their sandboxed worker (installed from the cached wheel if needed)."""
+    from scorers.backends import Backends, ensure_installed
+
+    try:
+        ensure_installed()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no corpus / simulators: {exc}")
+    with Backends() as worker:
+        yield worker

@@ -22,18 +22,6 @@ from scorers.multiturn import MultiTurnResult, Step, check, ground_truth_result
 pytestmark = pytest.mark.needs_corpus
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    from scorers.backends import ensure_installed
-
-    try:
-        ensure_installed()
-    except FileNotFoundError as exc:
-        pytest.skip(f"no corpus/simulators: {exc}")
-    with Backends() as b:
-        yield b
-
-
 def case(case_id: str) -> Any:
     from scorers.corpus import load_case
 

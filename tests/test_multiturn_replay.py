@@ -23,18 +23,6 @@ WRONG_DIRECTORY_CASE = "multi_turn_base_0"   # the model creates `tmp` instead o
 LOOPING_CASE = "multi_turn_base_5"           # the model calls pwd() forever in turn 0
 
 
-@pytest.fixture(scope="module")
-def backends() -> Iterator[Backends]:
-    from scorers.backends import ensure_installed
-
-    try:
-        ensure_installed()
-    except FileNotFoundError as exc:
-        pytest.skip(f"no corpus/simulators: {exc}")
-    with Backends() as b:
-        yield b
-
-
 def load(case_id: str) -> Any:
     from scorers.corpus import load_case
 
@@ -55,8 +43,11 @@ def scripted_turns(result: mt.MultiTurnResult) -> list[list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def model(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """The fake upstream playing ground-truth, wrong and looping trajectories."""
+def stack(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    """(model, proxy): the fake upstream playing ground-truth, wrong and looping trajectories, and the
+    proxy in front of it with the packaged profiles (`shuffled` reorders the tools of every request)."""
+    from tests.conftest import start_proxy
+
     script: dict[str, list[list[dict[str, Any]]]] = {}
     for case_id in GROUND_TRUTH_CASES:
         c = load(case_id)
@@ -70,19 +61,25 @@ def model(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Itera
     assert len(script) == len(GROUND_TRUTH_CASES) + 2, "first user messages must tell the cases apart"
     path = tmp_path_factory.mktemp("multiturn") / "trajectories.jsonl"
     path.write_text("".join(json.dumps({"first_user": k, "turns": v}) + "\n" for k, v in script.items()))
-    proc = start_fake_upstream("--trajectories", str(path))
-    yield proc
-    proc.stop()
+    model = start_fake_upstream("--trajectories", str(path))
+    try:
+        proxy = start_proxy(model.url)
+    except Exception:
+        model.stop()
+        raise
+    yield model, proxy
+    proxy.stop()
+    model.stop()
 
 
 @pytest.fixture(scope="module")
-def proxy(model: Proc) -> Iterator[Proc]:
-    """The proxy with the packaged profiles (`shuffled` reorders the tools of every request)."""
-    from tests.conftest import start_proxy
+def model(stack: tuple[Proc, Proc]) -> Proc:
+    return stack[0]
 
-    proc = start_proxy(model.url)
-    yield proc
-    proc.stop()
+
+@pytest.fixture(scope="module")
+def proxy(stack: tuple[Proc, Proc]) -> Proc:
+    return stack[1]
 
 
 def play(proxy: Proc, case_id: str, backends: Backends, profile: str = "shuffled") -> mt.MultiTurnResult:
