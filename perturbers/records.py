@@ -86,7 +86,7 @@ def _is_identifier(key: str | None, value: Any) -> bool:
         return False
     named = key is not None and (bool(_ID_KEY.search(key.lower())) or bool(_ID_CAMEL.search(key)))
     if isinstance(value, int):
-        return named and abs(value) >= 10
+        return named
     if not isinstance(value, str) or not value.strip():
         return False
     if not named and _DATE.match(value):
@@ -101,12 +101,14 @@ class _Hole:
     characters of one class, or a (words, capitalisation) run choosing a same-length word.
     """
 
-    __slots__ = ("original", "wordy", "plan", "safe", "misses")
+    __slots__ = ("original", "wordy", "plan", "safe", "misses", "width", "widened")
 
     def __init__(self, original: Any, wordy: bool) -> None:
         self.original = original
         self.wordy = wordy
         self.misses = 0  # drawn values that were taken already: many means too few words to combine
+        self.width = len(str(abs(original))) if isinstance(original, int) else 0  # digits of an integer id
+        self.widened = False  # drawn values are longer than the original: their cost must be counted
         self.plan: list[Any] = []
         self.safe = False  # True when a drawn value needs no JSON escaping
 
@@ -173,7 +175,14 @@ class RecordSource:
         for length in self._words:
             self._words[length] = sorted(set(self._words[length]))
         self._used: set[Any] = set()
-        self._variants = [self._template(self._vary(rng.choice(self.originals), ())) for _ in range(variants)]
+        originals = set(self.original_texts())
+        self._variants = []
+        for _ in range(variants):
+            parts, holes, cost = self._template(self._vary(rng.choice(self.originals), ()))
+            if holes or parts[0] not in originals:  # a record without identifiers must differ from every original
+                self._variants.append((parts, holes, cost))
+        if not self._variants:
+            raise LookupError("the records hold nothing that can be varied")
 
     # -- what the originals hold ------------------------------------------------------------------
     def _collect(self, v: Any, path: tuple) -> None:
@@ -196,7 +205,8 @@ class RecordSource:
             return {k: self._vary(x, path + (k,), k) for k, x in v.items()}
         if isinstance(v, list):
             return [self._vary(x, path + ("[]",), key) for x in v]
-        if _is_identifier(key, v) or (not path and isinstance(v, str)):
+        if _is_identifier(key, v) or (not path and isinstance(v, (str, int)) and not isinstance(v, bool)):
+            # identifiers, and records that are bare strings or integers (ids, file names): fresh values
             return _Hole(v, isinstance(v, str) and (" " in v.strip() or bool(key and _WORDY_KEY.search(key))))
         rng = self.rng
         if isinstance(v, bool):
@@ -241,23 +251,28 @@ class RecordSource:
 
     # -- fresh identifiers (fast path, every record) ----------------------------------------------
     def _fresh(self, hole: _Hole) -> Any:
-        for attempt in range(12):
-            value = self._draw(hole, attempt >= 2 or hole.misses > 16)
-            if value not in self._forbidden and value not in self._used:
-                self._used.add(value)
-                return value
-            hole.misses += 1
-        value = self._draw(hole, True)
-        while value in self._forbidden or value in self._used:  # tiny alphabets: widen the value
-            value = value * 10 + self.rng.randrange(10) if isinstance(value, int) else value + self.rng.choice("0123456789")
-        self._used.add(value)
-        return value
+        while True:
+            for attempt in range(4):
+                value = self._draw(hole, attempt >= 2 or hole.misses > 16)
+                if value not in self._forbidden and value not in self._used:
+                    self._used.add(value)
+                    return value
+                hole.misses += 1
+            if hole.misses > 32:
+                # the shape allows few values (a 1-digit id, "B1"): widen it for the rest of the records
+                if isinstance(hole.original, int):
+                    hole.width += 1
+                else:  # two more digits, before a file extension if there is one
+                    at = len(hole.plan) - 1 if hole.plan and isinstance(hole.plan[-1], str) and \
+                        hole.plan[-1].startswith(".") else len(hole.plan)
+                    hole.plan.insert(at, (_DIGIT_T, 2))
+                hole.widened, hole.misses = True, 0
 
     def _draw(self, hole: _Hole, plain: bool) -> Any:
         rng = self.rng
         original = hole.original
         if isinstance(original, int):
-            digits = len(str(abs(original)))
+            digits = hole.width
             drawn = rng.randrange(10 ** (digits - 1), 10 ** digits)
             return -drawn if original < 0 else drawn
         rb = rng.randbytes
@@ -280,6 +295,8 @@ class RecordSource:
             value = self._fresh(hole)
             if hole.safe and isinstance(value, str):
                 out.append('"' + value + '"')
+            elif isinstance(value, int):
+                out.append(str(value))
             else:
                 out.append(json.dumps(value, ensure_ascii=False))
             out.append(parts[i + 1])
@@ -290,9 +307,13 @@ class RecordSource:
         """An endless stream of (record JSON text, estimate cost including its separator)."""
         variants = self._variants
         i = 0
+        sep = text_cost(self.separators[0].strip() or ",")
         while True:
             parts, holes, cost = variants[i % len(variants)]
-            yield self._fill(parts, holes), cost
+            text = self._fill(parts, holes)
+            if any(h.widened for h in holes):
+                cost = text_cost(text) + sep
+            yield text, cost
             i += 1
 
     def render(self, records: list[str]) -> str:

@@ -351,3 +351,26 @@ def test_json_without_records_is_skipped_with_the_reason() -> None:
     out, report = run("response_lengthening", {"budget_tokens": 5_000}, body)
     assert out == body and report["tokens_added"] == 0
     assert report["skipped_messages"] == [{"message": 3, "reason": "the JSON holds no array of records"}]
+
+
+@pytest.mark.parametrize("value", [
+    {"current_directory_content": ["document.txt", "image.jpg", "notes_2024.md"]},
+    [3, 5, 7, 11],
+    {"users": [{"id": 1, "email": "ann@example.com", "name": "Ann Lee"}]},
+    [{"seat": "B1", "class": "economy"}],
+])
+def test_every_record_is_distinct_even_when_identifiers_are_short(value: Any) -> None:
+    body = tool_request(content=json.dumps(value))
+    out, report = run("response_lengthening", {"budget_tokens": 4_000, "position": 2}, body)
+    recs = records_of(out)
+    texts = [json.dumps(r) for r in recs]
+    assert len(set(texts)) == len(texts) > 20
+    originals = find_main_array(value)[1]
+    assert recs[1:1 + len(originals)] == originals
+    assert abs(EstimateCounter().count_request(out) - 4_000) <= 200
+
+
+def test_records_with_nothing_to_vary_are_not_padded() -> None:
+    body = tool_request(content=json.dumps([{"a": None, "b": [], "c": {}}]))
+    out, report = run("response_lengthening", {"budget_tokens": 4_000}, body)
+    assert out == body and report["skipped_messages"][0]["reason"] == "the records hold nothing that can be varied"
