@@ -374,3 +374,14 @@ def test_records_with_nothing_to_vary_are_not_padded() -> None:
     body = tool_request(content=json.dumps([{"a": None, "b": [], "c": {}}]))
     out, report = run("response_lengthening", {"budget_tokens": 4_000}, body)
     assert out == body and report["skipped_messages"][0]["reason"] == "the records hold nothing that can be varied"
+
+
+@pytest.mark.needs_corpus
+def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) -> None:
+    counter = make_counter("upstream", fake_upstream.url + "/v1")
+    out, report = run("conversation_lengthening", {"budget_tokens": 20_000, "setting": "structured"},
+                      multi_turn_request(), counter=counter)
+    total = counter.count_request(out)
+    assert report["counter"] == "upstream" and report["tokens_total"] == total
+    assert abs(total - 20_000) <= 1_000, total
+    check_tool_call_ids(out["messages"])
