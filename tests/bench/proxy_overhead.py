@@ -1,13 +1,17 @@
-"""Proxy overhead, side by side in one run: direct to the fake upstream vs through toolquake.
+"""Proxy overhead, side by side in one run: direct to the fake upstream vs through toolquake vs
+through the LiteLLM proxy (installed in its own virtualenv under the cache dir, one worker, same
+fake upstream).
 
-    python -m tests.bench.proxy_overhead [--seconds 5] [--rounds 3] [--out bench-results]
+    python -m tests.bench.proxy_overhead [--seconds 5] [--rounds 3] [--no-litellm] [--out bench-results]
 
-Non-stream ~1 KB chat-completions requests at concurrency 1 and 64, measured with `wrk --latency`
+Non-stream ~1 KB chat-completions requests at concurrency 1, 64 and 256, measured with `wrk --latency`
 (C, HDR histogram: real percentiles) when it is installed (Debian package `wrk`), else with the
 asyncio client below (same percentiles, more CPU). Rounds alternate direct / proxy and the medians
 are reported, because the load tool, the proxy and the upstream share two cores. Streams: time to
-first byte and inter-chunk gaps, sequential, with httpx. Prints a Markdown table and writes JSON +
-Markdown to --out.
+first byte and inter-chunk gaps, sequential, with httpx; then 1,000 concurrent streams through
+toolquake (errors and pool timeouts counted). Memory: the proxy's RSS after the load (passthrough),
+and after a request through the embedding-based `expanded` profile. Prints a Markdown table and
+writes JSON + Markdown to --out.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to find"},
                                                     "limit": {"type": "integer"}}, "required": ["query"]}}}
     for i in range(3)]
-BODY = {"model": "fake-model", "messages": [
+BODY = {"model": "fake", "messages": [
     {"role": "system", "content": "You are a helpful assistant that uses tools."},
     {"role": "user", "content": "Find me the three nearest coffee shops open now, please."}], "tools": TOOLS}
 PAYLOAD = json.dumps(BODY).encode()
@@ -46,9 +50,14 @@ def _ms(text: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
+LITELLM_KEY = "sk-bench-master-key"
+AUTH = {"authorization": f"Bearer {LITELLM_KEY}"}
+
+
 def run_wrk(url: str, conns: int, seconds: float) -> dict:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f'wrk.headers["Authorization"] = "{AUTH["authorization"]}"\n'
                       f"wrk.body = [[{PAYLOAD.decode()}]]\n")
     out = subprocess.run(["wrk", "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(script),
                           f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
@@ -73,7 +82,7 @@ def run_asyncio(url: str, conns: int, seconds: float) -> dict:
                 while time.perf_counter() < end:
                     t = time.perf_counter()
                     r = await client.post(f"{url}/v1/chat/completions", content=PAYLOAD,
-                                          headers={"content-type": "application/json"})
+                                          headers={"content-type": "application/json", **AUTH})
                     lat.append((time.perf_counter() - t) * 1000)
                     bad += r.status_code != 200
 
@@ -88,7 +97,7 @@ def run_asyncio(url: str, conns: int, seconds: float) -> dict:
 
 def stream_timings(url: str, n: int, chunk_delay_ms: int) -> dict:
     ttfb, gaps = [], []
-    headers = {"content-type": "application/json", "x-fake-fault": f"chunk-delay:{chunk_delay_ms}"}
+    headers = {"content-type": "application/json", "x-fake-fault": f"chunk-delay:{chunk_delay_ms}", **AUTH}
     payload = json.dumps({**BODY, "stream": True}).encode()
     with httpx.Client(timeout=30) as client:
         for _ in range(n):
@@ -106,12 +115,89 @@ def stream_timings(url: str, n: int, chunk_delay_ms: int) -> dict:
     return {"ttfb_p50_ms": q[49], "ttfb_p99_ms": q[98], "gap_median_ms": statistics.median(gaps) if gaps else 0.0}
 
 
+def concurrent_streams(url: str, n: int) -> dict:
+    """Open n streams at once (each ~30 frames, 20 ms apart) and count what did not complete."""
+    async def main() -> dict:
+        payload = json.dumps({**BODY, "stream": True}).encode()
+        headers = {"content-type": "application/json", "x-fake-fault": "chunk-delay:20", **AUTH}
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+            async def one() -> str:
+                try:
+                    async with client.stream("POST", f"{url}/v1/chat/completions", content=payload,
+                                             headers=headers) as r:
+                        data = b"".join([c async for c in r.aiter_raw()])
+                    return "ok" if r.status_code == 200 and data.endswith(b"data: [DONE]\n\n") else f"status {r.status_code}"
+                except httpx.HTTPError as exc:
+                    return type(exc).__name__
+
+            t0 = time.perf_counter()
+            outcomes = await asyncio.gather(*(one() for _ in range(n)))
+            elapsed = time.perf_counter() - t0
+        counts: dict[str, int] = {}
+        for o in outcomes:
+            counts[o] = counts.get(o, 0) + 1
+        return {"streams": n, "outcomes": counts, "seconds": elapsed}
+
+    return asyncio.run(main())
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
+    """LiteLLM's proxy in its own virtualenv (created once under the cache dir), one worker."""
+    from tests.conftest import free_port
+
+    cache = Path(os.environ.get("TOOLQUAKE_CACHE", Path.home() / ".cache" / "toolquake")) / "bench"
+    venv = cache / "litellm-venv"
+    exe = venv / "bin" / "litellm"
+    if not exe.exists():
+        print("installing litellm[proxy]==1.106.2 into", venv, flush=True)
+        subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+        done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]==1.106.2"])
+        if done.returncode != 0 or not exe.exists():
+            print("litellm could not be installed; its arm is skipped", flush=True)
+            return None
+    cfg = cache / "litellm.yaml"
+    cfg.write_text("model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
+                   f"      api_base: {upstream}/v1\n      api_key: none\n")
+    port = free_port()
+    env = {**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+           "LITELLM_LOG": "ERROR"}
+    log = open(cache / "litellm.log", "wb")
+    proc = subprocess.Popen([str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1",
+                             "--telemetry", "False"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print("litellm exited; see", cache / "litellm.log", flush=True)
+            return None
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", content=PAYLOAD, timeout=5,
+                           headers={"content-type": "application/json", **AUTH})
+            if r.status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each load round (default 5)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating direct/proxy rounds (default 3)")
-    ap.add_argument("--concurrency", default="1,64", help="comma-separated connection counts (default 1,64)")
-    ap.add_argument("--streams", type=int, default=100, help="sequential streams per side (default 100)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds over the arms (default 3)")
+    ap.add_argument("--concurrency", default="1,64,256", help="comma-separated connection counts (default 1,64,256)")
+    ap.add_argument("--streams", type=int, default=100, help="sequential streams per arm (default 100)")
+    ap.add_argument("--concurrent-streams", type=int, default=1000, help="streams opened at once (default 1000)")
+    ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
     ap.add_argument("--tool", choices=["auto", "wrk", "asyncio"], default="auto")
     ap.add_argument("--out", default="bench-results", help="directory for JSON + Markdown results")
     args = ap.parse_args()
@@ -120,51 +206,83 @@ def main() -> None:
 
     fake = start_fake_upstream()
     proxy = start_proxy(fake.url, "[scoring]\nenabled = false\n")
-    results: dict = {"tool": tool, "machine": f"{platform.machine()} {os.cpu_count()} cores", "load": {}, "streams": {}}
+    arms = {"direct": fake.url, "toolquake": proxy.url}
+    litellm = None if args.no_litellm else start_litellm(fake.url)
+    if litellm:
+        arms["litellm"] = litellm[1]
+    results: dict = {"tool": tool, "machine": f"{platform.machine()} {os.cpu_count()} cores", "arms": list(arms),
+                     "load": {}, "streams": {}}
     try:
-        for url in (fake.url, proxy.url):  # warm both
+        for url in arms.values():  # warm every arm
             run_asyncio(url, 4, 1.0)
         for conns in [int(c) for c in args.concurrency.split(",")]:
-            rounds: dict[str, list[dict]] = {"direct": [], "proxy": []}
+            rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
             for _ in range(args.rounds):
-                rounds["direct"].append(load(fake.url, conns, args.seconds))
-                rounds["proxy"].append(load(proxy.url, conns, args.seconds))
-            med = {side: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
-                   for side, rs in rounds.items()}
-            results["load"][conns] = {
-                "rounds": rounds, "median": med,
-                "throughput_ratio": med["proxy"]["rps"] / med["direct"]["rps"],
-                "added_p50_ms": med["proxy"]["p50_ms"] - med["direct"]["p50_ms"],
-                "added_p99_ms": med["proxy"]["p99_ms"] - med["direct"]["p99_ms"],
-                "errors": sum(r["non2xx"] for rs in rounds.values() for r in rs),
-            }
-        direct_s = stream_timings(fake.url, args.streams, 5)
-        proxy_s = stream_timings(proxy.url, args.streams, 5)
-        results["streams"] = {"direct": direct_s, "proxy": proxy_s,
-                              "added_ttfb_p50_ms": proxy_s["ttfb_p50_ms"] - direct_s["ttfb_p50_ms"],
-                              "added_ttfb_p99_ms": proxy_s["ttfb_p99_ms"] - direct_s["ttfb_p99_ms"],
-                              "gap_median_ms": {"direct": direct_s["gap_median_ms"], "proxy": proxy_s["gap_median_ms"]}}
+                for arm, url in arms.items():
+                    rounds[arm].append(load(url, conns, args.seconds))
+            med = {arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+                   for arm, rs in rounds.items()}
+            entry = {"rounds": rounds, "median": med, "errors": {a: sum(r["non2xx"] for r in rs) for a, rs in rounds.items()}}
+            for arm in arms:
+                if arm != "direct":
+                    entry[arm] = {"throughput_vs_direct": med[arm]["rps"] / med["direct"]["rps"],
+                                  "added_p50_ms": med[arm]["p50_ms"] - med["direct"]["p50_ms"],
+                                  "added_p99_ms": med[arm]["p99_ms"] - med["direct"]["p99_ms"]}
+            if "litellm" in arms:
+                entry["toolquake_vs_litellm_throughput"] = med["toolquake"]["rps"] / med["litellm"]["rps"]
+            results["load"][conns] = entry
+        for arm, url in arms.items():
+            results["streams"][arm] = stream_timings(url, args.streams, 5)
+        results["rss_mb"] = {"toolquake_passthrough": rss_mb(proxy.popen.pid)}
+        if litellm:
+            results["rss_mb"]["litellm"] = rss_mb(litellm[0].pid)
+        results["concurrent_streams"] = concurrent_streams(proxy.url, args.concurrent_streams)
+        metrics = httpx.get(f"{proxy.url}/metrics").text
+        results["concurrent_streams"]["proxy_upstream_errors"] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("toolquake_upstream_errors_total{"))
     finally:
         proxy.stop()
+        if litellm:
+            litellm[0].terminate()
+            litellm[0].wait(20)
+    emb = start_proxy(fake.url, "[scoring]\nenabled = false\n")
+    try:
+        r = httpx.post(f"{emb.url}/p/expanded/v1/chat/completions", content=PAYLOAD, timeout=300,
+                       headers={"content-type": "application/json"})
+        metrics = httpx.get(f"{emb.url}/metrics").text
+        loaded = 'toolquake_perturbations_total{perturber="toolkit_expansion"}' in metrics
+        results["rss_mb"]["toolquake_embeddings"] = rss_mb(emb.popen.pid) if r.status_code == 200 and loaded else None
+    finally:
+        emb.stop()
         fake.stop()
 
     lines = [f"# Proxy overhead (load tool: {tool}; {results['machine']}; medians of {args.rounds} alternating "
-             f"rounds of {args.seconds:g} s)", "",
-             "| concurrency | direct req/s | proxy req/s | proxy/direct | added p50 | added p99 | errors |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"rounds of {args.seconds:g} s; ~{len(PAYLOAD)} B requests)", "",
+             "| concurrency | arm | req/s | vs direct | added p50 | added p99 | non-2xx |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for conns, r in results["load"].items():
-        d, p = r["median"]["direct"], r["median"]["proxy"]
-        lines.append(f"| {conns} | {d['rps']:.0f} | {p['rps']:.0f} | {r['throughput_ratio']:.2f} | "
-                     f"{r['added_p50_ms']:+.3f} ms | {r['added_p99_ms']:+.3f} ms | {r['errors']} |")
-    s = results["streams"]
-    lines += ["", f"Streams ({args.streams} sequential, 5 ms between upstream chunks): added TTFB p50 "
-              f"{s['added_ttfb_p50_ms']:+.3f} ms, p99 {s['added_ttfb_p99_ms']:+.3f} ms; median inter-chunk gap "
-              f"direct {s['gap_median_ms']['direct']:.2f} ms vs proxy {s['gap_median_ms']['proxy']:.2f} ms."]
+        for arm in arms:
+            m = r["median"][arm]
+            rel = r.get(arm, {})
+            lines.append(f"| {conns} | {arm} | {m['rps']:.0f} | "
+                         + (f"{rel['throughput_vs_direct']:.2f} | {rel['added_p50_ms']:+.3f} ms | {rel['added_p99_ms']:+.3f} ms"
+                            if rel else "1.00 | – | –") + f" | {r['errors'][arm]} |")
+        if "toolquake_vs_litellm_throughput" in r:
+            lines.append(f"| {conns} | toolquake / litellm | | {r['toolquake_vs_litellm_throughput']:.1f}× | | | |")
+    lines += ["", "| streams (sequential, 5 ms between upstream chunks) | TTFB p50 | TTFB p99 | median inter-chunk gap |",
+              "|---|---:|---:|---:|"]
+    for arm, s in results["streams"].items():
+        lines.append(f"| {arm} | {s['ttfb_p50_ms']:.2f} ms | {s['ttfb_p99_ms']:.2f} ms | {s['gap_median_ms']:.2f} ms |")
+    cs = results["concurrent_streams"]
+    lines += ["", f"{cs['streams']} concurrent streams through toolquake: {cs['outcomes']} in {cs['seconds']:.1f} s; "
+              f"proxy-side upstream errors (pool timeouts included): {cs['proxy_upstream_errors']:.0f}.",
+              "", "RSS: " + ", ".join(f"{k} {v:.0f} MB" if v else f"{k} n/a" for k, v in results["rss_mb"].items()) + "."]
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "proxy_overhead.json").write_text(json.dumps(results, indent=2))
+    (out / "proxy_overhead.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "proxy_overhead.md").write_text(text + "\n")
 
 
