@@ -48,7 +48,7 @@ test-fast: install
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: install
-	$(BIN)/python -m tests.bench.proxy_overhead
+	$(BIN)/python -m tests.bench.run_all
 	$(BIN)/python -m tests.bench.lengthening
 
 clean:
