@@ -15,6 +15,7 @@ assistant's calls and tool results appended) is not the case any more and is ski
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import time
@@ -102,6 +103,12 @@ class CaseResolver:
         self.index: Any = None
         self._names: dict[str, frozenset[str]] = {}
 
+    @functools.lru_cache(maxsize=8192)  # noqa: B019 — one resolver per app; cases are immutable
+    def _by_id(self, case_id: str) -> Any:
+        from scorers.corpus import load_case
+
+        return load_case(case_id)
+
     def load_index(self) -> int:
         """Build the content-hash index of the scorable categories (slow: call it in a thread)."""
         from scorers.corpus import CaseIndex, load_cases
@@ -124,7 +131,7 @@ class CaseResolver:
 
         if header:
             try:
-                return load_case(header.strip())
+                return self._by_id(header.strip())
             except (LookupError, FileNotFoundError) as exc:
                 log.warning("unknown_case", case=header[:100], error=str(exc)[:200])
                 return None
@@ -216,7 +223,6 @@ class Grader:
     def __init__(self, semantic: bool = True) -> None:
         self.semantic = semantic
         self._maps: dict[str, dict[str, str]] = {}
-        self._semantic_broken = False
 
     def name_map(self, case: Any) -> dict[str, str]:
         m = self._maps.get(case.id)
@@ -228,17 +234,16 @@ class Grader:
 
     def grade(self, case: Any, answer: dict[str, Any], applied: list[Applied],
               restorers: list[tuple[Any, Any]] | None = None) -> Grade:
-        from scorers.ast_checker import check
+        from scorers.ast_checker import check, check_calls
         from scorers.decode import calls_from_message
 
-        target, expected = case, "ground_truth"
+        expected = "ground_truth"
         if "irrelevance" in case.category:
             expected = "irrelevance"
         elif case.category == "live_relevance":
             expected = "relevance"
         elif removes_expected(case, applied):
             expected = "irrelevance"
-            target = msgspec.structs.replace(case, category="irrelevance", ground_truth=None)
         message = consistency.answer_message(answer) or {}
         calls = calls_from_message(message, self.name_map(case))
         strict_lenient = rewritten_decodes(restorers or [])
@@ -247,15 +252,15 @@ class Grader:
             # the answer came back as text: BFCL's verdict is on the strict decode, `fair` on the lenient one
             strict, lenient = strict_lenient
             calls, lenient_calls = as_calls(strict), as_calls(lenient)
-        v = check(target, calls, mode="bfcl")
-        fair = check(target, lenient_calls, mode="fair").valid
+        if expected == "irrelevance" and "irrelevance" not in case.category:
+            # the expected tool was taken away: scored as BFCL scores irrelevance (valid iff no call)
+            v = check_calls(case.functions, None, "irrelevance", calls)
+            return Grade(expected, v.valid, v.error_type, v.taxonomy, list(v.errors), v.valid, None)
+        v = check(case, calls, mode="bfcl")
+        fair = check(case, lenient_calls, mode="fair").valid
         sem = None
-        if self.semantic and not v.valid and expected == "ground_truth" and not self._semantic_broken:
-            try:
-                sem = check(target, calls, mode="semantic").valid
-            except ImportError as exc:  # the embeddings extra is not installed: normalisation-only is gone too
-                self._semantic_broken = True
-                log.warning("semantic_scoring_unavailable", error=str(exc)[:200])
+        if self.semantic and not v.valid and expected == "ground_truth":
+            sem = check(case, calls, mode="semantic").valid
         return Grade(expected, v.valid, v.error_type, v.taxonomy, list(v.errors), fair, sem)
 
 
@@ -276,6 +281,14 @@ def as_calls(decoded: Any) -> Any:
         return list(decoded.calls)
     error = decoded.error or DECODER_FAILED
     return DecodeFailure(decoded.detail or error, error if ":" in error else f"ast_decoder:{error}")
+
+
+def _semantic_strings() -> consistency.StringEquivalence | None:
+    try:
+        from scorers.semantic import default_equivalence
+    except ImportError:
+        return None
+    return default_equivalence()
 
 
 def _safe_report(report: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +319,8 @@ class LiveScorer:
         self.store = store
         self.metrics = ScoringMetrics(st.metrics.registry)
         self.grader = Grader(settings.semantic)
+        #: the semantic scorer's string equivalence (normal forms; embeddings when the extra is installed)
+        self.strings = _semantic_strings() if settings.semantic else None
         self.queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=settings.queue_size)
         self.metrics.queue_depth.set_function(self.queue.qsize)
         self.shadow = ShadowRunner(st, self.metrics.shadow, self._twin_done)
@@ -382,7 +397,8 @@ class LiveScorer:
         model = self.st.metrics.model_label(ex.model)
         agreement = None
         if job.arm == "twin":
-            agreement = consistency.compare_answers(job.original, job.answer, tools=ex.request.get("tools"))
+            agreement = consistency.compare_answers(job.original, job.answer, tools=ex.request.get("tools"),
+                                                    strings=self.strings)
             m.consistency.labels(job.profile, model, agreement.agree).inc()
         grade, skip = None, None
         case = ex.case

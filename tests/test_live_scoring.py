@@ -254,12 +254,14 @@ def test_semantic_flips_are_counted(proxy_factory, tmp_path):
     proxy = proxy_factory(live_config(db))
     case = load_case("multiple_2")  # country_info.capital(country="Brazil")
     expected_flips = 0
-    for value in ("brazil", "BRAZIL!", "Argentina"):
+    # valid as is; an evaluation artefact (the semantic mode accepts it); wrong in every mode (a number differs)
+    for value in ("brazil", "BRAZIL!", "Brazil 1822"):
         answer = {"calls": [{"name": "country_info_capital", "arguments": {"country": value}}]}
         _, message = send(proxy, "off", case_request(case), answer=answer, case_header=case.id, stream=False)
         calls = calls_from_message(message, to_openai_tools(case.functions)[1])
         if not check(case, calls, mode="bfcl").valid and check(case, calls, mode="semantic").valid:
             expected_flips += 1
+    assert expected_flips >= 1  # the plan holds an answer that only the semantic mode accepts
     wait_for(lambda: metric(proxy, "toolquake_scored_total") == 3, what="three verdicts")
     assert metric(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
     wait_for(lambda: len(results.read_rows(db)) == 3, what="rows")
