@@ -47,9 +47,9 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not needs_corpus and not needs_embeddings" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-bench: install
+# every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)
+bench: install-embeddings corpus
 	$(BIN)/python -m tests.bench.run_all
-	$(BIN)/python -m tests.bench.lengthening
 
 clean:
 	rm -rf $(VENV) .pytest_cache
