@@ -38,6 +38,9 @@ perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
 [profiles.removed]
 perturbers = [{{ name = "tool_removal", params = {{ which = "expected" }} }}]
 
+[profiles.python-text]
+perturbers = [{{ name = "format_rewrite", params = {{ return_format = "python", parse = "lenient" }} }}]
+
 [profiles.shadow-reversed]
 mode = "shadow"
 max_concurrent = 100
@@ -266,6 +269,40 @@ def test_semantic_flips_are_counted(proxy_factory, tmp_path):
     assert metric(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
     wait_for(lambda: len(results.read_rows(db)) == 3, what="rows")
     assert sum(bool(r["semantic_valid"]) and not r["valid"] for r in results.read_rows(db)) == expected_flips
+
+
+@pytest.mark.needs_corpus
+def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory, tmp_path):
+    """The upstream answers in text: decodable text is a call (scored), undecodable text is wrong_syntax."""
+    from scorers.corpus import case_request, load_case
+
+    db = tmp_path / "fmt.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    case = load_case("multiple_2")  # country_info.capital(country="Brazil")
+    texts = {"right": "[country_info.capital(country='Brazil')]",
+             "wrong": "[country_info.capital(country='Peru')]",
+             "fenced": "```python\n[country_info.capital(country='Brazil')]\n```",  # only lenient decodes it
+             "prose": "The capital of Brazil is Brasília."}
+    sent = {}
+    for kind, text in texts.items():
+        rid, message = send(proxy, "python-text", case_request(case), answer={"text": text}, case_header=case.id,
+                            stream=kind == "wrong")
+        sent[kind] = (rid, message)
+    assert sent["right"][1]["tool_calls"][0]["function"]["name"] == "country_info_capital"  # restored for the client
+    assert sent["fenced"][1].get("tool_calls")  # lenient parsing gave the client its call
+    wait_for(lambda: len(results.read_rows(db)) == len(texts), what="rows")
+    rows = {r["request_id"]: r for r in results.read_rows(db)}
+    got = {kind: (bool(rows[rid]["valid"]), rows[rid]["taxonomy"], bool(rows[rid]["fair_valid"]))
+           for kind, (rid, _) in sent.items()}
+    right, _ = expected_verdict(case, sent["right"][1])
+    wrong, wrong_error = expected_verdict(case, sent["wrong"][1])
+    prose, prose_error = expected_verdict(case, sent["prose"][1])
+    assert got["right"] == (right == "valid", None, True)
+    assert got["wrong"] == (wrong == "valid", wrong_error, False)
+    assert got["prose"] == (prose == "valid", prose_error, False) and prose_error == "wrong_syntax"
+    # BFCL's decoder rejects the fence (strict); the lenient decode that served the client passes `fair`
+    assert got["fenced"] == (False, "wrong_syntax", True)
+    assert [r["perturbers"][0]["report"]["decode"]["wrong_syntax"] for r in rows.values()].count(True) == 2
 
 
 @pytest.mark.needs_corpus
