@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -24,9 +24,9 @@ import httpx
 from scorers.backends import Backends, BackendError, Call, shared
 from scorers.convert import to_openai_tools, with_language_hints
 from scorers.decode import DecodeFailure, calls_from_message
-from scorers.multiturn import MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
+from scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
 
-__all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "run_case", "check", "tools_for"]
+__all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
 
 #: BFCL's user message for FC models when held-out functions are revealed (miss_func)
 ADDITIONAL_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
@@ -59,16 +59,30 @@ def _usage(body: Mapping[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+class _QueryFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
                  ) -> tuple[dict[str, Any], str | None, float]:
     t0 = time.perf_counter()
-    resp = await client.post(url, json=body, headers=headers)
+    try:
+        resp = await client.post(url, json=body, headers=headers)
+    except httpx.TimeoutException as exc:
+        raise _QueryFailed("timeout", f"{type(exc).__name__}: no answer from {url}") from None
+    except httpx.HTTPError as exc:
+        raise _QueryFailed("unreachable", f"{type(exc).__name__}: {exc}") from None
     latency_ms = (time.perf_counter() - t0) * 1000
     if resp.status_code != 200:
-        raise RuntimeError(f"HTTP {resp.status_code} from {url}: {resp.text[:300]}")
-    data = resp.json()
+        raise _QueryFailed(f"http_{resp.status_code}", f"HTTP {resp.status_code} from {url}: {resp.text[:300]}")
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
     if not isinstance(data, dict) or not data.get("choices"):
-        raise RuntimeError(f"{url} answered without choices")
+        raise _QueryFailed("bad_response", f"{url} answered without choices")
     return data, resp.headers.get("x-toolquake-request-id"), latency_ms
 
 
@@ -121,8 +135,9 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
                     body["tools"] = tools
                 try:
                     data, request_id, latency_ms = await _query(http, url, body, send_headers)
-                except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-                    result.error = f"turn {t}, step {n}: {type(exc).__name__}: {exc}"[:500]
+                except _QueryFailed as exc:
+                    result.error = f"turn {t}, step {n}: {exc}"[:500]
+                    result.error_code = exc.code
                     return result
                 message = data["choices"][0].get("message") or {}
                 assistant = _assistant_message(message, t, n)
@@ -149,3 +164,53 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
         if own_client:
             await http.aclose()
 
+
+
+def _summary(result: MultiTurnResult) -> dict[str, Any]:
+    """What a results row keeps of a run: per turn, each step's calls or why it made none (no results)."""
+    return {"turns": [[{"calls": s.calls} if s.calls else {"decode_error": s.decode_error} for s in turn]
+                      for turn in result.turns],
+            "force_terminated": result.force_terminated}
+
+
+async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.AsyncClient,
+                        headers: Mapping[str, str] | None = None, extra_body: Mapping[str, Any] | None = None,
+                        take: Callable[[str | None], Any] | None = None, strict: bool = False,
+                        backends: Backends | None = None) -> dict[str, Any]:
+    """One multi-turn (case, profile) pair for the replay driver: its results-row fields.
+
+    `status` is "scored" with BFCL's verdict (error type, taxonomy: state_mismatch, response_mismatch,
+    force_terminated, decode_failure), or "error" when the model could not be queried (retried on the
+    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy).
+    """
+    try:
+        result = await run_case(case, base_url, model=model, client=client, headers=headers, extra_body=extra_body,
+                                backends=backends)
+    except BackendError as exc:  # the simulators failed, not the model: retried on the next run
+        return {"status": "error", "error_code": "backend_error", "error": str(exc)[:500]}
+    steps = [s for turn in result.turns for s in turn]
+    applied: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for step in steps:
+        ex = take(step.request_id) if take is not None else None
+        outcome = getattr(ex, "outcome", None)
+        for a in getattr(outcome, "applied", None) or ():
+            applied[a.name] = applied.get(a.name, 0) + 1
+        for name in getattr(outcome, "failed", None) or ():
+            failed[str(name)] = failed.get(str(name), 0) + 1
+    fields: dict[str, Any] = {
+        "answer": _summary(result),
+        "perturbers": {"steps": len(steps), "applied": applied, "failed": failed},
+        "request_id": steps[0].request_id if steps else None,
+        "latency_ms": sum(s.latency_ms or 0.0 for s in steps) or None,
+        "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,
+        "completion_tokens": sum(s.completion_tokens or 0 for s in steps) or None,
+    }
+    if result.error is not None:
+        return {**fields, "status": "error", "error_code": result.error_code or "inference_error",
+                "error": result.error}
+    verdict = await asyncio.to_thread(check, case, result, strict=strict, backends=backends)
+    if verdict.error_type == BACKEND_ERROR:  # not the model's fault: retried on the next run
+        return {**fields, "status": "error", "error_code": "backend_error", "error": verdict.errors[0][:500]}
+    return {**fields, "status": "scored", "valid": verdict.valid, "error_type": verdict.error_type,
+            "taxonomy": verdict.taxonomy, "errors": list(verdict.errors)}

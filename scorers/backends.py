@@ -280,9 +280,13 @@ class Backends:
             raise BackendError(answer["error"])
         return answer
 
-    def request(self, *request: Any) -> dict[str, Any]:
+    def request(self, *request: Any, generation: int | None = None) -> dict[str, Any]:
+        """Send one request (starting the worker if needed); with `generation`, only to that worker."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            alive = self._proc is not None and self._proc.poll() is None
+            if generation is not None and (not alive or generation != self.generation):
+                raise BackendError("the backends worker was stopped or restarted: this world's state is gone")
+            if not alive:
                 self._kill()
                 self._start()
             return self._roundtrip(request)
@@ -312,34 +316,28 @@ class World:
         self.generation = generation
         self.methods = methods  # public method name → class name
 
-    def _check_alive(self) -> None:
-        if self.backends.generation != self.generation:
-            raise BackendError("the backends worker was restarted: this world's state is gone")
-
     def execute(self, calls: Iterable[Call]) -> list[str]:
         """Run calls in order; one result string per call (BFCL's strings, errors included)."""
         batch = [(c.name, tuple(c.args), dict(c.kwargs)) for c in calls]
         if not batch:
             return []
-        self._check_alive()
-        return self.backends.request("call", self.id, batch)["results"]
+        return self.backends.request("call", self.id, batch, generation=self.generation)["results"]
 
     def differences(self, ground_truth: World) -> list[dict[str, str]]:
         """BFCL's state check: public attributes of every ground-truth instance compared with `!=`."""
-        self._check_alive()
-        return self.backends.request("compare", self.id, ground_truth.id)["differences"]
+        if ground_truth.generation != self.generation:
+            raise BackendError("the two worlds live in different workers")
+        return self.backends.request("compare", self.id, ground_truth.id, generation=self.generation)["differences"]
 
     def state(self) -> dict[str, dict[str, str]]:
         """{class: {public attribute: repr (shortened)}} for reports."""
-        self._check_alive()
-        return self.backends.request("state", self.id)["state"]
+        return self.backends.request("state", self.id, generation=self.generation)["state"]
 
     def close(self) -> None:
-        if self.backends.generation == self.generation:
-            try:
-                self.backends.request("drop", self.id)
-            except BackendError:
-                pass
+        try:
+            self.backends.request("drop", self.id, generation=self.generation)
+        except BackendError:
+            pass  # the worker is gone, and the world with it
 
     def __enter__(self) -> World:
         return self

@@ -82,6 +82,7 @@ class MultiTurnResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     turns: list[list[Step]] = msgspec.field(default_factory=list)
     force_terminated: bool = False
     error: str | None = None            # the run stopped: the model could not be queried
+    error_code: str | None = None       # "unreachable", "timeout", "http_<status>", "bad_response"
 
 
 class MultiTurnVerdict(msgspec.Struct, frozen=True, kw_only=True):
