@@ -29,8 +29,9 @@ $(VENV)/.embeddings: $(VENV)/.core
 
 install-embeddings: $(VENV)/.embeddings
 
+# --with-backends: BFCL's multi-turn API simulators too (the cached wheel installed --no-deps)
 corpus: install
-	$(BIN)/toolquake corpus pull
+	$(BIN)/toolquake corpus pull --with-backends
 
 # promtool and prometheus (Debian package prometheus) for the deployment tests; CI runs as root
 tools:
