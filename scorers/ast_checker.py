@@ -33,6 +33,7 @@ PYTHON_TYPES: dict[str, type] = {
 }
 
 _STD = str.maketrans("", "", " ,./-_*^")
+_STRUCTURED = (str, dict, list)  # expected types with their own value check
 
 Equivalence = Callable[[str, str], bool]
 
@@ -47,11 +48,13 @@ class Verdict(msgspec.Struct, frozen=True):
 VALID = Verdict(valid=True)
 
 
-class _Fail(Exception):
-    """A check failed: BFCL's error type, a message, and (for parallel) the taxonomy of the closest call."""
+class _Fail:
+    """A failed check (returned, not raised): BFCL's error type, a message, and for parallel calls the
+    taxonomy of the closest call."""
+
+    __slots__ = ("error_type", "message", "taxonomy")
 
     def __init__(self, error_type: str, message: str, taxonomy: str | None = None):
-        super().__init__(message)
         self.error_type = error_type
         self.message = message
         self.taxonomy = taxonomy
@@ -90,8 +93,8 @@ class _Ctx:
 # --- value checks ----------------------------------------------------------------------------------
 
 
-def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested: type | None) -> bool:
-    """BFCL's type check; returns is_variable or raises _Fail."""
+def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested: type | None) -> bool | _Fail:
+    """BFCL's type check: is_variable, or the failure."""
     pat = _first_type(alts)
     is_var = pat is not None and pat != expected
     if type(value) == expected:  # noqa: E721 — an exact type test, as BFCL's
@@ -105,24 +108,24 @@ def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested:
                     continue
             return is_var
         if pat is not None and type(value) == pat:  # noqa: E721
-            raise _Fail("type_error:nested", f"{param!r}: items of {value!r} are not all "
+            return _Fail("type_error:nested", f"{param!r}: items of {value!r} are not all "
                                              f"{nested.__name__}")
-        raise _Fail("type_error:simple", f"{param!r}: expected {expected.__name__} of {nested.__name__}, "
+        return _Fail("type_error:simple", f"{param!r}: expected {expected.__name__} of {nested.__name__}, "
                                          f"got {value!r}")
     if pat is not None and type(value) == pat:  # noqa: E721
         return True
-    raise _Fail("type_error:simple", f"{param!r}: expected {expected.__name__}, got {type(value).__name__} "
+    return _Fail("type_error:simple", f"{param!r}: expected {expected.__name__}, got {type(value).__name__} "
                                      f"{value!r}")
 
 
-def _string_check(param: str, value: str, alts: list[Any], ctx: _Ctx) -> None:
+def _string_check(param: str, value: str, alts: list[Any], ctx: _Ctx) -> _Fail | None:
     target = std(value)
     strings = [a for a in alts if type(a) is str]
     if any(std(a) == target for a in strings):
-        return
+        return None
     if ctx.equiv is not None and any(a != "" and ctx.equiv(value, a) for a in strings):
-        return
-    raise _Fail("value_error:string", f"{param!r}: {value!r} is none of {alts!r} (normalised)")
+        return None
+    return _Fail("value_error:string", f"{param!r}: {value!r} is none of {alts!r} (normalised)")
 
 
 def _lists_equivalent(model: list[Any], expected: list[Any], ctx: _Ctx) -> bool:
@@ -136,16 +139,16 @@ def _lists_equivalent(model: list[Any], expected: list[Any], ctx: _Ctx) -> bool:
     return True
 
 
-def _list_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> None:
+def _list_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
     model = _std_all(value)
     expected = [_std_all(a) for a in alts]
     if model in expected:
-        return
+        return None
     if ctx.equiv is not None:
         raw_alts = [[a[j] for j in range(len(a))] for a in alts]
         if any(_lists_equivalent(list(value), alt, ctx) for alt in raw_alts):
-            return
-    raise _Fail("value_error:list/tuple", f"{param!r}: {value!r} is none of {alts!r}")
+            return None
+    return _Fail("value_error:list/tuple", f"{param!r}: {value!r} is none of {alts!r}")
 
 
 def _dict_one(value: dict[Any, Any], alt: Any, ctx: _Ctx) -> _Fail | None:
@@ -171,18 +174,18 @@ def _dict_one(value: dict[Any, Any], alt: Any, ctx: _Ctx) -> _Fail | None:
 
 
 def _dict_check(param: str, value: dict[Any, Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
-    failure = _Fail("dict_checker:unclear", f"{param!r}: no dict answer to compare {value!r} with")
+    failure = None
     for alt in alts:
         if alt == "":
             continue
         failure = _dict_one(value, alt, ctx)
         if failure is None:
             return None
-    return failure
+    return failure or _Fail("dict_checker:unclear", f"{param!r}: no dict answer to compare {value!r} with")
 
 
 def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
-    failure: _Fail | None = _Fail("list_dict_checker:unclear", f"{param!r}: no answer to compare with")
+    failure: _Fail | None = None
     for alt in alts:
         if len(value) != len(alt):
             failure = _Fail("value_error:list_dict_count", f"{param!r}: {len(value)} dicts, expected {len(alt)}")
@@ -193,7 +196,7 @@ def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -
                 break
         else:
             return None
-    return failure
+    return failure or _Fail("list_dict_checker:unclear", f"{param!r}: no answer to compare with")
 
 
 # --- one call --------------------------------------------------------------------------------------
@@ -269,90 +272,74 @@ class _Expected:
             self.must_error = exc
 
 
-def _source_value(param: str, value: Any, spec: _Param, ctx: _Ctx) -> Any:
-    java = ctx.language == "java"
-    if type(value) is not str:
-        label = "java" if java else "js"
-        raise _Fail(f"type_error:{label}", f"{param!r}: expected source text (a string), got "
-                                           f"{type(value).__name__} {value!r}")
-    convert = langtypes.java_convert if java else langtypes.js_convert
-    if spec.item_type is not None:
-        return convert(value, spec.kind, spec.item_type)
-    return convert(value, spec.kind)
-
-
-def _check_call(exp: _Expected, call: dict[str, Any], ctx: _Ctx) -> None:
+def _check_call(exp: _Expected, call: dict[str, Any], ctx: _Ctx) -> _Fail | None:
+    """BFCL's simple_function_checker for one produced call against one expected call."""
     if exp.error is not None:
         raise exp.error
     if call["name"] != exp.name:
-        raise _Fail("simple_function_checker:wrong_func_name", f"expected {exp.name!r}, got {call['name']!r}")
+        return _Fail("simple_function_checker:wrong_func_name", f"expected {exp.name!r}, got {call['name']!r}")
     args = call["arguments"]
     for required in exp.required:
         if required not in args:
-            raise _Fail("simple_function_checker:missing_required", f"missing required parameter {required!r}")
+            return _Fail("simple_function_checker:missing_required", f"missing required parameter {required!r}")
     python = ctx.python
     params = exp.params
     for param, value in args.items():
         spec = params.get(param)
         if spec is None:
-            raise _Fail("simple_function_checker:unexpected_param", f"unexpected parameter {param!r}")
+            return _Fail("simple_function_checker:unexpected_param", f"unexpected parameter {param!r}")
         if spec.error is not None:
             raise spec.error
-        if not python:
-            value = _source_value(param, value, spec, ctx)
         kind = spec.kind
-        expected = spec.expected
-        if python and type(value) is int and kind == "float":
+        if not python:
+            if type(value) is not str:
+                return _Fail(f"type_error:{'java' if ctx.language == 'java' else 'js'}",
+                             f"{param!r}: expected source text (a string), got {type(value).__name__} {value!r}")
+            convert = langtypes.java_convert if ctx.language == "java" else langtypes.js_convert
+            value = convert(value, kind) if spec.item_type is None else convert(value, kind, spec.item_type)
+        elif type(value) is int and kind == "float":
             value = float(value)
-        elif kind == "tuple" and type(value) is tuple:
+        if kind == "tuple" and type(value) is tuple:
             value = list(value)
+        expected = spec.expected
         # BFCL's type check, inlined for the common scalar case
         if type(value) is expected and spec.nested is None:
             is_var = spec.var0
         else:
             is_var = _type_check(param, value, spec.alts, expected, spec.nested)
-        if not is_var:
+            if type(is_var) is _Fail:
+                return is_var
+        if not is_var and expected in _STRUCTURED:
             if expected is str:
                 if value.translate(_STD).lower().replace("'", '"') in spec.strings:
                     continue
-                _string_check(param, value, spec.alts, ctx)
-                continue
-            if expected is dict:
+                failure = _string_check(param, value, spec.alts, ctx)
+            elif expected is dict:
                 failure = _dict_check(param, value, spec.alts, ctx)
-                if failure is not None:
-                    raise failure
+            elif spec.nested is dict:
+                failure = _list_dict_check(param, value, spec.alts, ctx)
+            elif _std_all(value) in spec.lists():
                 continue
-            if expected is list:
-                if spec.nested is dict:
-                    failure = _list_dict_check(param, value, spec.alts, ctx)
-                    if failure is not None:
-                        raise failure
-                    continue
-                if _std_all(value) in spec.lists():
-                    continue
-                _list_check(param, value, spec.alts, ctx)
-                continue
+            else:
+                failure = _list_check(param, value, spec.alts, ctx)
+            if failure is not None:
+                return failure
+            continue
+        # variables and scalars: exact membership, no normalisation
         if value not in spec.alts:
-            raise _Fail("value_error:others", f"{param!r}: {value!r} is none of {spec.alts!r}")
+            return _Fail("value_error:others", f"{param!r}: {value!r} is none of {spec.alts!r}")
     if exp.must_error is not None:
         raise exp.must_error
     for param in exp.must:
         if param not in args:
-            raise _Fail("simple_function_checker:missing_optional", f"missing expected parameter {param!r}")
+            return _Fail("simple_function_checker:missing_optional", f"missing expected parameter {param!r}")
+    return None
 
 
 def _find_doc(docs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     for doc in docs:
         if doc["name"] == name:
             return doc
-    return None
-
-
-def _call_ok(exp: _Expected, call: dict[str, Any], ctx: _Ctx) -> _Fail | None:
-    try:
-        _check_call(exp, call, ctx)
-    except _Fail as failure:
-        return failure
     return None
 
 
@@ -364,33 +351,34 @@ def _closest_taxonomy(failures: list[_Fail]) -> str:
     return WRONG_FUNCTION
 
 
-def _parallel_greedy(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> None:
+def _parallel_greedy(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> _Fail | None:
     matched: set[int] = set()
     for i, exp in enumerate(expected):
         failures: list[_Fail] = []
         for index, call in enumerate(calls):
             if index in matched:
                 continue
-            failure = _call_ok(exp, call, ctx)
+            failure = _check_call(exp, call, ctx)
             if failure is None:
                 matched.add(index)
                 break
             failures.append(failure)
         else:
             detail = "; ".join(f"{f.error_type}: {f.message}" for f in failures[:4])
-            raise _Fail("parallel_function_checker_no_order:cannot_find_match",
-                        f"no produced call matches expected call #{i} ({exp.gt_name}): {detail}",
-                        _closest_taxonomy(failures))
+            return _Fail("parallel_function_checker_no_order:cannot_find_match",
+                         f"no produced call matches expected call #{i} ({exp.gt_name}): {detail}",
+                         _closest_taxonomy(failures))
+    return None
 
 
-def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> None:
+def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> _Fail | None:
     """Order-free matching with backtracking (augmenting paths over the compatibility graph)."""
     ok: list[list[bool]] = []
     failures: list[list[_Fail]] = []
     for exp in expected:
         row, row_failures = [], []
         for call in calls:
-            failure = _call_ok(exp, call, ctx)
+            failure = _check_call(exp, call, ctx)
             row.append(failure is None)
             if failure is not None:
                 row_failures.append(failure)
@@ -411,9 +399,10 @@ def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], c
     for g, exp in enumerate(expected):
         if not augment(g, [False] * len(calls)):
             detail = "; ".join(f"{f.error_type}: {f.message}" for f in failures[g][:4])
-            raise _Fail("parallel_function_checker_no_order:cannot_find_match",
-                        f"no assignment of produced calls satisfies expected call #{g} ({exp.gt_name}): "
-                        f"{detail}", _closest_taxonomy(failures[g]))
+            return _Fail("parallel_function_checker_no_order:cannot_find_match",
+                         f"no assignment of produced calls satisfies expected call #{g} ({exp.gt_name}): "
+                         f"{detail}", _closest_taxonomy(failures[g]))
+    return None
 
 
 class _Compiled:
@@ -434,24 +423,22 @@ class _Compiled:
             docs = [functions[0]] if ground_truth else []
         self.expected = [_Expected(doc, g, language, u2d) for doc, g in zip(docs, ground_truth)]
 
-    def run(self, calls: list[dict[str, Any]], ctx: _Ctx, mode: str) -> None:
-        """Raise _Fail unless the calls pass (BFCL's dispatch by category)."""
+    def run(self, calls: list[dict[str, Any]], ctx: _Ctx, mode: str) -> _Fail | None:
+        """None when the calls pass, else the failure (BFCL's dispatch by category)."""
         kind = self.kind
         if kind == "simple":
             if len(calls) != 1:
-                raise _Fail("simple_function_checker:wrong_count", f"{len(calls)} calls, expected 1")
-            _check_call(self.expected[0], calls[0], ctx)
-            return
+                return _Fail("simple_function_checker:wrong_count", f"{len(calls)} calls, expected 1")
+            return _check_call(self.expected[0], calls[0], ctx)
         expected_count = len(self.ground_truth)
         if len(calls) != expected_count:
-            raise _Fail(f"{'parallel_function_checker_no_order' if kind == 'parallel' else 'multiple_function_checker'}"
-                        ":wrong_count", f"{len(calls)} calls, expected {expected_count}")
+            checker = "parallel_function_checker_no_order" if kind == "parallel" else "multiple_function_checker"
+            return _Fail(f"{checker}:wrong_count", f"{len(calls)} calls, expected {expected_count}")
         if kind == "multiple":
-            _check_call(self.expected[0], calls[0], ctx)
-        elif mode == "bfcl":
-            _parallel_greedy(self.expected, calls, ctx)
-        else:
-            _parallel_matching(self.expected, calls, ctx)
+            return _check_call(self.expected[0], calls[0], ctx)
+        if mode == "bfcl":
+            return _parallel_greedy(self.expected, calls, ctx)
+        return _parallel_matching(self.expected, calls, ctx)
 
 
 _COMPILED: dict[tuple[int, int, str, str, bool], _Compiled] = {}
@@ -479,8 +466,19 @@ def language_of(category: str) -> str:
     return "python"
 
 
+_CLASSES: dict[str, str | None] = {}
+
+
 def _failed(error_type: str, message: str, taxonomy: str | None = None) -> Verdict:
-    return Verdict(valid=False, error_type=error_type, errors=[message], taxonomy=taxonomy or classify(error_type))
+    if taxonomy is None:
+        taxonomy = _CLASSES.get(error_type)
+        if taxonomy is None:
+            taxonomy = _CLASSES[error_type] = classify(error_type)
+    return Verdict(False, error_type, [message], taxonomy)
+
+
+def _crashed(exc: Exception) -> Verdict:
+    return _failed(CHECKER_ERROR, f"the checker cannot score this answer: {type(exc).__name__}: {exc}"[:500])
 
 
 _PLANS: dict[str, str] = {}
@@ -528,12 +526,10 @@ def check_calls(functions: list[dict[str, Any]], ground_truth: Any, category: st
         equivalence = default_equivalence()
     ctx = _Ctx(plan, equivalence if mode == "semantic" else None)
     try:
-        _compiled(functions, ground_truth, dispatch or category, plan, underscore_to_dot).run(calls, ctx, mode)
-    except _Fail as exc:
-        return _failed(exc.error_type, exc.message, exc.taxonomy)
+        failure = _compiled(functions, ground_truth, dispatch or category, plan, underscore_to_dot).run(calls, ctx, mode)
     except Exception as exc:  # noqa: BLE001 — where BFCL's checker would crash, an invalid verdict
-        return _failed(CHECKER_ERROR, f"the checker cannot score this answer: {type(exc).__name__}: {exc}"[:500])
-    return VALID
+        return _crashed(exc)
+    return VALID if failure is None else _failed(failure.error_type, failure.message, failure.taxonomy)
 
 
 _NOT_AST = frozenset(MULTI_TURN_CATEGORIES + AGENTIC_CATEGORIES)
@@ -567,12 +563,10 @@ def check(case: Any, calls: Any, mode: str = "bfcl", *, underscore_to_dot: bool 
     compiled = entry[1]
     if compiled is not None and mode == "bfcl" and not underscore_to_dot and is_well_formed(calls):
         try:
-            compiled.run(calls, entry[2], mode)  # type: ignore[arg-type]
-        except _Fail as exc:
-            return _failed(exc.error_type, exc.message, exc.taxonomy)
+            failure = compiled.run(calls, entry[2], mode)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 — as in check_calls
-            return _failed(CHECKER_ERROR, f"the checker cannot score this answer: {type(exc).__name__}: {exc}"[:500])
-        return VALID
+            return _crashed(exc)
+        return VALID if failure is None else _failed(failure.error_type, failure.message, failure.taxonomy)
     dispatch = case.extra.get("original_id") if case.category == "format_sensitivity" else None
     return check_calls(case.functions, case.ground_truth, case.category, calls, mode, dispatch=dispatch,
                        underscore_to_dot=underscore_to_dot, equivalence=equivalence)
