@@ -10,6 +10,7 @@ its output is compared with ours.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import shutil
@@ -423,7 +424,10 @@ def test_replay_is_an_indexed_job_whose_shards_cover_the_corpus_once() -> None:
     merge = objects_by_key(K8S / "overlays" / "replay-merge")["Job", "toolquake-report"]
     (merger,) = pod_spec(merge)["containers"]
     assert merger["command"] == ["toolquake", "report"]
-    assert {a for a in merger["args"] if a.startswith(results_mount + "/")} == outs
+    dirs = list(itertools.takewhile(lambda a: not a.startswith("--"), merger["args"]))
+    assert set(dirs) == outs and len(dirs) == n
+    report = merger["args"][merger["args"].index("--out") + 1]
+    assert report.startswith(results_mount + "/") and not any(report.startswith(o + "/") for o in outs)
     (merge_volume,) = [v for v in pod_spec(merge)["volumes"] if "persistentVolumeClaim" in v]
     assert merge_volume["persistentVolumeClaim"]["claimName"] == claim
 
@@ -432,14 +436,53 @@ def test_replay_is_an_indexed_job_whose_shards_cover_the_corpus_once() -> None:
     assert set(profiles) - {"off"} <= set(tomllib.loads(profiles_toml())["profiles"])
 
 
-def test_container_command_lines_parse_with_the_real_cli() -> None:
-    """Every toolquake command line in the manifests is accepted by `toolquake`'s own parser."""
-    replay = pod_spec(objects_by_key(K8S / "overlays" / "replay")["Job", "toolquake-replay"])["containers"][0]
-    merge = pod_spec(objects_by_key(K8S / "overlays" / "replay-merge")["Job", "toolquake-report"])["containers"][0]
+def _replay_job() -> tuple[dict[str, Any], dict[str, Any]]:
+    job = objects_by_key(K8S / "overlays" / "replay")["Job", "toolquake-replay"]
+    return job, pod_spec(job)["containers"][0]
+
+
+def _replay_argv(container: dict[str, Any], index: int) -> list[str]:
+    return _expand(container["command"][1:] + container["args"], {"JOB_COMPLETION_INDEX": str(index)})
+
+
+def test_replay_command_line_parses_with_the_real_cli() -> None:
+    """Each pod's `toolquake replay` line is accepted by the CLI, names its own shard, and asks for
+    profiles the mounted ConfigMap defines."""
     _needs_command("proxy.cmd_replay")
-    _needs_command("proxy.cmd_report")
+    from proxy.replay import expand_profiles, parse_shard
+
+    job, container = _replay_job()
+    n = job["spec"]["completions"]
     parser = _cli_parser()
-    for container in (replay, merge):
-        argv = _expand(container["command"][1:] + container["args"], {"JOB_COMPLETION_INDEX": "3"})
-        parsed = parser.parse_args(argv)
+    known = ["off", *tomllib.loads(profiles_toml())["profiles"]]
+    for index in range(n):
+        parsed = parser.parse_args(_replay_argv(container, index))
         assert callable(parsed.func)
+        assert parse_shard(parsed.shard, env={}) == (index, n)
+        assert expand_profiles(parsed.profiles, known) == parsed.profiles.split(",")
+
+
+@pytest.mark.needs_corpus
+def test_replay_shards_cover_the_selected_cases_exactly_once() -> None:
+    _needs_command("proxy.cmd_replay")
+    from proxy.replay import parse_shard, select_cases
+
+    job, container = _replay_job()
+    parser = _cli_parser()
+    n = job["spec"]["completions"]
+    shards = []
+    for index in range(n):
+        parsed = parser.parse_args(_replay_argv(container, index))
+        categories = parsed.categories.split(",")
+        shards.append([c.id for c in select_cases(categories, parsed.limit, parse_shard(parsed.shard, env={}))])
+    everything = [c.id for c in select_cases(categories, parsed.limit, None)]
+    assert all(shards), "a shard with no case"
+    assert sorted(i for shard in shards for i in shard) == sorted(everything)
+    assert len(set(everything)) == len(everything)
+
+
+def test_merge_command_line_parses_with_the_real_cli() -> None:
+    _needs_command("proxy.cmd_report")
+    merge = pod_spec(objects_by_key(K8S / "overlays" / "replay-merge")["Job", "toolquake-report"])["containers"][0]
+    parsed = _cli_parser().parse_args(merge["command"][1:] + merge["args"])
+    assert callable(parsed.func)
