@@ -41,14 +41,12 @@ class FillerItem:
     calls: tuple[tuple[str, str], ...]     # (OpenAI-safe function name, arguments as JSON text)
     results: tuple[str, ...]               # a plausible JSON result per call
     costs: tuple[int, int]                 # estimate tokens as (unstructured, structured) turns
+    said: str = ""                         # the assistant's prose answer (unstructured setting)
 
     def messages(self, setting: str, ids: list[str]) -> list[dict[str, Any]]:
         """The item as earlier turns of a conversation; `ids` gives one tool_call id per call."""
         if setting == "unstructured":
-            said = "; ".join(f"{name}({_args_text(args)}) returned {result}"
-                             for (name, args), result in zip(self.calls, self.results))
-            return [{"role": "user", "content": self.query},
-                    {"role": "assistant", "content": f"Done: {said}."}]
+            return [{"role": "user", "content": self.query}, {"role": "assistant", "content": self.said}]
         calls = [{"id": i, "type": "function", "function": {"name": name, "arguments": args}}
                  for i, (name, args) in zip(ids, self.calls)]
         out: list[dict[str, Any]] = [{"role": "user", "content": self.query},
@@ -112,10 +110,12 @@ def _item(case: Any) -> FillerItem | None:
             results.append(json.dumps(_result(name, args, rng), ensure_ascii=False))
     if not calls:
         return None
-    item = FillerItem(case.id, users[-1]["content"], tuple(calls), tuple(results), (0, 0))
+    said = "Done: " + "; ".join(f"{name}({_args_text(args)}) returned {result}"
+                                for (name, args), result in zip(calls, results)) + "."
+    item = FillerItem(case.id, users[-1]["content"], tuple(calls), tuple(results), (0, 0), said)
     ids = [ID_PLACEHOLDER] * len(calls)
     costs = tuple(messages_cost(item.messages(s, ids)) for s in SETTINGS)
-    return FillerItem(item.case_id, item.query, item.calls, item.results, costs)  # type: ignore[arg-type]
+    return FillerItem(item.case_id, item.query, item.calls, item.results, costs, said)  # type: ignore[arg-type]
 
 
 def _result(name: str, args: dict[str, Any], rng: random.Random) -> dict[str, Any]:
