@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import threading
 from fractions import Fraction
 
@@ -10,6 +13,7 @@ import pytest
 
 from proxy import results
 from proxy.results import ResultsStore, Row, StoreError
+from tests.conftest import ROOT
 
 
 def _row(**kw) -> Row:
@@ -160,3 +164,20 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
     text = results.format_summary(s)
     assert "| expanded | 4 | 25.0% (-67%) | 0 |" in text
     assert "| sh | 4 | 2 | 1 | 1 | 75.0% |" in text
+
+
+def test_report_db_prints_the_summary(tmp_path):
+    path = tmp_path / "cli.sqlite"
+    store = ResultsStore(path)
+    for i, (profile, valid) in enumerate([("off", True), ("off", True), ("expanded", True), ("expanded", False)]):
+        store.append(_row(request_id=f"r{i}", profile=profile, case_id=f"multiple_{i}", category="multiple",
+                          valid=valid, taxonomy=None if valid else "wrong_function"))
+    store.close()
+    run = [sys.executable, "-m", "proxy", "report", "--db", str(path)]
+    as_json = subprocess.run([*run, "--format", "json"], capture_output=True, text=True, cwd=ROOT)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == json.loads(json.dumps(results.summarize(path)))
+    as_md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
+    assert as_md.returncode == 0 and as_md.stdout == results.format_summary(results.summarize(path))
+    missing = subprocess.run([*run[:-1], str(tmp_path / "nope.sqlite")], capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "no results file" in missing.stderr
