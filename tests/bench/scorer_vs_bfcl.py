@@ -8,7 +8,9 @@ mostly wrong answers, so error paths are measured too). Both checkers get alread
 `check(case, calls)` → Verdict, BFCL's `ast_checker(...)` → result dict, exactly as its runner calls it.
 Rounds alternate ours/BFCL; CPU time (process_time) per verdict, median over rounds; the ratio is
 BFCL / ours (> 1: ours is faster). The verdicts are compared too (any disagreement is printed).
-Writes JSON + Markdown to --out.
+Then the extra modes on the same answers plus "reversed" (each ground truth with its calls in reverse
+order): how many verdicts `fair` and `semantic` flip against `bfcl` (semantic with normalisation only
+unless --embeddings). Writes JSON + Markdown to --out.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from scorers import corpus, mutations
 from scorers.ast_checker import CHECKER_ERROR, check, language_of
+from scorers.semantic import SemanticMatcher
 from scorers.bfcl_reference import PLAIN_MODEL, Reference
 
 TARGET_RATIO = 10.0
@@ -76,11 +79,35 @@ def _disagreements(reference: Reference, items: list[tuple[Any, ...]]) -> int:
     return bad
 
 
+def _flips(sets: dict[str, list[tuple[Any, ...]]], embeddings: bool) -> list[dict[str, Any]]:
+    matcher = SemanticMatcher(embeddings=embeddings)
+    answers = dict(sets)
+    answers["reversed"] = [(case, list(reversed(calls)), None, None) for case, calls, _, _ in sets["gt"]
+                           if len(calls) > 1]
+    rows = []
+    for name, items in answers.items():
+        counts = {"set": name, "answers": len(items), "bfcl_valid": 0, "fair_valid": 0, "semantic_valid": 0,
+                  "fair_flips": 0, "semantic_flips": 0}
+        for case, calls, _, _ in items:
+            base = check(case, calls).valid
+            fair = check(case, calls, "fair").valid
+            sem = check(case, calls, "semantic", equivalence=matcher).valid
+            counts["bfcl_valid"] += base
+            counts["fair_valid"] += fair
+            counts["semantic_valid"] += sem
+            counts["fair_flips"] += fair != base
+            counts["semantic_flips"] += sem != base
+        rows.append(counts)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutations", type=int, default=10, help="mutated answers per case (default 10)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default 5)")
     parser.add_argument("--out", default="bench-results", help="directory for scorer_vs_bfcl.{json,md}")
+    parser.add_argument("--embeddings", action="store_true",
+                        help="semantic flips with the embedding model too (slow on CPU; default: normalisation)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="toolquake-bfcl-") as tmp:
@@ -102,13 +129,20 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['set']} | {r['verdicts']} | {r['ours_us']:.2f} | {r['bfcl_us']:.2f} | "
                      f"{r['ratio']:.2f}× | {r['disagreements']} |")
+    flips = _flips(sets, args.embeddings)
+    lines += ["", f"| answers | count | bfcl valid | fair valid | semantic valid{'' if args.embeddings else ' (normalisation)'}"
+              " | fair flips | semantic flips |", "|---|---|---|---|---|---|---|"]
+    for f in flips:
+        lines.append(f"| {f['set']} | {f['answers']} | {f['bfcl_valid']} | {f['fair_valid']} | {f['semantic_valid']} | "
+                     f"{f['fair_flips']} | {f['semantic_flips']} |")
     table = "\n".join(lines)
     print(table)
     print(f"target: ours ≥ {TARGET_RATIO:.0f}× faster; CPU time, median of {args.rounds} alternating rounds, "
           f"{platform.python_implementation()} {platform.python_version()}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scorer_vs_bfcl.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds}, indent=2))
+    (out / "scorer_vs_bfcl.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds, "flips": flips},
+                                                        indent=2))
     (out / "scorer_vs_bfcl.md").write_text(table + "\n")
     return 0
 
