@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import subprocess
 import sys
@@ -385,3 +386,19 @@ def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) 
     assert report["counter"] == "upstream" and report["tokens_total"] == total
     assert abs(total - 20_000) <= 1_000, total
     check_tool_call_ids(out["messages"])
+
+
+@pytest.mark.parametrize("profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)])
+def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
+    """Replays in another process (another hash seed) perturb byte for byte the same way."""
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(tool_request()))
+    outs = []
+    for hash_seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-m", "proxy", "perturb", "--profile", profile, "--request", str(req),
+                               "--seed", "9"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1]
+    assert json.loads(outs[0]) != tool_request()
