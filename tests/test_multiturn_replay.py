@@ -161,3 +161,40 @@ def test_an_upstream_failure_is_an_inference_error(tmp_path: Path, backends: Bac
     result = asyncio.run(run_case(c, "http://127.0.0.1:9/v1", backends=backends, timeout_s=5))
     assert result.error and "turn 0, step 0" in result.error
     assert mt.check(c, result, backends=backends).error_type == mt.INFERENCE_ERROR
+
+
+def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, tmp_path: Path) -> None:
+    """`toolquake replay` on multi_turn_base: base_0 (wrong directory) and base_1 (ground truth), two arms."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "replay"
+    proc = subprocess.run([sys.executable, "-m", "proxy", "replay", "--backend", f"{model.url}/v1",
+                           "--categories", "multi_turn_base", "--limit", "2", "--profiles", "off,shuffled",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    db = sqlite3.connect(out / "replay.sqlite")
+    rows = db.execute("SELECT case_id, profile, status, valid, error_type, taxonomy, answer, perturbers "
+                      "FROM results ORDER BY case_id, profile").fetchall()
+    assert [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
+        ("multi_turn_base_0", "off", "scored", 0, mt.STATE_MISMATCH, mt.STATE),
+        ("multi_turn_base_0", "shuffled", "scored", 0, mt.STATE_MISMATCH, mt.STATE),
+        ("multi_turn_base_1", "off", "scored", 1, None, None),
+        ("multi_turn_base_1", "shuffled", "scored", 1, None, None),
+    ]
+    answer, perturbers = json.loads(rows[3][6]), json.loads(rows[3][7])
+    assert len(answer["turns"]) == len(load("multi_turn_base_1").turns)
+    steps = sum(len(turn) for turn in answer["turns"])
+    assert perturbers["steps"] == steps and perturbers["applied"] == {"tool_order": steps}
+    assert json.loads(rows[2][7])["applied"] == {}
+    # `toolquake report`: accuracy per profile and category, and the multi-turn error breakdown
+    report = subprocess.run([sys.executable, "-m", "proxy", "report", str(out), "--format", "json", "--no-plots"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    arms = next(iter(json.loads(report.stdout)["models"].values()))["arms"]
+    for profile in ("off", "shuffled"):
+        assert arms[profile]["by_category"]["multi_turn_base"]["accuracy"] == 0.5
+        assert arms[profile]["errors"] == {mt.STATE: 1}
