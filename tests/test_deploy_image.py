@@ -250,9 +250,10 @@ def emulate_build(scratch: Path, build_args: dict[str, str]) -> EmulatedImage:
 
 @pytest.mark.slow
 def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: Path) -> None:
+    """Built with BAKE_CORPUS=1; the server then finds the baked corpus without any download."""
     scratch = tmp_path / "image"
     scratch.mkdir()
-    image = emulate_build(scratch, {})
+    image = emulate_build(scratch, {"BAKE_CORPUS": "1"})
     binary = shutil.which(image.entrypoint[0], path=image.runtime_env["PATH"])
     assert binary and str(scratch) in binary, "the entrypoint comes from the image's virtual environment"
 
@@ -281,6 +282,14 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
         assert "toolquake_requests_total" in httpx.get(f"{url}/metrics").text
+        # the corpus baked into the image's cache is what the proxy loads its case index from
+        baked = Path(image.runtime_env["TOOLQUAKE_CACHE"])
+        assert str(baked).startswith(str(scratch)) and any(baked.glob("bfcl/*/BFCL_v4_*.json"))
+        deadline = time.monotonic() + 90
+        while not re.search(r"^toolquake_corpus_cases [1-9]", httpx.get(f"{url}/metrics").text, re.M):
+            assert time.monotonic() < deadline, "the proxy never loaded the baked corpus"
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
         # the server imported the installed wheel, not the checkout
         site = next(scratch.rglob("site-packages/proxy/profiles.toml"))
         assert site.is_file()
