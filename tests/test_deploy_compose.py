@@ -107,7 +107,7 @@ def test_read_only_proxies_get_a_writable_cache_volume() -> None:
     named = set(compose()["volumes"])
     for name in ("toolquake", "toolquake-cpu"):
         svc = services()[name]
-        assert svc["read_only"] is True and "/tmp" in svc["tmpfs"]
+        assert svc["read_only"] is True and "/tmp" in svc["tmpfs"] and svc["environment"]["HOME"] == "/tmp"
         mounts = [v.split(":")[:2] for v in svc["volumes"]]
         assert any(src in named and dst == env["TOOLQUAKE_CACHE"] for src, dst in mounts), \
             f"{name}: the cache directory {env['TOOLQUAKE_CACHE']} must be a named volume"
