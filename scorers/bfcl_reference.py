@@ -8,6 +8,7 @@ Calls are translated to BFCL's shape (`[{name: {param: value}}]`) and verdicts b
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -69,6 +70,10 @@ def _install_stubs() -> None:
     _stub("tenacity", retry=_identity_decorator, retry_if_exception_message=_Anything,
           retry_if_exception_type=_Anything, wait_random_exponential=_Anything)
     _stub("tree_sitter", Language=_Anything, Parser=_Anything)
+    try:
+        import filelock  # noqa: F401 — present with most installs; only a lock class is needed
+    except ImportError:
+        _stub("filelock", FileLock=_Anything)
     _stub("tree_sitter_java", language=lambda: None)
     _stub("tree_sitter_javascript", language=lambda: None)
 
@@ -81,6 +86,8 @@ class Reference:
         if str(target) not in sys.path:
             sys.path.insert(0, str(target))
         _install_stubs()
+        # BFCL creates result/score/lock folders under its project root at import: keep them in `target`
+        os.environ["BFCL_PROJECT_ROOT"] = str(target)
         from bfcl_eval.constants.enums import Language, ReturnFormat
         from bfcl_eval.eval_checker.ast_eval import ast_checker
 

@@ -37,7 +37,7 @@ Calls = list[dict[str, Any]]
 _TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
 
 
-class _Unsupported(Exception):
+class _Unsupported(ValueError):
     pass
 
 
@@ -225,7 +225,10 @@ def _to_call(node: ast.Call) -> dict[str, Any]:
 
 
 def prepare_text(text: str, tool_call_tag: bool = False) -> str:
-    """BFCL's pre-processing: strip backticks/newlines/spaces, wrap in [ ], optional <TOOLCALL> extraction."""
+    """BFCL's pre-processing: strip backticks/newlines/spaces, wrap in [ ], optional <TOOLCALL> extraction.
+
+    ValueError when a <TOOLCALL> block is required and missing.
+    """
     text = text.strip("`\n ")
     if not text.startswith("["):
         text = "[" + text
