@@ -390,6 +390,7 @@ def _category_cases(category: str) -> tuple[tuple[Case, ...], dict[str, Case]]:
 def _clear_caches() -> None:
     _category_cases.cache_clear()
     class_docs.cache_clear()
+    _format_sensitivity_case.cache_clear()
 
 
 def load_category(name: str) -> list[Case]:
@@ -414,16 +415,11 @@ def category_of(case_id: str) -> str:
 
 
 def load_case(case_id: str) -> Case:
-    """Any case by id (format-sensitivity ids resolve to their original case, with the config in extra)."""
+    """Any case by id. A format-sensitivity id gives its original case under category
+    `format_sensitivity`, with `format_config` and `original_id` in extra."""
     category = category_of(case_id)
     if category == "format_sensitivity":
-        parts = case_id.split(":", 2)
-        if len(parts) != 3:
-            raise LookupError(f"{case_id!r}: format-sensitivity ids look like "
-                              "format_sensitivity_<i>:<config>:<original id>")
-        original = load_case(parts[2])
-        extra = {**original.extra, "format_config": parts[1], "original_id": original.id}
-        return msgspec.structs.replace(original, id=case_id, extra=extra)
+        return _format_sensitivity_case(case_id)
     if category not in CATEGORIES:
         raise LookupError(f"unknown case id {case_id!r}: no category {category!r} "
                           "(`toolquake corpus list` shows the categories)")
@@ -431,6 +427,17 @@ def load_case(case_id: str) -> Case:
     if case is None:
         raise LookupError(f"unknown case id {case_id!r}: no such entry in {category}")
     return case
+
+
+@functools.lru_cache(maxsize=8192)
+def _format_sensitivity_case(case_id: str) -> Case:
+    parts = case_id.split(":", 2)
+    if len(parts) != 3:
+        raise LookupError(f"{case_id!r}: format-sensitivity ids look like "
+                          "format_sensitivity_<i>:<config>:<original id>")
+    original = load_case(parts[2])
+    extra = {**original.extra, "format_config": parts[1], "original_id": original.id}
+    return msgspec.structs.replace(original, id=case_id, category="format_sensitivity", extra=extra)
 
 
 def format_sensitivity_ids() -> dict[str, list[str]]:

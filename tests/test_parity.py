@@ -217,3 +217,19 @@ def _deep(value: Any) -> Any:
     if isinstance(value, list):
         return [_deep(v) for v in value]
     return value
+
+
+def test_format_sensitivity_cases_dispatch_on_their_original_id(reference: Reference) -> None:
+    config = "ret_fmt=python&tool_call_tag=True&func_doc_fmt=json&prompt_fmt=plaintext&style=classic"
+    compared = 0
+    for i, (category, ids) in enumerate(corpus.format_sensitivity_ids().items()):
+        for original in ids[:5]:
+            case = corpus.load_case(f"format_sensitivity_{i}:{config}:{original}")
+            assert case.category == "format_sensitivity" and case.extra["original_id"] == original
+            for calls in mutations.answers(case, 5):
+                ours = check(case, calls)
+                theirs = reference.check(case.functions, case.ground_truth, case.category, calls, "python",
+                                         dispatch=original)
+                assert (ours.valid, ours.error_type) == theirs, (case.id, calls)
+                compared += 1
+    assert compared == 8 * 5 * 6

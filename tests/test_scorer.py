@@ -312,3 +312,18 @@ def test_score_cli_keeps_input_order_and_counts_bad_lines(tmp_path: Path) -> Non
     summary = json.loads(fair.stdout)
     assert summary["overall"]["total"] == 9 and summary["overall"]["input_errors"] == 5
     assert summary["categories"]["parallel"] == {"total": 1, "valid": 1, "flipped_to_valid": 1, "accuracy": 1.0}
+
+
+@pytest.mark.needs_corpus
+def test_score_cli_reads_the_tag_flag_of_format_sensitivity_ids() -> None:
+    config = "ret_fmt=python&tool_call_tag=True&func_doc_fmt=xml&prompt_fmt=plaintext&style=classic"
+    fs_id = f"format_sensitivity_3:{config}:simple_python_0"
+    json_id = fs_id.replace("ret_fmt=python", "ret_fmt=json")
+    tagged = "Here: <TOOLCALL>[calculate_triangle_area(base=10, height=5)]</TOOLCALL>"
+    lines = [json.dumps({"id": fs_id, "text": tagged}),
+             json.dumps({"id": fs_id, "text": "[calculate_triangle_area(base=10, height=5)]"}),
+             json.dumps({"id": json_id, "text": "[]"})]
+    rows = [json.loads(x) for x in run_score(lines).stdout.splitlines()]
+    assert [(r["category"], r["valid"], r["error_type"]) for r in rows] == [
+        ("format_sensitivity", True, None), ("format_sensitivity", False, "ast_decoder:decoder_failed"),
+        ("format_sensitivity", False, "toolquake:input_error")]
