@@ -205,14 +205,16 @@ def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -
 class _Param:
     """One expected parameter, with what BFCL recomputes on every check worked out once.
 
-    A parameter whose schema BFCL could not handle keeps the error, raised when the parameter is used.
+    Where BFCL's checker would crash on the schema or the answer, the error is kept and raised at the
+    point BFCL meets it: `error` before anything is checked, `late_error` after the type conversions.
     """
 
     __slots__ = ("kind", "expected", "nested", "item_type", "alts", "pat", "var0", "strings", "_lists",
-                 "error")
+                 "error", "late_error")
 
     def __init__(self, schema: dict[str, Any], alts: list[Any], language: str):
         self.error: Exception | None = None
+        self.late_error: Exception | None = None
         self.alts = alts
         self.nested: type | None = None
         self.item_type: str | None = None
@@ -224,16 +226,20 @@ class _Param:
                 if self.kind in ("array", "tuple"):
                     self.nested = PYTHON_TYPES[schema["items"]["type"]]
             else:
+                self.expected = (langtypes.JAVA_TYPES if language == "java" else langtypes.JS_TYPES)[self.kind]
+        except Exception as exc:  # noqa: BLE001
+            self.error = exc
+            return
+        try:
+            if language != "python" and self.kind in langtypes.NESTED_TYPES:
                 table = langtypes.JAVA_TYPES if language == "java" else langtypes.JS_TYPES
-                self.expected = table[self.kind]
-                if self.kind in langtypes.NESTED_TYPES:
-                    self.item_type = schema["items"]["type"]
-                    self.nested = table[self.item_type]
+                self.item_type = schema["items"]["type"]
+                self.nested = table[self.item_type]
             self.pat = _first_type(alts)
             self.var0 = self.pat is not None and self.pat != self.expected
             self.strings = frozenset(std(a) for a in alts if type(a) is str)
-        except Exception as exc:  # noqa: BLE001 — kept for the moment BFCL would meet it
-            self.error = exc
+        except Exception as exc:  # noqa: BLE001
+            self.late_error = exc
 
     def lists(self) -> list[list[Any]]:
         if self._lists is None:
@@ -295,12 +301,16 @@ def _check_call(exp: _Expected, call: dict[str, Any], ctx: _Ctx) -> _Fail | None
             if type(value) is not str:
                 return _Fail(f"type_error:{'java' if ctx.language == 'java' else 'js'}",
                              f"{param!r}: expected source text (a string), got {type(value).__name__} {value!r}")
+            if spec.late_error is not None:  # an items type BFCL cannot look up: it fails before converting
+                raise spec.late_error
             convert = langtypes.java_convert if ctx.language == "java" else langtypes.js_convert
             value = convert(value, kind) if spec.item_type is None else convert(value, kind, spec.item_type)
         elif type(value) is int and kind == "float":
             value = float(value)
         if kind == "tuple" and type(value) is tuple:
             value = list(value)
+        if spec.late_error is not None:
+            raise spec.late_error
         expected = spec.expected
         # BFCL's type check, inlined for the common scalar case
         if type(value) is expected and spec.nested is None:

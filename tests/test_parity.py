@@ -233,3 +233,31 @@ def test_format_sensitivity_cases_dispatch_on_their_original_id(reference: Refer
                 assert (ours.valid, ours.error_type) == theirs, (case.id, calls)
                 compared += 1
     assert compared == 8 * 5 * 6
+
+
+def test_odd_schemas_and_answers_fail_where_bfcl_fails(reference: Reference) -> None:
+    from scorers.ast_checker import check_calls
+
+    doc = {"name": "f", "description": "", "parameters": {"type": "dict", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array"}, "c": {"type": "weird"}, "d": {"type": "string"}}}}
+    no_required = {"name": "f", "description": "", "parameters": {"type": "dict", "properties": doc["parameters"]["properties"]}}
+    gts = [[{"f": {"a": [1], "b": [[1]], "c": [1], "d": ["x", ""]}}], [{"f": {"a": [1], "d": 5}}],
+           [{"g": {"a": [1]}}], [{"f": {"a": [1], "d": [["x"], "y"]}}]]
+    answers = [[], [{"name": "f", "arguments": {"a": 1}}], [{"name": "f", "arguments": {"a": 1, "b": [1]}}],
+               [{"name": "f", "arguments": {"a": 1, "c": 1}}], [{"name": "f", "arguments": {"a": 1, "d": "x"}}],
+               [{"name": "f", "arguments": {"a": 2, "c": 1}}], [{"name": "g", "arguments": {"a": 1}}],
+               [{"name": "f", "arguments": {"a": 1, "d": ["x"]}}]]
+    compared = 0
+    for docs in ([doc], [no_required]):
+        for gt in gts:
+            for category in ("simple_python", "multiple", "parallel", "simple_java", "simple_javascript"):
+                for calls in answers:
+                    lang = language_of(category)
+                    ours = check_calls(docs, gt, category, calls)
+                    theirs = reference.check(docs, gt, category, calls, lang)
+                    mine = (ours.valid, ours.error_type)
+                    if ours.error_type == CHECKER_ERROR and (theirs[1] or "").startswith("crash:"):
+                        mine = theirs
+                    assert mine == theirs, (docs[0]["parameters"].keys(), gt, category, calls)
+                    compared += 1
+    assert compared == 2 * 4 * 5 * 8
