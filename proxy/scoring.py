@@ -152,11 +152,29 @@ class CaseResolver:
 # scoring one answer
 
 
+@dataclass(frozen=True)
+class Origin:
+    """What a job needs of its exchange (not the exchange itself: a queued job must not pin large bodies)."""
+
+    request_id: str
+    mode: str
+    model: str | None
+    stream: bool
+    #: the client's request (its messages decide follow-ups; its tools give parameter defaults)
+    request: dict[str, Any]
+    case: Any
+    case_header: str | None
+
+    @classmethod
+    def of(cls, ex: Exchange) -> Origin:
+        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request, ex.case, ex.case_header)
+
+
 @dataclass
 class Job:
     """One answer to score, and the label it counts under."""
 
-    ex: Exchange
+    ex: Origin
     profile: str
     arm: str  # "live" (served to the client), "original" (a shadow profile's client answer), "twin"
     answer: dict[str, Any] | None
@@ -331,8 +349,8 @@ class LiveScorer:
         if ex.mode == "shadow":
             if ex.case is not None:
                 # the client's answer is an unperturbed answer: it counts toward the `off` baseline
-                self._enqueue(Job(ex, "off", "original", ex.response, ex.request, [], [], ex.status,
-                                  ex.upstream_s, ex.total_s))
+                self._enqueue(Job(Origin.of(ex), "off", "original", ex.response, self._kept(ex.request), [], [],
+                                  ex.status, ex.upstream_s, ex.total_s))
             self._start()
             self.shadow.launch(ex)
             return
@@ -341,8 +359,8 @@ class LiveScorer:
             return
         applied = list(ex.outcome.applied) if ex.outcome else []
         restorers = list(ex.outcome.restorers) if ex.outcome else []
-        self._enqueue(Job(ex, ex.profile, "live", ex.response, ex.sent, applied, restorers, ex.status,
-                          ex.upstream_s, ex.total_s))
+        self._enqueue(Job(Origin.of(ex), ex.profile, "live", ex.response, self._kept(ex.sent), applied, restorers,
+                          ex.status, ex.upstream_s, ex.total_s))
 
     def _twin_done(self, ex: Exchange, twin: Twin) -> None:
         if twin.error is not None:
@@ -350,8 +368,12 @@ class LiveScorer:
             return
         applied = list(twin.outcome.applied) if twin.outcome else []
         restorers = list(twin.outcome.restorers) if twin.outcome else []
-        self._enqueue(Job(ex, ex.profile, "twin", twin.answer, twin.sent, applied, restorers, twin.status,
-                          twin.upstream_s, None, original=ex.response))
+        self._enqueue(Job(Origin.of(ex), ex.profile, "twin", twin.answer, self._kept(twin.sent), applied,
+                          restorers, twin.status, twin.upstream_s, None, original=ex.response))
+
+    def _kept(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request body travels with its job only when the store keeps contents."""
+        return body if self.settings.store_contents else None
 
     def _enqueue(self, job: Job) -> None:
         self._start()
@@ -379,13 +401,17 @@ class LiveScorer:
                 self.queue.task_done()
 
     async def _process(self, job: Job) -> None:
+        await asyncio.to_thread(self._score_and_store, job)
+
+    def _score_and_store(self, job: Job) -> None:
+        """In a worker thread: grade, count, then append the row (blocking while another writer holds the file)."""
         t0 = time.perf_counter()
-        row = await asyncio.to_thread(self._score, job)
+        row = self._score(job)
         self.metrics.duration.observe(time.perf_counter() - t0)
         if row is None or self.store is None:
             return
         try:
-            await asyncio.to_thread(self.store.append, row)
+            self.store.append(row)
         except Exception as exc:  # a locked or full disk loses the row, never the proxy
             self.metrics.store_errors.inc()
             log.warning("results_store_failed", error_type=type(exc).__name__, error=str(exc)[:200])
@@ -482,13 +508,13 @@ def store_path(settings: ScoringConfig) -> Path | None:
 def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
     """Set the case resolver, and when `[scoring] enabled`, the scoring observer, on a new app."""
     settings = st.config.scoring
+    path = store_path(settings)  # before --corpus moves the cache dir: the store's default stays put
     if settings.corpus:
         use_corpus_dir(settings.corpus)
     resolver = CaseResolver(settings.match_content)
     st.case_resolver = resolver
     scorer = None
     if settings.enabled:
-        path = store_path(settings)
         store = None
         if path is not None:
             try:

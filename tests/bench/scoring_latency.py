@@ -66,8 +66,10 @@ def run_wrk(url: str, payload: bytes, headers: dict[str, str], conns: int, secon
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
     pct = {p: _ms(v) for p, v in re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M)}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"rps": rps, "p50_ms": pct["50"], "p99_ms": pct["99"], "non2xx": int(non2xx.group(1)) if non2xx else 0}
+    return {"rps": rps, "p50_ms": pct["50"], "p99_ms": pct["99"], "n": total,
+            "non2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
 def run_httpx(url: str, payload: bytes, headers: dict[str, str], conns: int, seconds: float) -> dict:
@@ -86,9 +88,26 @@ def run_httpx(url: str, payload: bytes, headers: dict[str, str], conns: int, sec
             await asyncio.gather(*(worker() for _ in range(conns)))
         lat.sort()
         return {"rps": len(lat) / seconds, "p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99)],
-                "non2xx": bad}
+                "n": len(lat), "non2xx": bad}
 
     return asyncio.run(main())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), threads included."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(load, proc, url: str, payload: bytes, headers: dict[str, str], conns: int, seconds: float) -> dict:
+    """One load run plus the proxy's CPU milliseconds per request (robust to other load on the machine)."""
+    before = cpu_seconds(proc.popen.pid)
+    result = load(url, payload, headers, conns, seconds)
+    time.sleep(0.3)  # let the background scoring of the last requests finish
+    result["cpu_ms_per_req"] = (cpu_seconds(proc.popen.pid) - before) * 1000 / max(1, result["n"])
+    return result
 
 
 def metric(url: str, name: str) -> float:
@@ -113,17 +132,18 @@ def main() -> None:
     fake = start_fake_upstream()
     off = start_proxy(fake.url, CONFIG % (tmp / "unused.sqlite"), None, "--no-scoring")
     on = start_proxy(fake.url, CONFIG % (tmp / "results.sqlite"))
-    arms = {"scoring off": f"{off.url}/p/off/v1/chat/completions",
-            "scoring on": f"{on.url}/p/off/v1/chat/completions",
-            "scoring on + shadow twin": f"{on.url}/p/shadow-reversed/v1/chat/completions"}
+    arms = {"scoring off": (off, f"{off.url}/p/off/v1/chat/completions"),
+            "scoring on": (on, f"{on.url}/p/off/v1/chat/completions"),
+            "scoring on + shadow twin": (on, f"{on.url}/p/shadow-reversed/v1/chat/completions")}
     table: dict[str, dict[int, list[dict]]] = {a: {} for a in arms}
     try:
-        for url in arms.values():  # warm up (and let the case index load)
+        for _, url in arms.values():  # warm up (and let the case index load)
             load(url, payload, headers, 1, 1.0)
         for conns in [int(c) for c in args.conns.split(",")]:
             for _ in range(args.rounds):
-                for arm, url in arms.items():
-                    table[arm].setdefault(conns, []).append(load(url, payload, headers, conns, args.seconds))
+                for arm, (proc, url) in arms.items():
+                    table[arm].setdefault(conns, []).append(
+                        measure(load, proc, url, payload, headers, conns, args.seconds))
         time.sleep(1.0)
         scored = metric(on.url, "toolquake_scored_total")
         dropped = metric(on.url, "toolquake_scoring_dropped_total")
@@ -134,18 +154,22 @@ def main() -> None:
         fake.stop()
     lines = [f"# Client latency with live scoring ({platform.node()}, {load.__name__}, {args.rounds} rounds × "
              f"{args.seconds:g} s, medians)", "",
-             "| arm | conns | p50 ms | p99 ms | req/s | p50 / off | p99 / off | non-2xx |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | conns | p50 ms | p99 ms | req/s | p50 / off | p99 / off | proxy CPU ms/req | CPU / off | non-2xx |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary: dict = {}
     for conns in table["scoring off"]:
-        base = {k: statistics.median(r[k] for r in table["scoring off"][conns]) for k in ("p50_ms", "p99_ms", "rps")}
+        keys = ("p50_ms", "p99_ms", "rps", "cpu_ms_per_req")
+        base = {k: statistics.median(r[k] for r in table["scoring off"][conns]) for k in keys}
         for arm in arms:
-            med = {k: statistics.median(r[k] for r in table[arm][conns]) for k in ("p50_ms", "p99_ms", "rps")}
+            med = {k: statistics.median(r[k] for r in table[arm][conns]) for k in keys}
             bad = sum(r["non2xx"] for r in table[arm][conns])
             summary.setdefault(arm, {})[conns] = {**med, "p50_ratio": med["p50_ms"] / base["p50_ms"],
-                                                  "p99_ratio": med["p99_ms"] / base["p99_ms"], "non2xx": bad}
+                                                  "p99_ratio": med["p99_ms"] / base["p99_ms"],
+                                                  "cpu_ratio": med["cpu_ms_per_req"] / base["cpu_ms_per_req"],
+                                                  "non2xx": bad}
             lines.append(f"| {arm} | {conns} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | {med['rps']:.0f} | "
-                         f"{med['p50_ms'] / base['p50_ms']:.2f} | {med['p99_ms'] / base['p99_ms']:.2f} | {bad} |")
+                         f"{med['p50_ms'] / base['p50_ms']:.2f} | {med['p99_ms'] / base['p99_ms']:.2f} | "
+                         f"{med['cpu_ms_per_req']:.3f} | {med['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f} | {bad} |")
     lines += ["", f"Scored answers: {scored:.0f}; dropped (queue full): {dropped:.0f}; shadow twins compared: "
               f"{twins:.0f}."]
     text = "\n".join(lines) + "\n"
