@@ -83,12 +83,14 @@ class _Prefix:
 
 
 def fit(counter: Any, budget: int, base: int, costs: Iterator[float], measure: Callable[[int], int],
-        tolerance: float = 0.02, max_counts: int = 5) -> Fit:
+        tolerance: float = 0.02, max_counts: int = 5, learned: dict[str, float] | None = None) -> Fit:
     """Choose how many units (taken in stream order) bring the request to `budget` tokens.
 
     `base` is the request's count without filler, by `counter`; `costs` yields each unit's
     estimate cost; `measure(n)` counts the whole request built with the first n units (called
     only for counters that are not additive). The stream may end early: then every unit is used.
+    `learned` keeps the counter's ratio to the estimate between calls (see `learned_ratio`), so
+    the first count usually lands within tolerance.
     """
     need = budget - base
     if need <= 0:
@@ -98,11 +100,14 @@ def fit(counter: Any, budget: int, base: int, costs: Iterator[float], measure: C
     if is_additive(counter):
         return Fit(n, base + round(prefix.sums[n]), base, 0)
     total, counts, best = base, 0, (abs(need), 0, base)
-    scale = 1.0
+    scale = learned.get("scale", 1.0) if learned is not None else 1.0
+    n = prefix.units_for(need, scale)
     while counts < max_counts:
         total = measure(n)
         counts += 1
         best = min(best, (abs(total - budget), n, total))
+        if n > 0 and learned is not None:
+            learned["scale"] = max((total - base) / prefix.sums[n], 1e-6)
         if abs(total - budget) <= tolerance * budget or n == 0:
             break
         scale = max((total - base) / prefix.sums[n], 1e-6)
@@ -129,3 +134,8 @@ def slot(position: int | float, fillers: int) -> int:
     if isinstance(position, float):
         return round(position * fillers)
     return min(position - 1, fillers)
+
+
+def learned_ratio(services: Any, counter: Any) -> dict[str, float]:
+    """A per-process memory of how `counter` compares with the estimate (shared by all requests)."""
+    return services.get(f"budget_ratio:{getattr(counter, 'key', counter.source)}", dict)

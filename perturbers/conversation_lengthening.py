@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Iterator
 
 from perturbers import register
 from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.budget import check_position, fit, slot
+from perturbers.budget import check_position, fit, learned_ratio, slot
 from perturbers.filler import SETTINGS, FillerItem, filler_pool
 
 _LEADING = ("system", "developer")
@@ -79,7 +79,8 @@ class ConversationLengthening(Perturber):
 
         base = counter.count_request(request.body)
         result = fit(counter, self.budget_tokens, base, costs(),
-                     lambda n: counter.count_request(request.replace(messages=render(n)).body))
+                     lambda n: counter.count_request(request.replace(messages=render(n)).body),
+                     learned=learned_ratio(ctx.services, counter))
         ctx.report.update(tokens_added=result.total - base, tokens_total=result.total, turns_added=result.units,
                           counts=result.counts,
                           position=(slot(self.position, result.units) + 1) if history else None)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Iterator
 
 from perturbers import register
 from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.budget import check_position, fit, slot
+from perturbers.budget import check_position, fit, learned_ratio, slot
 from perturbers.records import RecordSource, separators_of
 
 _TOOL_ROLES = ("tool", "function")
@@ -114,7 +114,8 @@ class ResponseLengthening(Perturber):
                     t.units.append(text)
                     yield cost
 
-        result = fit(counter, self.budget_tokens, base, costs(), lambda n: counter.count_request(build(n)[0].body))
+        result = fit(counter, self.budget_tokens, base, costs(), lambda n: counter.count_request(build(n)[0].body),
+                     learned=learned_ratio(ctx.services, counter))
         perturbed, positions = build(result.units)
         ctx.report.update(tokens_added=result.total - base, tokens_total=result.total, units_added=result.units,
                           position=positions[-1], targets=len(targets), counts=result.counts)

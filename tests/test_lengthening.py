@@ -402,3 +402,16 @@ def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
         outs.append(proc.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0]) != tool_request()
+
+
+def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -> None:
+    counter = make_counter("upstream", fake_upstream.url + "/v1")
+    services = Services(token_counter=counter)
+    perturber = build("response_lengthening", {"budget_tokens": 30_000})
+    counts = []
+    for seed in range(4):
+        ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services)
+        out = perturber.apply(ChatRequest(tool_request()), ctx)
+        assert abs(counter.count_request(out.body) - 30_000) <= 1_500
+        counts.append(ctx.report["counts"])
+    assert counts[0] >= 1 and counts[1:] == [1, 1, 1], counts
