@@ -355,7 +355,10 @@ def shared() -> Backends:
     global _shared
     with _shared_lock:
         if _shared is None:
+            import atexit
+
             _shared = Backends()
+            atexit.register(_shared.close)
         return _shared
 
 
@@ -427,8 +430,10 @@ class _Worker:
         owners: dict[str, str] = {}
         for name in names:
             cls = self.classes.get(name)
+            if cls is None and name in _UNAVAILABLE:
+                raise LookupError(f"API class {name} is unavailable: {_UNAVAILABLE[name]}")
             if cls is None:
-                raise KeyError(f"unknown API class {name!r} (known: {', '.join(sorted(self.classes))})")
+                raise LookupError(f"unknown API class {name!r} (known: {', '.join(sorted(self.classes))})")
             instance = cls()
             if name not in STATELESS_CLASSES:
                 instance._load_scenario(copy.deepcopy(config.get(name, {})), long_context=long_context)
@@ -511,6 +516,9 @@ def _short(value: Any, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
+_UNAVAILABLE: dict[str, str] = {}  # class → why it could not be imported (e.g. mpmath missing)
+
+
 def _load_classes(root: str, extra: list[str]) -> dict[str, type]:
     import importlib
 
@@ -519,8 +527,8 @@ def _load_classes(root: str, extra: list[str]) -> dict[str, type]:
     for name, module in CLASS_MODULES.items():
         try:
             classes[name] = getattr(importlib.import_module(module), name)
-        except ImportError as exc:  # e.g. mpmath missing: that class alone is unavailable
-            print(f"toolquake backends: {name} unavailable: {exc}", file=sys.stderr)
+        except ImportError as exc:  # that class alone is unavailable
+            _UNAVAILABLE[name] = f"{exc} (pip install 'toolquake[multiturn]')"
     for spec in extra:
         name, _, target = spec.partition("=")
         module, _, attr = target.partition(":")

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from scorers.backends import Backends, BackendError, Call, parse_call, shared
+from scorers.decode import is_well_formed
 
 INFERENCE_ERROR = "multi_turn:inference_error"
 FORCE_TERMINATED = "multi_turn:force_terminated"
@@ -69,10 +70,6 @@ class Step(msgspec.Struct, kw_only=True, omit_defaults=True):
     latency_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls)
 
 
 class MultiTurnResult(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -125,8 +122,8 @@ def held_out_names(case: Any) -> dict[int, set[str]]:
 
 
 def _kept_steps(turn: Sequence[Step]) -> list[list[Call]]:
-    """BFCL drops steps that failed to decode or decoded to no call."""
-    return [[Call.of(c) for c in step.calls] for step in turn if step.calls]
+    """BFCL drops steps that failed to decode or decoded to no call (malformed calls count as undecoded)."""
+    return [[Call.of(c) for c in step.calls] for step in turn if step.calls and is_well_formed(step.calls)]
 
 
 def _missing(expected: list[str], produced: list[str]) -> list[str]:

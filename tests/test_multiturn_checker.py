@@ -99,6 +99,14 @@ def test_base_0_wrong_directory_is_a_state_mismatch(backends: Backends) -> None:
     assert {d["attribute"] for d in verdict.details["differences"]} == {"root"}
 
 
+def test_malformed_calls_count_as_undecoded_steps(backends: Backends) -> None:
+    malformed = MultiTurnResult(case_id="test", turns=[
+        [Step(calls=[{"name": "cd", "arguments": ["document"]}]), Step(calls=[{"arguments": {}}])],
+        *run([T1], [T2], [T3]).turns])
+    verdict = check(case("multi_turn_base_0"), malformed, backends=backends)
+    assert (verdict.error_type, verdict.turn) == (mt.EMPTY_TURN, 0)
+
+
 def test_inference_error_is_reported_as_such(backends: Backends) -> None:
     result = MultiTurnResult(case_id="multi_turn_base_0", error="HTTP 500 from the proxy")
     assert check(case("multi_turn_base_0"), result, backends=backends).error_type == mt.INFERENCE_ERROR
