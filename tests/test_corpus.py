@@ -77,6 +77,13 @@ def test_pull_extracts_from_the_cached_wheel_and_is_idempotent(tmp_path: Path) -
     assert run_cli("corpus", "path", env=env).stdout.strip() == str(data)
     listed = run_cli("corpus", "list", "--json", env=env)
     assert json.loads(listed.stdout) == SPEC_COUNTS
+    # the multi-turn simulators: the cached wheel installed --no-deps beside the data
+    backends = run_cli("corpus", "pull", "--with-backends", env=env)
+    assert backends.returncode == 0, backends.stderr
+    installed = tmp_path / "bfcl" / f"backends-{corpus.CORPUS_VERSION}"
+    assert (installed / "bfcl_eval" / "eval_checker" / "multi_turn_eval").is_dir()
+    assert (installed / ".toolquake-complete").is_file()
+    assert (data / "BFCL_v4_multiple.json").stat().st_mtime_ns == stamp
 
 
 @pytest.mark.needs_corpus
