@@ -41,10 +41,6 @@ class _Unsupported(ValueError):
     pass
 
 
-def _unparse(node: ast.AST) -> str:
-    return ast.unparse(node)
-
-
 # --- the arithmetic BFCL evaluates (BinOp), over literal operands only --------------------------
 
 _MAX_ITEMS = 1_000_000       # longest sequence / string a BinOp may build
@@ -194,11 +190,11 @@ def _resolve(node: ast.AST) -> Any:
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Call):
-        return _unparse(node) if not node.keywords else _resolve_call(node)
+        return ast.unparse(node) if not node.keywords else _resolve_call(node)
     if isinstance(node, ast.Tuple):
         return tuple(_resolve(e) for e in node.elts)
     if isinstance(node, ast.Subscript):
-        return f"{_unparse(node.value)}[{_unparse(node.slice)}]"
+        return f"{ast.unparse(node.value)}[{ast.unparse(node.slice)}]"
     raise _Unsupported(f"unsupported syntax: {type(node).__name__}")
 
 
