@@ -79,7 +79,8 @@ class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     """Live scoring (`[scoring]`): case resolution, the background queue, the results store."""
 
     enabled: bool = True
-    #: BFCL data directory (default: the `toolquake corpus pull` cache)
+    #: where the BFCL corpus is: a toolquake cache dir or the data dir `toolquake corpus path` prints
+    #: (default: the `toolquake corpus pull` cache)
     corpus: str = ""
     #: tie requests without X-Toolquake-Case to a case by their first user message (content hash)
     match_content: bool = True

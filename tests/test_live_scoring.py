@@ -116,10 +116,11 @@ def message_of_stream(chunks) -> dict:
     return msg
 
 
-def send(proxy, profile: str, body: dict, *, answer: dict | None, case_header: str | None, stream: bool):
+def send(proxy, profile: str, body: dict, *, answer: dict | None, case_header: str | None, stream: bool,
+         fault: str | None = None):
     """Send one request with the SDK; returns (request id, the message the client got)."""
     client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-live", max_retries=0)
-    headers = {}
+    headers = {"X-Fake-Fault": fault} if fault else {}
     if answer is not None:
         headers["X-Fake-Answer"] = json.dumps(answer)
     if case_header:
@@ -241,7 +242,11 @@ def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, t
     send(proxy, "off", {**body, "messages": followup}, answer={"text": "The capital is Brasília."},
          case_header=None, stream=False)
     send(proxy, "off", body, answer={"text": "x"}, case_header="no_such_category_7", stream=False)
+    # the upstream failed: there is no answer to score
+    with pytest.raises(openai.InternalServerError):
+        send(proxy, "off", body, answer=None, case_header=case.id, stream=False, fault="status:500")
     wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="followup") == 1, what="followup")
+    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="no_answer") == 1, what="no answer")
     assert metric(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 3
     assert metric(proxy, "toolquake_scored_total") == 0
 
@@ -492,3 +497,22 @@ def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, pr
     for title, exprs in queries.items():  # every other panel's query evaluates without error
         for expr in exprs:
             promql(prom, expr)
+
+
+@pytest.mark.needs_corpus
+def test_corpus_flag_points_at_a_data_directory(proxy_factory, tmp_path):
+    """--corpus DIR finds the corpus even when the cache dir (TOOLQUAKE_CACHE) holds none."""
+    from scorers.corpus import case_request, data_dir, load_case
+
+    db = tmp_path / "c.sqlite"
+    empty_cache = tmp_path / "empty-cache"
+    empty_cache.mkdir()
+    proxy = proxy_factory(live_config(db, semantic=False), {"TOOLQUAKE_CACHE": str(empty_cache)}, None,
+                          "--corpus", str(data_dir()))
+    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    case = load_case("simple_python_1")
+    body = case_request(case)
+    send(proxy, "off", body, answer={"calls": gt_calls(case)}, case_header=None, stream=False)  # by content
+    wait_for(lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
+             what="the verdict")
+    assert results.read_rows(db)[0]["resolved_by"] == "content"
