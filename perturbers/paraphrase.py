@@ -1,4 +1,4 @@
-"""paraphrase: the last user message rephrased by a generator model, kept only if every value survives."""
+"""paraphrase: the last user message rephrased by a generator model, kept only if its values are exactly the same."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import ClassVar
 from perturbers import register
 from perturbers.base import ChatRequest, PerturbContext, Perturber
 from perturbers.generator import DiskCache, generator, toolquake_cache
-from perturbers.protected import missing_from
+from perturbers.protected import added_numbers, missing_from
 
 # seed 001, appendix 7.1: the prompt for strictly meaning-preserving request rephrasing
 SYSTEM_PROMPT = (
@@ -83,7 +83,7 @@ class Paraphrase(Perturber):
             entry = {"version": PROMPT_VERSION, "model": model, "original": original, "answer": answer}
             cache.put(key, entry)
         rewritten = clean(entry["answer"], original)
-        lost = missing_from(original, rewritten)
+        lost = missing_from(original, rewritten) + [f"new {n}" for n in added_numbers(original, rewritten)]
         if not rewritten or lost:
             ctx.report.update(paraphrase="rejected", rejected_for=lost or ["empty answer"], tokens_added=0)
             return request

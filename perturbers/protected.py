@@ -62,3 +62,11 @@ def missing_from(original: str, rewritten: str) -> list[str]:
         if q not in rewritten:
             lost.append(f'"{q}"')
     return lost
+
+
+def added_numbers(original: str, rewritten: str) -> list[str]:
+    """Numbers in `rewritten` that `original` does not have: a rewording that brings new values
+    (typically a model answering the request instead of rephrasing it) changes the meaning."""
+    have = set(numbers(original))
+    have |= {n.lstrip("-") for n in have}
+    return [n for n in dict.fromkeys(numbers(rewritten)) if n not in have and n.lstrip("-") not in have]

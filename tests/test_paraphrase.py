@@ -16,7 +16,7 @@ import pytest
 from perturbers import build
 from perturbers.base import ChatRequest, PerturbContext, Services
 from perturbers.paraphrase import EXAMPLE_REPHRASING, SYSTEM_PROMPT
-from perturbers.protected import missing_from
+from perturbers.protected import added_numbers, missing_from
 from perturbers.tokens import EstimateCounter
 from tests.conftest import Proc, free_port, recorded, start_fake_upstream
 
@@ -28,6 +28,8 @@ LOSES_QUOTE = 'Search my files for the phrase "quarterly report" in the docs fol
 LOSES_QUOTE_REPHRASED = "Look through the docs folder for files mentioning the quarterly results."
 QUOTED_ANSWER = "Which game had the highest number of points scored by one NBA player?"
 QUOTED_QUERY = "What is the record for the highest number of points scored by a single player in an NBA game?"
+ANSWERED = "How many moons does Mars have?"
+ANSWERED_INSTEAD = "Mars has 2 moons, Phobos and Deimos."
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def generator(tmp_path_factory) -> Iterator[Proc]:
     """A second fake upstream playing the generator: it answers each known request with a rephrasing."""
     script = tmp_path_factory.mktemp("gen") / "script.jsonl"
     entries = [(GOOD, GOOD_REPHRASED), (LOSES_NUMBER, LOSES_NUMBER_REPHRASED), (LOSES_QUOTE, LOSES_QUOTE_REPHRASED),
-               (QUOTED_QUERY, f'"{QUOTED_ANSWER}"')]
+               (QUOTED_QUERY, f'"{QUOTED_ANSWER}"'), (ANSWERED, ANSWERED_INSTEAD)]
     script.write_text("".join(json.dumps({"match": q, "answer": {"text": a}}) + "\n" for q, a in entries))
     proc = start_fake_upstream("--script", str(script))
     yield proc
@@ -89,7 +91,8 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
     assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
 
 
-@pytest.mark.parametrize("text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"'])])
+@pytest.mark.parametrize("text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"']),
+                                       (ANSWERED, ["new 2"])])
 def test_paraphrase_losing_a_value_is_rejected_and_counted(generator, tmp_path, text: str, lost: list[str]) -> None:
     out, report = run(f"{generator.url}/v1", text, tmp_path)
     assert out == request(text)
@@ -113,6 +116,8 @@ def test_value_checks() -> None:
     assert missing_from("Pay $1,200 now", "Pay twelve hundred now") == ["1200"]
     assert missing_from("rate of -2.5 per 'unit'", "a -2.5 rate per item") == ['"unit"']
     assert missing_from("Find 'Miami, FL' weather", "Weather for 'Miami, FL'") == []
+    assert added_numbers("Book 3 rooms for 2024-05-01", "Reserve 3 rooms on 2024-05-01") == []
+    assert added_numbers("Book three rooms", "Book 3 rooms at 10:30") == ["3", "10", "30"]
 
 
 def test_parameters_are_checked() -> None:
@@ -166,7 +171,9 @@ def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
     model = next(Path(spec.origin).parent.glob("*.gguf"))
     port = free_port()
     server = start_process(["-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-                            "--n_ctx", "2048", "--chat_format", "chatml"], port, "/v1/models", timeout=120)
+                            "--n_ctx", "2048", "--chat_format", "chatml",
+                            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
+                            "--n_ubatch", "1"], port, "/v1/models", timeout=120)
     try:
         for text in (GOOD, LOSES_NUMBER):
             try:
