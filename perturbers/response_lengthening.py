@@ -123,4 +123,5 @@ class ResponseLengthening(Perturber):
             ctx.report["skipped_messages"] = skipped
         if result.units == 0:
             ctx.report["reason"] = "the request is already at or over the budget"
+            return request
         return perturbed

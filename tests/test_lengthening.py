@@ -434,3 +434,9 @@ def test_a_local_tokenizer_counter_budget_within_5_percent(perturber: str) -> No
     total = counter.count_request(out)
     assert report["counter"] == "tokenizer" and report["tokens_total"] == total
     assert abs(total - 20_000) <= 1_000, total
+
+
+def test_over_budget_keeps_the_original_bytes_of_a_pretty_printed_response() -> None:
+    body = tool_request(content=json.dumps(RESPONSE, indent=2))
+    out, report = run("response_lengthening", {"budget_tokens": 100}, body)
+    assert out == body and report["tokens_added"] == 0
