@@ -42,8 +42,12 @@ LENIENCIES = ("code_fence", "per_call_toolcall", "per_call_functions", "per_call
 
 _TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
 _FUNCTIONS = re.compile(r"<functions>(.*?)</functions>", re.DOTALL)
-_JSON_GREEDY = re.compile(r"\[.*\]", re.DOTALL)
-_JSON_LIST = re.compile(r"\[\s*{.*?}\s*(?:,\s*{.*?}\s*)*\]", re.DOTALL)
+_CLOSING = {_TOOLCALL: "</TOOLCALL>", _FUNCTIONS: "</functions>"}
+# BFCL's json regexes are `\[.*\]` (greedy) and then `\[\s*{.*?}\s*(?:,\s*{.*?}\s*)*\]` (lazy); the second
+# backtracks exponentially on an unclosed list, so both are computed directly: the first spans the first
+# `[` to the last `]`; the second, when it matches at all, spans the first `[{` to the first `}]` after it
+_JSON_OPEN = re.compile(r"\[\s*{")
+_JSON_CLOSE = re.compile(r"}\s*]")
 _FENCE = re.compile(r"```[A-Za-z0-9_+.-]*")
 _XML_TAG = re.compile(r"<(/?)([A-Za-z_][\w.:-]*)((?:\s+[^<>]*?)?)(/?)>")
 _BFCL_XML_TYPES = ("string", "integer", "float", "boolean", "null", "array", "tuple", "object", "dict")
@@ -90,6 +94,22 @@ def _failed(exc: Exception, error: str = DECODER_FAILED) -> Decoded:
 
 # --- shared steps ---------------------------------------------------------------------------------
 
+def _tag_blocks(pattern: re.Pattern[str], text: str) -> list[re.Match[str]]:
+    """`pattern.finditer(text)` in linear time: the lazy `<tag>(.*?)</tag>` search is quadratic over
+    openings that no end tag follows, and none of those can match, so the text after the last end
+    tag is left out of the search (same matches)."""
+    closing = _CLOSING[pattern]
+    end = text.rfind(closing)
+    return list(pattern.finditer(text, 0, end + len(closing))) if end >= 0 else []
+
+
+def _tag_block(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """`pattern.search(text)` in linear time (see _tag_blocks)."""
+    closing = _CLOSING[pattern]
+    end = text.rfind(closing)
+    return pattern.search(text, 0, end + len(closing)) if end >= 0 else None
+
+
 def _as_calls(decoded: Any) -> list[dict[str, Any]]:
     """BFCL's output-format check: a list of one-key dicts whose value is a dict."""
     if not isinstance(decoded, list):
@@ -126,6 +146,8 @@ def _python(text: str, tool_call_tag: bool = False) -> list[dict[str, Any]]:
     """BFCL's python decoding of a whole answer (scorers.decode), as {name: arguments} items."""
     from scorers.decode import DecodeFailure, decode_python
 
+    if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares decode_python a quadratic search
+        raise DecodeError("no <TOOLCALL>…</TOOLCALL> block")
     calls = decode_python(text, tool_call_tag)
     if isinstance(calls, DecodeFailure):
         raise DecodeError(calls.reason)
@@ -147,13 +169,21 @@ def _json_elements(data: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _json_list_text(text: str) -> str:
+    """What BFCL's two json regexes leave of `text` (see _JSON_OPEN), in linear time."""
+    first, last = text.find("["), text.rfind("]")
+    if first != -1 and last > first:
+        text = text[first:last + 1]
+    opening = _JSON_OPEN.search(text)
+    if opening:
+        closing = _JSON_CLOSE.search(text, opening.end())
+        if closing:
+            text = text[opening.start():closing.end()]
+    return text
+
+
 def _json_body(text: str) -> list[dict[str, Any]]:
-    m = _JSON_GREEDY.search(text)
-    if m:
-        text = m.group(0)
-    m = _JSON_LIST.search(text)
-    if m:
-        text = m.group(0)
+    text = _json_list_text(text)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -212,7 +242,7 @@ def _xml_body(block: str, concise: bool, typer: Typer = _strict_typer) -> list[d
 
 
 def _xml_first_block(text: str) -> str:
-    m = _FUNCTIONS.search(text)
+    m = _tag_block(_FUNCTIONS, text)
     if not m:
         raise DecodeError("no <functions>…</functions> block")
     return m.group(0)
@@ -225,6 +255,8 @@ def _strict_raw(text: str, return_format: str, tool_call_tag: bool) -> Any:
 
     if return_format == "python":
         return _python(text, tool_call_tag)
+    if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares prepare_text a quadratic search
+        raise DecodeError("no <TOOLCALL>…</TOOLCALL> block")
     text = prepare_text(text, tool_call_tag)
     if return_format == "json":
         return _json_body(text)
@@ -244,7 +276,7 @@ def _segments(text: str, tool_call_tag: bool, fired: list[str]) -> list[str]:
     """The pieces of text that hold calls: every <TOOLCALL> block when tagged, else the whole text."""
     if not tool_call_tag:
         return [text]
-    blocks = [m.group(1).strip() for m in _TOOLCALL.finditer(text)]
+    blocks = [m.group(1).strip() for m in _tag_blocks(_TOOLCALL, text)]
     last_close = text.rfind("</TOOLCALL>")
     tail_open = text.find("<TOOLCALL>", last_close + 1 if last_close >= 0 else 0)
     if tail_open >= 0:  # an opening tag never closed: the rest of the answer is its content
@@ -265,38 +297,50 @@ def _unfence(text: str, fired: list[str]) -> str:
 
 
 def _python_statements(text: str) -> str:
-    """Calls written one per line (or `;`-separated) without list brackets, as one bracketed list."""
+    """Calls written one per line (or `;`-separated) without list brackets, as one bracketed list.
+
+    Each call is re-written with `ast.unparse`, which BFCL's value resolution reads back unchanged.
+    """
     module = ast.parse(text, mode="exec")
-    parts = []
+    parts: list[str] = []
     for stmt in module.body:
-        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, (ast.Call, ast.List, ast.Tuple))):
+        value = stmt.value if isinstance(stmt, ast.Expr) else None
+        if isinstance(value, (ast.List, ast.Tuple)):
+            parts.extend(ast.unparse(e) for e in value.elts)
+        elif isinstance(value, ast.Call):
+            parts.append(ast.unparse(value))
+        else:
             raise DecodeError("not a sequence of calls")
-        source = ast.get_source_segment(text, stmt.value) or ""
-        parts.append(source[1:-1] if isinstance(stmt.value, (ast.List, ast.Tuple)) and source[:1] in "[(" else source)
-    if len(parts) < 2:
+    if len(module.body) < 2:
         raise DecodeError("not several statements")
     return "[" + ", ".join(parts) + "]"
 
 
-def _python_lenient(segment: str, tagged: bool, fired: list[str]) -> list[dict[str, Any]]:
+def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decoded | None) -> list[dict[str, Any]]:
+    """`strict`: the strict decode of this very segment when it is the whole (untagged) answer."""
+    if strict is not None and strict.ok:
+        return [{c["name"]: c["arguments"]} for c in strict.calls]
+    strict_failed = strict is not None
     notes: list[str] = []
     unfenced = _unfence(segment, notes)
-    attempts = [(segment, ())]
+    attempts = [] if strict_failed else [(segment, ())]
     if notes:
         attempts.append((unfenced, tuple(notes)))
-    first_error: Exception | None = None
-    for candidate, used in attempts:
+    first_error: Exception = DecodeError("not python call syntax")
+    for n, (candidate, used) in enumerate(attempts):
         try:
             result = _python_segment(candidate, tagged)
         except DecodeError as exc:
-            first_error = first_error or exc
+            first_error = exc if n == 0 else first_error
             continue
         fired.extend(used)
         return result
+    if "\n" not in unfenced.strip() and ";" not in unfenced:  # statements need a separator
+        raise first_error
     try:
         result = _python_segment(_python_statements(unfenced.strip()), tagged)
     except (DecodeError, SyntaxError, ValueError):
-        raise first_error from None  # type: ignore[misc]
+        raise first_error from None
     fired.extend(notes)
     fired.append("python_no_brackets")
     return result
@@ -313,8 +357,8 @@ def _json_values(text: str) -> list[Any]:
         start = min(starts)
         try:
             value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            i = start + 1
+        except json.JSONDecodeError as exc:  # a broken value: look for the next one after the break
+            i = max(exc.pos, start + 1)
             continue
         out.append(value)
         i = end
@@ -378,7 +422,7 @@ def _close_tags(block: str, fired: list[str]) -> str:
 
 
 def _xml_blocks(segment: str, fired: list[str]) -> list[str]:
-    blocks = [m.group(0) for m in _FUNCTIONS.finditer(segment)]
+    blocks = [m.group(0) for m in _tag_blocks(_FUNCTIONS, segment)]
     last_close = segment.rfind("</functions>")
     tail_open = segment.find("<functions>", last_close + 1 if last_close >= 0 else 0)
     if tail_open >= 0:
@@ -460,12 +504,12 @@ def _xml_lenient(segment: str, concise: bool, schemas: Schemas, fired: list[str]
     return calls
 
 
-def _lenient_raw(text: str, return_format: str, tool_call_tag: bool, schemas: Schemas,
+def _lenient_raw(text: str, return_format: str, tool_call_tag: bool, schemas: Schemas, strict: Decoded,
                  fired: list[str]) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     for segment in _segments(text, tool_call_tag, fired):
         if return_format == "python":
-            calls.extend(_python_lenient(segment, tool_call_tag, fired))
+            calls.extend(_python_lenient(segment, tool_call_tag, fired, None if tool_call_tag else strict))
         elif return_format == "json":
             calls.extend(_json_lenient(segment, tool_call_tag, fired))
         elif return_format in ("verbose_xml", "concise_xml"):
@@ -485,7 +529,7 @@ def parse_lenient(text: str, return_format: str, tool_call_tag: bool = False, sc
     """
     strict = strict if strict is not None else parse_strict(text, return_format, tool_call_tag)
     fired: list[str] = []
-    lenient = _run(lambda: _lenient_raw(text, return_format, tool_call_tag, schemas or {}, fired))
+    lenient = _run(lambda: _lenient_raw(text, return_format, tool_call_tag, schemas or {}, strict, fired))
     if not lenient.ok or (strict.ok and repr(lenient.calls) == repr(strict.calls)):
         return strict
     used = tuple(dict.fromkeys(n for n in fired))

@@ -267,6 +267,15 @@ def test_strict_decoding_agrees_with_bfcls_decoder(bfcl: types.ModuleType) -> No
             got = parse_strict(ex.text, ex.return_format, ex.tag)
             assert (got.error, repr(got.calls) if got.ok else None) == bfcl_decode(bfcl, ex.text, ex.return_format,
                                                                                     ex.tag), ex.name
+    # degenerate answers (repetition loops, cut-off lists) where BFCL's regexes backtrack most
+    call = '{"function": "f", "parameters": {"a": 1}}'
+    degenerate = ['[{"a": 1}, {' * 6, "[{" + "}, {" * 6 + "}", f"[{call}, " * 5, "<TOOLCALL>" * 5,
+                  "<TOOLCALL>[f(a=1)]</TOOLCALL>" + "<TOOLCALL>" * 4, "<functions>" * 4,
+                  "<functions></functions>" + "<functions>" * 4, f"[{call}]}}]" + "[{" * 4, "}]" * 5 + f"[{call}]"]
+    for text in degenerate:
+        for fmt, tag in FORMATS:
+            got = parse_strict(text, fmt, tag)
+            assert (got.error, repr(got.calls) if got.ok else None) == bfcl_decode(bfcl, text, fmt, tag), (text, fmt)
     for ids in corpus.format_sensitivity_ids().values():
         for case_id in ids:
             calls = ground_truth_calls(corpus.load_case(case_id))

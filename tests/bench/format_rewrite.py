@@ -8,6 +8,10 @@ The budget is 1 ms for render + parse of a typical request. Two workloads:
   corpus is pulled), reported as p50 / p95 / max over the cases.
 Each of the 8 return-format × tag combinations is measured in strict and lenient mode; the table
 shows microseconds and the ratio to the budget (below 1.0 = within budget). Medians of the rounds.
+
+A third table parses degenerate answers (repetition loops, cut-off lists, unclosed tags), where
+BFCL's own regexes backtrack quadratically or exponentially, at two sizes: the ratio of the times
+for 4× the text stays near 4 when parsing is linear.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from typing import Any
 
 from perturbers import ChatRequest, PerturbContext, Services
+from perturbers.callformat_parse import parse_both
 from perturbers.callformat_render import render_calls
 from perturbers.callformats import RETURN_FORMATS
 from perturbers.format_rewrite import FormatRewrite
@@ -96,6 +101,35 @@ def corpus_rows(rounds: int) -> list[tuple[str, float, float, float]]:
     return rows
 
 
+DEGENERATE = {
+    "cut-off json list": '[{"function": "f", "parameters": {"a": 1}}, ',
+    "json objects, no ]": '{"a": 1}, ',
+    "<TOOLCALL> loop": "<TOOLCALL>",
+    "<functions> loop": "<functions>",
+    "python calls per line": "f(a=1)\n",
+    "unclosed python list": "f(a=[1, 2], b='x'), ",
+}
+
+
+def degenerate_rows(rounds: int) -> list[tuple[str, float, float]]:
+    rows = []
+    for name, unit in DEGENERATE.items():
+        times = []
+        for n in (500, 2000):
+            text = unit * n
+            best = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for fmt in RETURN_FORMATS:
+                    for tag in (False, True):
+                        parse_both(text, fmt, tag)
+                best.append(time.perf_counter() - t0)
+            times.append(min(best) / 8)
+        rows.append((f"{name} ({len(unit) * 500 // 1000}→{len(unit) * 2000 // 1000} KB)", times[0] * 1e3,
+                     times[1] * 1e3))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=200, help="requests per round for the typical workload")
@@ -113,6 +147,10 @@ def main() -> None:
             print(f"| {name} | {p50:.0f} | {p95:.0f} | {worst:.0f} | {p50 / BUDGET_US:.2f} |")
     else:
         print("\n(corpus not pulled: `toolquake corpus pull` adds the per-case table)")
+    print("\n## Degenerate answers: strict + lenient parse, mean over the 8 format × tag combinations\n")
+    print("| answer | ms at 1× | ms at 4× | ratio (linear ≈ 4) |\n|---|---:|---:|---:|")
+    for name, small, large in degenerate_rows(min(args.rounds, 3)):
+        print(f"| {name} | {small:.2f} | {large:.2f} | {large / small:.1f} |")
 
 
 if __name__ == "__main__":
