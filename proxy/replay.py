@@ -636,10 +636,11 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
                               "is its backend running?")
     model = options.model
     if options.backend:
-        discovered = discover_model(options.backend, headers)
-        model = model or discovered
-    if model is None:
-        model = "default"
+        if model is None:
+            model = discover_model(options.backend, headers)
+        else:  # any HTTP answer will do: the backend is up
+            _check_reachable(f"{options.backend.rstrip('/')}/models", "backend", headers)
+    model = model or "default"
     config, arms, cases = prepare(options)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
