@@ -268,3 +268,37 @@ def test_sigkill_at_random_moments_then_resume_records_every_pair_exactly_once(o
     db = sqlite3.connect(db_path)
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
+
+
+# seed 002 / BFCL V4 format sensitivity: the published order of the 26 configurations
+# (return format > tool-call tag > doc format, then markdown and experimental variants of #6)
+SEED002 = [(r, t, d, "plaintext", "classic") for r in ("python", "json", "verbose_xml", "concise_xml")
+           for t in (True, False) for d in ("python", "xml", "json")]
+SEED002 += [("python", False, "json", "markdown", "classic"), ("python", False, "json", "plaintext", "experimental")]
+
+
+def test_shipped_presets_reproduce_the_seed_grids():
+    from perturbers import build
+    from proxy.config import load_config
+    from proxy.replay import expand_profiles
+
+    config = load_config(None, env={})
+    known = ["off", *config.profiles]
+
+    def params(profile: str, perturber: str) -> dict:
+        (step,) = config.profiles[profile].perturbers
+        assert step.name == perturber and step.probability == 1.0
+        return build(step.name, step.params).params()
+
+    formats = expand_profiles("@seed002", known)
+    got = [(p["return_format"], p["tool_call_tag"], p["function_doc_format"], p["prompt_format"], p["prompt_style"])
+           for p in (params(name, "format_rewrite") for name in formats)]
+    assert got == SEED002
+    padded = expand_profiles("@seed003", known)
+    assert padded[0] == "off"
+    grid = {(p["budget_tokens"], p["position"]) for p in (params(name, "catalog_padding") for name in padded[1:])}
+    assert grid == {(b, a) for b in (8192, 16384, 32768, 65536, 120000) for a in (0.1, 0.3, 0.5, 0.7, 0.9)}
+    assert len(padded) == 26
+    assert expand_profiles("@seed001", known) == ["off", "rephrased", "expanded"]
+    assert params("expanded", "toolkit_expansion")["k"] == 3
+    assert params("no-target-tool", "tool_removal")["which"] == "expected"
