@@ -519,8 +519,11 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
         if path is not None:
             try:
                 store = ResultsStore(path, store_contents=settings.store_contents)
-            except StoreError as exc:
-                raise SystemExit(f"toolquake: {exc}") from None
+            except (StoreError, OSError) as exc:
+                if settings.store:  # a path the user chose: say so and stop
+                    raise SystemExit(f"toolquake: [scoring] store: {exc}") from None
+                # the default location is not usable here (read-only cache dir...): serve and count anyway
+                log.warning("results_store_unavailable", path=str(path), error=str(exc)[:300])
         scorer = LiveScorer(st, settings, store)
         st.observers.append(scorer.observe)
 

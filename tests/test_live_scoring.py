@@ -516,3 +516,17 @@ def test_corpus_flag_points_at_a_data_directory(proxy_factory, tmp_path):
     wait_for(lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
              what="the verdict")
     assert results.read_rows(db)[0]["resolved_by"] == "content"
+
+
+def test_an_unusable_default_store_does_not_stop_serving_but_a_chosen_one_does(proxy_factory, tmp_path):
+    not_a_dir = tmp_path / "cache-is-a-file"
+    not_a_dir.write_text("")
+    shadow = ('[profiles.shadow-reversed]\nmode = "shadow"\n'
+              'perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]\n')
+    proxy = proxy_factory(shadow, {"TOOLQUAKE_CACHE": str(not_a_dir)})  # default store: <cache>/results.sqlite
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+    wait_for(lambda: metric(proxy, "toolquake_consistency_total") == 1, what="scoring without a store")
+    assert "results_store_unavailable" in proxy.output()
+    with pytest.raises(RuntimeError, match=r"\[scoring\] store"):
+        proxy_factory(shadow + f'[scoring]\nstore = "{not_a_dir / "results.sqlite"}"\n')
