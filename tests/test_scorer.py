@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scorers.ast_checker import check, check_calls
 from scorers.decode import DecodeFailure, calls_from_message, decode_python
@@ -327,3 +329,30 @@ def test_score_cli_reads_the_tag_flag_of_format_sensitivity_ids() -> None:
     assert [(r["category"], r["valid"], r["error_type"]) for r in rows] == [
         ("format_sensitivity", True, None), ("format_sensitivity", False, "ast_decoder:decoder_failed"),
         ("format_sensitivity", False, "toolquake:input_error")]
+
+
+# --- robustness -----------------------------------------------------------------------------------
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(alphabet=st.sampled_from(list("f(a=1, 'x')[]{}*+-~<>TOOLCALL/`\n .:lambda")), max_size=40))
+def test_decoding_arbitrary_text_returns_calls_or_a_failure(text: str) -> None:
+    out = decode_python(text)
+    assert isinstance(out, DecodeFailure) or (isinstance(out, list) and all("name" in c for c in out))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.fixed_dictionaries({"name": st.sampled_from(["weather.get", "x", ""]),
+                                        "arguments": st.dictionaries(st.sampled_from(["city", "days", "z"]),
+                                                                     _json_values, max_size=3)}), max_size=3),
+       st.sampled_from(["simple_python", "parallel", "multiple", "simple_java", "simple_javascript", "irrelevance"]),
+       st.sampled_from(["bfcl", "fair"]))
+def test_any_json_answer_gets_a_verdict(calls: list, category: str, mode: str) -> None:
+    v = check_calls(DOCS, GT if "parallel" in category else GT[:1], category, calls, mode)
+    assert v.valid in (True, False)
+    assert v.valid or (v.error_type and v.errors)
