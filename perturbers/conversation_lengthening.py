@@ -6,7 +6,7 @@ import string
 from typing import Any, ClassVar, Iterator
 
 from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from perturbers.budget import check_position, fit, learned_ratio, slot
 from perturbers.filler import SETTINGS, FillerItem, filler_pool
 
@@ -32,6 +32,9 @@ class ConversationLengthening(Perturber):
         if self.setting not in SETTINGS:
             raise ValueError(f"setting must be one of {', '.join(SETTINGS)}")
         check_position(self.position)
+
+    def setup(self, services: Services) -> None:
+        filler_pool(services)  # corpus filler turns, loaded once per process
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         counter = ctx.services.token_counter

@@ -7,7 +7,7 @@ from itertools import cycle
 from typing import Any, ClassVar, Iterator
 
 from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from perturbers.budget import check_position, fit, learned_ratio, slot
 from perturbers.records import RecordSource, separators_of
 
@@ -71,6 +71,11 @@ class ResponseLengthening(Perturber):
         check_position(self.position)
         if self.target not in ("last", "all"):
             raise ValueError("target must be 'last' or 'all'")
+
+    def setup(self, services: Services) -> None:
+        from perturbers.filler import filler_pool
+
+        filler_pool(services)  # prose blocks for non-JSON responses, loaded once per process
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         counter = ctx.services.token_counter

@@ -67,7 +67,9 @@ def routes(st: ProxyState) -> list[Any]:
             return Response(content=b"", status_code=204)
         try:
             spec = decode_profile(await request.body(), name)
-            st.profiles.put(name, spec)
+            profile = st.profiles.put(name, spec)
+            if st.warm is not None:
+                st.warm([profile])
         except (ConfigError, ValueError) as exc:
             return _err(400, str(exc), "invalid_profile")
         return Response(content=msgspec.json.encode(profile_json(name)), media_type=JSON)

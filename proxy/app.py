@@ -74,6 +74,8 @@ class ProxyState:
     observers: list[Callable[[Exchange], None]] = field(default_factory=list)
     #: (X-Toolquake-Case header, request) -> case or None; set when a corpus is loaded
     case_resolver: Callable[[str | None, ChatRequest], Any] | None = None
+    #: schedules perturbers' setup() for new profiles, in the background (set by create_app)
+    warm: Callable[[list[Profile]], None] | None = None
 
 
 def _headers(request: Request) -> list[tuple[str, str]]:
@@ -416,6 +418,23 @@ class Passthrough:
             m.duration.labels("-", route_label, "false").observe(time.perf_counter() - t0)
 
 
+async def _setup_perturbers(st: ProxyState, profiles: list[Profile]) -> None:
+    t0 = time.perf_counter()
+    seen: set[int] = set()
+    for profile in profiles:
+        for step in profile.steps if profile else ():
+            if id(step.perturber) in seen:
+                continue
+            seen.add(id(step.perturber))
+            try:
+                await asyncio.to_thread(step.perturber.setup, st.services)
+            except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
+                log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                            error_type=type(exc).__name__, error=str(exc)[:300])
+    log.info("perturbers_set_up", profiles=[p.name for p in profiles if p], perturbers=len(seen),
+             seconds=round(time.perf_counter() - t0, 3))
+
+
 def _loop_tasks() -> int:
     try:
         return len(asyncio.all_tasks())
@@ -505,7 +524,24 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         return Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
                                            "internal_error"), status_code=500, media_type=JSON)
 
+    warmers: set[asyncio.Task] = set()
+
+    def warm(profiles: list[Profile]) -> None:
+        """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
+        if not server.warm_up:
+            return
+        task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles))
+        warmers.add(task)
+        task.add_done_callback(warmers.discard)
+
+    st.warm = warm
+
+    async def startup() -> None:
+        warm([st.profiles.get(n) for n in st.profiles.names()])
+
     async def shutdown() -> None:
+        for task in list(warmers):
+            task.cancel()
         await st.upstream.aclose()
 
     app = Litestar(
@@ -513,6 +549,7 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
                         healthz, readyz, metrics_route, *admin.routes(st)],
         exception_handlers={HTTPException: on_http_exception, Exception: on_exception},
         request_max_body_size=server.max_body_bytes,
+        on_startup=[startup],
         on_shutdown=[shutdown],
         logging_config=None,
         debug=False,

@@ -51,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     app = create_app(config, admin_token=os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None)
     uvicorn.run(app, host=server.host, port=server.port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, timeout_graceful_shutdown=5, server_header=False)
+                log_level="warning", access_log=False, timeout_graceful_shutdown=5, server_header=False,
+                timeout_keep_alive=int(server.keep_alive_timeout))
     return 0
 
 

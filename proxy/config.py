@@ -58,6 +58,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds to wait for the upstream's answer (and between stream chunks) before 504
     read_timeout: float = 600.0
     max_connections: int = 2048
+    #: seconds an idle client connection is kept open; longer than clients' own idle timeouts, so a
+    #: client never sends a request on a connection the proxy is closing
+    keep_alive_timeout: float = 75.0
+    #: set up every profile's perturbers (tool pool, embedding model, corpus filler) at start-up and when
+    #: the admin API adds a profile, in the background; off: they load on first use
+    warm_up: bool = False
     #: models that get their own `model` label in metrics; anything else is counted as "other"
     model_allowlist: list[str] = []
     #: "estimate" | "upstream" | "tokenizer:/path/tokenizer.json"
@@ -118,6 +124,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_LOG_CONTENTS": ("log_contents", bool),
     "TOOLQUAKE_LOG_LEVEL": ("log_level", str),
     "TOOLQUAKE_PLUGINS": ("plugins", list),
+    "TOOLQUAKE_WARM_UP": ("warm_up", bool),
 }
 
 

@@ -440,3 +440,23 @@ def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path)
     twice = subprocess.run([sys.executable, "-m", "proxy", "perturb", "--profile", "shuffled", "--request",
                             str(req), "--seed", "7"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert again.stdout == twice.stdout
+
+
+@pytest.mark.needs_corpus
+def test_warm_up_sets_perturbers_up_at_start(proxy_factory):
+    config = """
+[server]
+warm_up = true
+[profiles.long]
+perturbers = [{ name = "conversation_lengthening", params = { budget_tokens = 2000 } }]
+"""
+    p = proxy_factory(config)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "perturbers_set_up" not in p.output():
+        time.sleep(0.5)
+    line = next(json.loads(x) for x in p.output().splitlines() if "perturbers_set_up" in x)
+    assert line["profiles"] == ["long", "off"] and line["perturbers"] == 1
+    assert "perturber_setup_failed" not in p.output()
+    cold = proxy_factory(config.replace("warm_up = true", "warm_up = false"))
+    time.sleep(1)
+    assert "perturbers_set_up" not in cold.output()

@@ -4,7 +4,7 @@
 
 Each of `concurrency` asyncio workers loops until time is up: stream or not (50/50), through the
 `off` or `shuffled` profile, with one fault injected in `fault-rate` of requests (upstream 5xx,
-invalid JSON, a cut stream, a slow trickle, a delay past the proxy's read timeout). Every answer is
+invalid JSON, a cut stream, a slow trickle, a delay four times the proxy's read timeout). Every answer is
 checked against the documented outcome for its fault; anything else is an unexpected error. Every
 10 s the proxy's RSS and open file descriptors are sampled (from /proc). Writes the series and the
 totals as JSON + Markdown to --out.
@@ -33,7 +33,7 @@ FAULTS = {
     "invalid-json": lambda stream, s, b: s == 200,
     "cut-stream": lambda stream, s, b: (s == 200 and b"[DONE]" not in b) if stream else s == 502,
     "slow-bytes:1": lambda stream, s, b: s == 200,
-    "delay:3000": lambda stream, s, b: s == 504 and b"upstream_timeout" in b,
+    "delay:8000": lambda stream, s, b: s == 504 and b"upstream_timeout" in b,
 }
 
 
