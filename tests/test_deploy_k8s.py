@@ -12,9 +12,11 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from tests.conftest import Proc
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -483,6 +487,63 @@ def test_replay_shards_cover_the_selected_cases_exactly_once() -> None:
     assert all(shards), "a shard with no case"
     assert sorted(i for shard in shards for i in shard) == sorted(everything)
     assert len(set(everything)) == len(everything)
+
+
+@pytest.mark.slow
+@pytest.mark.needs_corpus
+def test_replay_and_merge_jobs_run_against_a_backend_on_loopback(tmp_path: Path, fake_upstream: Proc) -> None:
+    """The Jobs' own command lines, run: every pod of the Indexed Job (`parallelism` at a time) with
+    the ConfigMap's profiles and a cache seeded as the init container seeds it, the results claim
+    played by a directory; then the merge Job's command over what they wrote. Only --backend points
+    at the fake upstream, and --limit keeps the run short."""
+    from proxy.replay import select_cases
+    from scorers.corpus import CORPUS_VERSION, cache_root
+
+    job, container = _replay_job()
+    n, m = job["spec"]["completions"], job["spec"]["parallelism"]
+    results_mount = next(v["mountPath"] for v in container["volumeMounts"] if v["name"] == "results")
+    claim = tmp_path / "claim"
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_root() / "bfcl" / CORPUS_VERSION, cache / "bfcl" / CORPUS_VERSION)
+    config = tmp_path / "etc" / Path(env_of(container)["TOOLQUAKE_CONFIG"]).name
+    config.parent.mkdir()
+    config.write_text(profiles_toml())
+    env = {**os.environ, "TOOLQUAKE_CONFIG": str(config), "TOOLQUAKE_CACHE": str(cache),
+           "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    limit = 4
+
+    def local(argv: list[str]) -> list[str]:
+        return [a.replace(results_mount + "/", f"{claim}/") for a in argv]
+
+    def pod_argv(index: int) -> list[str]:
+        argv = local(_replay_argv(container, index))
+        argv[argv.index("--backend") + 1] = f"{fake_upstream.url}/v1"
+        return [sys.executable, "-m", "proxy", *argv, "--limit", str(limit)]
+
+    for wave in range(0, n, m):
+        pods = [subprocess.Popen(pod_argv(i), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for i in range(wave, min(wave + m, n))]
+        for pod in pods:
+            out, err = pod.communicate(timeout=300)
+            assert pod.returncode == 0, err[-2000:]
+
+    merge = pod_spec(objects_by_key(K8S / "overlays" / "replay-merge")["Job", "toolquake-report"])["containers"][0]
+    merged = subprocess.run([sys.executable, "-m", "proxy", *local(merge["command"][1:] + merge["args"])], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    report = Path(local([merge["args"][merge["args"].index("--out") + 1]])[0])
+    assert report.is_file() and "<html" in report.read_text().lower()
+
+    # merged, every selected case counts once per arm
+    dirs = list(itertools.takewhile(lambda a: not a.startswith("--"), local(merge["args"])))
+    tables = subprocess.run([sys.executable, "-m", "proxy", "report", *dirs, "--format", "json", "--no-plots"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert tables.returncode == 0, tables.stderr[-2000:]
+    arms = json.loads(tables.stdout)["arms"]
+    args = container["args"]
+    selected = select_cases(args[args.index("--categories") + 1].split(","), limit, None)
+    assert sorted(arms) == sorted(args[args.index("--profiles") + 1].split(","))
+    assert {arm["n"] for arm in arms.values()} == {len(selected)}
 
 
 def test_merge_command_line_parses_with_the_real_cli() -> None:
