@@ -220,6 +220,8 @@ class Backends:
             cmd += ["--memory-mb", str(self.memory_mb)]
         for name, target in self.extra_classes.items():
             cmd += ["--extra", f"{name}={target}"]
+        if self._stderr is not None:
+            self._stderr.close()
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, cwd=tempfile.gettempdir(), close_fds=True)
@@ -264,7 +266,11 @@ class Backends:
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
-            _write_frame(proc.stdin.fileno(), pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 — only plain data can be sent
+            raise BackendError(f"the request cannot be sent to the worker: {type(exc).__name__}: {exc}") from None
+        try:
+            _write_frame(proc.stdin.fileno(), payload)
             raw = _read_frame(proc.stdout.fileno(), time.monotonic() + self.timeout_s)
         except TimeoutError:
             self._kill()
@@ -598,7 +604,8 @@ def _worker_main(argv: list[str]) -> int:
                 answer = getattr(worker, op)(*rest)
             else:
                 answer = {"error": f"unknown operation {op!r}"}
+            reply = json.dumps(answer).encode()
         except Exception as exc:  # noqa: BLE001 — reported to the parent, the worker keeps serving
-            answer = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        _write_frame(proto_out, json.dumps(answer).encode())
+            reply = json.dumps({"error": f"{type(exc).__name__}: {exc}"[:2000]}).encode()
+        _write_frame(proto_out, reply)
 
