@@ -42,9 +42,12 @@ def _assistant_message(message: Mapping[str, Any], turn: int, step: int) -> dict
     """The assistant message as it goes back into the history (tool calls given ids when they lack one)."""
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
     tool_calls = message.get("tool_calls")
-    if tool_calls:
+    if tool_calls and isinstance(tool_calls, list):
         out["tool_calls"] = []
         for i, tc in enumerate(tool_calls):
+            if not isinstance(tc, dict):
+                out["tool_calls"].append(tc)  # kept as sent: it fails to decode, which ends the turn
+                continue
             tc = dict(tc)
             if not tc.get("id"):
                 tc["id"] = f"call_{turn}_{step}_{i}"
@@ -139,7 +142,9 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
                     result.error = f"turn {t}, step {n}: {exc}"[:500]
                     result.error_code = exc.code
                     return result
-                message = data["choices"][0].get("message") or {}
+                choice = data["choices"][0]
+                message = choice.get("message") if isinstance(choice, dict) else None
+                message = message if isinstance(message, dict) else {}
                 assistant = _assistant_message(message, t, n)
                 messages.append(assistant)
                 decoded = calls_from_message(assistant, name_map)

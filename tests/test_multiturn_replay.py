@@ -154,6 +154,18 @@ def test_a_model_looping_past_twenty_steps_is_force_terminated(proxy: Proc, mode
     assert (verdict.error_type, verdict.taxonomy) == (mt.FORCE_TERMINATED, mt.TERMINATED)
 
 
+def test_tool_calls_that_do_not_decode_end_the_turn(proxy: Proc, backends: Backends) -> None:
+    from proxy.multiturn import run_case
+
+    c = load("multi_turn_base_1")
+    broken = json.dumps({"calls": [{"name": "ls", "arguments": "{not json"}]})
+    result = asyncio.run(run_case(c, f"{proxy.url}/v1", backends=backends, headers={"X-Fake-Answer": broken}))
+    assert result.error is None and len(result.turns) == len(c.turns)
+    assert all(len(turn) == 1 and turn[0].calls is None and "JSON" in turn[0].decode_error for turn in result.turns)
+    verdict = mt.check(c, result, backends=backends)
+    assert (verdict.error_type, verdict.turn, verdict.taxonomy) == (mt.EMPTY_TURN, 0, mt.DECODE)
+
+
 def test_an_upstream_failure_is_an_inference_error(tmp_path: Path, backends: Backends) -> None:
     from proxy.multiturn import run_case
 
