@@ -150,6 +150,55 @@ def test_cpu_profile_serves_the_packaged_smollm2_with_llama_cpp() -> None:
     assert callable(parsed.func) and parsed.host == "0.0.0.0" and parsed.port == int(args["--port"])
 
 
+@pytest.mark.slow
+def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
+    """The cpu profile's two services as processes: the backend from its entrypoint and command, the
+    proxy with the image's ENV plus its compose environment; only hosts and ports are moved to free
+    loopback ports. Both healthchecks pass, the proxy is ready, and its `upstream` token counter
+    counts with llama.cpp's own tokenizer."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed: `make install-local`")
+    from perturbers.tokens import make_counter
+    from tests.conftest import start_process
+    from tests.test_deploy_image import parse_assignments, stages
+
+    svc = services()
+    backend, proxy = svc["llamacpp"], svc["toolquake-cpu"]
+    backend_port, proxy_port = free_port(), free_port()
+    pod_port = int(flags(backend["command"])["--port"])
+    command = [a.replace("--host=0.0.0.0", "--host=127.0.0.1").replace(f"--port={pod_port}", f"--port={backend_port}")
+               for a in backend["command"]]
+    started: list[Proc] = []
+    try:
+        started.append(start_process(["-m", "proxy", *backend["entrypoint"][1:], *command], backend_port,
+                                     "/v1/models", timeout=180))
+        check = [a.replace(f":{pod_port}/", f":{backend_port}/") for a in backend["healthcheck"]["test"][1:]]
+        assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
+
+        env: dict[str, str] = {}
+        for rest in stages()[1][-1].all("ENV"):
+            env.update(parse_assignments(rest))
+        env.pop("PATH")
+        env.update({k: str(v) for k, v in proxy["environment"].items() if v is not None})
+        upstream = env["TOOLQUAKE_UPSTREAM"].replace(f"llamacpp:{pod_port}", f"127.0.0.1:{backend_port}")
+        env.update(TOOLQUAKE_UPSTREAM=upstream, TOOLQUAKE_PORT=str(proxy_port), TOOLQUAKE_HOST="127.0.0.1",
+                   HOME=str(tmp_path), TOOLQUAKE_CACHE=str(tmp_path / "cache"))
+        server = start_process(["-m", "proxy", "serve"], proxy_port, "/healthz", env=env)
+        started.append(server)
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+        models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        assert models and models[0]["id"]
+
+        counter = make_counter(env["TOOLQUAKE_TOKEN_COUNTER"], upstream)
+        body = {"model": models[0]["id"], "messages": [{"role": "user", "content": "What is the weather in Oslo?"}]}
+        longer = {**body, "messages": body["messages"] * 3}
+        assert counter.source == "upstream"
+        assert 0 < counter.count_request(body) < counter.count_request(longer)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
 def test_prometheus_config_is_valid_and_targets_the_compose_services() -> None:
     promtool = need("promtool")
     out = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True,
