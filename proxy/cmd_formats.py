@@ -92,6 +92,12 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.case or args.request:
-        return _render(args)
-    return _table(args.json)
+    try:
+        if args.case or args.request:
+            return _render(args)
+        return _table(args.json)
+    except BrokenPipeError:  # `toolquake formats | head`: the reader left, nothing is wrong
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

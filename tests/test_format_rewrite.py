@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,7 @@ from perturbers import ChatRequest, PerturbContext, Services, build
 from perturbers.callformat_parse import parse_lenient, parse_strict
 from perturbers.callformat_render import render_calls
 from perturbers.callformats import CONFIGURATIONS, DEFAULT, CallFormat
+from tests.conftest import ROOT
 
 # --- the failure examples of seed 002 §5 ----------------------------------------------------------
 # Each: the answer text, the return format and tag of its variation, what BFCL's decoder makes of it
@@ -381,3 +384,43 @@ def test_nothing_changes_without_tools_or_with_tool_choice_none() -> None:
 def test_bad_parameters_are_rejected(params: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         build("format_rewrite", params)
+
+
+# --- toolquake formats ----------------------------------------------------------------------------
+
+def toolquake(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, input=stdin, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_formats_lists_the_26_configurations() -> None:
+    out = toolquake("formats", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["number"] for r in rows] == list(range(1, 27))
+    assert [r["config"] for r in rows] == [c.config_string for c in CONFIGURATIONS]
+    table = toolquake("formats")
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 27
+
+
+def test_formats_renders_a_configuration_for_a_request() -> None:
+    body = json.dumps({"model": "m", "tools": TOOLS, "messages": [{"role": "user", "content": "5!"}]})
+    out = toolquake("formats", "--request", "-", "--config", "20", "--show", "body", stdin=body)
+    assert out.returncode == 0, out.stderr
+    sent = json.loads(out.stdout)
+    assert "tools" not in sent and sent["messages"][1] == {"role": "user", "content": "5!"}
+    assert sent["messages"][0]["content"] == CONFIGURATIONS[19].system_prompt(
+        [{"name": t["function"]["name"], "description": t["function"]["description"],
+          "parameters": {**t["function"]["parameters"], "type": "dict"}} for t in TOOLS])
+    text = toolquake("formats", "--request", "-", "--config", CONFIGURATIONS[24].config_string, stdin=body)
+    assert text.returncode == 0 and "## Tool Call Format" in text.stdout and "=== user ===\n5!" in text.stdout
+    bad = toolquake("formats", "--request", "-", "--config", "27", stdin=body)
+    assert bad.returncode != 0 and "1…26" in bad.stderr
+
+
+@pytest.mark.needs_corpus
+def test_formats_renders_a_configuration_for_a_bfcl_case() -> None:
+    out = toolquake("formats", "--case", "simple_python_0", "--config", "1")
+    assert out.returncode == 0, out.stderr
+    assert "# Function: calculate_triangle_area" in out.stdout and "<TOOLCALL>[func_name1(" in out.stdout
+    assert "Find the area of a triangle" in out.stdout
