@@ -188,3 +188,18 @@ def test_report_errors_are_clear(tmp_path):
     r = subprocess.run([sys.executable, "-m", "proxy", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True)
     assert r.returncode == 2 and "no replay results" in r.stderr
+
+
+def test_db_option_summarises_the_live_results_store(tmp_path):
+    from proxy.results import ResultsStore, Row
+
+    store = ResultsStore(tmp_path / "live.sqlite")
+    for i, (profile, valid) in enumerate([("off", True), ("off", True), ("expanded", True), ("expanded", False)]):
+        store.append(Row(request_id=f"r{i}", profile=profile, mode="perturb", arm="live", model="m", stream=False,
+                         status=200, case_id=f"multiple_{i}", category="multiple", expected="ground_truth",
+                         valid=valid, taxonomy=None if valid else "wrong_function"))
+    store.close()
+    data = json.loads(report("--db", str(tmp_path / "live.sqlite"), "--format", "json"))
+    assert data["arms"]["off"]["accuracy"] == 1.0 and data["arms"]["expanded"]["accuracy"] == 0.5
+    assert data["arms"]["expanded"]["drop_vs_off"] == pytest.approx(-0.5)
+    assert "| expanded | 2 | 50.0% (-50%) |" in report("--db", str(tmp_path / "live.sqlite"))
