@@ -12,6 +12,7 @@ from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
 _ATTR_ENTITIES = {"\n": "&#10;", "\r": "&#13;", "\t": "&#9;"}
+_TEXT_ENTITIES = {"\r": "&#13;"}  # XML parsers turn a raw CR in text into LF
 
 
 def python_call(call: dict[str, Any]) -> str:
@@ -68,7 +69,7 @@ def _verbose_param(name: str, value: Any) -> str:
 
 
 def _concise_param(name: str, value: Any) -> str:
-    return f"<param name={_attr(name)} type=\"{xml_type(value)}\">{escape(xml_text(value))}</param>"
+    return f"<param name={_attr(name)} type=\"{xml_type(value)}\">{escape(xml_text(value), _TEXT_ENTITIES)}</param>"
 
 
 def _render_xml(calls: list[dict[str, Any]], param: Any, wrap: tuple[str, str]) -> str:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import keyword
 import random
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perturbers import ChatRequest, PerturbContext, Services, build
 from perturbers.callformat_parse import parse_lenient, parse_strict
@@ -424,3 +428,33 @@ def test_formats_renders_a_configuration_for_a_bfcl_case() -> None:
     assert out.returncode == 0, out.stderr
     assert "# Function: calculate_triangle_area" in out.stdout and "<TOOLCALL>[func_name1(" in out.stdout
     assert "Find the area of a triangle" in out.stdout
+
+
+# --- any calls round-trip (property) --------------------------------------------------------------
+
+_xml_char = st.characters(blacklist_categories=("Cs", "Cc"), whitelist_characters="\n\t\r")
+_scalar = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+           | st.text(_xml_char, max_size=20))
+_value = st.recursive(_scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(_xml_char, max_size=6), c,
+                                                                                     max_size=3), max_leaves=8)
+_ident = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True).filter(lambda n: not keyword.iskeyword(n))
+_call = st.fixed_dictionaries({"name": st.lists(_ident, min_size=1, max_size=3).map(".".join),
+                               "arguments": st.dictionaries(_ident, _value, max_size=4)})
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(calls=st.lists(_call, min_size=1, max_size=3), fmt=st.sampled_from(["python", "json", "verbose_xml",
+                                                                            "concise_xml"]), tag=st.booleans())
+def test_any_calls_written_in_a_format_parse_back_to_the_same_calls(calls, fmt, tag) -> None:
+    text = render_calls(calls, fmt, tag)
+    strip = fmt == "concise_xml"  # BFCL strips the text of concise params
+    want = [{"name": c["name"], "arguments": {k: v.strip() if strip and isinstance(v, str) else v
+                                              for k, v in c["arguments"].items()}} for c in calls]
+    lenient = parse_lenient(text, fmt, tag)
+    assert lenient.ok and _typed(lenient.calls) == _typed(want), text
+    strict = parse_strict(text, fmt, tag)
+    json_cut = False
+    if fmt == "json":  # BFCL's regex ends at the first `}]`: inside an argument it cuts the list (no calls)
+        array = text[text.index("[{"): text.rindex("]") + 1]
+        json_cut = re.search(r"}\s*]", array).end() != len(array)
+    assert strict.ok and _typed(strict.calls) == ("[]" if json_cut else _typed(want)), text
