@@ -33,6 +33,9 @@ PYTHON_TYPES: dict[str, type] = {
 }
 
 _STD = str.maketrans("", "", " ,./-_*^")
+# the same normalisation for ASCII text in one C pass: delete ` ,./-_*^`, A-Z → a-z, ' → "
+_STD_DELETE = b" ,./-_*^"
+_STD_TABLE = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ'", b'abcdefghijklmnopqrstuvwxyz"')
 _STRUCTURED = (str, dict, list)  # expected types with their own value check
 
 Equivalence = Callable[[str, str], bool]
@@ -47,21 +50,20 @@ class Verdict(msgspec.Struct, frozen=True):
 
 VALID = Verdict(valid=True)
 
+# A failed check is returned, never raised, as a tuple: (BFCL's error type, message format, format
+# arguments[, taxonomy of the closest call for parallel answers]). The message is only formatted
+# (`format % arguments`) when the failure becomes the verdict: a parallel answer discards most failures.
+Failure = tuple[Any, ...]
 
-class _Fail:
-    """A failed check (returned, not raised): BFCL's error type, a message, and for parallel calls the
-    taxonomy of the closest call."""
 
-    __slots__ = ("error_type", "message", "taxonomy")
-
-    def __init__(self, error_type: str, message: str, taxonomy: str | None = None):
-        self.error_type = error_type
-        self.message = message
-        self.taxonomy = taxonomy
+def _message(failure: Failure) -> str:
+    return failure[1] % failure[2]
 
 
 def std(text: str) -> str:
     """BFCL's string normalisation: drop ` ,./-_*^`, lower-case, ' → "."""
+    if text.isascii():
+        return text.encode().translate(_STD_TABLE, _STD_DELETE).decode()
     return text.translate(_STD).lower().replace("'", '"')
 
 
@@ -90,10 +92,13 @@ class _Ctx:
         self.equiv = equiv
 
 
+_BFCL_CTX = {lang: _Ctx(lang, None) for lang in ("python", "java", "javascript")}
+
+
 # --- value checks ----------------------------------------------------------------------------------
 
 
-def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested: type | None) -> bool | _Fail:
+def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested: type | None) -> bool | Failure:
     """BFCL's type check: is_variable, or the failure."""
     pat = _first_type(alts)
     is_var = pat is not None and pat != expected
@@ -108,24 +113,22 @@ def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested:
                     continue
             return is_var
         if pat is not None and type(value) == pat:  # noqa: E721
-            return _Fail("type_error:nested", f"{param!r}: items of {value!r} are not all "
-                                             f"{nested.__name__}")
-        return _Fail("type_error:simple", f"{param!r}: expected {expected.__name__} of {nested.__name__}, "
-                                         f"got {value!r}")
+            return ("type_error:nested", "%r: items of %r are not all %s", (param, value, nested.__name__))
+        return ("type_error:simple", "%r: expected %s of %s, got %r",
+                (param, expected.__name__, nested.__name__, value))
     if pat is not None and type(value) == pat:  # noqa: E721
         return True
-    return _Fail("type_error:simple", f"{param!r}: expected {expected.__name__}, got {type(value).__name__} "
-                                     f"{value!r}")
+    return ("type_error:simple", "%r: expected %s, got %s %r", (param, expected.__name__, type(value).__name__, value))
 
 
-def _string_check(param: str, value: str, alts: list[Any], ctx: _Ctx) -> _Fail | None:
+def _string_check(param: str, value: str, alts: list[Any], ctx: _Ctx) -> Failure | None:
     target = std(value)
     strings = [a for a in alts if type(a) is str]
     if any(std(a) == target for a in strings):
         return None
     if ctx.equiv is not None and any(a != "" and ctx.equiv(value, a) for a in strings):
         return None
-    return _Fail("value_error:string", f"{param!r}: {value!r} is none of {alts!r} (normalised)")
+    return ("value_error:string", "%r: %r is none of %r (normalised)", (param, value, alts))
 
 
 def _lists_equivalent(model: list[Any], expected: list[Any], ctx: _Ctx) -> bool:
@@ -139,7 +142,7 @@ def _lists_equivalent(model: list[Any], expected: list[Any], ctx: _Ctx) -> bool:
     return True
 
 
-def _list_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
+def _list_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> Failure | None:
     model = _std_all(value)
     expected = [_std_all(a) for a in alts]
     if model in expected:
@@ -148,14 +151,14 @@ def _list_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> _Fa
         raw_alts = [[a[j] for j in range(len(a))] for a in alts]
         if any(_lists_equivalent(list(value), alt, ctx) for alt in raw_alts):
             return None
-    return _Fail("value_error:list/tuple", f"{param!r}: {value!r} is none of {alts!r}")
+    return ("value_error:list/tuple", "%r: %r is none of %r", (param, value, alts))
 
 
-def _dict_one(value: dict[Any, Any], alt: Any, ctx: _Ctx) -> _Fail | None:
-    failure: _Fail | None = None
+def _dict_one(value: dict[Any, Any], alt: Any, ctx: _Ctx) -> Failure | None:
+    failure: Failure | None = None
     for key, item in value.items():
         if key not in alt:
-            failure = _Fail("value_error:dict_key", f"unexpected key {key!r}")
+            failure = ("value_error:dict_key", "unexpected key %r", (key,))
             break
         accepted = alt[key]
         norm = std(item) if type(item) is str else item
@@ -164,16 +167,16 @@ def _dict_one(value: dict[Any, Any], alt: Any, ctx: _Ctx) -> _Fail | None:
         if ctx.equiv is not None and type(item) is str and any(
                 type(a) is str and a != "" and ctx.equiv(item, a) for a in (accepted[j] for j in range(len(accepted)))):
             continue
-        failure = _Fail("value_error:dict_value", f"key {key!r}: {item!r} is none of {accepted!r}")
+        failure = ("value_error:dict_value", "key %r: %r is none of %r", (key, item, accepted))
         break
     # BFCL runs the missing-key pass even after a failure, and its error type wins
     for key, accepted in alt.items():
         if key not in value and "" not in accepted:
-            return _Fail("value_error:dict_key", f"missing key {key!r}")
+            return ("value_error:dict_key", "missing key %r", (key,))
     return failure
 
 
-def _dict_check(param: str, value: dict[Any, Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
+def _dict_check(param: str, value: dict[Any, Any], alts: list[Any], ctx: _Ctx) -> Failure | None:
     failure = None
     for alt in alts:
         if alt == "":
@@ -181,14 +184,14 @@ def _dict_check(param: str, value: dict[Any, Any], alts: list[Any], ctx: _Ctx) -
         failure = _dict_one(value, alt, ctx)
         if failure is None:
             return None
-    return failure or _Fail("dict_checker:unclear", f"{param!r}: no dict answer to compare {value!r} with")
+    return failure or ("dict_checker:unclear", "%r: no dict answer to compare %r with", (param, value))
 
 
-def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> _Fail | None:
-    failure: _Fail | None = None
+def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -> Failure | None:
+    failure: Failure | None = None
     for alt in alts:
         if len(value) != len(alt):
-            failure = _Fail("value_error:list_dict_count", f"{param!r}: {len(value)} dicts, expected {len(alt)}")
+            failure = ("value_error:list_dict_count", "%r: %s dicts, expected %s", (param, len(value), len(alt)))
             continue
         for i in range(len(value)):
             failure = _dict_check(param, value[i], [alt[i]], ctx)
@@ -196,10 +199,13 @@ def _list_dict_check(param: str, value: list[Any], alts: list[Any], ctx: _Ctx) -
                 break
         else:
             return None
-    return failure or _Fail("list_dict_checker:unclear", f"{param!r}: no answer to compare with")
+    return failure or ("list_dict_checker:unclear", "%r: no answer to compare with", (param,))
 
 
 # --- one call --------------------------------------------------------------------------------------
+
+# What a parameter's fast path accepts without the general check (same rules, fewer steps):
+_GENERAL, _STRING, _EXACT, _FLOAT, _STRING_LIST, _EXACT_LIST = range(6)
 
 
 class _Param:
@@ -207,10 +213,13 @@ class _Param:
 
     Where BFCL's checker would crash on the schema or the answer, the error is kept and raised at the
     point BFCL meets it: `error` before anything is checked, `late_error` after the type conversions.
+    `code` selects a fast path (python only, non-variable answers): `data` then holds the normalised
+    strings (a set; `raw`: the strings as given, which match without normalising), the exact
+    alternatives (a set when hashable) or the normalised lists.
     """
 
     __slots__ = ("kind", "expected", "nested", "item_type", "alts", "pat", "var0", "strings", "_lists",
-                 "error", "late_error", "fast")
+                 "error", "late_error", "code", "data", "raw")
 
     def __init__(self, schema: dict[str, Any], alts: list[Any], language: str):
         self.error: Exception | None = None
@@ -219,7 +228,9 @@ class _Param:
         self.nested: type | None = None
         self.item_type: str | None = None
         self._lists: list[list[Any]] | None = None
-        self.fast = 0  # 1: a Python scalar compared exactly; 2: a Python string compared normalised
+        self.code = _GENERAL
+        self.data: Any = None
+        self.raw: frozenset[str] = frozenset()
         try:
             self.kind = schema["type"]
             if language == "python":
@@ -242,8 +253,27 @@ class _Param:
         except Exception as exc:  # noqa: BLE001
             self.late_error = exc
             return
-        if language == "python" and self.nested is None and not self.var0:
-            self.fast = 2 if self.expected is str else 1 if self.expected in (int, float, bool) else 0
+        if language == "python" and not self.var0:
+            self._choose_fast_path()
+
+    def _choose_fast_path(self) -> None:
+        expected, nested = self.expected, self.nested
+        try:
+            if nested is None:
+                if expected is str:
+                    self.code, self.data = _STRING, self.strings
+                    self.raw = frozenset(a for a in self.alts if type(a) is str)
+                elif expected in (int, float, bool):
+                    try:
+                        self.data = frozenset(self.alts)
+                    except TypeError:  # unhashable alternatives: compared as a list, as BFCL does
+                        self.data = self.alts
+                    self.code = _FLOAT if expected is float else _EXACT
+            elif self.kind == "array" and nested in (str, int, float, bool) and type(self.alts) is list and self.alts:
+                self.data = self.lists()
+                self.code = _STRING_LIST if nested is str else _EXACT_LIST
+        except Exception:  # noqa: BLE001 — odd answers: the general path meets the error where BFCL does
+            self.code, self.data, self._lists = _GENERAL, None, None
 
     def lists(self) -> list[list[Any]]:
         if self._lists is None:
@@ -251,10 +281,60 @@ class _Param:
         return self._lists
 
 
-class _Expected:
-    """One expected call (a ground-truth item) bound to its function doc."""
+def _check_param(spec: _Param, param: Any, value: Any, ctx: _Ctx) -> Failure | None:
+    """BFCL's checks of one parameter value (type conversions, type, value)."""
+    if spec.error is not None:
+        raise spec.error
+    kind = spec.kind
+    if not ctx.python:
+        if type(value) is not str:
+            return (f"type_error:{'java' if ctx.language == 'java' else 'js'}",
+                    "%r: expected source text (a string), got %s %r", (param, type(value).__name__, value))
+        if spec.late_error is not None:  # an items type BFCL cannot look up: it fails before converting
+            raise spec.late_error
+        convert = langtypes.java_convert if ctx.language == "java" else langtypes.js_convert
+        value = convert(value, kind) if spec.item_type is None else convert(value, kind, spec.item_type)
+    elif type(value) is int and kind == "float":
+        value = float(value)
+    if kind == "tuple" and type(value) is tuple:
+        value = list(value)
+    if spec.late_error is not None:
+        raise spec.late_error
+    expected = spec.expected
+    # BFCL's type check, inlined for the common scalar case
+    if type(value) is expected and spec.nested is None:
+        is_var = spec.var0
+    else:
+        is_var = _type_check(param, value, spec.alts, expected, spec.nested)
+        if type(is_var) is tuple:
+            return is_var
+    if not is_var and expected in _STRUCTURED:
+        if expected is str:
+            if std(value) in spec.strings:
+                return None
+            return _string_check(param, value, spec.alts, ctx)
+        if expected is dict:
+            return _dict_check(param, value, spec.alts, ctx)
+        if spec.nested is dict:
+            return _list_dict_check(param, value, spec.alts, ctx)
+        if _std_all(value) in spec.lists():
+            return None
+        return _list_check(param, value, spec.alts, ctx)
+    # variables and scalars: exact membership, no normalisation
+    if value not in spec.alts:
+        return ("value_error:others", "%r: %r is none of %r", (param, value, spec.alts))
+    return None
 
-    __slots__ = ("gt_name", "name", "required", "params", "must", "error", "must_error")
+
+class _Expected:
+    """One expected call (a ground-truth item) bound to its function doc, worked out once.
+
+    Where BFCL's checker would crash on the doc or the answer, the error is kept and raised where BFCL
+    meets it: `error` before anything is checked, `must_error` after every other check.
+    """
+
+    __slots__ = ("gt_name", "name", "required", "required_set", "params", "must", "must_set", "error",
+                 "must_error", "must_checked")
 
     def __init__(self, doc: Any, gt_call: dict[str, Any], language: str, u2d: bool):
         self.gt_name = next(iter(gt_call))
@@ -262,6 +342,9 @@ class _Expected:
         self.must_error: Exception | None = None
         self.params: dict[Any, _Param] = {}
         self.must: list[Any] = []
+        self.must_set: frozenset[Any] = frozenset()
+        self.required_set: frozenset[Any] | None = None
+        self.must_checked = False  # True: the expected parameters are all required ones, checked first
         try:
             answers = next(iter(gt_call.values()))
             if doc is None:
@@ -277,83 +360,74 @@ class _Expected:
             self.error = exc
             return
         try:
+            self.required_set = frozenset(self.required)
+        except Exception:  # noqa: BLE001 — then checked one by one, failing where BFCL does
+            pass
+        try:
             self.must = [p for p, alts in answers.items() if "" not in alts]
+            self.must_set = frozenset(self.must)
+            self.must_checked = self.required_set is not None and self.must_set <= self.required_set
         except Exception as exc:  # noqa: BLE001 — BFCL meets this only after every other check
             self.must_error = exc
 
 
-def _check_call(exp: _Expected, call: dict[str, Any], ctx: _Ctx) -> _Fail | None:
-    """BFCL's simple_function_checker for one produced call against one expected call."""
+def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> Failure | None:
+    """BFCL's simple_function_checker: one produced call (name, arguments) against one expected call.
+
+    Each parameter first tries its fast path (`_Param.code`: the value is of the expected type and
+    matches, or plainly does not in `bfcl` mode); anything else goes through `_check_param`.
+    """
     if exp.error is not None:
         raise exp.error
-    if call["name"] != exp.name:
-        return _Fail("simple_function_checker:wrong_func_name", f"expected {exp.name!r}, got {call['name']!r}")
-    args = call["arguments"]
-    for required in exp.required:
-        if required not in args:
-            return _Fail("simple_function_checker:missing_required", f"missing required parameter {required!r}")
-    python = ctx.python
+    if name != exp.name:
+        return ("simple_function_checker:wrong_func_name", "expected %r, got %r", (exp.name, name))
+    required_set = exp.required_set
+    if required_set is None or not args.keys() >= required_set:
+        for req in exp.required:
+            if req not in args:
+                return ("simple_function_checker:missing_required", "missing required parameter %r", (req,))
     params = exp.params
     for param, value in args.items():
         spec = params.get(param)
         if spec is None:
-            return _Fail("simple_function_checker:unexpected_param", f"unexpected parameter {param!r}")
-        fast = spec.fast
-        if fast:  # the common cases, same rules as the general path below, fewer steps
-            if fast == 2:
-                if type(value) is str and value.translate(_STD).lower().replace("'", '"') in spec.strings:
+            return ("simple_function_checker:unexpected_param", "unexpected parameter %r", (param,))
+        code = spec.code
+        if code == _STRING:
+            if type(value) is str:
+                if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode() if value.isascii()
+                        else std(value)) in spec.data:
                     continue
-            elif type(value) is spec.expected and value in spec.alts:
-                continue
-        if spec.error is not None:
-            raise spec.error
-        kind = spec.kind
-        if not python:
-            if type(value) is not str:
-                return _Fail(f"type_error:{'java' if ctx.language == 'java' else 'js'}",
-                             f"{param!r}: expected source text (a string), got {type(value).__name__} {value!r}")
-            if spec.late_error is not None:  # an items type BFCL cannot look up: it fails before converting
-                raise spec.late_error
-            convert = langtypes.java_convert if ctx.language == "java" else langtypes.js_convert
-            value = convert(value, kind) if spec.item_type is None else convert(value, kind, spec.item_type)
-        elif type(value) is int and kind == "float":
-            value = float(value)
-        if kind == "tuple" and type(value) is tuple:
-            value = list(value)
-        if spec.late_error is not None:
-            raise spec.late_error
-        expected = spec.expected
-        # BFCL's type check, inlined for the common scalar case
-        if type(value) is expected and spec.nested is None:
-            is_var = spec.var0
-        else:
-            is_var = _type_check(param, value, spec.alts, expected, spec.nested)
-            if type(is_var) is _Fail:
-                return is_var
-        if not is_var and expected in _STRUCTURED:
-            if expected is str:
-                if value.translate(_STD).lower().replace("'", '"') in spec.strings:
+                if ctx.equiv is None:
+                    return ("value_error:string", "%r: %r is none of %r (normalised)", (param, value, spec.alts))
+        elif code == _EXACT:
+            if type(value) is spec.expected:
+                if value in spec.data:
                     continue
-                failure = _string_check(param, value, spec.alts, ctx)
-            elif expected is dict:
-                failure = _dict_check(param, value, spec.alts, ctx)
-            elif spec.nested is dict:
-                failure = _list_dict_check(param, value, spec.alts, ctx)
-            elif _std_all(value) in spec.lists():
+                return ("value_error:others", "%r: %r is none of %r", (param, value, spec.alts))
+        elif code == _FLOAT:
+            if type(value) is float:
+                if value in spec.data:
+                    continue
+                return ("value_error:others", "%r: %r is none of %r", (param, value, spec.alts))
+            if type(value) is int and float(value) in spec.data:
                 continue
-            else:
-                failure = _list_check(param, value, spec.alts, ctx)
-            if failure is not None:
-                return failure
-            continue
-        # variables and scalars: exact membership, no normalisation
-        if value not in spec.alts:
-            return _Fail("value_error:others", f"{param!r}: {value!r} is none of {spec.alts!r}")
+        elif code:  # lists of scalars, every item of the item type
+            if type(value) is list and set(map(type, value)) <= {spec.nested}:
+                if (list(map(std, value)) if code == _STRING_LIST else value) in spec.data:
+                    continue
+                if ctx.equiv is None:
+                    return ("value_error:list/tuple", "%r: %r is none of %r", (param, value, spec.alts))
+        failure = _check_param(spec, param, value, ctx)
+        if failure is not None:
+            return failure
+    if exp.must_checked:
+        return None
     if exp.must_error is not None:
         raise exp.must_error
-    for param in exp.must:
-        if param not in args:
-            return _Fail("simple_function_checker:missing_optional", f"missing expected parameter {param!r}")
+    if not args.keys() >= exp.must_set:
+        for param in exp.must:
+            if param not in args:
+                return ("simple_function_checker:missing_optional", "missing expected parameter %r", (param,))
     return None
 
 
@@ -364,42 +438,45 @@ def _find_doc(docs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return None
 
 
-def _closest_taxonomy(failures: list[_Fail]) -> str:
+def _closest_taxonomy(failures: list[Failure]) -> str:
     """For an unmatched expected call: the class of the failure on a call to the same function, if any."""
     for failure in failures:
-        if failure.error_type != "simple_function_checker:wrong_func_name":
-            return classify(failure.error_type) or WRONG_FUNCTION
+        if failure[0] != "simple_function_checker:wrong_func_name":
+            return _classify(failure[0]) or WRONG_FUNCTION
     return WRONG_FUNCTION
 
 
-def _parallel_greedy(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> _Fail | None:
-    matched: set[int] = set()
+def _no_match(what: str, index: int, exp: _Expected, failures: list[Failure]) -> Failure:
+    detail = "; ".join(f"{f[0]}: {_message(f)}" for f in failures[:4])
+    return ("parallel_function_checker_no_order:cannot_find_match", "%s #%s (%s): %s",
+            (what, index, exp.gt_name, detail), _closest_taxonomy(failures))
+
+
+def _parallel_greedy(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> Failure | None:
+    matched = [False] * len(calls)
     for i, exp in enumerate(expected):
-        failures: list[_Fail] = []
+        failures: list[Failure] = []
         for index, call in enumerate(calls):
-            if index in matched:
+            if matched[index]:
                 continue
-            failure = _check_call(exp, call, ctx)
+            failure = _check_call(exp, call["name"], call["arguments"], ctx)
             if failure is None:
-                matched.add(index)
+                matched[index] = True
                 break
             failures.append(failure)
         else:
-            detail = "; ".join(f"{f.error_type}: {f.message}" for f in failures[:4])
-            return _Fail("parallel_function_checker_no_order:cannot_find_match",
-                         f"no produced call matches expected call #{i} ({exp.gt_name}): {detail}",
-                         _closest_taxonomy(failures))
+            return _no_match("no produced call matches expected call", i, exp, failures)
     return None
 
 
-def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> _Fail | None:
+def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> Failure | None:
     """Order-free matching with backtracking (augmenting paths over the compatibility graph)."""
     ok: list[list[bool]] = []
-    failures: list[list[_Fail]] = []
+    failures: list[list[Failure]] = []
     for exp in expected:
         row, row_failures = [], []
         for call in calls:
-            failure = _check_call(exp, call, ctx)
+            failure = _check_call(exp, call["name"], call["arguments"], ctx)
             row.append(failure is None)
             if failure is not None:
                 row_failures.append(failure)
@@ -419,44 +496,50 @@ def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], c
 
     for g, exp in enumerate(expected):
         if not augment(g, [False] * len(calls)):
-            detail = "; ".join(f"{f.error_type}: {f.message}" for f in failures[g][:4])
-            return _Fail("parallel_function_checker_no_order:cannot_find_match",
-                         f"no assignment of produced calls satisfies expected call #{g} ({exp.gt_name}): "
-                         f"{detail}", _closest_taxonomy(failures[g]))
+            return _no_match("no assignment of produced calls satisfies expected call", g, exp, failures[g])
     return None
 
 
+def _wrong_count(checker: str, count: int, expected: int) -> Failure:
+    return (f"{checker}:wrong_count", "%s calls, expected %s", (count, expected))
+
+
+_SIMPLE, _MULTIPLE, _PARALLEL = 0, 1, 2
+_KIND_CHECKERS = ("simple_function_checker", "multiple_function_checker", "parallel_function_checker_no_order")
+
+
 class _Compiled:
-    __slots__ = ("functions", "ground_truth", "kind", "expected")
+    """A case's answer key: its expected calls and BFCL's dispatch (`kind`: simple, multiple, parallel).
+    `bfcl_ctx` is set where check() may score it directly (a language BFCL checks, an expected call)."""
+
+    __slots__ = ("functions", "ground_truth", "kind", "expected", "first", "count", "single", "bfcl_ctx", "owner")
 
     def __init__(self, functions: list[dict[str, Any]], ground_truth: list[dict[str, Any]], dispatch: str,
                  language: str, u2d: bool):
         self.functions = functions
         self.ground_truth = ground_truth
         if "parallel" in dispatch:
-            self.kind = "parallel"
+            self.kind = _PARALLEL
             docs = [_find_doc(functions, next(iter(g))) for g in ground_truth]
         elif "multiple" in dispatch:
-            self.kind = "multiple"
+            self.kind = _MULTIPLE
             docs = [_find_doc(functions, next(iter(g))) for g in ground_truth[:1]]
         else:
-            self.kind = "simple"
+            self.kind = _SIMPLE
             docs = [functions[0]] if ground_truth else []
         self.expected = [_Expected(doc, g, language, u2d) for doc, g in zip(docs, ground_truth)]
+        self.first = self.expected[0] if self.expected else None
+        self.count = 1 if self.kind == _SIMPLE else len(ground_truth)
+        self.single = self.count == 1 and self.kind != _PARALLEL
+        self.bfcl_ctx = _BFCL_CTX.get(language) if self.expected else None
+        self.owner: Any = None
 
-    def run(self, calls: list[dict[str, Any]], ctx: _Ctx, mode: str) -> _Fail | None:
-        """None when the calls pass, else the failure (BFCL's dispatch by category)."""
-        kind = self.kind
-        if kind == "simple":
-            if len(calls) != 1:
-                return _Fail("simple_function_checker:wrong_count", f"{len(calls)} calls, expected 1")
-            return _check_call(self.expected[0], calls[0], ctx)
-        expected_count = len(self.ground_truth)
-        if len(calls) != expected_count:
-            checker = "parallel_function_checker_no_order" if kind == "parallel" else "multiple_function_checker"
-            return _Fail(f"{checker}:wrong_count", f"{len(calls)} calls, expected {expected_count}")
-        if kind == "multiple":
-            return _check_call(self.expected[0], calls[0], ctx)
+    def run(self, calls: list[dict[str, Any]], ctx: _Ctx, mode: str) -> Failure | None:
+        """None when the (well-formed) calls pass, else the failure (BFCL's dispatch by category)."""
+        if len(calls) != self.count:
+            return _wrong_count(_KIND_CHECKERS[self.kind], len(calls), self.count)
+        if self.kind != _PARALLEL:
+            return _check_call(self.expected[0], calls[0]["name"], calls[0]["arguments"], ctx)
         if mode == "bfcl":
             return _parallel_greedy(self.expected, calls, ctx)
         return _parallel_matching(self.expected, calls, ctx)
@@ -490,12 +573,23 @@ def language_of(category: str) -> str:
 _CLASSES: dict[str, str | None] = {}
 
 
+def _classify(error_type: str) -> str | None:
+    """classify(), remembered per error type."""
+    try:
+        return _CLASSES[error_type]
+    except KeyError:
+        taxonomy = _CLASSES[error_type] = classify(error_type)
+        return taxonomy
+
+
 def _failed(error_type: str, message: str, taxonomy: str | None = None) -> Verdict:
-    if taxonomy is None:
-        taxonomy = _CLASSES.get(error_type)
-        if taxonomy is None:
-            taxonomy = _CLASSES[error_type] = classify(error_type)
-    return Verdict(False, error_type, [message], taxonomy)
+    return Verdict(False, error_type, [message], taxonomy or _classify(error_type))
+
+
+def _verdict(failure: Failure) -> Verdict:
+    error_type = failure[0]
+    taxonomy = failure[3] if len(failure) > 3 else _classify(error_type)
+    return Verdict(False, error_type, [failure[1] % failure[2]], taxonomy)
 
 
 def _crashed(exc: Exception) -> Verdict:
@@ -547,47 +641,57 @@ def check_calls(functions: list[dict[str, Any]], ground_truth: Any, category: st
         equivalence = default_equivalence()
     ctx = _Ctx(plan, equivalence if mode == "semantic" else None)
     try:
-        failure = _compiled(functions, ground_truth, dispatch or category, plan, underscore_to_dot).run(calls, ctx, mode)
+        compiled = _compiled(functions, ground_truth, dispatch or category, plan, underscore_to_dot)
+        failure = compiled.run(calls, ctx, mode)
     except Exception as exc:  # noqa: BLE001 — where BFCL's checker would crash, an invalid verdict
         return _crashed(exc)
-    return VALID if failure is None else _failed(failure.error_type, failure.message, failure.taxonomy)
+    return VALID if failure is None else _verdict(failure)
 
 
 _NOT_AST = frozenset(MULTI_TURN_CATEGORIES + AGENTIC_CATEGORIES)
-_BFCL_CTX = {lang: _Ctx(lang, None) for lang in ("python", "java", "javascript")}
-# id(case) → (case, its compiled answer in bfcl mode or None): the fast path of check()
-_CASES: dict[int, tuple[Any, _Compiled | None, _Ctx | None]] = {}
+# id(case) → the case's own answer key (`owner` is the case): the fast path of check()
+_CASES: dict[int, _Compiled] = {}
 
 
-def _case_entry(case: Any) -> tuple[Any, _Compiled | None, _Ctx | None]:
+def _case_entry(case: Any) -> _Compiled:
     category = case.category
     if category in _NOT_AST:
         raise ValueError(f"{case.id}: {category} is not scored by the AST checker")
     plan = _plan(category)
-    compiled = ctx = None
     if plan in _BFCL_CTX and case.ground_truth is not None:
         dispatch = case.extra.get("original_id") if category == "format_sensitivity" else None
-        compiled = _compiled(case.functions, case.ground_truth, dispatch or category, plan, False)
-        ctx = _BFCL_CTX[plan]
+        compiled = _Compiled(case.functions, case.ground_truth, dispatch or category, plan, False)
+    else:
+        compiled = _Compiled([], [], "", "", False)  # nothing expected: the general path decides
+    compiled.owner = case
     if len(_CASES) >= _COMPILED_MAX:
         _CASES.clear()
-    entry = _CASES[id(case)] = (case, compiled, ctx)
-    return entry
+    _CASES[id(case)] = compiled
+    return compiled
 
 
 def check(case: Any, calls: Any, mode: str = "bfcl", *, underscore_to_dot: bool = False,
           equivalence: Equivalence | None = None) -> Verdict:
     """The verdict for a corpus case (single-turn categories and format-sensitivity ids)."""
-    entry = _CASES.get(id(case))
-    if entry is None or entry[0] is not case:
-        entry = _case_entry(case)
-    compiled = entry[1]
-    if compiled is not None and mode == "bfcl" and not underscore_to_dot and is_well_formed(calls):
+    compiled = _CASES.get(id(case))
+    if compiled is None or compiled.owner is not case:
+        compiled = _case_entry(case)
+    # bfcl mode on well-formed calls: the answer key straight away (else the general path below)
+    ctx = compiled.bfcl_ctx
+    if ctx is not None and mode == "bfcl" and not underscore_to_dot and type(calls) is list:
         try:
-            failure = compiled.run(calls, entry[2], mode)  # type: ignore[arg-type]
+            if compiled.single and len(calls) == 1:  # one call against one expected call
+                call = calls[0]
+                if type(call) is dict:
+                    name, args = call.get("name"), call.get("arguments")
+                    if type(args) is dict and type(name) is str:
+                        failure = _check_call(compiled.first, name, args, ctx)
+                        return VALID if failure is None else _verdict(failure)
+            elif is_well_formed(calls):
+                failure = compiled.run(calls, ctx, "bfcl")
+                return VALID if failure is None else _verdict(failure)
         except Exception as exc:  # noqa: BLE001 — as in check_calls
             return _crashed(exc)
-        return VALID if failure is None else _failed(failure.error_type, failure.message, failure.taxonomy)
     dispatch = case.extra.get("original_id") if case.category == "format_sensitivity" else None
     return check_calls(case.functions, case.ground_truth, case.category, calls, mode, dispatch=dispatch,
                        underscore_to_dot=underscore_to_dot, equivalence=equivalence)
