@@ -21,7 +21,9 @@ documents, and says which one fired:
   is missing, or does not convert, typed by the function's schema instead;
 - `json_nested_objects`: a JSON call whose argument holds a list of objects (BFCL's regex cuts the
   text at the first `}]` and decodes no calls);
-- `json_bare_object`: one JSON call object, not in a list, inside `<TOOLCALL>`.
+- `json_bare_object`: one JSON call object, not in a list, inside `<TOOLCALL>`;
+- `reasoning_block`: the answer starts with a reasoning model's `<think>…</think>` (BFCL's handlers
+  for such models drop it before decoding; its generic decoder does not).
 
 A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
 """
@@ -38,7 +40,7 @@ from typing import Any, Callable
 DECODER_FAILED = "decoder_failed"
 WRONG_OUTPUT_FORMAT = "decoder_wrong_output_format"
 LENIENCIES = ("code_fence", "per_call_toolcall", "per_call_functions", "per_call_block", "python_no_brackets",
-              "unclosed_tag", "xml_type_from_schema", "json_nested_objects", "json_bare_object")
+              "unclosed_tag", "xml_type_from_schema", "json_nested_objects", "json_bare_object", "reasoning_block")
 
 _TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
 _FUNCTIONS = re.compile(r"<functions>(.*?)</functions>", re.DOTALL)
@@ -507,9 +509,15 @@ def _xml_lenient(segment: str, concise: bool, schemas: Schemas, fired: list[str]
 def _lenient_raw(text: str, return_format: str, tool_call_tag: bool, schemas: Schemas, strict: Decoded,
                  fired: list[str]) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
+    seen: Decoded | None = None if tool_call_tag else strict  # what strict decoding made of the whole answer
+    end_of_thought = text.rfind("</think>")
+    if end_of_thought >= 0:
+        text = text[end_of_thought + len("</think>"):]
+        fired.append("reasoning_block")
+        seen = None
     for segment in _segments(text, tool_call_tag, fired):
         if return_format == "python":
-            calls.extend(_python_lenient(segment, tool_call_tag, fired, None if tool_call_tag else strict))
+            calls.extend(_python_lenient(segment, tool_call_tag, fired, seen))
         elif return_format == "json":
             calls.extend(_json_lenient(segment, tool_call_tag, fired))
         elif return_format in ("verbose_xml", "concise_xml"):

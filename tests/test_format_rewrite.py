@@ -183,6 +183,11 @@ EXTRA_EXAMPLES = [
     Example("xml with an unescaped & (spec E9)",
             '<functions><function name="f"><param name="s" type="string">A & B</param></function></functions>',
             "concise_xml", False, "decoder_failed", []),
+    Example("reasoning before the calls", "<think>\nThe user wants 5!, so f.\n</think>\n\n[f(a=5)]", "python", False,
+            "decoder_failed", [], [call("f", a=5)], ("reasoning_block",)),
+    Example("a draft call in the reasoning", '<think>maybe <functions><function name="g"></function></functions></think>'
+            '<functions><function name="f"><param name="a" type="integer">5</param></function></functions>',
+            "concise_xml", False, None, [call("g")], [call("f", a=5)], ("reasoning_block",)),
     Example("xml <functions> never closed",
             '<functions><function name="f"><param name="s" type="string">x</param></function>', "concise_xml", False,
             "decoder_failed", [], [call("f", s="x")], ("unclosed_tag",)),
