@@ -121,7 +121,8 @@ class FormatRewrite(Perturber):
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         from scorers.convert import from_openai_tools
 
-        tools = [t for t in request.tools if isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str)]
+        tools = [t for t in request.tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                 and isinstance(t["function"].get("name"), str)]
         if not tools:
             ctx.report["skipped"] = "no tools in the request"
             return request
@@ -135,7 +136,8 @@ class FormatRewrite(Perturber):
         messages = self._history(request.messages, system, names)
         schemas: Schemas = {}
         for doc in docs:
-            props = (doc.get("parameters") or {}).get("properties") or {}
+            params = doc.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
             schemas[doc["name"]] = props if isinstance(props, dict) else {}
         ctx.state.update(active=True, names=names, schemas=schemas)
         ctx.report["config"] = fmt.config_string
@@ -170,8 +172,10 @@ class FormatRewrite(Perturber):
                 continue
             if role == "assistant" and msg.get("tool_calls"):
                 calls = []
-                for tc in msg["tool_calls"]:
-                    fn = tc.get("function") or {}
+                for tc in msg["tool_calls"] if isinstance(msg["tool_calls"], list) else []:
+                    if not isinstance(tc, dict):
+                        continue
+                    fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
                     call = {"name": names.to_model(str(fn.get("name") or "")), "arguments": _arguments(fn.get("arguments"))}
                     calls.append(call)
                     if isinstance(tc.get("id"), str):
@@ -197,8 +201,8 @@ class FormatRewrite(Perturber):
         choices = []
         records = []
         for choice in response.get("choices") or []:
-            msg = choice.get("message") or {}
-            text = msg.get("content")
+            msg = choice.get("message") if isinstance(choice, dict) else None
+            text = msg.get("content") if isinstance(msg, dict) else None
             if not isinstance(text, str) or msg.get("tool_calls"):
                 choices.append(choice)
                 continue
