@@ -98,9 +98,9 @@ _BFCL_CTX = {lang: _Ctx(lang, None) for lang in ("python", "java", "javascript")
 # --- value checks ----------------------------------------------------------------------------------
 
 
-def _type_check(param: str, value: Any, alts: list[Any], expected: type, nested: type | None) -> bool | Failure:
-    """BFCL's type check: is_variable, or the failure."""
-    pat = _first_type(alts)
+def _type_check(param: str, value: Any, alts: list[Any], pat: type | None, expected: type,
+                nested: type | None) -> bool | Failure:
+    """BFCL's type check (`pat`: the type of the first non-empty alternative): is_variable, or the failure."""
     is_var = pat is not None and pat != expected
     if type(value) == expected:  # noqa: E721 — an exact type test, as BFCL's
         if nested is None:
@@ -215,11 +215,13 @@ class _Param:
     point BFCL meets it: `error` before anything is checked, `late_error` after the type conversions.
     `code` selects a fast path (python only, non-variable answers): `data` then holds the normalised
     strings (a set; `raw`: the strings as given, which match without normalising), the exact
-    alternatives (a set when hashable) or the normalised lists.
+    alternatives (a set when hashable) or the normalised lists; `shown` is repr(alternatives), for the
+    messages of its failures.
     """
 
-    __slots__ = ("kind", "expected", "nested", "item_type", "alts", "pat", "var0", "strings", "_lists",
-                 "error", "late_error", "code", "data", "raw")
+    # the fields a fast path reads come first (one cache line)
+    __slots__ = ("code", "data", "raw", "expected", "nested", "alts", "shown", "kind", "item_type", "pat", "var0",
+                 "strings", "_lists", "error", "late_error")
 
     def __init__(self, schema: dict[str, Any], alts: list[Any], language: str):
         self.error: Exception | None = None
@@ -259,6 +261,7 @@ class _Param:
     def _choose_fast_path(self) -> None:
         expected, nested = self.expected, self.nested
         try:
+            self.shown = repr(self.alts)
             if nested is None:
                 if expected is str:
                     self.code, self.data = _STRING, self.strings
@@ -305,7 +308,7 @@ def _check_param(spec: _Param, param: Any, value: Any, ctx: _Ctx) -> Failure | N
     if type(value) is expected and spec.nested is None:
         is_var = spec.var0
     else:
-        is_var = _type_check(param, value, spec.alts, expected, spec.nested)
+        is_var = _type_check(param, value, spec.alts, spec.pat, expected, spec.nested)
         if type(is_var) is tuple:
             return is_var
     if not is_var and expected in _STRUCTURED:
@@ -333,8 +336,8 @@ class _Expected:
     meets it: `error` before anything is checked, `must_error` after every other check.
     """
 
-    __slots__ = ("gt_name", "name", "required", "required_set", "params", "must", "must_set", "error",
-                 "must_error", "must_checked")
+    __slots__ = ("error", "name", "required_set", "required", "params", "must_checked", "must_error", "must_set",
+                 "must", "gt_name")
 
     def __init__(self, doc: Any, gt_call: dict[str, Any], language: str, u2d: bool):
         self.gt_name = next(iter(gt_call))
@@ -363,6 +366,8 @@ class _Expected:
             self.required_set = frozenset(self.required)
         except Exception:  # noqa: BLE001 — then checked one by one, failing where BFCL does
             pass
+        if self.required == []:  # nothing to look up
+            self.required, self.required_set = (), None
         try:
             self.must = [p for p, alts in answers.items() if "" not in alts]
             self.must_set = frozenset(self.must)
@@ -398,25 +403,28 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
                         else std(value)) in spec.data:
                     continue
                 if ctx.equiv is None:
-                    return ("value_error:string", "%r: %r is none of %r (normalised)", (param, value, spec.alts))
+                    return ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
         elif code == _EXACT:
             if type(value) is spec.expected:
                 if value in spec.data:
                     continue
-                return ("value_error:others", "%r: %r is none of %r", (param, value, spec.alts))
+                return ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
         elif code == _FLOAT:
             if type(value) is float:
                 if value in spec.data:
                     continue
-                return ("value_error:others", "%r: %r is none of %r", (param, value, spec.alts))
+                return ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
             if type(value) is int and float(value) in spec.data:
                 continue
         elif code:  # lists of scalars, every item of the item type
             if type(value) is list and set(map(type, value)) <= {spec.nested}:
-                if (list(map(std, value)) if code == _STRING_LIST else value) in spec.data:
+                if code == _EXACT_LIST:
+                    if value in spec.data:
+                        continue
+                elif value in spec.alts or list(map(std, value)) in spec.data:  # as given, or normalised
                     continue
                 if ctx.equiv is None:
-                    return ("value_error:list/tuple", "%r: %r is none of %r", (param, value, spec.alts))
+                    return ("value_error:list/tuple", "%r: %r is none of %s", (param, value, spec.shown))
         failure = _check_param(spec, param, value, ctx)
         if failure is not None:
             return failure
@@ -453,15 +461,13 @@ def _no_match(what: str, index: int, exp: _Expected, failures: list[Failure]) ->
 
 
 def _parallel_greedy(expected: list[_Expected], calls: list[dict[str, Any]], ctx: _Ctx) -> Failure | None:
-    matched = [False] * len(calls)
+    unmatched = [(call["name"], call["arguments"]) for call in calls]  # in the order produced
     for i, exp in enumerate(expected):
         failures: list[Failure] = []
-        for index, call in enumerate(calls):
-            if matched[index]:
-                continue
-            failure = _check_call(exp, call["name"], call["arguments"], ctx)
+        for index, (name, args) in enumerate(unmatched):
+            failure = _check_call(exp, name, args, ctx)
             if failure is None:
-                matched[index] = True
+                del unmatched[index]
                 break
             failures.append(failure)
         else:
@@ -512,7 +518,7 @@ class _Compiled:
     """A case's answer key: its expected calls and BFCL's dispatch (`kind`: simple, multiple, parallel).
     `bfcl_ctx` is set where check() may score it directly (a language BFCL checks, an expected call)."""
 
-    __slots__ = ("functions", "ground_truth", "kind", "expected", "first", "count", "single", "bfcl_ctx", "owner")
+    __slots__ = ("owner", "bfcl_ctx", "single", "first", "count", "kind", "expected", "functions", "ground_truth")
 
     def __init__(self, functions: list[dict[str, Any]], ground_truth: list[dict[str, Any]], dispatch: str,
                  language: str, u2d: bool):

@@ -1,22 +1,37 @@
 """Our AST scorer against BFCL's own checker, on the same answers, in one run.
 
-    python -m tests.bench.scorer_vs_bfcl [--mutations 10] [--rounds 5] [--out bench-results]
+    python -m tests.bench.scorer_vs_bfcl [--mutations 10] [--rounds 5] [--batch 200] [--by-error]
+                                         [--out bench-results] [--embeddings]
 
 Inputs (needs the corpus): every single-turn case of the AST categories with its ground truth as the
 answer ("gt"), and the same cases with `--mutations` deterministic mutated answers each ("mutated";
 mostly wrong answers, so error paths are measured too). Both checkers get already-decoded calls: ours
 `check(case, calls)` → Verdict, BFCL's `ast_checker(...)` → result dict, exactly as its runner calls it.
-Rounds alternate ours/BFCL; CPU time (process_time) per verdict, median over rounds; the ratio is
-BFCL / ours (> 1: ours is faster). The verdicts are compared too (any disagreement is printed).
-Then the extra modes on the same answers plus "reversed" (each ground truth with its calls in reverse
-order): how many verdicts `fair` and `semantic` flip against `bfcl` (semantic with normalisation only
-unless --embeddings). Writes JSON + Markdown to --out.
+Every verdict is computed anew (nothing is cached by answer). CPU time (process_time) per verdict,
+median over rounds; the ratio is BFCL / ours (> 1: ours is faster). Two ways of feeding the answers:
+
+* stored: all answers built up front and scored in one pass each (like scoring a results file: each
+  answer's objects were allocated long before, so reading them misses the CPU caches). Rounds
+  alternate ours/BFCL.
+* fresh: answers are scored in batches of `--batch`, each batch unpickled just before it is scored
+  (like the proxy scoring a response it has just decoded). Each batch is copied and timed for both
+  checkers, which goes first alternating batch by batch; only the scoring is timed.
+
+"read only" is a floor, not a checker: a function that only looks up the case and reads every call's
+name and every argument (key, value type) the way any checker must; BFCL / floor is the best ratio
+any Python checker could reach on those inputs. `--by-error` adds the stored timings per BFCL error
+type. The verdicts are compared too (any disagreement is printed). Then the extra modes on the same
+answers plus "reversed" (each ground truth with its calls in reverse order): how many verdicts `fair`
+and `semantic` flip against `bfcl` (semantic with normalisation only unless --embeddings). Writes
+JSON + Markdown to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import pickle
 import platform
 import statistics
 import tempfile
@@ -43,6 +58,7 @@ def _inputs(reference: Reference, count: int) -> dict[str, list[tuple[Any, ...]]
             for i, calls in enumerate(mutations.answers(case, count)):
                 item = (case, calls, reference.bfcl_calls(calls), lang)
                 sets["gt" if i == 0 else "mutated"].append(item)
+            _ENTRIES[id(case)] = case
     return sets
 
 
@@ -62,6 +78,73 @@ def _time_bfcl(reference: Reference, items: list[tuple[Any, ...]]) -> float:
         except Exception:  # noqa: BLE001 — BFCL crashes on a few odd answers; timed all the same
             pass
     return time.process_time() - start
+
+
+_ENTRIES: dict[int, Any] = {}  # id(case) → case, for the floor's look-up
+
+
+def _read_answer(case: Any, calls: list[dict[str, Any]]) -> bool:
+    """The floor: find the case's entry and read the answer (names, argument keys, value types)."""
+    _ENTRIES.get(id(case))
+    for call in calls:
+        if type(call) is not dict or type(call.get("arguments")) is not dict or type(call.get("name")) is not str:
+            return False
+    for call in calls:
+        call["name"].isascii()
+        for value in call["arguments"].values():
+            if type(value) is str:
+                value.isascii()
+    return True
+
+
+def _time_floor(items: list[tuple[Any, ...]]) -> float:
+    start = time.process_time()
+    for case, calls, _, _ in items:
+        _read_answer(case, calls)
+    return time.process_time() - start
+
+
+def _stored(reference: Reference, items: list[tuple[Any, ...]], rounds: int) -> dict[str, float]:
+    _time_ours(items), _time_bfcl(reference, items), _time_floor(items)  # warm-up (and our per-case compilation)
+    ours, theirs, floor = [], [], []
+    for _ in range(rounds):
+        ours.append(_time_ours(items))
+        theirs.append(_time_bfcl(reference, items))
+        floor.append(_time_floor(items))
+    return {"ours": statistics.median(ours), "bfcl": statistics.median(theirs), "floor": statistics.median(floor)}
+
+
+def _fresh(reference: Reference, items: list[tuple[Any, ...]], rounds: int, batch: int) -> dict[str, float]:
+    """Per round: every batch unpickled right before each checker scores it; CPU time of the scoring only."""
+    batches = [items[i:i + batch] for i in range(0, len(items), batch)]
+    frozen = [(b, pickle.dumps([calls for _, calls, _, _ in b]), pickle.dumps([bc for _, _, bc, _ in b]))
+              for b in batches]
+    totals: dict[str, list[float]] = {"ours": [], "bfcl": [], "floor": []}
+    for _ in range(rounds):
+        spent = {"ours": 0.0, "bfcl": 0.0, "floor": 0.0}
+        for n, (chunk, ours_blob, bfcl_blob) in enumerate(frozen):
+            for side in (("ours", "bfcl", "floor") if n % 2 == 0 else ("bfcl", "ours", "floor")):
+                if side != "bfcl":
+                    fresh = [(c, calls, None, None) for (c, _, _, _), calls in zip(chunk, pickle.loads(ours_blob))]
+                    spent[side] += _time_ours(fresh) if side == "ours" else _time_floor(fresh)
+                else:
+                    fresh = [(c, None, bc, lang) for (c, _, _, lang), bc in zip(chunk, pickle.loads(bfcl_blob))]
+                    spent["bfcl"] += _time_bfcl(reference, fresh)
+        for side, value in spent.items():
+            totals[side].append(value)
+    return {side: statistics.median(values) for side, values in totals.items()}
+
+
+def _by_error(reference: Reference, items: list[tuple[Any, ...]], rounds: int) -> list[dict[str, Any]]:
+    groups: dict[str, list[tuple[Any, ...]]] = collections.defaultdict(list)
+    for item in items:
+        groups[check(item[0], item[1]).error_type or "valid"].append(item)
+    rows = []
+    for error_type, group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        timed = _stored(reference, group, rounds)
+        rows.append({"error_type": error_type, "verdicts": len(group), "ours_us": timed["ours"] / len(group) * 1e6,
+                     "bfcl_us": timed["bfcl"] / len(group) * 1e6, "bfcl_s": timed["bfcl"], "ours_s": timed["ours"]})
+    return rows
 
 
 def _disagreements(reference: Reference, items: list[tuple[Any, ...]]) -> int:
@@ -104,7 +187,11 @@ def _flips(sets: dict[str, list[tuple[Any, ...]]], embeddings: bool) -> list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutations", type=int, default=10, help="mutated answers per case (default 10)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds per protocol (default 5)")
+    parser.add_argument("--batch", type=int, default=200,
+                        help="answers per freshly unpickled batch in the 'fresh' protocol (default 200)")
+    parser.add_argument("--by-error", action="store_true",
+                        help="also time the mutated answers grouped by BFCL error type (stored protocol)")
     parser.add_argument("--out", default="bench-results", help="directory for scorer_vs_bfcl.{json,md}")
     parser.add_argument("--embeddings", action="store_true",
                         help="semantic flips with the embedding model too (slow on CPU; default: normalisation)")
@@ -113,22 +200,36 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="toolquake-bfcl-") as tmp:
         reference = Reference(Path(tmp))
         sets = _inputs(reference, args.mutations)
-        rows = []
+        rows, by_error = [], []
         for name, items in sets.items():
-            _time_ours(items), _time_bfcl(reference, items)  # warm-up (and our per-case compilation)
-            ours, theirs = [], []
-            for _ in range(args.rounds):
-                ours.append(_time_ours(items))
-                theirs.append(_time_bfcl(reference, items))
-            o, t = statistics.median(ours), statistics.median(theirs)
-            rows.append({"set": name, "verdicts": len(items), "ours_us": o / len(items) * 1e6,
-                         "bfcl_us": t / len(items) * 1e6, "ratio": t / o,
+            stored = _stored(reference, items, args.rounds)
+            fresh = _fresh(reference, items, args.rounds, args.batch)
+            n = len(items)
+            rows.append({"set": name, "verdicts": n,
+                         "stored_ours_us": stored["ours"] / n * 1e6, "stored_bfcl_us": stored["bfcl"] / n * 1e6,
+                         "stored_ratio": stored["bfcl"] / stored["ours"], "floor_us": stored["floor"] / n * 1e6,
+                         "floor_ratio": stored["bfcl"] / stored["floor"],
+                         "fresh_ours_us": fresh["ours"] / n * 1e6, "fresh_bfcl_us": fresh["bfcl"] / n * 1e6,
+                         "fresh_ratio": fresh["bfcl"] / fresh["ours"], "fresh_floor_us": fresh["floor"] / n * 1e6,
+                         "fresh_floor_ratio": fresh["bfcl"] / fresh["floor"],
                          "disagreements": _disagreements(reference, items)})
-    lines = ["| answers | verdicts | ours µs/verdict | BFCL µs/verdict | BFCL/ours | disagreements |",
-             "|---|---|---|---|---|---|"]
+        if args.by_error:
+            by_error = _by_error(reference, sets["mutated"], args.rounds)
+    lines = ["| answers | protocol | verdicts | ours µs | BFCL µs | BFCL/ours | read-only floor µs | BFCL/floor "
+             "| disagreements |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['verdicts']} | {r['ours_us']:.2f} | {r['bfcl_us']:.2f} | "
-                     f"{r['ratio']:.2f}× | {r['disagreements']} |")
+        for protocol in ("stored", "fresh"):
+            floor = "floor" if protocol == "stored" else "fresh_floor"
+            lines.append(f"| {r['set']} | {protocol} | {r['verdicts']} | {r[protocol + '_ours_us']:.2f} | "
+                         f"{r[protocol + '_bfcl_us']:.2f} | {r[protocol + '_ratio']:.2f}× | {r[floor + '_us']:.2f} | "
+                         f"{r[floor + '_ratio']:.1f}× | {r['disagreements']} |")
+    if by_error:
+        total_bfcl = sum(r["bfcl_s"] for r in by_error)
+        lines += ["", "| mutated, by BFCL error type | verdicts | ours µs | BFCL µs | BFCL/ours | share of BFCL time |",
+                  "|---|---|---|---|---|---|"]
+        for r in by_error:
+            lines.append(f"| {r['error_type']} | {r['verdicts']} | {r['ours_us']:.2f} | {r['bfcl_us']:.2f} | "
+                         f"{r['bfcl_s'] / r['ours_s']:.2f}× | {r['bfcl_s'] / total_bfcl:.0%} |")
     flips = _flips(sets, args.embeddings)
     lines += ["", f"| answers | count | bfcl valid | fair valid | semantic valid{'' if args.embeddings else ' (normalisation)'}"
               " | fair flips | semantic flips |", "|---|---|---|---|---|---|---|"]
@@ -137,12 +238,12 @@ def main() -> int:
                      f"{f['fair_flips']} | {f['semantic_flips']} |")
     table = "\n".join(lines)
     print(table)
-    print(f"target: ours ≥ {TARGET_RATIO:.0f}× faster; CPU time, median of {args.rounds} alternating rounds, "
+    print(f"target: ours ≥ {TARGET_RATIO:.0f}× faster; CPU time, median of {args.rounds} rounds, "
           f"{platform.python_implementation()} {platform.python_version()}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scorer_vs_bfcl.json").write_text(json.dumps({"rows": rows, "rounds": args.rounds, "flips": flips},
-                                                        indent=2))
+    (out / "scorer_vs_bfcl.json").write_text(json.dumps({"rows": rows, "by_error": by_error, "rounds": args.rounds,
+                                                         "batch": args.batch, "flips": flips}, indent=2))
     (out / "scorer_vs_bfcl.md").write_text(table + "\n")
     return 0
 
