@@ -220,8 +220,8 @@ class _Param:
     """
 
     # the fields a fast path reads come first (one cache line)
-    __slots__ = ("code", "data", "raw", "expected", "nested", "alts", "shown", "kind", "item_type", "pat", "var0",
-                 "strings", "_lists", "error", "late_error")
+    __slots__ = ("flags", "code", "data", "raw", "expected", "nested", "alts", "shown", "kind", "item_type", "pat",
+                 "var0", "strings", "_lists", "error", "late_error")
 
     def __init__(self, schema: dict[str, Any], alts: list[Any], language: str):
         self.error: Exception | None = None
@@ -230,6 +230,7 @@ class _Param:
         self.nested: type | None = None
         self.item_type: str | None = None
         self._lists: list[list[Any]] | None = None
+        self.flags = 0  # required / expected: set by _Expected
         self.code = _GENERAL
         self.data: Any = None
         self.raw: frozenset[str] = frozenset()
@@ -329,15 +330,20 @@ def _check_param(spec: _Param, param: Any, value: Any, ctx: _Ctx) -> Failure | N
     return None
 
 
+_MUST = 1 << 16  # _Param.flags: 1 for a required parameter, _MUST for an expected one (both add up)
+
+
 class _Expected:
     """One expected call (a ground-truth item) bound to its function doc, worked out once.
 
     Where BFCL's checker would crash on the doc or the answer, the error is kept and raised where BFCL
-    meets it: `error` before anything is checked, `must_error` after every other check.
+    meets it: `error` before anything is checked, `must_error` after every other check. `required_count`
+    and `must_count` let a passing call be confirmed by counting flagged parameters; when `required`
+    cannot be a set, `required_first` checks it one by one before anything else, as BFCL does.
     """
 
-    __slots__ = ("error", "name", "required_set", "required", "params", "must_checked", "must_error", "must_set",
-                 "must", "gt_name")
+    __slots__ = ("error", "name", "params", "required_first", "required_count", "must_count", "must_error",
+                 "required", "must", "gt_name")
 
     def __init__(self, doc: Any, gt_call: dict[str, Any], language: str, u2d: bool):
         self.gt_name = next(iter(gt_call))
@@ -345,9 +351,6 @@ class _Expected:
         self.must_error: Exception | None = None
         self.params: dict[Any, _Param] = {}
         self.must: list[Any] = []
-        self.must_set: frozenset[Any] = frozenset()
-        self.required_set: frozenset[Any] | None = None
-        self.must_checked = False  # True: the expected parameters are all required ones, checked first
         try:
             answers = next(iter(gt_call.values()))
             if doc is None:
@@ -362,77 +365,108 @@ class _Expected:
         except Exception as exc:  # noqa: BLE001 — BFCL fails here before any check: so do we
             self.error = exc
             return
+        required_set: frozenset[Any] = frozenset()
+        self.required_first = False
         try:
-            self.required_set = frozenset(self.required)
+            required_set = frozenset(self.required)
         except Exception:  # noqa: BLE001 — then checked one by one, failing where BFCL does
-            pass
-        if self.required == []:  # nothing to look up
-            self.required, self.required_set = (), None
+            self.required_first = True
+        self.required_count = len(required_set)
+        must_set: frozenset[Any] = frozenset()
         try:
             self.must = [p for p, alts in answers.items() if "" not in alts]
-            self.must_set = frozenset(self.must)
-            self.must_checked = self.required_set is not None and self.must_set <= self.required_set
+            must_set = frozenset(self.must)
         except Exception as exc:  # noqa: BLE001 — BFCL meets this only after every other check
             self.must_error = exc
+        self.must_count = len(must_set)
+        for param, spec in self.params.items():
+            spec.flags = (param in required_set) + _MUST * (param in must_set)
+
+
+def _missing_required(exp: _Expected, args: dict[Any, Any]) -> Failure | None:
+    for req in exp.required:
+        if req not in args:
+            return ("simple_function_checker:missing_required", "missing required parameter %r", (req,))
+    return None
 
 
 def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> Failure | None:
     """BFCL's simple_function_checker: one produced call (name, arguments) against one expected call.
 
     Each parameter first tries its fast path (`_Param.code`: the value is of the expected type and
-    matches, or plainly does not in `bfcl` mode); anything else goes through `_check_param`.
+    matches, or plainly does not in `bfcl` mode); anything else goes through `_check_param`. BFCL looks
+    for missing required parameters first: here that is done only when something fails (a failure, an
+    error, or fewer required parameters counted than expected), with the same outcome.
     """
     if exp.error is not None:
         raise exp.error
     if name != exp.name:
         return ("simple_function_checker:wrong_func_name", "expected %r, got %r", (exp.name, name))
-    required_set = exp.required_set
-    if required_set is None or not args.keys() >= required_set:
-        for req in exp.required:
-            if req not in args:
-                return ("simple_function_checker:missing_required", "missing required parameter %r", (req,))
-    params = exp.params
-    for param, value in args.items():
-        spec = params.get(param)
-        if spec is None:
-            return ("simple_function_checker:unexpected_param", "unexpected parameter %r", (param,))
-        code = spec.code
-        if code == _STRING:
-            if type(value) is str:
-                if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode() if value.isascii()
-                        else std(value)) in spec.data:
-                    continue
-                if ctx.equiv is None:
-                    return ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
-        elif code == _EXACT:
-            if type(value) is spec.expected:
-                if value in spec.data:
-                    continue
-                return ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
-        elif code == _FLOAT:
-            if type(value) is float:
-                if value in spec.data:
-                    continue
-                return ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
-            if type(value) is int and float(value) in spec.data:
-                continue
-        elif code:  # lists of scalars, every item of the item type
-            if type(value) is list and set(map(type, value)) <= {spec.nested}:
-                if code == _EXACT_LIST:
-                    if value in spec.data:
-                        continue
-                elif value in spec.alts or list(map(std, value)) in spec.data:  # as given, or normalised
-                    continue
-                if ctx.equiv is None:
-                    return ("value_error:list/tuple", "%r: %r is none of %s", (param, value, spec.shown))
-        failure = _check_param(spec, param, value, ctx)
+    if exp.required_first:
+        failure = _missing_required(exp, args)
         if failure is not None:
             return failure
-    if exp.must_checked:
-        return None
+    params = exp.params
+    seen = 0  # flags of the parameters checked, added up
+    failure = None
+    try:
+        for param, value in args.items():
+            spec = params.get(param)
+            if spec is None:
+                failure = ("simple_function_checker:unexpected_param", "unexpected parameter %r", (param,))
+                break
+            seen += spec.flags
+            code = spec.code
+            if code == _STRING:
+                if type(value) is str:
+                    if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode()
+                                             if value.isascii() else std(value)) in spec.data:
+                        continue
+                    if ctx.equiv is None:
+                        failure = ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
+                        break
+            elif code == _EXACT:
+                if type(value) is spec.expected:
+                    if value in spec.data:
+                        continue
+                    failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
+                    break
+            elif code == _FLOAT:
+                if type(value) is float:
+                    if value in spec.data:
+                        continue
+                    failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
+                    break
+                if type(value) is int and float(value) in spec.data:
+                    continue
+            elif code:  # lists of scalars, every item of the item type
+                if type(value) is list and set(map(type, value)) <= {spec.nested}:
+                    if code == _EXACT_LIST:
+                        if value in spec.data:
+                            continue
+                    elif value in spec.alts or list(map(std, value)) in spec.data:  # as given, or normalised
+                        continue
+                    if ctx.equiv is None:
+                        failure = ("value_error:list/tuple", "%r: %r is none of %s", (param, value, spec.shown))
+                        break
+            failure = _check_param(spec, param, value, ctx)
+            if failure is not None:
+                break
+    except Exception:
+        if not exp.required_first:  # BFCL would have stopped at a missing required parameter first
+            failure = _missing_required(exp, args)
+            if failure is not None:
+                return failure
+        raise
+    if (failure is not None or (seen & (_MUST - 1)) != exp.required_count) and not exp.required_first:
+        missing = _missing_required(exp, args)
+        if missing is not None:
+            return missing
+    if failure is not None:
+        return failure
     if exp.must_error is not None:
         raise exp.must_error
-    if not args.keys() >= exp.must_set:
+    if seen // _MUST != exp.must_count:
         for param in exp.must:
             if param not in args:
                 return ("simple_function_checker:missing_optional", "missing expected parameter %r", (param,))
