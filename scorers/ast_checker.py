@@ -402,7 +402,7 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
         raise exp.error
     if name != exp.name:
         return ("simple_function_checker:wrong_func_name", "expected %r, got %r", (exp.name, name))
-    if exp.required_first:
+    if exp.required_first or len(args) < exp.required_count:  # (too few arguments: one is surely missing)
         failure = _missing_required(exp, args)
         if failure is not None:
             return failure
