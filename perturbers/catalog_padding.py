@@ -41,13 +41,14 @@ class CatalogPadding(Perturber):
         if not originals:  # no toolkit to hide: padding would turn a chat into a tool-calling request
             ctx.report["skipped"] = "no tools"
             return request
+        # counted first: an upstream counter learns the request's model, which its pool costs are keyed by
+        base = counter.count_request(request.body)
         pool = get_pool(ctx.services)
         embedder = get_shared_embedder(ctx.services)
         excluded = pool.excluded(originals, pool.embed_tools(originals, embedder), self.max_similarity)
         candidates = np.flatnonzero(~excluded)
         order = np.random.default_rng(ctx.rng.getrandbits(64)).permutation(candidates)
         costs = pool.costs(counter)[order]
-        base = counter.count_request(request.body)
 
         def build(n: int) -> list[dict[str, Any]]:
             distractors = [pool.tools[i] for i in order[:n]]
