@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-import httpx
 import msgspec
 import structlog
 from litestar import Litestar, Request, Response, get, route
@@ -28,7 +27,7 @@ from proxy.metrics import Metrics
 from proxy.pipeline import Outcome, PerturbationFailed, restore, run_profile, seed_for
 from proxy.profiles import Profile, ProfileStore
 from proxy.protocol import request_decoder
-from proxy.upstream import Upstream, request_headers, response_headers
+from proxy.upstream import Upstream, UpstreamError, UpstreamResponse, request_headers, response_headers
 
 log = structlog.get_logger("toolquake.proxy")
 JSON = "application/json"
@@ -180,37 +179,34 @@ class ChatHandler:
         upstream = await self._send("POST", url, fwd, send_raw, "")
         ctx = _Ctx(rid=rid, t0=t0, t_up=t_up, profile=profile, stream=stream, model=model, body=body,
                    outcome=outcome, case=case, case_header=case_header, seed=seed, fwd=fwd, want=want_exchange)
-        if stream and upstream.status_code == 200 and "text/event-stream" in upstream.headers.get("content-type", ""):
+        if stream and upstream.status_code == 200 and "text/event-stream" in upstream.header("content-type"):
             if outcome is not None and outcome.rewrites_response:
                 return await self._stream_rewritten(upstream, ctx), True
             return self._stream_relay(upstream, ctx), True
         return await self._plain(upstream, ctx), False
 
     async def _send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
-                    params: str) -> httpx.Response:
-        m = self.st.metrics
+                    params: str) -> UpstreamResponse:
         try:
             return await self.st.upstream.send(method, url, headers, content, params)
-        except httpx.TimeoutException:
-            m.upstream_errors.labels("timeout").inc()
-            raise ProxyError(504, "The upstream model server did not answer in time. Retry, or raise "
-                             "[server] read_timeout.", type="upstream_error", code="upstream_timeout") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            m.upstream_errors.labels("unreachable").inc()
-            raise ProxyError(502, f"The upstream model server could not be reached ({type(exc).__name__}). "
+        except UpstreamError as exc:
+            self.st.metrics.upstream_errors.labels(exc.kind).inc()
+            if exc.kind == "timeout":
+                raise ProxyError(504, "The upstream model server did not answer in time. Retry, or raise "
+                                 "[server] read_timeout.", type="upstream_error", code="upstream_timeout") from None
+            raise ProxyError(502, f"The upstream model server could not be reached ({exc.cause_name}). "
                              "Check [server] upstream and that the backend is running.",
                              type="upstream_error", code="upstream_unreachable") from None
 
-    async def _plain(self, upstream: httpx.Response, ctx: _Ctx) -> Response:
+    async def _plain(self, upstream: UpstreamResponse, ctx: _Ctx) -> Response:
         try:
             data = await upstream.aread()
-        except httpx.TimeoutException:
-            self.st.metrics.upstream_errors.labels("timeout").inc()
-            raise ProxyError(504, "The upstream model server stopped answering mid-response.",
-                             type="upstream_error", code="upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            self.st.metrics.upstream_errors.labels("unreachable").inc()
-            raise ProxyError(502, f"The upstream connection failed mid-response ({type(exc).__name__}).",
+        except UpstreamError as exc:
+            self.st.metrics.upstream_errors.labels(exc.kind).inc()
+            if exc.kind == "timeout":
+                raise ProxyError(504, "The upstream model server stopped answering mid-response.",
+                                 type="upstream_error", code="upstream_timeout") from None
+            raise ProxyError(502, f"The upstream connection failed mid-response ({exc.cause_name}).",
                              type="upstream_error", code="upstream_unreachable") from None
         finally:
             await upstream.aclose()
@@ -218,7 +214,7 @@ class ChatHandler:
         status = upstream.status_code
         resp_headers = response_headers(upstream.headers)
         answer: dict[str, Any] | None = None
-        is_json = "json" in upstream.headers.get("content-type", "")
+        is_json = "json" in upstream.header("content-type")
         if status == 200 and is_json and (ctx.want or (ctx.outcome and ctx.outcome.rewrites_response)):
             try:
                 parsed = _decode(data)
@@ -237,9 +233,9 @@ class ChatHandler:
         self.st.metrics.ttfb.labels(ctx.profile.name, "false").observe(total)
         self._finish(ctx.rid, ctx.profile.name, False, ctx.model, status, ctx.t0, upstream_s, ctx, answer)
         return Response(content=data, status_code=status, headers=resp_headers,
-                        media_type=upstream.headers.get("content-type", JSON))
+                        media_type=upstream.header("content-type", JSON))
 
-    def _stream_relay(self, upstream: httpx.Response, ctx: _Ctx) -> Stream:
+    def _stream_relay(self, upstream: UpstreamResponse, ctx: _Ctx) -> Stream:
         """Relay the upstream SSE chunk by chunk; capture a copy only when someone will score it."""
         parts: list[bytes] = []
         state = {"first": None, "end": None, "status": 200}
@@ -254,13 +250,12 @@ class ChatHandler:
                     if ctx.want:
                         parts.append(chunk)
                     yield chunk
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 # headers are sent: tell the client in-band, the way OpenAI streams report errors
-                kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unreachable"
-                m.upstream_errors.labels(kind).inc()
-                state["status"] = 504 if kind == "timeout" else 502
-                yield b"data: " + error_body(f"The upstream stream failed ({type(exc).__name__}).",
-                                             "upstream_error", f"upstream_{kind}") + b"\n\n"
+                m.upstream_errors.labels(exc.kind).inc()
+                state["status"] = 504 if exc.kind == "timeout" else 502
+                yield b"data: " + error_body(f"The upstream stream failed ({exc.cause_name}).",
+                                             "upstream_error", f"upstream_{exc.kind}") + b"\n\n"
             finally:
                 state["end"] = time.perf_counter()
                 await upstream.aclose()
@@ -279,18 +274,17 @@ class ChatHandler:
         return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
 
-    async def _stream_rewritten(self, upstream: httpx.Response, ctx: _Ctx) -> Stream:
+    async def _stream_rewritten(self, upstream: UpstreamResponse, ctx: _Ctx) -> Stream:
         """A perturber must rewrite the answer: read the whole upstream stream, restore, re-emit."""
         m = self.st.metrics
         status = 200
         try:
             data = await upstream.aread()
             answer = streaming.assemble_sse(data)
-        except httpx.HTTPError as exc:
-            kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unreachable"
-            m.upstream_errors.labels(kind).inc()
-            raise ProxyError(504 if kind == "timeout" else 502, f"The upstream stream failed ({type(exc).__name__}).",
-                             type="upstream_error", code=f"upstream_{kind}") from None
+        except UpstreamError as exc:
+            m.upstream_errors.labels(exc.kind).inc()
+            raise ProxyError(504 if exc.kind == "timeout" else 502, f"The upstream stream failed ({exc.cause_name}).",
+                             type="upstream_error", code=f"upstream_{exc.kind}") from None
         finally:
             await upstream.aclose()
         t_up_end = time.perf_counter()
@@ -316,10 +310,9 @@ class ChatHandler:
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
 
     @staticmethod
-    def _stream_headers(upstream: httpx.Response, ctx: _Ctx) -> dict[str, str]:
+    def _stream_headers(upstream: UpstreamResponse, ctx: _Ctx) -> dict[str, str]:
         h = response_headers(upstream.headers)
         h.pop("content-type", None)
-        h.pop("Content-Type", None)
         h["X-Toolquake-Request-Id"] = ctx.rid
         return h
 
@@ -390,7 +383,7 @@ class Passthrough:
             body = await request.body()
             upstream = await ChatHandler(self.st)._send(request.method, url, request_headers(_headers(request)),
                                                         body or None, request.url.query)
-            if "text/event-stream" in upstream.headers.get("content-type", ""):
+            if "text/event-stream" in upstream.header("content-type"):
                 status = upstream.status_code
 
                 async def relay() -> AsyncIterator[bytes]:
@@ -408,7 +401,7 @@ class Passthrough:
                 await upstream.aclose()
             status = upstream.status_code
             return Response(content=data, status_code=status, headers=response_headers(upstream.headers),
-                            media_type=upstream.headers.get("content-type"))
+                            media_type=upstream.header("content-type") or None)
         except ProxyError as exc:
             status = exc.status
             return _error(exc)
@@ -452,8 +445,8 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     st = ProxyState(
         config=config,
         profiles=ProfileStore(config.profiles),
-        upstream=Upstream(server.upstream, connect_timeout=server.connect_timeout,
-                          read_timeout=server.read_timeout, max_connections=server.max_connections),
+        upstream=Upstream(server.upstream, connect_timeout=server.connect_timeout, read_timeout=server.read_timeout,
+                          max_connections=server.max_connections, client=server.upstream_client),
         metrics=Metrics(server.model_allowlist),
         services=services or Services(token_counter=make_counter(server.token_counter, server.upstream)),
         admin_token=admin_token,
@@ -497,13 +490,12 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     @get("/readyz", name="readyz")
     async def readyz() -> Response:
         try:
-            r = await st.upstream.client.get(st.upstream.api_url("models"), timeout=2.0)
-            ok = r.status_code < 500
-        except httpx.HTTPError as exc:
-            return Response(content=error_body(f"upstream not reachable: {type(exc).__name__}", "upstream_error",
+            status = await st.upstream.probe("models")
+        except UpstreamError as exc:
+            return Response(content=error_body(f"upstream not reachable: {exc.cause_name}", "upstream_error",
                                                "upstream_unreachable"), status_code=503, media_type=JSON)
-        if not ok:
-            return Response(content=error_body(f"upstream answered {r.status_code}", "upstream_error",
+        if status >= 500:
+            return Response(content=error_body(f"upstream answered {status}", "upstream_error",
                                                "upstream_unhealthy"), status_code=503, media_type=JSON)
         return Response(content=b'{"status":"ready"}', media_type=JSON)
 

@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(config, admin_token=os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None)
     uvicorn.run(app, host=server.host, port=server.port, loop="uvloop", http="httptools",
                 log_level="warning", access_log=False, timeout_graceful_shutdown=5, server_header=False,
-                timeout_keep_alive=int(server.keep_alive_timeout))
+                timeout_keep_alive=int(server.keep_alive_timeout), proxy_headers=False)
     return 0
 
 

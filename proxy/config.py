@@ -58,6 +58,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds to wait for the upstream's answer (and between stream chunks) before 504
     read_timeout: float = 600.0
     max_connections: int = 2048
+    #: "aiohttp" (default, the faster here) or "httpx": the HTTP client used for the upstream
+    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
     #: seconds an idle client connection is kept open; longer than clients' own idle timeouts, so a
     #: client never sends a request on a connection the proxy is closing
     keep_alive_timeout: float = 75.0
@@ -125,6 +127,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_LOG_LEVEL": ("log_level", str),
     "TOOLQUAKE_PLUGINS": ("plugins", list),
     "TOOLQUAKE_WARM_UP": ("warm_up", bool),
+    "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
 }
 
 

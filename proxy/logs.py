@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import msgspec
 import structlog
 
 # keys whose values are replaced wherever they appear in a log event
@@ -19,6 +20,10 @@ def _redact(_logger, _name, event: dict) -> dict:
     return event
 
 
+def _dumps(event: dict, **_: object) -> str:
+    return msgspec.json.encode(event, enc_hook=str).decode()
+
+
 def configure(level: str = "info", stream=None) -> None:
     structlog.configure(
         processors=[
@@ -26,7 +31,7 @@ def configure(level: str = "info", stream=None) -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _redact,
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(serializer=_dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),

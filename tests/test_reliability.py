@@ -15,11 +15,13 @@ from tests.test_proxy_core import body, metric_value
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
 
-@pytest.fixture(scope="module")
-def proxy_1s(fake_upstream):
+@pytest.fixture(scope="module", params=["aiohttp", "httpx"])
+def proxy_1s(fake_upstream, request):
+    """The fault matrix runs against both upstream clients (`[server] upstream_client`)."""
     from tests.conftest import start_proxy
 
-    proc = start_proxy(fake_upstream.url, CONFIG)
+    config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{request.param}"\n')
+    proc = start_proxy(fake_upstream.url, config)
     yield proc
     proc.stop()
 
