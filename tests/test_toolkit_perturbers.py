@@ -362,6 +362,30 @@ def test_a_bfcl_case_through_each_shipped_profile(served, profile: str) -> None:
         assert len(perturbed) == len(original) - 1 and set(perturbed) < set(original)
 
 
+@needs_pool
+def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fake = start_fake_upstream()
+    config = ('[server]\ntoken_counter = "upstream"\n\n[profiles.pad]\nmode = "perturb"\n'
+              'perturbers = [{ name = "catalog_padding", params = { budget_tokens = 8192, position = 0.5 } }]\n')
+    proxy = start_proxy(fake.url, config)
+    try:
+        _, body = bfcl("multiple_12")
+        tag, _ = send(proxy, "pad", body)
+        [got] = recorded(fake, tag)
+        sent = json.loads(got["body"])
+        assert abs(UpstreamCounter(f"{fake.url}/v1").count_request(sent) - 8192) <= 0.02 * 8192
+        counted = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
+        assert counted  # the proxy asked the backend, not its own estimate
+        samples = {(s.name, s.labels.get("perturber"), s.labels.get("counter")): s.value
+                   for f in text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text) for s in f.samples}
+        assert samples[("toolquake_tokens_added_count", "catalog_padding", "upstream")] == 1.0
+    finally:
+        proxy.stop()
+        fake.stop()
+
+
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(tmp_path) -> None:
