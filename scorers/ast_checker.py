@@ -540,12 +540,9 @@ def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], c
     return None
 
 
-def _wrong_count(checker: str, count: int, expected: int) -> Failure:
-    return (f"{checker}:wrong_count", "%s calls, expected %s", (count, expected))
-
-
 _SIMPLE, _MULTIPLE, _PARALLEL = 0, 1, 2
-_KIND_CHECKERS = ("simple_function_checker", "multiple_function_checker", "parallel_function_checker_no_order")
+_WRONG_COUNT = tuple(f"{checker}:wrong_count" for checker in (
+    "simple_function_checker", "multiple_function_checker", "parallel_function_checker_no_order"))
 
 
 class _Compiled:
@@ -577,7 +574,7 @@ class _Compiled:
     def run(self, calls: list[dict[str, Any]], ctx: _Ctx, mode: str) -> Failure | None:
         """None when the (well-formed) calls pass, else the failure (BFCL's dispatch by category)."""
         if len(calls) != self.count:
-            return _wrong_count(_KIND_CHECKERS[self.kind], len(calls), self.count)
+            return (_WRONG_COUNT[self.kind], "%s calls, expected %s", (len(calls), self.count))
         if self.kind != _PARALLEL:
             return _check_call(self.expected[0], calls[0]["name"], calls[0]["arguments"], ctx)
         if mode == "bfcl":
