@@ -383,6 +383,11 @@ class _Expected:
             spec.flags = (param in required_set) + _MUST * (param in must_set)
 
 
+def _wrong_type(param: Any, expected: type, value: Any) -> Failure:
+    """A scalar of another type where no alternative has that type (BFCL's type check, decided)."""
+    return ("type_error:simple", "%r: expected %s, got %s %r", (param, expected.__name__, type(value).__name__, value))
+
+
 def _missing_required(exp: _Expected, args: dict[Any, Any]) -> Failure | None:
     for req in exp.required:
         if req not in args:
@@ -393,8 +398,9 @@ def _missing_required(exp: _Expected, args: dict[Any, Any]) -> Failure | None:
 def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> Failure | None:
     """BFCL's simple_function_checker: one produced call (name, arguments) against one expected call.
 
-    Each parameter first tries its fast path (`_Param.code`: the value is of the expected type and
-    matches, or plainly does not in `bfcl` mode); anything else goes through `_check_param`. BFCL looks
+    Each parameter first tries its fast path (`_Param.code`: a scalar of another type fails at once; of
+    the expected type it matches or, in `bfcl` mode, plainly does not); anything else goes through
+    `_check_param`. BFCL looks
     for missing required parameters first: here that is done only when something fails (a failure, an
     error, or fewer required parameters counted than expected), with the same outcome.
     """
@@ -418,27 +424,25 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
             seen += spec.flags
             code = spec.code
             if code == _STRING:
-                if type(value) is str:
-                    if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode()
-                                             if value.isascii() else std(value)) in spec.data:
-                        continue
-                    if ctx.equiv is None:
-                        failure = ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
-                        break
-            elif code == _EXACT:
-                if type(value) is spec.expected:
-                    if value in spec.data:
-                        continue
-                    failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
+                if type(value) is not str:
+                    failure = _wrong_type(param, str, value)
                     break
-            elif code == _FLOAT:
-                if type(value) is float:
-                    if value in spec.data:
-                        continue
-                    failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
-                    break
-                if type(value) is int and float(value) in spec.data:
+                if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode()
+                                         if value.isascii() else std(value)) in spec.data:
                     continue
+                if ctx.equiv is None:
+                    failure = ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
+                    break
+            elif code == _EXACT or code == _FLOAT:
+                if type(value) is int and code == _FLOAT:
+                    value = float(value)
+                if type(value) is not spec.expected:
+                    failure = _wrong_type(param, spec.expected, value)
+                    break
+                if value in spec.data:
+                    continue
+                failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
+                break
             elif code:  # lists of scalars, every item of the item type
                 if type(value) is list and set(map(type, value)) <= {spec.nested}:
                     if code == _EXACT_LIST:
