@@ -462,7 +462,7 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
             if failure is not None:
                 return failure
         raise
-    if (failure is not None or (seen & (_MUST - 1)) != exp.required_count) and not exp.required_first:
+    if (seen & (_MUST - 1)) != exp.required_count and not exp.required_first:  # (all counted: none missing)
         missing = _missing_required(exp, args)
         if missing is not None:
             return missing
@@ -493,7 +493,7 @@ def _closest_taxonomy(failures: list[Failure]) -> str:
 
 
 def _no_match(what: str, index: int, exp: _Expected, failures: list[Failure]) -> Failure:
-    detail = "; ".join(f"{f[0]}: {_message(f)}" for f in failures[:4])
+    detail = "; ".join([f"{f[0]}: {_message(f)}" for f in failures[:4]])
     return ("parallel_function_checker_no_order:cannot_find_match", "%s #%s (%s): %s",
             (what, index, exp.gt_name, detail), _closest_taxonomy(failures))
 
