@@ -8,6 +8,7 @@ given: it builds a new one with `request.replace(...)` and shallow copies of wha
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -70,13 +71,19 @@ class Services:
     token_counter: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
     def get(self, name: str, factory: Any = None) -> Any:
-        """Return the named service, creating it once with `factory()` when it is missing."""
-        if name not in self.extra:
-            if factory is None:
-                raise LookupError(f"service {name!r} is not available")
-            self.extra[name] = factory()
-        return self.extra[name]
+        """Return the named service, creating it once with `factory()` when it is missing (thread-safe:
+        blocking perturbers run in worker threads, and two of them may ask at once)."""
+        if name in self.extra:
+            return self.extra[name]
+        if factory is None:
+            raise LookupError(f"service {name!r} is not available")
+        with self._lock:
+            if name not in self.extra:
+                self.extra[name] = factory()
+            return self.extra[name]
 
 
 @dataclass

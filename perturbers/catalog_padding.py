@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from perturbers.budget import fit
 from perturbers.tokens import EstimateCounter
 from perturbers.tool_pool import get_pool, get_shared_embedder, tool_name
@@ -31,6 +31,10 @@ class CatalogPadding(Perturber):
             raise ValueError("position must be between 0 and 1")
         if not 0.0 < self.max_similarity <= 1.0:
             raise ValueError("max_similarity must be in (0, 1]")
+
+    def setup(self, services: Services) -> None:
+        get_shared_embedder(services)  # the pool and the model that screens out equivalent tools
+        get_pool(services)
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         import numpy as np

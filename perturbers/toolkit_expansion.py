@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from perturbers.embeddings import signature
 from perturbers.generator import DiskCache, generator, toolquake_cache
 from perturbers.tool_pool import get_pool, get_shared_embedder, tool_name
@@ -92,6 +92,11 @@ class ToolkitExpansion(Perturber):
                              "(e.g. http://127.0.0.1:8000/v1)")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+
+    def setup(self, services: Services) -> None:
+        get_shared_embedder(services)  # the embedding model (and, for retrieval, the pool) loaded once
+        if self.source == "retrieval":
+            get_pool(services)
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         originals = list(request.tools)
