@@ -59,9 +59,11 @@ def run_wrk(url: str, conns: int, seconds: float) -> dict:
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "{AUTH["authorization"]}"\n'
                       f"wrk.body = [[{PAYLOAD.decode()}]]\n")
-    out = subprocess.run(["wrk", "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(script),
+    out = subprocess.run(["wrk", "-t", "1", "--timeout", "30s", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(script),
                           f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
     pct = {p: _ms(v) for p, v in re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M)}
+    if not pct:  # no request completed in the round
+        pct = {"50": float("nan"), "99": float("nan")}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     socket_errors = re.search(r"Socket errors: (.*)", out)
@@ -229,7 +231,8 @@ def main() -> None:
                                   "added_p50_ms": med[arm]["p50_ms"] - med["direct"]["p50_ms"],
                                   "added_p99_ms": med[arm]["p99_ms"] - med["direct"]["p99_ms"]}
             if "litellm" in arms:
-                entry["toolquake_vs_litellm_throughput"] = med["toolquake"]["rps"] / med["litellm"]["rps"]
+                entry["toolquake_vs_litellm_throughput"] = (med["toolquake"]["rps"] / med["litellm"]["rps"]
+                                                            if med["litellm"]["rps"] else float("inf"))
             results["load"][conns] = entry
         for arm, url in arms.items():
             results["streams"][arm] = stream_timings(url, args.streams, 5)
