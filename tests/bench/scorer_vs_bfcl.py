@@ -1,7 +1,7 @@
 """Our AST scorer against BFCL's own checker, on the same answers, in one run.
 
     python -m tests.bench.scorer_vs_bfcl [--mutations 10] [--rounds 5] [--batch 200] [--by-error]
-                                         [--out bench-results] [--embeddings]
+                                         [--key-latency] [--out bench-results] [--embeddings]
 
 Inputs (needs the corpus): every single-turn case of the AST categories with its ground truth as the
 answer ("gt"), and the same cases with `--mutations` deterministic mutated answers each ("mutated";
@@ -20,10 +20,11 @@ median over rounds; the ratio is BFCL / ours (> 1: ours is faster). Two ways of 
 "read only" is a floor, not a checker: a function that only looks up the case and reads every call's
 name and every argument (key, value type) the way any checker must; BFCL / floor is the best ratio
 any Python checker could reach on those inputs. `--by-error` adds the stored timings per BFCL error
-type. The verdicts are compared too (any disagreement is printed). Then the extra modes on the same
-answers plus "reversed" (each ground truth with its calls in reverse order): how many verdicts `fair`
-and `semantic` flip against `bfcl` (semantic with normalisation only unless --embeddings). Writes
-JSON + Markdown to --out.
+type; `--key-latency` scores each ground truth twice in a row from new copies (what waiting for the
+case's data in memory costs each checker). The verdicts are compared too (any disagreement is
+printed). Then the extra modes on the same answers plus "reversed" (each ground truth with its calls
+in reverse order): how many verdicts `fair` and `semantic` flip against `bfcl` (semantic with
+normalisation only unless --embeddings). Writes JSON + Markdown to --out.
 """
 
 from __future__ import annotations
@@ -132,6 +133,41 @@ def _fresh(reference: Reference, items: list[tuple[Any, ...]], rounds: int, batc
     return {side: statistics.median(values) for side, values in totals.items()}
 
 
+def _key_latency(reference: Reference, items: list[tuple[Any, ...]], rounds: int) -> dict[str, float]:
+    """Each answer scored twice in a row, each time from its own new copy (two separate unpickles, so the
+    copies lie apart in memory): the first verdict finds the case's data out of cache, the second in it.
+    Per-verdict CPU time (timer overhead included alike); median over rounds of the mean."""
+    checker = reference._checker.ast_checker
+
+    def bfcl(case: Any, answer: Any, lang: Any) -> None:
+        try:
+            checker(case.functions, answer, case.ground_truth, lang, case.category, PLAIN_MODEL)
+        except Exception:  # noqa: BLE001 — as in _time_bfcl
+            pass
+
+    sides = {"ours": (1, lambda case, answer, lang: check(case, answer)), "bfcl": (2, bfcl)}
+    clock = time.process_time
+    out = {}
+    for side, (field, score) in sides.items():
+        blobs = [pickle.dumps([item[field] for item in items]) for _ in range(2)]
+        firsts, seconds = [], []
+        for _ in range(rounds):
+            first_copy, second_copy = (pickle.loads(blob) for blob in blobs)
+            first = second = 0.0
+            for (case, _, _, lang), a, b in zip(items, first_copy, second_copy):
+                t0 = clock()
+                score(case, a, lang)
+                t1 = clock()
+                score(case, b, lang)
+                second += clock() - t1
+                first += t1 - t0
+            firsts.append(first)
+            seconds.append(second)
+        out[f"{side}_first"] = statistics.median(firsts) / len(items) * 1e6
+        out[f"{side}_second"] = statistics.median(seconds) / len(items) * 1e6
+    return out
+
+
 def _by_error(reference: Reference, items: list[tuple[Any, ...]], rounds: int) -> list[dict[str, Any]]:
     groups: dict[str, list[tuple[Any, ...]]] = collections.defaultdict(list)
     for item in items:
@@ -189,6 +225,9 @@ def main() -> int:
                         help="answers per freshly unpickled batch in the 'fresh' protocol (default 200)")
     parser.add_argument("--by-error", action="store_true",
                         help="also time the mutated answers grouped by BFCL error type (stored protocol)")
+    parser.add_argument("--key-latency", action="store_true",
+                        help="also score each ground truth twice in a row from new copies "
+                             "(the case's data out of cache, then in cache)")
     parser.add_argument("--out", default="bench-results", help="directory for scorer_vs_bfcl.{json,md}")
     parser.add_argument("--embeddings", action="store_true",
                         help="semantic flips with the embedding model too (slow on CPU; default: normalisation)")
@@ -197,7 +236,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="toolquake-bfcl-") as tmp:
         reference = Reference(Path(tmp))
         sets = _inputs(reference, args.mutations)
-        rows, by_error = [], []
+        rows, by_error, latency = [], [], {}
         for name, items in sets.items():
             stored = _stored(reference, items, args.rounds)
             fresh = _fresh(reference, items, args.rounds, args.batch)
@@ -212,6 +251,8 @@ def main() -> int:
                          "disagreements": _disagreements(reference, items)})
         if args.by_error:
             by_error = _by_error(reference, sets["mutated"], args.rounds)
+        if args.key_latency:
+            latency = _key_latency(reference, sets["gt"], args.rounds)
     lines = ["| answers | protocol | verdicts | ours µs | BFCL µs | BFCL/ours | read-only floor µs | BFCL/floor "
              "| disagreements |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -227,6 +268,11 @@ def main() -> int:
         for r in by_error:
             lines.append(f"| {r['error_type']} | {r['verdicts']} | {r['ours_us']:.2f} | {r['bfcl_us']:.2f} | "
                          f"{r['bfcl_s'] / r['ours_s']:.2f}× | {r['bfcl_s'] / total_bfcl:.0%} |")
+    if latency:
+        lines += ["", "| ground truths, each scored twice from new copies | first µs | second µs |",
+                  "|---|---|---|",
+                  f"| ours | {latency['ours_first']:.2f} | {latency['ours_second']:.2f} |",
+                  f"| BFCL | {latency['bfcl_first']:.2f} | {latency['bfcl_second']:.2f} |"]
     flips = _flips(sets, args.embeddings)
     lines += ["", f"| answers | count | bfcl valid | fair valid | semantic valid{'' if args.embeddings else ' (normalisation)'}"
               " | fair flips | semantic flips |", "|---|---|---|---|---|---|---|"]
@@ -239,8 +285,9 @@ def main() -> int:
           f"{platform.python_implementation()} {platform.python_version()}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scorer_vs_bfcl.json").write_text(json.dumps({"rows": rows, "by_error": by_error, "rounds": args.rounds,
-                                                         "batch": args.batch, "flips": flips}, indent=2))
+    report = {"rows": rows, "by_error": by_error, "key_latency": latency, "rounds": args.rounds, "batch": args.batch,
+              "flips": flips}
+    (out / "scorer_vs_bfcl.json").write_text(json.dumps(report, indent=2))
     (out / "scorer_vs_bfcl.md").write_text(table + "\n")
     return 0
 
