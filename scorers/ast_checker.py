@@ -261,6 +261,8 @@ class _Param:
 
     def _choose_fast_path(self) -> None:
         expected, nested = self.expected, self.nested
+        if type(self.alts) is not list:  # odd answers: the general path keeps BFCL's behaviour with them
+            return
         try:
             self.shown = repr(self.alts)
             if nested is None:
@@ -273,7 +275,7 @@ class _Param:
                     except TypeError:  # unhashable alternatives: compared as a list, as BFCL does
                         self.data = self.alts
                     self.code = _FLOAT if expected is float else _EXACT
-            elif self.kind == "array" and nested in (str, int, float, bool) and type(self.alts) is list and self.alts:
+            elif self.kind == "array" and nested in (str, int, float, bool) and self.alts:
                 self.data = self.lists()
                 self.code = _STRING_LIST if nested is str else _EXACT_LIST
         except Exception:  # noqa: BLE001 — odd answers: the general path meets the error where BFCL does
@@ -400,9 +402,9 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
 
     Each parameter first tries its fast path (`_Param.code`: a scalar of another type fails at once; of
     the expected type it matches or, in `bfcl` mode, plainly does not); anything else goes through
-    `_check_param`. BFCL looks
-    for missing required parameters first: here that is done only when something fails (a failure, an
-    error, or fewer required parameters counted than expected), with the same outcome.
+    `_check_param`. BFCL looks for missing required parameters first; here they are counted on the way
+    and looked up one by one only when the count falls short or the loop fails or raises (before the
+    loop when there are fewer arguments than required parameters): the same outcome.
     """
     if exp.error is not None:
         raise exp.error
@@ -413,7 +415,7 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
         if failure is not None:
             return failure
     params = exp.params
-    seen = 0  # flags of the parameters checked, added up
+    seen = 0  # flags of the parameters met, added up: required ones in the low bits, expected ones above
     failure = None
     try:
         for param, value in args.items():
@@ -462,7 +464,7 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
             if failure is not None:
                 return failure
         raise
-    if (seen & (_MUST - 1)) != exp.required_count and not exp.required_first:  # (all counted: none missing)
+    if (seen & (_MUST - 1)) != exp.required_count and not exp.required_first:  # some required one not seen
         missing = _missing_required(exp, args)
         if missing is not None:
             return missing
