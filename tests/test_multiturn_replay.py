@@ -248,14 +248,16 @@ def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> 
                         f"is unusable here (server log: {server.log_path})")
         proxy = start_proxy(server.url)
         try:
-            # cases with the smallest tool lists (one API class each): the model's context is 8K tokens
-            for case_id in ("multi_turn_miss_func_3", "multi_turn_base_121"):
+            # small cases (one API class, few turns): a function being revealed, long-context simulators;
+            # short answers keep this to a minute or two on two cores
+            for case_id in ("multi_turn_miss_func_3", "multi_turn_long_context_50"):
                 c = load(case_id)
                 result = asyncio.run(run_case(c, f"{proxy.url}/p/shuffled/v1", model=server.model, backends=backends,
-                                              extra_body={"max_tokens": 128, "temperature": 0}, timeout_s=300))
+                                              extra_body={"max_tokens": 24, "temperature": 0}, timeout_s=300))
                 assert result.error is None, result.error
                 assert 1 <= len(result.turns) <= len(c.turns)
                 assert all(s.calls or s.decode_error for turn in result.turns for s in turn)
+                assert all(s.request_id for turn in result.turns for s in turn)  # every step went through the proxy
                 verdict = mt.check(c, result, backends=backends)
                 assert verdict.error_type in KNOWN_VERDICTS, verdict
         finally:
