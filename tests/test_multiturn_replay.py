@@ -262,3 +262,45 @@ def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> 
                 assert verdict.error_type in KNOWN_VERDICTS, verdict
         finally:
             proxy.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("category", ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
+                                      "multi_turn_long_context"])
+def test_every_ground_truth_trajectory_played_through_the_proxy_passes(backends: Backends, category: str,
+                                                                       tmp_path: Path) -> None:
+    """All cases of a category (one per first user message: the fake tells cases apart by it), through the
+    proxy's `shuffled` profile, four conversations at a time."""
+    import httpx
+
+    from proxy.multiturn import run_case
+    from scorers.corpus import load_category
+    from tests.conftest import start_proxy
+
+    cases, script = [], {}
+    for c in load_category(category):
+        if first_user(c) not in script:
+            script[first_user(c)] = scripted_turns(mt.ground_truth_result(c, backends))
+            cases.append(c)
+    assert len(cases) >= 199
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps({"first_user": k, "turns": v}) + "\n" for k, v in script.items()))
+    fake = start_fake_upstream("--trajectories", str(path))
+    proxy = start_proxy(fake.url)
+
+    async def play_all() -> list[tuple[str, mt.MultiTurnVerdict]]:
+        limit = asyncio.Semaphore(4)
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(c: Any) -> tuple[str, mt.MultiTurnVerdict]:
+                async with limit:
+                    result = await run_case(c, f"{proxy.url}/p/shuffled/v1", client=client, backends=backends)
+                    return c.id, await asyncio.to_thread(mt.check, c, result, backends=backends)
+
+            return await asyncio.gather(*(one(c) for c in cases))
+
+    try:
+        verdicts = asyncio.run(play_all())
+    finally:
+        proxy.stop()
+        fake.stop()
+    assert [(case_id, v.error_type) for case_id, v in verdicts if not v.valid] == []
