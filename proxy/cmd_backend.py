@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     local.add_argument("--n-ctx", type=int, default=8192, help="context window in tokens (default 8192, the "
                        "model's maximum)")
     local.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for generation and prompt processing (default: CPU count, at most 4)")
+                       help="CPU threads for generation and prompt processing (default: half the CPUs, at most 4)")
     local.add_argument("--chat-format", default="chatml-function-calling",
                        help="llama-cpp-python chat format (default chatml-function-calling: OpenAI tools in, "
                             "tool_calls out)")
