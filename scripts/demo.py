@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"arms to replay (default {ARMS}, env DEMO_PROFILES)")
     parser.add_argument("--out", default=os.environ.get("DEMO_OUT", str(ROOT / "out" / "demo")),
                         help="output directory (default out/demo; replaced on every run)")
-    parser.add_argument("--max-tokens", type=int, default=160, help="max_tokens per answer (default 160)")
+    # a call in python syntax fits in 64 tokens; longer answers are prose, and cost time on 2 cores
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per answer (default 64)")
     args = parser.parse_args(argv)
 
     from proxy import logs
