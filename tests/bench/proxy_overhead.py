@@ -249,7 +249,7 @@ def main() -> None:
         if litellm:
             litellm[0].terminate()
             litellm[0].wait(20)
-    emb = start_proxy(fake.url, "[scoring]\nenabled = false\n")
+    emb = start_proxy(fake.url, None, None, "--no-scoring")  # the packaged profiles, `expanded` among them
     try:
         r = httpx.post(f"{emb.url}/p/expanded/v1/chat/completions", content=PAYLOAD, timeout=300,
                        headers={"content-type": "application/json"})
