@@ -302,3 +302,23 @@ def test_shipped_presets_reproduce_the_seed_grids():
     assert expand_profiles("@seed001", known) == ["off", "rephrased", "expanded"]
     assert params("expanded", "toolkit_expansion")["k"] == 3
     assert params("no-target-tool", "tool_removal")["which"] == "expected"
+
+
+@pytest.mark.needs_corpus
+def test_replay_through_an_external_proxy(oracle, tmp_path):
+    from tests.conftest import start_proxy
+
+    fake, cases, wrong = oracle
+    proxy = start_proxy(fake.url)
+    try:
+        r = replay("--backend", f"{fake.url}/v1", "--proxy", proxy.url, "--profiles", "off,shuffled", "--limit", "6",
+                   "--out", str(tmp_path / "run"))
+        assert r.returncode == 0, r.stderr
+        got = rows(tmp_path / "run")
+        assert len(got) == 12 and all(x["status"] == "scored" for x in got)
+        assert all(bool(x["valid"]) == (x["case_id"] not in wrong) for x in got)
+        # the proxy's own log shows the requests went through it, under each profile
+        log = proxy.output()
+        assert log.count('"profile":"shuffled"') + log.count('"profile": "shuffled"') == 6
+    finally:
+        proxy.stop()
