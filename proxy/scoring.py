@@ -87,12 +87,8 @@ def scorable_categories() -> tuple[str, ...]:
 
 def use_corpus_dir(path: str) -> None:
     """Point the corpus loader at `path`: a toolquake cache dir, or the data dir `corpus path` prints."""
-    from scorers.corpus import CORPUS_VERSION
-
-    p = Path(path).expanduser().resolve()
-    if p.name == CORPUS_VERSION and p.parent.name == "bfcl":
-        p = p.parent.parent
-    os.environ["TOOLQUAKE_CACHE"] = str(p)
+    # only the corpus moves: the cache dir (tool pool, results store, generator caches) stays where it is
+    os.environ["TOOLQUAKE_CORPUS"] = str(Path(path).expanduser().resolve())
 
 
 class CaseResolver:
@@ -508,7 +504,7 @@ def store_path(settings: ScoringConfig) -> Path | None:
 def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
     """Set the case resolver, and when `[scoring] enabled`, the scoring observer, on a new app."""
     settings = st.config.scoring
-    path = store_path(settings)  # before --corpus moves the cache dir: the store's default stays put
+    path = store_path(settings)
     if settings.corpus:
         use_corpus_dir(settings.corpus)
     resolver = CaseResolver(settings.match_content)

@@ -80,7 +80,14 @@ def cache_root() -> Path:
 
 
 def corpus_root() -> Path:
-    """Where the data of this corpus version is (or will be) extracted."""
+    """Where the data of this corpus version is (or will be) extracted: `$TOOLQUAKE_CORPUS` when set
+    (the data directory `toolquake corpus path` prints, or a cache directory holding
+    bfcl/<version>), else under the cache directory."""
+    override = os.environ.get("TOOLQUAKE_CORPUS")
+    if override:
+        p = Path(override).expanduser()
+        nested = p / "bfcl" / CORPUS_VERSION
+        return nested if nested.is_dir() else p
     return cache_root() / "bfcl" / CORPUS_VERSION
 
 
