@@ -456,11 +456,11 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     passthrough = Passthrough(st)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-    @route("/v1/chat/completions", http_method=["POST"], name="chat")
+    @route("/v1/chat/completions", http_method=["POST"], name="chat", status_code=200)
     async def chat(request: Request) -> Response:
         return await chat_handler(request, None)
 
-    @route("/p/{profile:str}/v1/chat/completions", http_method=["POST"], name="chat_profile")
+    @route("/p/{profile:str}/v1/chat/completions", http_method=["POST"], name="chat_profile", status_code=200)
     async def chat_profile(request: Request, profile: str) -> Response:
         return await chat_handler(request, profile)
 
@@ -475,7 +475,7 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
                                           f"{', '.join(st.profiles.names())}.", code="unknown_profile"))
         return await passthrough(request, st.upstream.api_url(path), "v1_other")
 
-    @route(["/tokenize", "/detokenize"], http_method=["POST"], name="backend_tokenize")
+    @route(["/tokenize", "/detokenize"], http_method=["POST"], name="backend_tokenize", status_code=200)
     async def backend_tokenize(request: Request) -> Response:
         return await passthrough(request, st.upstream.root_url(request.url.path), "backend_extra")
 
