@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import importlib.util
 import json
 import os
 import sys
 from typing import Any
 
 # modules that add sub-commands; each exposes `register(subparsers)` and sets `func` on its parser
+# (imported only to build the parser: their heavy imports stay inside the commands)
 COMMAND_MODULES = (
     "proxy.cmd_corpus",
     "proxy.cmd_score",
@@ -153,8 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     perturb.set_defaults(func=cmd_perturb)
 
     for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
