@@ -161,7 +161,7 @@ class ChatHandler:
                 try:
                     outcome = await run_profile(profile, chat, seed, st.services, case)
                 except PerturbationFailed as exc:
-                    st.metrics.perturbation_failures.labels(str(exc).split("'")[1]).inc()
+                    st.metrics.perturbation_failures.labels(exc.perturber).inc()
                     raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
                 for a in outcome.applied:
                     st.metrics.perturbations.labels(a.name).inc()

@@ -57,6 +57,10 @@ class Outcome:
 class PerturbationFailed(Exception):
     """Raised only for strict profiles: a perturber failed and the request must not be served."""
 
+    def __init__(self, perturber: str, cause: BaseException) -> None:
+        super().__init__(f"perturber {perturber!r} failed: {type(cause).__name__}: {cause}")
+        self.perturber = perturber
+
 
 async def _call(perturber: Perturber, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
     if getattr(perturber, "blocking", False):
@@ -89,7 +93,7 @@ async def run_profile(profile: Profile, request: ChatRequest, seed: int, service
             log.warning("perturber_failed", perturber=p.name, error_type=type(exc).__name__,
                         error=str(exc)[:300])
             if profile.spec.strict:
-                raise PerturbationFailed(f"perturber {p.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise PerturbationFailed(p.name, exc) from exc
             continue
         outcome.applied.append(Applied(p.name, p.params(), dict(ctx.report)))
         if p.rewrites_response:
