@@ -8,7 +8,7 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings install-local corpus tools test test-fast bench demo clean
+.PHONY: install install-embeddings install-local corpus tools lint test test-fast bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,14 @@ corpus: install
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+# ruff, and the import-layer contracts checked on the package as `pip install .` lays it out (lint-imports
+# reads the file tree, and the editable install maps the top-level folders into toolquake.*)
+LINT_SITE := build/lint-site
+lint: install
+	$(BIN)/ruff check .
+	rm -rf $(LINT_SITE) && $(BIN)/pip install -q --no-deps --no-build-isolation --target $(LINT_SITE) .
+	cd $(LINT_SITE) && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
 test: install-embeddings corpus tools install-local

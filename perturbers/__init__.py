@@ -1,8 +1,9 @@
 """Perturbers: one file per perturbation, registered by name.
 
-Every module in this package whose name does not start with `_` is imported on first use of the
-registry; a module registers its perturber with `@register`. Modules must import heavy
-dependencies (torch, sentence-transformers) lazily, inside functions.
+Every module directly in this package (not `base`, not a sub-package, not starting with `_`) holds
+one perturber and is imported on first use of the registry; it registers its perturber with
+`@register`. Shared helpers live in the `helpers` sub-package, which the registry never imports.
+Modules must import heavy dependencies (torch, sentence-transformers) lazily, inside functions.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from typing import Any
 
 import msgspec
 
-from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber, Services
 
-__all__ = ["ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build"]
+__all__ = ["NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build"]
 
 _REGISTRY: dict[str, type[Perturber]] = {}
 _loaded = False
-# helper modules that hold no perturber; skipped by the loader to keep start-up light
-_HELPERS = {"base"}
+# the interface module holds no perturber
+_NOT_PERTURBERS = {"base"}
 
 
 def register(cls: type[Perturber]) -> type[Perturber]:
@@ -36,7 +37,7 @@ def registry() -> dict[str, type[Perturber]]:
     global _loaded
     if not _loaded:
         for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_") and mod.name not in _HELPERS:
+            if not mod.ispkg and not mod.name.startswith("_") and mod.name not in _NOT_PERTURBERS:
                 importlib.import_module(f"{__name__}.{mod.name}")
         _loaded = True
     return _REGISTRY

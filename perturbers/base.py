@@ -3,6 +3,12 @@
 A perturber is a msgspec Struct whose public fields are its parameters (decoded from a profile's
 `params` table, unknown keys rejected). It never sees HTTP. It must not mutate the request it is
 given: it builds a new one with `request.replace(...)` and shallow copies of what it changes.
+
+Everything the rest of toolquake relies on about a perturber is declared on `Perturber` below:
+how `apply` runs (plain, `blocking` in a worker thread, or `async def`), whether it rewrites the
+answer (`rewrites_response` + `restore`), how it changes the expected answer (`expected_answer`),
+and what grading should read instead of the restored answer (`answer_decodes`). Nothing outside
+this package asks for a perturber by name.
 """
 
 from __future__ import annotations
@@ -10,9 +16,12 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Awaitable, ClassVar
 
 import msgspec
+
+#: `Perturber.expected_answer`: the right answer to the case is now no tool call at all
+NO_CALL = "no_call"
 
 
 class ChatRequest(msgspec.Struct, frozen=True):
@@ -64,7 +73,7 @@ class ChatRequest(msgspec.Struct, frozen=True):
 class Services:
     """Shared, process-wide helpers that perturbers may use (filled in lazily by later parts).
 
-    `token_counter` counts tokens of a request (see perturbers/tokens.py); `extra` holds other
+    `token_counter` counts tokens of a request (see perturbers/helpers/tokens.py); `extra` holds other
     named services (tool pool, embedding index, corpus) created once at start-up or on first use.
     """
 
@@ -106,9 +115,29 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: ClassVar[str] = ""
     #: True when `restore` must rewrite the upstream's answer (streams are then rebuilt)
     rewrites_response: ClassVar[bool] = False
+    #: True when `apply` blocks (CPU-heavy work, synchronous HTTP): it then runs in a worker thread
+    blocking: ClassVar[bool] = False
 
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:  # pragma: no cover
-        raise NotImplementedError
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest | Awaitable[ChatRequest]:
+        """Return the perturbed request. May be `async def` (the pipeline awaits what it returns)."""
+        raise NotImplementedError  # pragma: no cover
+
+    def expected_answer(self, report: dict[str, Any], case: Any) -> str | None:
+        """How this step changed the right answer to `case`, judged from what it reported when it ran:
+        None when the ground truth still holds, `NO_CALL` when the right answer is now no call."""
+        return None
+
+    def answer_decodes(self, ctx: PerturbContext) -> tuple[Any, Any] | None:
+        """For perturbers that turn the model's text back into calls: the (strict, lenient) decodes of the
+        first choice, each with `ok`, `calls`, `error`, `detail`; grading reads them instead of the
+        restored `tool_calls` (strict for BFCL's verdict, lenient for `fair`). None otherwise."""
+        return None
+
+    @classmethod
+    def affects_grading(cls) -> bool:
+        """True when grading an answer needs what this perturber did (its expected answer or its decodes)."""
+        return (cls.expected_answer is not Perturber.expected_answer
+                or cls.answer_decodes is not Perturber.answer_decodes)
 
     def restore(self, response: dict[str, Any], ctx: PerturbContext) -> dict[str, Any]:
         """Turn the upstream's complete (non-stream) response back into what the client expects."""

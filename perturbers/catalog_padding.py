@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from perturbers.budget import fit
-from perturbers.tokens import EstimateCounter
-from perturbers.tool_pool import get_pool, get_shared_embedder, tool_name
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.helpers.budget import fit
+from toolquake.perturbers.helpers.tokens import EstimateCounter
+from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder, tool_name
 
 
 @register

@@ -5,10 +5,10 @@ from __future__ import annotations
 import string
 from typing import Any, ClassVar, Iterator
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from perturbers.budget import check_position, fit, learned_ratio, slot
-from perturbers.filler import SETTINGS, FillerItem, filler_pool
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot
+from toolquake.perturbers.helpers.filler import SETTINGS, FillerItem, filler_pool
 
 _LEADING = ("system", "developer")
 

@@ -10,7 +10,7 @@ text that does not decode reaches the client as content with finish_reason `stop
 What restore found is reported in `ctx.report["decode"]` (filled in place after the answer came
 back): `strict` and `lenient` verdicts (`ok`, `calls`, `error`, `leniencies`), which of them the
 client got (`used`), and `wrong_syntax` (strict decoding failed). The exact decoded calls (python
-values, dotted names) are in `ctx.state["decoded"]` for the scorer.
+values, dotted names) are in `ctx.state["decoded"]`; `answer_decodes` hands them to grading.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import json
 import math
 from typing import Any, ClassVar
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.callformat_parse import Decoded, Schemas, parse_both
-from perturbers.callformat_render import python_call, render_calls, tool_results_text
-from perturbers.callformats import PARSE_MODES, CallFormat
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers.helpers.callformat_parse import Decoded, Schemas, parse_both
+from toolquake.perturbers.helpers.callformat_render import python_call, render_calls, tool_results_text
+from toolquake.perturbers.helpers.callformats import PARSE_MODES, CallFormat
 
 
 def _text(content: Any) -> str:
@@ -116,10 +116,17 @@ class FormatRewrite(Perturber):
         return CallFormat(self.return_format, self.tool_call_tag, self.function_doc_format, self.prompt_format,
                           self.prompt_style)
 
+    def answer_decodes(self, ctx: PerturbContext) -> tuple[Any, Any] | None:
+        """The (strict, lenient) decodes of the first choice's text, once `restore` parsed it."""
+        for record in ctx.state.get("decoded") or []:
+            if record.get("index", 0) == 0 and "strict" in record:
+                return record["strict"], record.get("lenient", record["strict"])
+        return None
+
     # --- request ----------------------------------------------------------------------------------
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        from scorers.convert import from_openai_tools
+        from toolquake.bfcl.convert import from_openai_tools
 
         tools = [t for t in request.tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
                  and isinstance(t["function"].get("name"), str)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.generator import DiskCache, generator, toolquake_cache
-from perturbers.protected import added_numbers, missing_from
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
+from toolquake.perturbers.helpers.protected import added_numbers, missing_from
 
 # seed 001, appendix 7.1: the prompt for strictly meaning-preserving request rephrasing
 SYSTEM_PROMPT = (

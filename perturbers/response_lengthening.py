@@ -6,10 +6,10 @@ import json
 from itertools import cycle
 from typing import Any, ClassVar, Iterator
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from perturbers.budget import check_position, fit, learned_ratio, slot
-from perturbers.records import RecordSource, separators_of
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot
+from toolquake.perturbers.helpers.records import RecordSource, separators_of
 
 _TOOL_ROLES = ("tool", "function")
 
@@ -30,7 +30,7 @@ class _Target:
             self.source = RecordSource(value, ctx.rng, separators_of(content), words=words)
             self.originals = self.source.original_texts()
         else:
-            from perturbers.filler import filler_pool
+            from toolquake.perturbers.helpers.filler import filler_pool
 
             self.prose = filler_pool(ctx.services).prose
             self.originals = [content]
@@ -73,7 +73,7 @@ class ResponseLengthening(Perturber):
             raise ValueError("target must be 'last' or 'all'")
 
     def setup(self, services: Services) -> None:
-        from perturbers.filler import filler_pool
+        from toolquake.perturbers.helpers.filler import filler_pool
 
         filler_pool(services)  # prose blocks for non-JSON responses, loaded once per process
 

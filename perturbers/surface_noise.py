@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.protected import protected_spans
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers.helpers.protected import protected_spans
 
 _ROWS = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
 # neighbours on a QWERTY keyboard (same row, and the keys above and below)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
 
 
 @register

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
-from perturbers.tool_pool import tool_name
+from toolquake.bfcl.convert import openai_name
+from toolquake.perturbers import register
+from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers.helpers.tool_pool import tool_name
 
 EXPECTED = "expected"
 RANDOM = "random"
@@ -62,6 +63,16 @@ class ToolRemoval(Perturber):
     def __post_init__(self) -> None:
         if not self.which.strip():
             raise ValueError("which must be 'expected', 'random' or a tool name")
+
+    def expected_answer(self, report: dict[str, Any], case: Any) -> str | None:
+        """No call, when a tool the case's ground truth calls was removed (or the report does not say what
+        was removed: then it was the expected tool, this perturber's default)."""
+        removed = report.get("removed")
+        if not isinstance(removed, list):
+            return NO_CALL
+        wanted = set(expected_functions(case))
+        wanted |= {openai_name(n) for n in wanted}
+        return NO_CALL if any(str(n) in wanted for n in removed) else None
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         tools = list(request.tools)

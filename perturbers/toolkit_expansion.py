@@ -7,16 +7,16 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from perturbers.embeddings import signature
-from perturbers.generator import DiskCache, generator, toolquake_cache
-from perturbers.tool_pool import get_pool, get_shared_embedder, tool_name
+from toolquake.bfcl.embeddings import signature
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
+from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder, tool_name
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from perturbers.embeddings import Embedder
+    from toolquake.bfcl.embeddings import Embedder
 
 SOURCES = ("retrieval", "generate")
 # bump when a prompt or the request parameters change: cached generations are keyed by it
@@ -244,7 +244,7 @@ _FENCE = re.compile(r"```(?:json)?")
 def parse_tool(text: str) -> dict[str, Any] | None:
     """The first JSON object in a generator's answer as an OpenAI tool, or None when there is none
     usable (no name). Accepts a bare function definition or an OpenAI tool, BFCL or JSON-schema types."""
-    from scorers.convert import to_openai_tools
+    from toolquake.bfcl.convert import to_openai_tools
 
     text = _FENCE.sub("", text)
     decoder = json.JSONDecoder()

@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
-from scorers import langtypes
-from scorers.corpus import AGENTIC_CATEGORIES, MULTI_TURN_CATEGORIES
-from scorers.decode import WRONG_OUTPUT_FORMAT, DecodeFailure, is_well_formed
-from scorers.taxonomy import IRRELEVANCE_VIOLATION, RELEVANCE_MISS, WRONG_FUNCTION, classify
+from toolquake.bfcl import langtypes
+from toolquake.bfcl.corpus import AGENTIC_CATEGORIES, MULTI_TURN_CATEGORIES
+from toolquake.bfcl.decode import WRONG_OUTPUT_FORMAT, DecodeFailure, is_well_formed
+from toolquake.scorers.taxonomy import IRRELEVANCE_VIOLATION, RELEVANCE_MISS, WRONG_FUNCTION, classify
 
 MODES = ("bfcl", "fair", "semantic")
 CHECKER_ERROR = "toolquake:checker_error"
@@ -679,7 +679,7 @@ def check_calls(functions: list[dict[str, Any]], ground_truth: Any, category: st
     if ground_truth is None:
         raise ValueError(f"category {category!r} has no possible answers to check against")
     if mode == "semantic" and equivalence is None:
-        from scorers.semantic import default_equivalence
+        from toolquake.scorers.semantic import default_equivalence
 
         equivalence = default_equivalence()
     ctx = _Ctx(plan, equivalence if mode == "semantic" else None)

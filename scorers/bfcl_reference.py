@@ -27,7 +27,7 @@ class _Config:
 
 def install(target: Path) -> Path:
     """Install the cached bfcl-eval wheel `--no-deps` into `target` (once)."""
-    from scorers.corpus import CorpusError, pull, wheel_path
+    from toolquake.bfcl.corpus import CorpusError, pull, wheel_path
 
     if (target / "bfcl_eval" / "eval_checker" / "ast_eval" / "ast_checker.py").is_file():
         return target

@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from scorers.backends import Backends, BackendError, Call, parse_call, shared
-from scorers.decode import is_well_formed
+from toolquake.bfcl.decode import is_well_formed
+from toolquake.bfcl.simulators import BackendError, Backends, Call, parse_call, shared
 
 INFERENCE_ERROR = "multi_turn:inference_error"
 FORCE_TERMINATED = "multi_turn:force_terminated"

@@ -112,7 +112,7 @@ class _PackagedModel:
 
 def _shared_embedder() -> object:
     try:
-        from perturbers.embeddings import get_embedder
+        from toolquake.bfcl.embeddings import get_embedder
     except ImportError:
         return _PackagedModel()
     return get_embedder()

@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per answer (default 64)")
     args = parser.parse_args(argv)
 
-    from proxy import logs
-    from proxy.backend_local import BackendUnavailable, LocalBackend
-    from proxy.replay import Options, ReplayError, run
+    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
+    from toolquake.proxy.replay.errors import ReplayError
+    from toolquake.proxy.replay.run import Options, run
+    from toolquake.proxy.server import logs
 
     logs.configure("warning")
     out = Path(args.out)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         backend.stop()
         print("demo: backend stopped", flush=True)
 
-    from proxy.report import build
+    from toolquake.proxy.replay.report import build
 
     text, _ = build([out / "results"], "md", None, plots=False)
     print()

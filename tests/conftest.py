@@ -75,7 +75,7 @@ def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str
                 *extra: str) -> Proc:
     """Start `toolquake serve` against `upstream_url` (the fake's root URL; /v1 is appended)."""
     port = free_port()
-    args = ["-m", "proxy", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port)]
+    args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port)]
     if config_text is not None:
         cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
         cfg.write_text(config_text)
@@ -122,7 +122,7 @@ def recorded(fake: Proc, tag: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def backends() -> Iterator[Any]:
     """BFCL's multi-turn API simulators in their sandboxed worker (installed from the cached wheel if needed)."""
-    from scorers.backends import Backends, ensure_installed
+    from toolquake.bfcl.simulators import Backends, ensure_installed
 
     try:
         ensure_installed()

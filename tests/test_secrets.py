@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_proxy_core import body
+from tests.server.test_proxy_core import body
 
 SHADOW_CONFIG = """
 [server]
@@ -52,7 +52,7 @@ def test_secrets_never_leave_the_request(tmp_path, proxy_factory, log_contents):
     traffic(p.url, secret)
     time.sleep(1.0)  # shadow twins and scoring run after the answers
     metrics = httpx.get(f"{p.url}/metrics").text
-    from tests.test_proxy_core import metric_value
+    from tests.server.test_proxy_core import metric_value
 
     assert metric_value(metrics, "toolquake_shadow_requests_total") >= 2  # the twins really ran, with the auth
     p.stop()
@@ -64,7 +64,7 @@ def test_secrets_never_leave_the_request(tmp_path, proxy_factory, log_contents):
     assert secret not in metrics
     for f in tmp_path.iterdir():
         assert secret.encode() not in f.read_bytes(), f
-    report = subprocess.run([sys.executable, "-m", "proxy", "report", "--db", str(store), "--format", "json"],
+    report = subprocess.run([sys.executable, "-m", "toolquake", "report", "--db", str(store), "--format", "json"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert secret not in report.stdout + report.stderr
 
@@ -73,7 +73,7 @@ def test_secrets_never_leave_the_request(tmp_path, proxy_factory, log_contents):
 def test_replay_keeps_the_api_key_out_of_its_results(tmp_path, fake_upstream):
     secret = f"sk-replay-{uuid.uuid4().hex}"
     out = tmp_path / "replay"
-    done = subprocess.run([sys.executable, "-m", "proxy", "replay", "--backend", f"{fake_upstream.url}/v1",
+    done = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--backend", f"{fake_upstream.url}/v1",
                            "--profiles", "off,reversed", "--categories", "simple_python", "--limit", "3",
                            "--out", str(out), "--api-key", secret, "--no-progress"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -85,7 +85,7 @@ def test_replay_keeps_the_api_key_out_of_its_results(tmp_path, fake_upstream):
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
     for fmt in ("md", "json", "csv", "html"):
-        report = subprocess.run([sys.executable, "-m", "proxy", "report", str(out), "--format", fmt, "--no-plots"],
+        report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", fmt, "--no-plots"],
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert report.returncode == 0, report.stderr[-1000:]
         assert secret not in report.stdout + report.stderr

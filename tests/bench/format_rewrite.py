@@ -22,11 +22,11 @@ import statistics
 import time
 from typing import Any
 
-from perturbers import ChatRequest, PerturbContext, Services
-from perturbers.callformat_parse import parse_both
-from perturbers.callformat_render import render_calls
-from perturbers.callformats import RETURN_FORMATS
-from perturbers.format_rewrite import FormatRewrite
+from toolquake.perturbers import ChatRequest, PerturbContext, Services
+from toolquake.perturbers.format_rewrite import FormatRewrite
+from toolquake.perturbers.helpers.callformat_parse import parse_both
+from toolquake.perturbers.helpers.callformat_render import render_calls
+from toolquake.perturbers.helpers.callformats import RETURN_FORMATS
 
 BUDGET_US = 1000.0
 TOOLS = [{"type": "function", "function": {
@@ -69,7 +69,7 @@ def typical(repeat: int, rounds: int) -> list[tuple[str, float]]:
 
 
 def corpus_cases() -> list[tuple[Any, dict[str, Any], list[dict[str, Any]]]]:
-    from scorers import corpus
+    from toolquake.bfcl import corpus
 
     out = []
     for ids in corpus.format_sensitivity_ids().values():

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perturbers import build
-from perturbers.base import ChatRequest, PerturbContext, Services
-from perturbers.tokens import EstimateCounter, make_counter
 from tests.conftest import start_fake_upstream
+from toolquake.perturbers import build
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
+from toolquake.perturbers.helpers.tokens import EstimateCounter, make_counter
 
 TARGET_MS = 30.0
 BUDGETS = (10_000, 20_000, 40_000, 80_000)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(time_apply("response_lengthening", {"budget_tokens": budget, "position": 2}, booking_request(),
                                estimate, args.runs))
     try:
-        from scorers.corpus import load_case
+        from toolquake.bfcl.corpus import load_case
 
         case_body = {"model": "m", "messages": load_case("simple_python_0").turns[0]}
         for setting in ("unstructured", "structured"):

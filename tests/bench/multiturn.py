@@ -42,9 +42,9 @@ def main() -> int:
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args()
 
-    from scorers.backends import Backends, Call, ensure_installed
-    from scorers.corpus import MULTI_TURN_CATEGORIES, load_category
-    from scorers.multiturn import check, ground_truth_result
+    from toolquake.bfcl.corpus import MULTI_TURN_CATEGORIES, load_category
+    from toolquake.bfcl.simulators import Backends, Call, ensure_installed
+    from toolquake.scorers.multiturn import check, ground_truth_result
 
     try:
         root = ensure_installed()

@@ -44,9 +44,11 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
 
-    from proxy import logs
-    from proxy.replay import Options, Record, ResultsFile, run, select_cases
-    from scorers.corpus import case_request
+    from toolquake.bfcl.corpus import case_request
+    from toolquake.proxy.replay.run import Options, run
+    from toolquake.proxy.replay.selection import select_cases
+    from toolquake.proxy.replay.store import Record, ResultsFile
+    from toolquake.proxy.server import logs
 
     logs.configure("warning")
     try:

@@ -40,10 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scorers import corpus, mutations
-from scorers.ast_checker import CHECKER_ERROR, check, language_of
-from scorers.semantic import SemanticMatcher
-from scorers.bfcl_reference import PLAIN_MODEL, Reference
+from toolquake.bfcl import corpus
+from toolquake.scorers import mutations
+from toolquake.scorers.ast_checker import CHECKER_ERROR, check, language_of
+from toolquake.scorers.bfcl_reference import PLAIN_MODEL, Reference
+from toolquake.scorers.semantic import SemanticMatcher
 
 TARGET_RATIO = 10.0
 

@@ -43,8 +43,8 @@ semantic = false
 
 
 def request_and_headers() -> tuple[bytes, dict[str, str]]:
-    from scorers.convert import openai_name
-    from scorers.corpus import case_request, load_case
+    from toolquake.bfcl.convert import openai_name
+    from toolquake.bfcl.corpus import case_request, load_case
 
     case = load_case(CASE)
     calls = [{"name": openai_name(name), "arguments": {p: alts[0] for p, alts in params.items() if alts[0] != ""}}

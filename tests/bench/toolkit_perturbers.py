@@ -51,10 +51,10 @@ def rss():
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) / 1024
 t0 = time.perf_counter(); base = rss()
-from perturbers.embeddings import get_embedder
+from toolquake.bfcl.embeddings import get_embedder
 emb = get_embedder(); emb.embed(['warm up'])
 t1 = time.perf_counter(); after_model = rss()
-from perturbers.tool_pool import load_pool
+from toolquake.perturbers.helpers.tool_pool import load_pool
 pool = load_pool(emb)
 t2 = time.perf_counter(); after_pool = rss()
 print(json.dumps({'model_s': t1 - t0, 'pool_s': t2 - t1, 'rss_start_mb': base, 'rss_model_mb': after_model,
@@ -68,7 +68,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def startup() -> dict[str, Any]:
-    from perturbers.tool_pool import load_pool
+    from toolquake.perturbers.helpers.tool_pool import load_pool
 
     load_pool()  # make sure the disk cache exists, so the fresh process measures a cold read of it
     out = subprocess.run([sys.executable, "-c", STARTUP], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -78,7 +78,7 @@ def startup() -> dict[str, Any]:
 def apply(perturber: Any, body: dict[str, Any], services: Any, seed: int
           ) -> tuple[dict[str, Any], dict[str, Any], float, float]:
     """(perturbed body, report, wall ms, CPU ms)."""
-    from perturbers.base import ChatRequest, PerturbContext
+    from toolquake.perturbers.base import ChatRequest, PerturbContext
 
     ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services)
     t, c = time.perf_counter(), time.process_time()
@@ -88,7 +88,7 @@ def apply(perturber: Any, body: dict[str, Any], services: Any, seed: int
 
 def warm_toolkits(services: Any, bodies: list[dict[str, Any]]) -> None:
     """Load model and pool and embed each toolkit's signatures once (they are then cached)."""
-    from perturbers.tool_pool import get_pool, get_shared_embedder
+    from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder
 
     pool, embedder = get_pool(services), get_shared_embedder(services)
     for body in bodies:
@@ -96,10 +96,10 @@ def warm_toolkits(services: Any, bodies: list[dict[str, Any]]) -> None:
 
 
 def padding(counter_spec: str, upstream: str, per_dataset: int) -> dict[str, Any]:
-    from perturbers import build
-    from perturbers.base import Services
-    from perturbers.tokens import make_counter
-    from scorers.corpus import case_request, load_category
+    from toolquake.bfcl.corpus import case_request, load_category
+    from toolquake.perturbers import build
+    from toolquake.perturbers.base import Services
+    from toolquake.perturbers.helpers.tokens import make_counter
 
     counter = make_counter(counter_spec, upstream)
     services = Services(token_counter=counter)
@@ -137,11 +137,11 @@ def padding(counter_spec: str, upstream: str, per_dataset: int) -> dict[str, Any
 def expansion() -> dict[str, Any]:
     import numpy as np
 
-    from perturbers import build
-    from perturbers.base import Services
-    from perturbers.embeddings import get_embedder, signature
-    from perturbers.tokens import EstimateCounter
-    from scorers.corpus import case_request, load_category
+    from toolquake.bfcl.corpus import case_request, load_category
+    from toolquake.bfcl.embeddings import get_embedder, signature
+    from toolquake.perturbers import build
+    from toolquake.perturbers.base import Services
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
 
     services = Services(token_counter=EstimateCounter())
     perturber = build("toolkit_expansion", {"k": 3})

@@ -1,7 +1,7 @@
 """A perturber that always raises, loaded as a plugin (`[server] plugins`) to prove fail-open."""
 
-from perturbers import register
-from perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers import register
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
 
 
 @register

@@ -1,0 +1,551 @@
+"""Function calls parsed back out of a model's text answer, in strict (BFCL) or lenient mode.
+
+`parse_strict` accepts exactly what BFCL V4's prompting decoder accepts and fails where it fails:
+the text is stripped of backticks/newlines/spaces and wrapped in `[ ]`, the first
+`<TOOLCALL>…</TOOLCALL>` is taken when the tag is on, then per format: python call syntax
+(`scorers.decode.decode_python`), json (BFCL's two regexes; invalid JSON is *no calls*, not a decode
+failure), or the first `<functions>…</functions>` block as XML with values converted by their
+`type` attribute. A failure is `decoder_failed`; a decoded value that is not a list of
+`{name: {params}}` is `decoder_wrong_output_format`.
+
+`parse_lenient` additionally accepts the near-misses that BFCL V4's format-sensitivity study
+documents, and says which one fired:
+
+- `code_fence`: calls inside a ```` ```lang ```` fence (BFCL fails on a fence with a language tag);
+- `per_call_toolcall`, `per_call_functions`, `per_call_block`: each call wrapped in its own
+  `<TOOLCALL>`, `<functions>` or JSON list (BFCL keeps only the first);
+- `python_no_brackets`: python calls one per line, without the list brackets;
+- `unclosed_tag`: a `<TOOLCALL>`, `<functions>`, `<function>` or `<params>` that is never closed,
+  where the place of the missing end tag is unambiguous;
+- `xml_type_from_schema`: an XML value whose `type` is not one of BFCL's names (`int`, `str`, …),
+  is missing, or does not convert, typed by the function's schema instead;
+- `json_nested_objects`: a JSON call whose argument holds a list of objects (BFCL's regex cuts the
+  text at the first `}]` and decodes no calls);
+- `json_bare_object`: one JSON call object, not in a list, inside `<TOOLCALL>`;
+- `reasoning_block`: the answer starts with a reasoning model's `<think>…</think>` (BFCL's handlers
+  for such models drop it before decoding; its generic decoder does not).
+
+A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DECODER_FAILED = "decoder_failed"
+WRONG_OUTPUT_FORMAT = "decoder_wrong_output_format"
+LENIENCIES = ("code_fence", "per_call_toolcall", "per_call_functions", "per_call_block", "python_no_brackets",
+              "unclosed_tag", "xml_type_from_schema", "json_nested_objects", "json_bare_object", "reasoning_block")
+
+_TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
+_FUNCTIONS = re.compile(r"<functions>(.*?)</functions>", re.DOTALL)
+_CLOSING = {_TOOLCALL: "</TOOLCALL>", _FUNCTIONS: "</functions>"}
+# BFCL's json regexes are `\[.*\]` (greedy) and then `\[\s*{.*?}\s*(?:,\s*{.*?}\s*)*\]` (lazy); the second
+# backtracks exponentially on an unclosed list, so both are computed directly: the first spans the first
+# `[` to the last `]`; the second, when it matches at all, spans the first `[{` to the first `}]` after it
+_JSON_OPEN = re.compile(r"\[\s*{")
+_JSON_CLOSE = re.compile(r"}\s*]")
+_FENCE = re.compile(r"```[A-Za-z0-9_+.-]*")
+_XML_TAG = re.compile(r"<(/?)([A-Za-z_][\w.:-]*)((?:\s+[^<>]*?)?)(/?)>")
+_BFCL_XML_TYPES = ("string", "integer", "float", "boolean", "null", "array", "tuple", "object", "dict")
+#: end tags lenient parsing may add where a model forgot them
+_AUTO_CLOSE = ("functions", "function", "params")
+
+Schemas = dict[str, dict[str, Any]]  # function name → {param name: JSON schema}
+
+
+class DecodeError(ValueError):
+    """The text does not decode into calls."""
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """The outcome of parsing one answer."""
+
+    ok: bool
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    #: `decoder_failed` or `decoder_wrong_output_format` (BFCL's error names) when not ok
+    error: str | None = None
+    detail: str = ""
+    #: the leniencies that made the difference (lenient mode only; empty when strict would agree)
+    leniencies: tuple[str, ...] = ()
+
+    @property
+    def has_calls(self) -> bool:
+        return self.ok and bool(self.calls)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-safe facts for reports: ok, error, number of calls, leniencies."""
+        out: dict[str, Any] = {"ok": self.ok, "calls": len(self.calls)}
+        if self.error:
+            out["error"] = self.error
+            out["detail"] = self.detail
+        if self.leniencies:
+            out["leniencies"] = list(self.leniencies)
+        return out
+
+
+def _failed(exc: Exception, error: str = DECODER_FAILED) -> Decoded:
+    return Decoded(False, [], error, f"{type(exc).__name__}: {exc}"[:300])
+
+
+# --- shared steps ---------------------------------------------------------------------------------
+
+def _tag_blocks(pattern: re.Pattern[str], text: str) -> list[re.Match[str]]:
+    """`pattern.finditer(text)` in linear time: the lazy `<tag>(.*?)</tag>` search is quadratic over
+    openings that no end tag follows, and none of those can match, so the text after the last end
+    tag is left out of the search (same matches)."""
+    closing = _CLOSING[pattern]
+    end = text.rfind(closing)
+    return list(pattern.finditer(text, 0, end + len(closing))) if end >= 0 else []
+
+
+def _tag_block(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """`pattern.search(text)` in linear time (see _tag_blocks)."""
+    closing = _CLOSING[pattern]
+    end = text.rfind(closing)
+    return pattern.search(text, 0, end + len(closing)) if end >= 0 else None
+
+
+def _as_calls(decoded: Any) -> list[dict[str, Any]]:
+    """BFCL's output-format check: a list of one-key dicts whose value is a dict."""
+    if not isinstance(decoded, list):
+        raise _WrongFormat(f"decoded a {type(decoded).__name__}, not a list")
+    calls = []
+    for item in decoded:
+        if not (isinstance(item, dict) and len(item) == 1):
+            raise _WrongFormat("an element is not a one-key {name: params} dict")
+        ((name, args),) = item.items()
+        if not isinstance(args, dict):
+            raise _WrongFormat(f"the parameters of {name!r} are a {type(args).__name__}, not a dict")
+        calls.append({"name": name, "arguments": args})
+    return calls
+
+
+class _WrongFormat(Exception):
+    pass
+
+
+def _run(decode: Callable[[], Any]) -> Decoded:
+    try:
+        raw = decode()
+    except Exception as exc:  # any decoding exception is BFCL's decoder_failed
+        return _failed(exc)
+    try:
+        return Decoded(True, _as_calls(raw))
+    except _WrongFormat as exc:
+        return Decoded(False, [], WRONG_OUTPUT_FORMAT, str(exc))
+
+
+# --- python ---------------------------------------------------------------------------------------
+
+def _python(text: str, tool_call_tag: bool = False) -> list[dict[str, Any]]:
+    """BFCL's python decoding of a whole answer (scorers.decode), as {name: arguments} items."""
+    from toolquake.bfcl.decode import DecodeFailure, decode_python
+
+    if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares decode_python a quadratic search
+        raise DecodeError("no <TOOLCALL>…</TOOLCALL> block")
+    calls = decode_python(text, tool_call_tag)
+    if isinstance(calls, DecodeFailure):
+        raise DecodeError(calls.reason)
+    return [{c["name"]: c["arguments"]} for c in calls]
+
+
+def _python_segment(segment: str, tagged: bool) -> list[dict[str, Any]]:
+    """One segment decoded as BFCL decodes an answer that is only this segment (in its tag if tagged)."""
+    return _python(f"<TOOLCALL>{segment}</TOOLCALL>" if tagged else segment, tagged)
+
+
+# --- json -----------------------------------------------------------------------------------------
+
+def _json_elements(data: Any) -> list[dict[str, Any]]:
+    out = []
+    for element in data:  # a dict iterates over its keys and a str over its characters: both are skipped
+        if isinstance(element, dict):
+            out.append({element["function"]: element["parameters"]})
+    return out
+
+
+def _json_list_text(text: str) -> str:
+    """What BFCL's two json regexes leave of `text` (see _JSON_OPEN), in linear time."""
+    first, last = text.find("["), text.rfind("]")
+    if first != -1 and last > first:
+        text = text[first:last + 1]
+    opening = _JSON_OPEN.search(text)
+    if opening:
+        closing = _JSON_CLOSE.search(text, opening.end())
+        if closing:
+            text = text[opening.start():closing.end()]
+    return text
+
+
+def _json_body(text: str) -> list[dict[str, Any]]:
+    text = _json_list_text(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    return _json_elements(data)
+
+
+# --- xml ------------------------------------------------------------------------------------------
+
+def _bfcl_value(raw: str, kind: str) -> Any:
+    if kind == "string":
+        return raw
+    if kind == "integer":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    if kind == "boolean":
+        return raw.lower() == "true"
+    if kind == "null":
+        return None
+    if kind in ("array", "tuple", "object", "dict"):
+        return ast.literal_eval(raw)
+    return raw
+
+
+Typer = Callable[[str, str | None, str, str | None], Any]  # (raw, type attr, function, param) → value
+
+
+def _strict_typer(raw: str, kind: str | None, function: str, param: str | None) -> Any:
+    return _bfcl_value(raw, kind if kind is not None else "string")
+
+
+def _xml_params(function: ET.Element, concise: bool) -> list[ET.Element]:
+    if concise:
+        return function.findall("param")
+    container = function.find("params")
+    return container.findall("param") if container is not None else function.findall("param")
+
+
+def _xml_body(block: str, concise: bool, typer: Typer = _strict_typer) -> list[dict[str, Any]]:
+    root = ET.fromstring(block)
+    out = []
+    for function in root.findall("function"):
+        name = function.attrib["name"]
+        args: dict[Any, Any] = {}
+        for param in _xml_params(function, concise):
+            if concise:
+                pname = param.attrib["name"]
+                raw = (param.text or "").strip()
+            else:
+                pname = param.attrib.get("name")
+                raw = param.attrib.get("value", "")
+            args[pname] = typer(raw, param.attrib.get("type"), name, pname)
+        out.append({name: args})
+    return out
+
+
+def _xml_first_block(text: str) -> str:
+    m = _tag_block(_FUNCTIONS, text)
+    if not m:
+        raise DecodeError("no <functions>…</functions> block")
+    return m.group(0)
+
+
+# --- strict ---------------------------------------------------------------------------------------
+
+def _strict_raw(text: str, return_format: str, tool_call_tag: bool) -> Any:
+    from toolquake.bfcl.decode import prepare_text
+
+    if return_format == "python":
+        return _python(text, tool_call_tag)
+    if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares prepare_text a quadratic search
+        raise DecodeError("no <TOOLCALL>…</TOOLCALL> block")
+    text = prepare_text(text, tool_call_tag)
+    if return_format == "json":
+        return _json_body(text)
+    if return_format in ("verbose_xml", "concise_xml"):
+        return _xml_body(_xml_first_block(text), return_format == "concise_xml")
+    raise ValueError(f"unknown return format {return_format!r}")
+
+
+def parse_strict(text: str, return_format: str, tool_call_tag: bool = False) -> Decoded:
+    """Decode `text` exactly as BFCL V4 decodes a prompting model's answer."""
+    return _run(lambda: _strict_raw(text, return_format, tool_call_tag))
+
+
+# --- lenient --------------------------------------------------------------------------------------
+
+def _segments(text: str, tool_call_tag: bool, fired: list[str]) -> list[str]:
+    """The pieces of text that hold calls: every <TOOLCALL> block when tagged, else the whole text."""
+    if not tool_call_tag:
+        return [text]
+    blocks = [m.group(1).strip() for m in _tag_blocks(_TOOLCALL, text)]
+    last_close = text.rfind("</TOOLCALL>")
+    tail_open = text.find("<TOOLCALL>", last_close + 1 if last_close >= 0 else 0)
+    if tail_open >= 0:  # an opening tag never closed: the rest of the answer is its content
+        blocks.append(text[tail_open + len("<TOOLCALL>"):].strip("`\n "))
+        fired.append("unclosed_tag")
+    if not blocks:
+        raise DecodeError("no <TOOLCALL> block")
+    if len(blocks) > 1:
+        fired.append("per_call_toolcall")
+    return blocks
+
+
+def _unfence(text: str, fired: list[str]) -> str:
+    if "```" not in text:
+        return text
+    fired.append("code_fence")
+    return _FENCE.sub("", text).strip()
+
+
+def _python_statements(text: str) -> str:
+    """Calls written one per line (or `;`-separated) without list brackets, as one bracketed list.
+
+    Each call is re-written with `ast.unparse`, which BFCL's value resolution reads back unchanged.
+    """
+    module = ast.parse(text, mode="exec")
+    parts: list[str] = []
+    for stmt in module.body:
+        value = stmt.value if isinstance(stmt, ast.Expr) else None
+        if isinstance(value, (ast.List, ast.Tuple)):
+            parts.extend(ast.unparse(e) for e in value.elts)
+        elif isinstance(value, ast.Call):
+            parts.append(ast.unparse(value))
+        else:
+            raise DecodeError("not a sequence of calls")
+    if len(module.body) < 2:
+        raise DecodeError("not several statements")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decoded | None) -> list[dict[str, Any]]:
+    """`strict`: the strict decode of this very segment when it is the whole (untagged) answer."""
+    if strict is not None and strict.ok:
+        return [{c["name"]: c["arguments"]} for c in strict.calls]
+    strict_failed = strict is not None
+    notes: list[str] = []
+    unfenced = _unfence(segment, notes)
+    attempts = [] if strict_failed else [(segment, ())]
+    if notes:
+        attempts.append((unfenced, tuple(notes)))
+    first_error: Exception = DecodeError("not python call syntax")
+    for n, (candidate, used) in enumerate(attempts):
+        try:
+            result = _python_segment(candidate, tagged)
+        except DecodeError as exc:
+            first_error = exc if n == 0 else first_error
+            continue
+        fired.extend(used)
+        return result
+    if "\n" not in unfenced.strip() and ";" not in unfenced:  # statements need a separator
+        raise first_error
+    try:
+        result = _python_segment(_python_statements(unfenced.strip()), tagged)
+    except (DecodeError, SyntaxError, ValueError):
+        raise first_error from None
+    fired.extend(notes)
+    fired.append("python_no_brackets")
+    return result
+
+
+def _json_values(text: str) -> list[Any]:
+    """Every top-level JSON array or object in `text`, left to right."""
+    decoder = json.JSONDecoder()
+    out, i = [], 0
+    while True:
+        starts = [p for p in (text.find("[", i), text.find("{", i)) if p >= 0]
+        if not starts:
+            return out
+        start = min(starts)
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as exc:  # a broken value: look for the next one after the break
+            i = max(exc.pos, start + 1)
+            continue
+        out.append(value)
+        i = end
+
+
+def _is_call_object(value: Any) -> bool:
+    return isinstance(value, dict) and "function" in value
+
+
+def _json_lenient(segment: str, tagged: bool, fired: list[str]) -> list[dict[str, Any]]:
+    from toolquake.bfcl.decode import prepare_text
+
+    strict = _json_body(segment if tagged else prepare_text(segment))
+    values = [v for v in _json_values(segment)
+              if (isinstance(v, list) and any(_is_call_object(e) for e in v)) or _is_call_object(v)]
+    calls: list[dict[str, Any]] = []
+    for v in values:
+        calls.extend(_json_elements(v if isinstance(v, list) else [v]))
+    if not calls or repr(calls) == repr(strict):
+        return strict
+    if len(values) > 1:
+        fired.append("per_call_block")
+    if any(isinstance(v, dict) for v in values):
+        fired.append("json_bare_object")
+    if not strict and any(isinstance(v, list) for v in values):
+        fired.append("json_nested_objects")
+    return calls
+
+
+def _close_tags(block: str, fired: list[str]) -> str:
+    """Insert end tags a model forgot, where their place is unambiguous; DecodeError otherwise."""
+    out: list[str] = []
+    stack: list[str] = []
+    pos = 0
+    for m in _XML_TAG.finditer(block):
+        out.append(block[pos:m.start()])
+        pos = m.end()
+        closing, name, selfclosing = m.group(1), m.group(2), m.group(4)
+        if not selfclosing and not closing:
+            stack.append(name)
+        elif closing and stack and stack[-1] == name:
+            stack.pop()
+        elif closing:
+            if name not in stack:
+                raise DecodeError(f"</{name}> does not close an open element")
+            at = len(stack) - 1 - stack[::-1].index(name)
+            missing = stack[at + 1:]
+            if any(n not in _AUTO_CLOSE for n in missing):
+                raise DecodeError(f"<{missing[-1]}> is never closed")
+            out.extend(f"</{n}>" for n in reversed(missing))
+            del stack[at:]
+        out.append(m.group(0))
+    out.append(block[pos:])
+    if any(n not in _AUTO_CLOSE for n in stack):
+        raise DecodeError(f"<{stack[-1]}> is never closed")
+    out.extend(f"</{n}>" for n in reversed(stack))
+    repaired = "".join(out)
+    if repaired != block:
+        fired.append("unclosed_tag")
+    return repaired
+
+
+def _xml_blocks(segment: str, fired: list[str]) -> list[str]:
+    blocks = [m.group(0) for m in _tag_blocks(_FUNCTIONS, segment)]
+    last_close = segment.rfind("</functions>")
+    tail_open = segment.find("<functions>", last_close + 1 if last_close >= 0 else 0)
+    if tail_open >= 0:
+        blocks.append(segment[tail_open:].rstrip("`\n ]"))
+    if not blocks:
+        raise DecodeError("no <functions> block")
+    if len(blocks) > 1:
+        fired.append("per_call_functions")
+    return blocks
+
+
+def _schema_type(schema: dict[str, Any] | None) -> str | None:
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else None
+
+
+def _schema_value(raw: str, kind: str | None) -> Any:
+    if kind == "integer":
+        try:
+            return int(raw)
+        except ValueError:
+            number = float(raw)
+            if not number.is_integer():
+                raise
+            return int(number)
+    if kind in ("number", "float"):
+        return float(raw)
+    if kind == "boolean":
+        flag = raw.strip().lower()
+        if flag not in ("true", "false"):
+            raise DecodeError(f"{raw!r} is not a boolean")
+        return flag == "true"
+    if kind in ("array", "tuple", "object", "dict"):
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = json.loads(raw)
+        return tuple(value) if kind == "tuple" and isinstance(value, list) else value
+    return raw
+
+
+def _lenient_typer(schemas: Schemas, fired: list[str]) -> Typer:
+    def typed(raw: str, kind: str | None, function: str, param: str | None) -> Any:
+        schema = (schemas.get(function) or {}).get(param) if param is not None else None
+        if kind in _BFCL_XML_TYPES:
+            try:
+                return _bfcl_value(raw, kind)
+            except (ValueError, SyntaxError):
+                if schema is None:
+                    raise
+        if schema is None:
+            return raw
+        try:
+            value = _schema_value(raw, _schema_type(schema))
+        except (ValueError, SyntaxError):
+            if kind in _BFCL_XML_TYPES:
+                raise
+            return raw
+        if repr(value) != repr(raw):
+            fired.append("xml_type_from_schema")
+        return value
+
+    return typed
+
+
+def _xml_lenient(segment: str, concise: bool, schemas: Schemas, fired: list[str]) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+    typer = _lenient_typer(schemas, fired)
+    for block in _xml_blocks(segment, fired):
+        try:
+            ET.fromstring(block)
+        except ET.ParseError:
+            block = _close_tags(block, fired)
+        calls.extend(_xml_body(block, concise, typer))
+    return calls
+
+
+def _lenient_raw(text: str, return_format: str, tool_call_tag: bool, schemas: Schemas, strict: Decoded,
+                 fired: list[str]) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+    seen: Decoded | None = None if tool_call_tag else strict  # what strict decoding made of the whole answer
+    end_of_thought = text.rfind("</think>")
+    if end_of_thought >= 0:
+        text = text[end_of_thought + len("</think>"):]
+        fired.append("reasoning_block")
+        seen = None
+    for segment in _segments(text, tool_call_tag, fired):
+        if return_format == "python":
+            calls.extend(_python_lenient(segment, tool_call_tag, fired, seen))
+        elif return_format == "json":
+            calls.extend(_json_lenient(segment, tool_call_tag, fired))
+        elif return_format in ("verbose_xml", "concise_xml"):
+            calls.extend(_xml_lenient(segment, return_format == "concise_xml", schemas, fired))
+        else:
+            raise ValueError(f"unknown return format {return_format!r}")
+    return calls
+
+
+def parse_lenient(text: str, return_format: str, tool_call_tag: bool = False, schemas: Schemas | None = None,
+                  strict: Decoded | None = None) -> Decoded:
+    """Decode `text` like BFCL, also accepting the documented near-misses; says which leniency fired.
+
+    `schemas` ({function: {param: JSON schema}}) types XML values whose `type` attribute is not
+    one of BFCL's names. Whatever strict parsing accepts, lenient parsing accepts with the same
+    calls unless a leniency recovers more.
+    """
+    strict = strict if strict is not None else parse_strict(text, return_format, tool_call_tag)
+    fired: list[str] = []
+    lenient = _run(lambda: _lenient_raw(text, return_format, tool_call_tag, schemas or {}, strict, fired))
+    if not lenient.ok or (strict.ok and repr(lenient.calls) == repr(strict.calls)):
+        return strict
+    used = tuple(dict.fromkeys(n for n in fired))
+    return Decoded(True, lenient.calls, leniencies=used)
+
+
+def parse_both(text: str, return_format: str, tool_call_tag: bool = False,
+               schemas: Schemas | None = None) -> tuple[Decoded, Decoded]:
+    """Both verdicts for one answer: (strict, lenient)."""
+    strict = parse_strict(text, return_format, tool_call_tag)
+    return strict, parse_lenient(text, return_format, tool_call_tag, schemas, strict)

@@ -1,0 +1,97 @@
+"""`toolquake replay`: BFCL cases × profiles through the proxy, verdicts in DIR (see proxy/replay/run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolquake.proxy.replay.errors import ReplayError
+    from toolquake.proxy.replay.run import Options, iter_tallies, run
+    from toolquake.proxy.replay.selection import parse_shard
+    from toolquake.proxy.server import logs
+
+    logs.configure("warning")
+    try:
+        options = Options(
+            backend=args.backend, profiles=args.profiles, out=Path(args.out), config=args.config,
+            categories=[c.strip() for c in args.categories.split(",") if c.strip()], limit=args.limit,
+            concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard), proxy=args.proxy,
+            timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature,
+            max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+            headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
+            progress=not args.no_progress)
+        summary = run(options)
+    except ReplayError as exc:
+        print(f"toolquake: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("toolquake: interrupted; finished pairs are saved, rerun the same command to resume.", file=sys.stderr)
+        return 130
+    width = max(len(a) for a in summary.arms)
+    print(f"{'profile':<{width}}  {'n':>5}  accuracy")
+    for arm, n, valid in iter_tallies(summary):
+        print(f"{arm:<{width}}  {n:>5}  {valid / n:.3f}" if n else f"{arm:<{width}}  {n:>5}  -")
+    print(f"results: {summary.path} (sent {summary.sent}, failed {summary.failed}, already scored "
+          f"{summary.skipped}); `toolquake report {summary.path.parent}` for the tables", file=sys.stderr)
+    if summary.aborted:
+        print(f"toolquake: {summary.aborted}", file=sys.stderr)
+        return 3
+    return 1 if summary.failed else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay", help="replay BFCL cases through the proxy, one arm per profile",
+        description="Send every (case, profile) pair through the proxy (started in this process, or --proxy) "
+                    "with the X-Toolquake-Case header, grade the answers with the BFCL-compatible scorer and "
+                    "record them in a SQLite file in --out. Rerunning the same command resumes: scored pairs are "
+                    "skipped, failed ones are retried; a killed run loses nothing that was recorded. Exit "
+                    "status: 0 all pairs scored, 1 some pairs failed (recorded; rerun to retry), 2 bad "
+                    "arguments or unreachable backend, 3 stopped because the backend went away.")
+    p.add_argument("--backend", help="the model server's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
+                   "(checked before starting; also where the model name comes from)")
+    p.add_argument("--profiles", required=True,
+                   help="comma-separated profiles, one arm each: names from the config ('off' always exists), "
+                        "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded), '@seed003' "
+                        "(off, pad-*: budgets × positions), '@seed002' (fmt-*: the 26 format configurations), "
+                        "'@tool_order', '@tool_removal'")
+    p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
+                   "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
+    p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "
+                   "profiles)")
+    p.add_argument("--categories", default="multiple",
+                   help="comma-separated BFCL categories: single-turn ones, or multi-turn ones (multi_turn_base, "
+                        "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context: whole conversations "
+                        "against the API simulators, see docs/multiturn.md) (default: multiple)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N cases of each category (file order)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--model", help="model name to send (default: the first model the backend lists)")
+    p.add_argument("--shard", help="I/N: only cases whose position in the selection is I modulo N (0-based); "
+                   "N alone takes I from JOB_COMPLETION_INDEX (Kubernetes Indexed Job)")
+    p.add_argument("--proxy", help="use a running proxy at this root URL (e.g. http://127.0.0.1:8080) instead of "
+                   "one in this process; it must know the profiles")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one answer (default 600)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature sent with each request (default 0; negative: send none)")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_tokens sent with each request (default: none)")
+    p.add_argument("--api-key", help="bearer token for the backend (default: env OPENAI_API_KEY; never logged)")
+    p.add_argument("--header", action="append", type=_header, metavar="'NAME: VALUE'",
+                   help="extra request header, repeatable (sent to the proxy; end-to-end headers reach the backend)")
+    p.add_argument("--semantic", action="store_true",
+                   help="also grade invalid answers in semantic mode (loads the embedding model when installed)")
+    p.add_argument("--fail-open", action="store_true",
+                   help="serve a pair unperturbed when a perturber fails (default: strict — the pair is recorded "
+                        "as failed and retried on the next run, so no arm silently mixes in unperturbed answers)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.set_defaults(func=run)

@@ -1,0 +1,84 @@
+"""`toolquake report`: tables and heatmaps from replay results (proxy/replay/report.py) or the live results store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else None
+    if args.db:
+        return _live(args, out)
+    if not args.dirs:
+        print("toolquake: give one or more replay directories (or --db PATH for the live results store)",
+              file=sys.stderr)
+        return 2
+    from toolquake.proxy.replay.report import build
+
+    try:
+        text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"toolquake: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"toolquake: {exc.name or exc} is needed for the heatmaps: pip install -e '.[replay]', or pass "
+              "--no-plots", file=sys.stderr)
+        return 2
+    _emit(text, out)
+    for path in written:
+        print(f"toolquake: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _live(args: argparse.Namespace, out: Path | None) -> int:
+    from toolquake.proxy.live import results
+
+    try:
+        summary = results.summarize(args.db)
+    except Exception as exc:  # a missing or foreign file: say so, no traceback
+        print(f"toolquake: cannot read the results store {args.db}: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        text = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
+    elif args.format == "md":
+        text = results.format_summary(summary)
+    else:
+        print(f"toolquake: --db supports --format md or json, not {args.format}", file=sys.stderr)
+        return 2
+    _emit(text, out)
+    return 0
+
+
+def _emit(text: str, out: Path | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"toolquake: wrote {out}", file=sys.stderr)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report", help="tables and heatmaps from replay results",
+        description="Merge the results of one or more replay directories (shards of one run, or runs of several "
+                    "models) and report: accuracy per arm with the relative change against the baseline in "
+                    "brackets (seed 001 Table 2), the error-type breakdown of each perturbed arm, per-category "
+                    "tables, a BFCL-style CSV, and heatmaps (catalog size × position like seed 003 Fig. 3; format "
+                    "configuration × model like seed 002 Fig. 2) when the arms support them. Accuracy counts "
+                    "scored pairs; failed pairs are listed beside it.")
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
+    p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
+                   help="md (default; heatmap PNGs written next to --out), html (one file, heatmaps embedded), "
+                        "json ({\"arms\": {profile: {n, accuracy, by_category, errors, ...}}}), csv (BFCL's "
+                        "leaderboard columns: Rank, Overall Acc, Model, Profile, N, one column per category)")
+    p.add_argument("--out", help="write the report to this file (default: stdout)")
+    p.add_argument("--baseline", default="off", help="profile the relative changes are computed against "
+                   "(default off)")
+    p.add_argument("--no-plots", action="store_true", help="skip the heatmaps (no matplotlib needed)")
+    p.add_argument("--db", metavar="PATH", help="summarise the live results store of `toolquake serve` instead "
+                   "(md or json)")
+    p.set_defaults(func=run)

@@ -1,0 +1,81 @@
+"""`toolquake serve`: run the proxy, with live scoring attached."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from toolquake.proxy.cli.common import config_from_args
+from toolquake.proxy.server.config import Config
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from toolquake.proxy import live
+    from toolquake.proxy.server import logs
+    from toolquake.proxy.server.app import create_app
+
+    config = config_from_args(args, upstream=args.upstream, host=args.host, port=args.port,
+                              default_profile=args.default_profile, token_counter=args.token_counter)
+    config = apply_cli(config, corpus=args.corpus, no_scoring=args.no_scoring, results_db=args.results_db,
+                       store_contents=args.store_contents, no_content_match=args.no_content_match)
+    server = config.server
+    logs.configure(server.log_level)
+    if server.default_profile != "off" and server.default_profile not in config.profiles:
+        sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
+                 f"(defined: off, {', '.join(sorted(config.profiles))})")
+    app = create_app(config, admin_token=os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None, extensions=[live.attach])
+    uvicorn.run(app, host=server.host, port=server.port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, timeout_graceful_shutdown=5, server_header=False,
+                timeout_keep_alive=int(server.keep_alive_timeout), proxy_headers=False)
+    return 0
+
+
+def apply_cli(config: Config, *, corpus: str | None = None, no_scoring: bool = False, results_db: str | None = None,
+              store_contents: bool = False, no_content_match: bool = False) -> Config:
+    """`toolquake serve` flags over the `[scoring]` section."""
+    s = config.scoring
+    changes: dict[str, Any] = {}
+    if corpus:
+        changes["corpus"] = corpus
+    if no_scoring:
+        changes["enabled"] = False
+    if results_db:
+        changes["store"] = results_db
+    if store_contents:
+        changes["store_contents"] = True
+    if no_content_match:
+        changes["match_content"] = False
+    return msgspec.structs.replace(config, scoring=msgspec.structs.replace(s, **changes)) if changes else config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the proxy", description="Run the proxy server. Flags win over "
+                           "environment variables (TOOLQUAKE_*), which win over the config file.")
+    serve.add_argument("--upstream", help="the backend's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
+                       "(env TOOLQUAKE_UPSTREAM; default from the config file)")
+    serve.add_argument("--host", help="address to listen on (env TOOLQUAKE_HOST; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (env TOOLQUAKE_PORT; default 8080)")
+    serve.add_argument("--config", help="TOML config file with [server] and [profiles.*] (env TOOLQUAKE_CONFIG; "
+                       "default: the packaged example profiles)")
+    serve.add_argument("--default-profile", help="profile for requests that name none (env "
+                       "TOOLQUAKE_DEFAULT_PROFILE; default 'off')")
+    serve.add_argument("--token-counter", help="'estimate', 'upstream' or 'tokenizer:/path/tokenizer.json' "
+                       "(env TOOLQUAKE_TOKEN_COUNTER)")
+    serve.add_argument("--corpus", metavar="DIR", help="where the BFCL corpus is: a toolquake cache dir or the "
+                       "data dir `toolquake corpus path` prints ([scoring] corpus; default: the pull cache)")
+    serve.add_argument("--no-scoring", action="store_true", help="do not score answers, count verdicts or "
+                       "store results ([scoring] enabled = false); X-Toolquake-Case still reaches the perturbers")
+    serve.add_argument("--no-content-match", action="store_true", help="tie requests to cases only by the "
+                       "X-Toolquake-Case header, never by the hash of the first user message ([scoring] "
+                       "match_content = false)")
+    serve.add_argument("--results-db", metavar="PATH", help="SQLite results store, or 'off' ([scoring] store; "
+                       "default: results.sqlite in the cache dir)")
+    serve.add_argument("--store-contents", action="store_true", help="also keep request and answer bodies in "
+                       "the results store ([scoring] store_contents; off by default)")
+    serve.set_defaults(func=run)

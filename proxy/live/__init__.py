@@ -1,0 +1,83 @@
+"""Live scoring attached to a running server: case resolution, grading queue, shadow twins, results store.
+
+`attach` is a server extension: `create_app(config, extensions=[attach])`. It sets the case
+resolver (which perturbers such as tool_removal need even when scoring is off) and, when
+`[scoring] enabled`, the scoring observer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from toolquake.proxy.live.resolver import CaseResolver, use_corpus_dir
+from toolquake.proxy.live.results import ResultsStore, StoreError, default_path
+from toolquake.proxy.live.scorer import LiveScorer
+from toolquake.proxy.server.config import ScoringConfig
+
+if TYPE_CHECKING:
+    from litestar import Litestar
+
+    from toolquake.proxy.server.state import ProxyState
+
+log = structlog.get_logger("toolquake.scoring")
+
+
+def store_path(settings: ScoringConfig) -> Path | None:
+    if settings.store.strip().lower() in ("off", "none", "false"):
+        return None
+    return Path(settings.store).expanduser() if settings.store else default_path()
+
+
+def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
+    """Set the case resolver, and when `[scoring] enabled`, the scoring observer, on a new app."""
+    settings = st.config.scoring
+    path = store_path(settings)
+    if settings.corpus:
+        use_corpus_dir(settings.corpus)
+    resolver = CaseResolver(settings.match_content)
+    st.case_resolver = resolver
+    scorer = None
+    if settings.enabled:
+        store = None
+        if path is not None:
+            try:
+                store = ResultsStore(path, store_contents=settings.store_contents)
+            except (StoreError, OSError) as exc:
+                if settings.store:  # a path the user chose: say so and stop
+                    raise SystemExit(f"toolquake: [scoring] store: {exc}") from None
+                # the default location is not usable here (read-only cache dir...): serve and count anyway
+                log.warning("results_store_unavailable", path=str(path), error=str(exc)[:300])
+        scorer = LiveScorer(st, settings, store)
+        st.observers.append(scorer.observe)
+
+    async def startup() -> None:
+        if scorer is not None:
+            scorer._start()
+        if settings.match_content:
+            asyncio.get_running_loop().create_task(_load_index(resolver, scorer))
+
+    async def shutdown() -> None:
+        if scorer is not None:
+            await scorer.aclose()
+
+    app.on_startup.append(startup)
+    app.on_shutdown.insert(0, shutdown)  # before the upstream client closes: twins still use it
+    return scorer
+
+
+async def _load_index(resolver: CaseResolver, scorer: LiveScorer | None) -> None:
+    try:
+        n = await asyncio.to_thread(resolver.load_index)
+    except FileNotFoundError as exc:
+        log.info("content_matching_off", reason=str(exc)[:300])
+        return
+    except Exception as exc:  # a damaged corpus disables matching by content, nothing else
+        log.warning("case_index_failed", error_type=type(exc).__name__, error=str(exc)[:300])
+        return
+    if scorer is not None:
+        scorer.metrics.corpus_cases.set(n)
+    log.info("case_index_loaded", cases=n)

@@ -1,0 +1,35 @@
+"""The live-scoring metrics, registered in the server's registry. Names and labels are a contract."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SCORING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+class ScoringMetrics:
+    """The scoring metrics, registered in the app's registry. Names and labels are a contract."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.scored = Counter("toolquake_scored", "Answers scored against BFCL ground truth (BFCL-compatible "
+                              "verdict).", ["profile", "model", "category", "verdict"], registry=r)
+        self.errors = Counter("toolquake_errors", "Invalid answers by error type (taxonomy: wrong_function, "
+                              "wrong_count, wrong_param_value, ...).", ["profile", "model", "error_type"], registry=r)
+        self.semantic_flips = Counter("toolquake_semantic_flips", "Invalid BFCL verdicts that the semantic "
+                                      "mode accepts.", ["profile", "model"], registry=r)
+        self.consistency = Counter("toolquake_consistency", "Shadow twins compared with the original answer: "
+                                   "agree = true (same calls), semantic (equivalent arguments), false.",
+                                   ["profile", "model", "agree"], registry=r)
+        self.queue_depth = Gauge("toolquake_scoring_queue_depth", "Jobs waiting in the scoring queue.", registry=r)
+        self.dropped = Counter("toolquake_scoring_dropped", "Jobs dropped because the scoring queue was full.",
+                               ["profile"], registry=r)
+        self.skipped = Counter("toolquake_scoring_skipped", "Answers not scored, by reason (unlabeled, followup, "
+                               "no_answer, unsupported_category, scorer_error).", ["profile", "reason"], registry=r)
+        self.duration = Histogram("toolquake_scoring_duration_seconds", "Time to score one answer (in a worker).",
+                                  buckets=SCORING_BUCKETS, registry=r)
+        self.shadow = Counter("toolquake_shadow_requests", "Shadow twins by outcome (answered, failed, busy, "
+                              "sampled_out).", ["profile", "outcome"], registry=r)
+        self.store_errors = Counter("toolquake_results_store_errors", "Rows the results store could not write.",
+                                    registry=r)
+        self.corpus_cases = Gauge("toolquake_corpus_cases", "BFCL cases available for content matching "
+                                  "(0 until the index is loaded).", registry=r)

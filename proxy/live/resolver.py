@@ -1,0 +1,81 @@
+"""Tying a live request to a BFCL case: by the `X-Toolquake-Case` header, or by the content hash of its
+first user message with the same tool names. Runs on the request path, so it only looks things up."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from toolquake.perturbers import ChatRequest
+
+log = structlog.get_logger("toolquake.scoring")
+
+
+def scorable_categories() -> tuple[str, ...]:
+    from toolquake.bfcl.corpus import AST_CATEGORIES, RELEVANCE_CATEGORIES
+
+    return AST_CATEGORIES + RELEVANCE_CATEGORIES
+
+
+def use_corpus_dir(path: str) -> None:
+    """Point the corpus loader at `path`: a toolquake cache dir, or the data dir `corpus path` prints."""
+    # only the corpus moves: the cache dir (tool pool, results store, generator caches) stays where it is
+    os.environ["TOOLQUAKE_CORPUS"] = str(Path(path).expanduser().resolve())
+
+
+class CaseResolver:
+    """(X-Toolquake-Case header, request) → the BFCL case, or None ("unlabeled"). Runs on the hot path."""
+
+    def __init__(self, match_content: bool = True) -> None:
+        self.match_content = match_content
+        self.index: Any = None
+        self._names: dict[str, frozenset[str]] = {}
+
+    @functools.lru_cache(maxsize=8192)  # noqa: B019 — one resolver per app; cases are immutable
+    def _by_id(self, case_id: str) -> Any:
+        from toolquake.bfcl.corpus import load_case
+
+        return load_case(case_id)
+
+    def load_index(self) -> int:
+        """Build the content-hash index of the scorable categories (slow: call it in a thread)."""
+        from toolquake.bfcl.corpus import CaseIndex, load_cases
+
+        cases = load_cases(scorable_categories())
+        self.index = CaseIndex(cases)
+        return len(cases)
+
+    def tool_names(self, case: Any) -> frozenset[str]:
+        names = self._names.get(case.id)
+        if names is None:
+            from toolquake.bfcl.convert import to_openai_tools
+
+            tools, _ = to_openai_tools(case.functions)
+            names = self._names[case.id] = frozenset(t["function"]["name"] for t in tools)
+        return names
+
+    def __call__(self, header: str | None, request: ChatRequest) -> Any:
+        from toolquake.bfcl.corpus import load_case
+
+        if header:
+            try:
+                return self._by_id(header.strip())
+            except (LookupError, FileNotFoundError) as exc:
+                log.warning("unknown_case", case=header[:100], error=str(exc)[:200])
+                return None
+        if not self.match_content or self.index is None:
+            return None
+        ids = self.index.lookup(request.messages)
+        if not ids:
+            return None
+        sent = frozenset(str((t.get("function") or {}).get("name")) for t in request.tools if isinstance(t, dict))
+        for case_id in ids:
+            case = load_case(case_id)
+            if self.tool_names(case) == sent:
+                return case
+        return None

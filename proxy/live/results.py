@@ -1,0 +1,303 @@
+"""The results store: one SQLite row per scored answer (WAL, versioned schema, migrations), and its summary.
+
+Rows hold what was measured — request id, time, profile, perturbers and their parameters, case id,
+verdicts, error types, consistency, latencies, token counts — and never message contents unless
+`store_contents` is on. `summarize(path)` is what `toolquake report --db PATH` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from toolquake.scorers.aggregate import ratio, relative_drop
+
+#: the schema version this code writes; older files are migrated on open, newer ones refused
+SCHEMA_VERSION = 2
+BUSY_TIMEOUT_S = 60.0
+
+
+def _v1(db: sqlite3.Connection) -> None:
+    db.execute("""
+        CREATE TABLE results (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            request_id TEXT NOT NULL,
+            ts REAL NOT NULL,
+            profile TEXT NOT NULL,
+            mode TEXT NOT NULL,
+            arm TEXT NOT NULL,
+            model TEXT,
+            stream INTEGER NOT NULL,
+            status INTEGER NOT NULL,
+            case_id TEXT,
+            category TEXT,
+            resolved_by TEXT,
+            expected TEXT,
+            perturbers TEXT NOT NULL,
+            valid INTEGER,
+            error_type TEXT,
+            taxonomy TEXT,
+            errors TEXT,
+            fair_valid INTEGER,
+            semantic_valid INTEGER,
+            total_ms REAL,
+            upstream_ms REAL,
+            scoring_ms REAL,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            tokens_added INTEGER,
+            request_body TEXT,
+            response_body TEXT
+        )""")
+    db.execute("CREATE INDEX results_profile_category ON results (profile, category)")
+
+
+def _v2(db: sqlite3.Connection) -> None:
+    # shadow mode: the twin's agreement with the original answer, and which original it shadows
+    db.execute("ALTER TABLE results ADD COLUMN agree TEXT")
+    db.execute("ALTER TABLE results ADD COLUMN shadow_of TEXT")
+
+
+#: MIGRATIONS[i] takes a database at version i to version i + 1
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2)
+
+COLUMNS = ("request_id", "ts", "profile", "mode", "arm", "model", "stream", "status", "case_id", "category",
+           "resolved_by", "expected", "perturbers", "valid", "error_type", "taxonomy", "errors", "fair_valid",
+           "semantic_valid", "total_ms", "upstream_ms", "scoring_ms", "prompt_tokens", "completion_tokens",
+           "tokens_added", "request_body", "response_body", "agree", "shadow_of")
+_JSON_COLUMNS = ("perturbers", "errors", "request_body", "response_body")
+#: the verdict columns of every results table (this store and each replay file), with their SQL types;
+#: a change here needs a migration in both
+VERDICT_COLUMNS = (("expected", "TEXT"), ("valid", "INTEGER"), ("error_type", "TEXT"), ("taxonomy", "TEXT"),
+                   ("errors", "TEXT"), ("fair_valid", "INTEGER"), ("semantic_valid", "INTEGER"))
+
+
+def sql_value(value: Any, as_json: bool = False) -> Any:
+    """A Python value as a results table stores it: JSON text for structured columns, booleans as 0/1."""
+    if as_json:
+        return None if value is None else json.dumps(value, ensure_ascii=False, default=str, separators=(",", ":"))
+    return int(value) if isinstance(value, bool) else value
+
+
+class StoreError(RuntimeError):
+    """A results file that cannot be used (newer schema, not a SQLite file, unwritable)."""
+
+
+def default_path() -> Path:
+    cache = os.environ.get("TOOLQUAKE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "toolquake")
+    return Path(cache) / "results.sqlite"
+
+
+def schema_version(db: sqlite3.Connection) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(db: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:
+    """Bring the file to the newest version, one step per transaction. Returns the version reached."""
+    version = schema_version(db)
+    if version > len(migrations):
+        raise StoreError(f"results file has schema version {version}, newer than this toolquake understands "
+                         f"({len(migrations)}); upgrade toolquake or use another --db / [scoring] store path")
+    for target in range(version + 1, len(migrations) + 1):
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            # another process may have migrated while we waited for the write lock
+            if schema_version(db) >= target:
+                continue
+            migrations[target - 1](db)
+            db.execute(f"PRAGMA user_version = {target}")
+    return schema_version(db)
+
+
+def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """Open (and for writers create and migrate) a results file."""
+    path = Path(path)
+    try:
+        if readonly:
+            if not path.exists():
+                raise StoreError(f"no results file at {path}")
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S,
+                                 check_same_thread=False)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            migrate(db)
+        if readonly and schema_version(db) > SCHEMA_VERSION:
+            raise StoreError(f"results file {path} has schema version {schema_version(db)}, newer than "
+                             f"this toolquake understands ({SCHEMA_VERSION})")
+        return db
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"cannot use {path} as a results file: {exc}") from None
+
+
+@dataclass
+class Row:
+    """One scored answer. `perturbers` is a list of {name, params, report}; bodies only with store_contents."""
+
+    request_id: str
+    profile: str
+    mode: str
+    arm: str
+    model: str | None
+    stream: bool
+    status: int
+    ts: float = field(default_factory=time.time)
+    case_id: str | None = None
+    category: str | None = None
+    resolved_by: str | None = None
+    expected: str | None = None
+    perturbers: list[dict[str, Any]] = field(default_factory=list)
+    valid: bool | None = None
+    error_type: str | None = None
+    taxonomy: str | None = None
+    errors: list[str] | None = None
+    fair_valid: bool | None = None
+    semantic_valid: bool | None = None
+    total_ms: float | None = None
+    upstream_ms: float | None = None
+    scoring_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tokens_added: int | None = None
+    request_body: Any = None
+    response_body: Any = None
+    agree: str | None = None
+    shadow_of: str | None = None
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(sql_value(getattr(self, name), name in _JSON_COLUMNS) for name in COLUMNS)
+
+
+class ResultsStore:
+    """Appends rows to one SQLite file. Thread-safe; `append` blocks while another writer holds the lock."""
+
+    def __init__(self, path: str | Path, *, store_contents: bool = False) -> None:
+        self.path = Path(path)
+        self.store_contents = store_contents
+        self._db = connect(self.path)
+        self._lock = threading.Lock()
+        self._sql = f"INSERT INTO results ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+    def append(self, row: Row) -> None:
+        if not self.store_contents:
+            row.request_body = row.response_body = None
+        values = row.values()
+        with self._lock:
+            self._db.execute(self._sql, values)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a results file as a dict (JSON columns decoded), oldest first."""
+    db = connect(path, readonly=True)
+    try:
+        db.row_factory = sqlite3.Row
+        rows = []
+        for r in db.execute("SELECT * FROM results ORDER BY id"):
+            d = dict(r)
+            for name in _JSON_COLUMNS:
+                if d.get(name) is not None:
+                    d[name] = json.loads(d[name])
+            rows.append(d)
+        return rows
+    finally:
+        db.close()
+
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    """Accuracy per profile × category with the relative drop against `off`, error types, consistency.
+
+    Shape: {"db", "rows", "arms": {profile: {"n", "accuracy", "drop_vs_off", "by_category": {category:
+    {"n", "accuracy", "drop_vs_off"}}, "errors": {taxonomy: count}, "semantic_flips"}},
+    "consistency": {profile: {"n", "exact", "semantic", "disagree", "rate_exact", "rate_semantic"}}}.
+    `drop_vs_off` = (acc - acc_off) / acc_off over the same category (null without an `off` baseline).
+    """
+    rows = read_rows(path)
+    arms: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["valid"] is None:
+            continue
+        arm = arms.setdefault(r["profile"], {"n": 0, "correct": 0, "by_category": {}, "errors": {},
+                                             "semantic_flips": 0})
+        cat = arm["by_category"].setdefault(r["category"] or "unknown", {"n": 0, "correct": 0})
+        arm["n"] += 1
+        cat["n"] += 1
+        if r["valid"]:
+            arm["correct"] += 1
+            cat["correct"] += 1
+        else:
+            key = r["taxonomy"] or r["error_type"] or "unknown"
+            arm["errors"][key] = arm["errors"].get(key, 0) + 1
+            if r["semantic_valid"]:
+                arm["semantic_flips"] += 1
+    for arm in arms.values():
+        arm["accuracy"] = ratio(arm.pop("correct"), arm["n"])
+        for cat in arm["by_category"].values():
+            cat["accuracy"] = ratio(cat.pop("correct"), cat["n"])
+        arm["errors"] = dict(sorted(arm["errors"].items(), key=lambda kv: (-kv[1], kv[0])))
+    base = arms.get("off")
+    for arm in arms.values():
+        arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
+        for name, cat in arm["by_category"].items():
+            b = base["by_category"].get(name) if base else None
+            cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
+    consistency: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["agree"] is None:
+            continue
+        c = consistency.setdefault(r["profile"], {"n": 0, "exact": 0, "semantic": 0, "disagree": 0})
+        c["n"] += 1
+        c[{"true": "exact", "semantic": "semantic"}.get(r["agree"], "disagree")] += 1
+    for c in consistency.values():
+        c["rate_exact"] = ratio(c["exact"], c["n"])
+        c["rate_semantic"] = ratio(c["exact"] + c["semantic"], c["n"])
+    return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
+            "consistency": dict(sorted(consistency.items()))}
+
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.1f}%"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as Markdown: seed 001 Table 2 shape (accuracy, drop vs off in brackets), errors, consistency."""
+    lines = [f"# Live results: {summary['db']} ({summary['rows']} rows)", ""]
+    arms = summary["arms"]
+    if arms:
+        lines += ["| profile | n | accuracy | semantic flips |", "|---|---:|---:|---:|"]
+        for name, arm in arms.items():
+            drop = "" if arm["drop_vs_off"] is None or name == "off" else f" ({arm['drop_vs_off'] * 100:+.0f}%)"
+            lines.append(f"| {name} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} |")
+        lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off |",
+                  "|---|---|---:|---:|---:|"]
+        for name, arm in arms.items():
+            for cat, c in sorted(arm["by_category"].items()):
+                lines.append(f"| {name} | {cat} | {c['n']} | {_pct(c['accuracy'])} | {_pct(c['drop_vs_off'])} |")
+        lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share |",
+                  "|---|---|---:|---:|"]
+        for name, arm in arms.items():
+            failures = sum(arm["errors"].values())
+            for kind, count in arm["errors"].items():
+                lines.append(f"| {name} | {kind} | {count} | {_pct(count / failures)} |")
+    else:
+        lines.append("No scored answers with a known case.")
+    if summary["consistency"]:
+        lines += ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, c in summary["consistency"].items():
+            lines.append(f"| {name} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
+                         f"{_pct(c['rate_semantic'])} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,265 @@
+"""The live scorer: a bounded queue of answers to score and the workers that grade, count and store them.
+
+The server hands every finished request to `LiveScorer.observe`, which only enqueues (full →
+dropped and counted) and returns. Workers grade in a thread (proxy/live/grader.py), update the
+Prometheus counters and append a row to the results store. Shadow profiles launch a perturbed twin
+(proxy/live/shadow.py) whose answer is compared with the original (scorers/consistency.py).
+
+Which answers are scored against ground truth: those of requests tied to a single-turn BFCL case
+whose messages are the case's own turn — a follow-up request of the same conversation (with the
+assistant's calls and tool results appended) is not the case any more and is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from toolquake.proxy.live.grader import Grader, is_followup
+from toolquake.proxy.live.metrics import ScoringMetrics
+from toolquake.proxy.live.resolver import scorable_categories
+from toolquake.proxy.live.results import ResultsStore, Row
+from toolquake.proxy.live.shadow import ShadowRunner, Twin
+from toolquake.proxy.server.config import ScoringConfig
+from toolquake.scorers import consistency
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.pipeline import Applied
+    from toolquake.proxy.server.state import ProxyState, RequestContext
+
+log = structlog.get_logger("toolquake.scoring")
+
+# reports of perturbers may carry text; without store_contents only identifier-like strings are kept
+_IDENTIFIER = re.compile(r"^[\w.:/\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What a job needs of its exchange (not the exchange itself: a queued job must not pin large bodies)."""
+
+    request_id: str
+    mode: str
+    model: str | None
+    stream: bool
+    #: the client's request (its messages decide follow-ups; its tools give parameter defaults)
+    request: dict[str, Any]
+    case: Any
+    case_header: str | None
+
+    @classmethod
+    def of(cls, ex: RequestContext) -> Origin:
+        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, ex.case_header)
+
+
+@dataclass
+class Job:
+    """One answer to score, and the label it counts under."""
+
+    ex: Origin
+    profile: str
+    arm: str  # "live" (served to the client), "original" (a shadow profile's client answer), "twin"
+    answer: dict[str, Any] | None
+    sent: dict[str, Any] | None
+    applied: list[Applied] = field(default_factory=list)
+    #: (perturber, context) of steps that rewrote the answer (format_rewrite keeps its decodes there)
+    restorers: list[tuple[Any, Any]] = field(default_factory=list)
+    status: int = 200
+    upstream_s: float = 0.0
+    total_s: float | None = None
+    #: for twins: the original answer they are compared with
+    original: dict[str, Any] | None = None
+
+
+def _semantic_strings() -> consistency.StringEquivalence | None:
+    try:
+        from toolquake.scorers.semantic import default_equivalence
+    except ImportError:
+        return None
+    return default_equivalence()
+
+
+def _safe_report(report: dict[str, Any]) -> dict[str, Any]:
+    def keep(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        if isinstance(v, str):
+            return v if _IDENTIFIER.match(v) else "<text>"
+        if isinstance(v, (list, tuple)):
+            return [keep(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): keep(x) for k, x in v.items()}
+        return type(v).__name__
+
+    return {k: keep(v) for k, v in report.items()}
+
+
+class LiveScorer:
+    """The observer attached to `ProxyState.observers`; owns the queue, the workers and the store."""
+
+    def __init__(self, st: ProxyState, settings: ScoringConfig, store: ResultsStore | None) -> None:
+        self.st = st
+        self.settings = settings
+        self.store = store
+        self.metrics = ScoringMetrics(st.metrics.registry)
+        self.grader = Grader(settings.semantic)
+        #: the semantic scorer's string equivalence (normal forms; embeddings when the extra is installed)
+        self.strings = _semantic_strings() if settings.semantic else None
+        self.queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=settings.queue_size)
+        self.metrics.queue_depth.set_function(self.queue.qsize)
+        self.shadow = ShadowRunner(st, self.metrics.shadow, self._twin_done)
+        self.workers: list[asyncio.Task] = []
+
+    # -- called on the event loop by the app, after the client was answered: enqueue and go
+    def observe(self, ex: RequestContext) -> None:
+        if ex.mode == "shadow":
+            if ex.case is not None:
+                # the client's answer is an unperturbed answer: it counts toward the `off` baseline
+                self._enqueue(Job(Origin.of(ex), "off", "original", ex.response, self._kept(ex.request), [], [],
+                                  ex.status, ex.upstream_s or 0.0, ex.total_s))
+            self._start()
+            self.shadow.launch(ex)
+            return
+        if ex.case is None:
+            self.metrics.skipped.labels(ex.profile_name, "unlabeled").inc()
+            return
+        applied = list(ex.outcome.applied) if ex.outcome else []
+        restorers = list(ex.outcome.restorers) if ex.outcome else []
+        self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, self._kept(ex.sent), applied, restorers,
+                          ex.status, ex.upstream_s or 0.0, ex.total_s))
+
+    def _twin_done(self, ex: RequestContext, twin: Twin) -> None:
+        if twin.error is not None:
+            log.info("shadow_twin_failed", request_id=ex.request_id, profile=ex.profile_name, error=twin.error)
+            return
+        applied = list(twin.outcome.applied) if twin.outcome else []
+        restorers = list(twin.outcome.restorers) if twin.outcome else []
+        self._enqueue(Job(Origin.of(ex), ex.profile_name, "twin", twin.answer, self._kept(twin.sent), applied,
+                          restorers, twin.status, twin.upstream_s, None, original=ex.response))
+
+    def _kept(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request body travels with its job only when the store keeps contents."""
+        return body if self.settings.store_contents else None
+
+    def _enqueue(self, job: Job) -> None:
+        self._start()
+        try:
+            self.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.metrics.dropped.labels(job.profile).inc()
+
+    def _start(self) -> None:
+        if not self.workers:
+            loop = asyncio.get_running_loop()
+            self.workers = [loop.create_task(self._work(), name=f"toolquake-scoring-{i}")
+                            for i in range(self.settings.workers)]
+
+    async def _work(self) -> None:
+        while True:
+            job = await self.queue.get()
+            try:
+                await self._process(job)
+            except Exception as exc:  # fail-open: one bad answer never stops the workers
+                self.metrics.skipped.labels(job.profile, "scorer_error").inc()
+                log.warning("scoring_failed", request_id=job.ex.request_id, error_type=type(exc).__name__,
+                            error=str(exc)[:300])
+            finally:
+                self.queue.task_done()
+
+    async def _process(self, job: Job) -> None:
+        await asyncio.to_thread(self._score_and_store, job)
+
+    def _score_and_store(self, job: Job) -> None:
+        """In a worker thread: grade, count, then append the row (blocking while another writer holds the file)."""
+        t0 = time.perf_counter()
+        row = self._score(job)
+        self.metrics.duration.observe(time.perf_counter() - t0)
+        if row is None or self.store is None:
+            return
+        try:
+            self.store.append(row)
+        except Exception as exc:  # a locked or full disk loses the row, never the proxy
+            self.metrics.store_errors.inc()
+            log.warning("results_store_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+    def _score(self, job: Job) -> Row | None:
+        """Grade and compare one job; count it; return the row to store (None: nothing was scored)."""
+        t0 = time.perf_counter()
+        ex, m = job.ex, self.metrics
+        model = self.st.metrics.model_label(ex.model)
+        agreement = None
+        if job.arm == "twin":
+            agreement = consistency.compare_answers(job.original, job.answer, tools=ex.request.get("tools"),
+                                                    strings=self.strings)
+            m.consistency.labels(job.profile, model, agreement.agree).inc()
+        grade, skip = None, None
+        case = ex.case
+        if case is not None:
+            if case.category not in scorable_categories():
+                skip = "unsupported_category"
+            elif is_followup(case, ex.request):
+                skip = "followup"
+            elif job.status != 200 or not isinstance(job.answer, dict):
+                skip = "no_answer"
+            else:
+                try:
+                    grade = self.grader.grade(case, job.answer, job.applied, job.restorers)
+                except Exception as exc:  # fail-open: a scorer bug costs this verdict only
+                    skip = "scorer_error"
+                    log.warning("scoring_failed", request_id=ex.request_id, case=case.id,
+                                error_type=type(exc).__name__, error=str(exc)[:300])
+        if skip is not None:
+            m.skipped.labels(job.profile, skip).inc()
+        if grade is not None:
+            m.scored.labels(job.profile, model, case.category, "valid" if grade.valid else "invalid").inc()
+            if not grade.valid:
+                m.errors.labels(job.profile, model, grade.taxonomy or grade.error_type or "unknown").inc()
+                if grade.semantic_valid:
+                    m.semantic_flips.labels(job.profile, model).inc()
+        if grade is None and agreement is None:
+            return None
+        usage = (job.answer or {}).get("usage") or {}
+        added = [a.report.get("tokens_added") for a in job.applied]
+        keep_text = self.settings.store_contents
+        row = Row(
+            request_id=ex.request_id, profile=job.profile, mode=ex.mode, arm=job.arm, model=ex.model,
+            stream=ex.stream and job.arm != "twin", status=job.status,
+            case_id=case.id if case is not None else None,
+            category=case.category if case is not None else None,
+            resolved_by=None if case is None else ("header" if ex.case_header else "content"),
+            perturbers=[{"name": a.name, "params": a.params,
+                         "report": a.report if keep_text else _safe_report(a.report)} for a in job.applied],
+            total_ms=None if job.total_s is None else job.total_s * 1000, upstream_ms=job.upstream_s * 1000,
+            prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+            tokens_added=sum(x for x in added if isinstance(x, int)) if any(isinstance(x, int) for x in added)
+            else None,
+            request_body=job.sent if keep_text else None, response_body=job.answer if keep_text else None,
+            agree=agreement.agree if agreement else None,
+            shadow_of=ex.request_id if job.arm == "twin" else None,
+        )
+        if grade is not None:
+            row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,
+                                                                     grade.taxonomy)
+            row.errors, row.fair_valid, row.semantic_valid = grade.errors, grade.fair_valid, grade.semantic_valid
+        row.scoring_ms = (time.perf_counter() - t0) * 1000
+        return row
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most `timeout` seconds) until every queued job was scored."""
+        try:
+            await asyncio.wait_for(self.queue.join(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("scoring_queue_not_drained", left=self.queue.qsize())
+
+    async def aclose(self) -> None:
+        await self.shadow.aclose()
+        await self.drain(3.0)
+        for w in self.workers:
+            w.cancel()
+        await asyncio.gather(*self.workers, return_exceptions=True)
+        if self.store is not None:
+            self.store.close()

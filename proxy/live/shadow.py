@@ -1,0 +1,143 @@
+"""Shadow twins: for a `mode = "shadow"` profile, the perturbed copy of a request the client never sees.
+
+The client was answered from its original request (streamed if it asked). After the fact, for a
+sampled share of requests (`sample_rate`, decided from the request seed so reruns repeat), the
+profile's perturbers run over the original body, the result goes to the same upstream client
+(non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
+when a perturber rewrote its shape — is handed on to be compared with the original answer. At most
+`max_concurrent` twins per profile are in flight; a twin over that limit is skipped and counted,
+never queued, so shadowing can never build up load or delay anybody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+import structlog
+
+from toolquake.perturbers import ChatRequest
+from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from toolquake.proxy.server.state import ProxyState, RequestContext
+
+log = structlog.get_logger("toolquake.shadow")
+
+
+@dataclass
+class Twin:
+    """The perturbed twin of one exchange, after its answer came back (or failed)."""
+
+    outcome: Outcome | None
+    sent: dict[str, Any] | None
+    answer: dict[str, Any] | None = None
+    status: int = 0
+    upstream_s: float = 0.0
+    error: str | None = None
+    restore_failed: list[str] = field(default_factory=list)
+
+
+def sampled(seed: int, rate: float) -> bool:
+    if rate >= 1.0:
+        return True
+    return random.Random(f"{seed}:shadow").random() < rate
+
+
+def twin_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The perturbed request as the twin sends it: never streamed."""
+    out = dict(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    return out
+
+
+class ShadowRunner:
+    """Launches twins off the hot path; `done(exchange, twin)` gets each finished twin."""
+
+    def __init__(self, st: ProxyState, requests: Counter, done: Callable[[RequestContext, Twin], None]) -> None:
+        self.st = st
+        self.requests = requests
+        self.done = done
+        self.in_flight: dict[str, int] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    def launch(self, ex: RequestContext) -> bool:
+        """Start the twin of `ex` if it is sampled and the profile has room; never waits."""
+        profile = self.st.profiles.get(ex.profile_name)
+        if profile is None or profile.mode != "shadow" or ex.status != 200 or ex.response is None:
+            return False
+        spec = profile.spec
+        if not sampled(ex.seed, spec.sample_rate):
+            self.requests.labels(ex.profile_name, "sampled_out").inc()
+            return False
+        if self.in_flight.get(ex.profile_name, 0) >= spec.max_concurrent:
+            self.requests.labels(ex.profile_name, "busy").inc()
+            return False
+        self.in_flight[ex.profile_name] = self.in_flight.get(ex.profile_name, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._run(ex, profile))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def _run(self, ex: RequestContext, profile: Any) -> None:
+        try:
+            twin = await self._twin(ex, profile)
+        finally:
+            self.in_flight[ex.profile_name] -= 1
+        self.requests.labels(ex.profile_name, "answered" if twin.error is None else "failed").inc()
+        try:
+            self.done(ex, twin)
+        except Exception as exc:  # fail-open: a broken consumer never takes the runner down
+            log.warning("shadow_consumer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+    async def _twin(self, ex: RequestContext, profile: Any) -> Twin:
+        st, m = self.st, self.st.metrics
+        try:
+            outcome = await run_profile(profile, ChatRequest(ex.request or {}), ex.seed, st.services, ex.case)
+        except Exception as exc:  # strict profiles raise; the client was served already
+            return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
+        m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
+        body = twin_body(outcome.request.body)
+        twin = Twin(outcome, body)
+        t0 = time.perf_counter()
+        try:
+            resp = await st.upstream.send("POST", st.upstream.api_url("chat/completions"), ex.forward_headers,
+                                          msgspec.json.encode(body))
+            try:
+                data = await resp.aread()
+            finally:
+                await resp.aclose()
+        except Exception as exc:  # unreachable, timeout, protocol error: counted, nothing else
+            twin.error = f"upstream: {type(exc).__name__}"
+            return twin
+        twin.upstream_s = time.perf_counter() - t0
+        twin.status = resp.status_code
+        if resp.status_code != 200:
+            twin.error = f"upstream status {resp.status_code}"
+            return twin
+        try:
+            answer = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            twin.error = "upstream answer is not JSON"
+            return twin
+        if not isinstance(answer, dict):
+            twin.error = "upstream answer is not a JSON object"
+            return twin
+        if outcome.rewrites_response:
+            answer, twin.restore_failed = restore(outcome, answer)
+            m.count_restore_failures(twin.restore_failed)
+        twin.answer = answer
+        return twin
+
+    async def aclose(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

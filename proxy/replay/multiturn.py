@@ -1,0 +1,221 @@
+"""The multi-turn agent loop (BFCL V3, seed 004), run against the proxy so profiles perturb every step.
+
+Per turn: the turn's user message is added; the model is called through the proxy with the case's
+tools; the calls it makes are executed in order on the case's API simulators (scorers.backends) and
+their results go back as `tool` messages; the turn ends when a step makes no call (text, or an answer
+that does not decode); a turn that goes past 20 steps is force-terminated and the run stops. In
+miss_func cases the held-out functions join the tools at the turn that reveals them, with BFCL's
+sentence as the user message; long_context cases start the simulators with their long-context data.
+
+`run_case(...)` returns a `scorers.multiturn.MultiTurnResult`; `scorers.multiturn.check(case, result)`
+scores it (the checker re-executes everything on fresh simulators, as BFCL does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+
+from toolquake.bfcl.convert import to_openai_tools, with_language_hints
+from toolquake.bfcl.decode import DecodeFailure, calls_from_message
+from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
+from toolquake.scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
+
+__all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
+
+#: BFCL's user message for FC models when held-out functions are revealed (miss_func)
+ADDITIONAL_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def tools_for(case: Any, functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """OpenAI tools for the functions offered so far (with BFCL's generation-time language note)."""
+    return to_openai_tools(with_language_hints(functions, case.category))
+
+
+def _assistant_message(message: Mapping[str, Any], turn: int, step: int) -> dict[str, Any]:
+    """The assistant message as it goes back into the history (tool calls given ids when they lack one)."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    tool_calls = message.get("tool_calls")
+    if tool_calls and isinstance(tool_calls, list):
+        out["tool_calls"] = []
+        for i, tc in enumerate(tool_calls):
+            if not isinstance(tc, dict):
+                out["tool_calls"].append(tc)  # kept as sent: it fails to decode, which ends the turn
+                continue
+            tc = dict(tc)
+            if not tc.get("id"):
+                tc["id"] = f"call_{turn}_{step}_{i}"
+            tc.setdefault("type", "function")
+            out["tool_calls"].append(tc)
+    return out
+
+
+def _usage(body: Mapping[str, Any], key: str) -> int | None:
+    usage = body.get("usage")
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) else None
+
+
+class _QueryFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+                 ) -> tuple[dict[str, Any], str | None, float]:
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post(url, json=body, headers=headers)
+    except httpx.TimeoutException as exc:
+        raise _QueryFailed("timeout", f"{type(exc).__name__}: no answer from {url}") from None
+    except httpx.HTTPError as exc:
+        raise _QueryFailed("unreachable", f"{type(exc).__name__}: {exc}") from None
+    latency_ms = (time.perf_counter() - t0) * 1000
+    if resp.status_code != 200:
+        raise _QueryFailed(f"http_{resp.status_code}", f"HTTP {resp.status_code} from {url}: {resp.text[:300]}")
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not data.get("choices"):
+        raise _QueryFailed("bad_response", f"{url} answered without choices")
+    return data, resp.headers.get("x-toolquake-request-id"), latency_ms
+
+
+async def run_case(case: Any, base_url: str, *, model: str = "default", profile: str | None = None,
+                   headers: Mapping[str, str] | None = None, client: httpx.AsyncClient | None = None,
+                   backends: Backends | None = None, max_steps: int = MAXIMUM_STEPS, keep_contents: bool = False,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, extra_body: Mapping[str, Any] | None = None
+                   ) -> MultiTurnResult:
+    """Play one multi-turn case against an OpenAI-compatible endpoint (normally the proxy).
+
+    `base_url` is the OpenAI base URL (`http://proxy:8080/v1` or `.../p/<profile>/v1`); `profile`, when
+    given, is sent as `X-Toolquake-Profile`. Every request carries `X-Toolquake-Case: <case id>`.
+    An HTTP failure stops the run (`result.error`, scored as `multi_turn:inference_error`).
+    """
+    backends = backends or shared()
+    classes = list(case.extra.get("involved_classes") or [])
+    if not classes:
+        raise ValueError(f"{case.id} is not a multi-turn case (no involved_classes)")
+    held = case.extra.get("missed_function") or {}
+    functions = [dict(f) for f in case.functions]
+    tools, name_map = tools_for(case, functions)
+    send_headers = {**(headers or {}), "X-Toolquake-Case": case.id}
+    if profile:
+        send_headers["X-Toolquake-Profile"] = profile
+    url = base_url.rstrip("/") + "/chat/completions"
+    result = MultiTurnResult(case_id=case.id)
+    messages: list[dict[str, Any]] = []
+    own_client = client is None
+    http = client or httpx.AsyncClient(timeout=timeout_s)
+    try:
+        world = await asyncio.to_thread(backends.world, classes, case.extra.get("initial_config") or {},
+                                        long_context_of(case))
+    except BackendError:
+        if own_client:
+            await http.aclose()
+        raise
+    try:
+        for t, turn_messages in enumerate(case.turns):
+            if str(t) in held:
+                functions.extend(dict(f) for f in held[str(t)])
+                tools, name_map = tools_for(case, functions)
+                if not turn_messages:
+                    turn_messages = [{"role": "user", "content": ADDITIONAL_FUNCTIONS_PROMPT}]
+            messages.extend(dict(m) for m in turn_messages)
+            steps: list[Step] = []
+            result.turns.append(steps)
+            for n in itertools.count():
+                body: dict[str, Any] = {**(extra_body or {}), "model": model, "messages": list(messages)}
+                if tools:
+                    body["tools"] = tools
+                try:
+                    data, request_id, latency_ms = await _query(http, url, body, send_headers)
+                except _QueryFailed as exc:
+                    result.error = f"turn {t}, step {n}: {exc}"[:500]
+                    result.error_code = exc.code
+                    return result
+                choice = data["choices"][0]
+                message = choice.get("message") if isinstance(choice, dict) else None
+                message = message if isinstance(message, dict) else {}
+                assistant = _assistant_message(message, t, n)
+                messages.append(assistant)
+                decoded = calls_from_message(assistant, name_map)
+                text = message.get("content") if keep_contents else None
+                meta = dict(request_id=request_id, latency_ms=round(latency_ms, 3),
+                            prompt_tokens=_usage(data, "prompt_tokens"),
+                            completion_tokens=_usage(data, "completion_tokens"))
+                if isinstance(decoded, DecodeFailure) or not decoded:
+                    reason = decoded.reason if isinstance(decoded, DecodeFailure) else "no call"
+                    steps.append(Step(decode_error=reason, text=text, **meta))
+                    break
+                results = await asyncio.to_thread(world.execute, [Call.of(c) for c in decoded])
+                steps.append(Step(calls=decoded, text=text, results=results, **meta))
+                for tc, output in zip(assistant["tool_calls"], results):
+                    messages.append({"role": "tool", "tool_call_id": tc["id"], "content": output})
+                if n + 1 > max_steps:
+                    result.force_terminated = True
+                    return result
+        return result
+    finally:
+        await asyncio.to_thread(world.close)
+        if own_client:
+            await http.aclose()
+
+
+
+def _summary(result: MultiTurnResult) -> dict[str, Any]:
+    """What a results row keeps of a run: per turn, each step's calls or why it made none (no results)."""
+    return {"turns": [[{"calls": s.calls} if s.calls else {"decode_error": s.decode_error} for s in turn]
+                      for turn in result.turns],
+            "force_terminated": result.force_terminated}
+
+
+async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.AsyncClient,
+                        headers: Mapping[str, str] | None = None, extra_body: Mapping[str, Any] | None = None,
+                        take: Callable[[str | None], Any] | None = None, strict: bool = False,
+                        backends: Backends | None = None) -> dict[str, Any]:
+    """One multi-turn (case, profile) pair for the replay driver: its results-row fields.
+
+    `status` is "scored" with BFCL's verdict (error type, taxonomy: state_mismatch, response_mismatch,
+    force_terminated, decode_failure), or "error" when the model could not be queried (retried on the
+    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy).
+    """
+    try:
+        result = await run_case(case, base_url, model=model, client=client, headers=headers, extra_body=extra_body,
+                                backends=backends)
+    except BackendError as exc:  # the simulators failed, not the model: retried on the next run
+        return {"status": "error", "error_code": "backend_error", "error": str(exc)[:500]}
+    steps = [s for turn in result.turns for s in turn]
+    applied: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for step in steps:
+        ex = take(step.request_id) if take is not None else None
+        outcome = getattr(ex, "outcome", None)
+        for a in getattr(outcome, "applied", None) or ():
+            applied[a.name] = applied.get(a.name, 0) + 1
+        for name in getattr(outcome, "failed", None) or ():
+            failed[str(name)] = failed.get(str(name), 0) + 1
+    fields: dict[str, Any] = {
+        "answer": _summary(result),
+        "perturbers": {"steps": len(steps), "applied": applied, "failed": failed},
+        "request_id": steps[0].request_id if steps else None,
+        "latency_ms": sum(s.latency_ms or 0.0 for s in steps) or None,
+        "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,
+        "completion_tokens": sum(s.completion_tokens or 0 for s in steps) or None,
+    }
+    if result.error is not None:
+        return {**fields, "status": "error", "error_code": result.error_code or "inference_error",
+                "error": result.error}
+    verdict = await asyncio.to_thread(check, case, result, strict=strict, backends=backends)
+    if verdict.error_type == BACKEND_ERROR:  # not the model's fault: retried on the next run
+        return {**fields, "status": "error", "error_code": "backend_error", "error": verdict.errors[0][:500]}
+    return {**fields, "status": "scored", "valid": verdict.valid, "error_type": verdict.error_type,
+            "taxonomy": verdict.taxonomy, "errors": list(verdict.errors)}

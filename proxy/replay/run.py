@@ -1,0 +1,311 @@
+"""Replay: cases × profiles sent through the proxy, verdicts recorded in SQLite, resumable.
+
+Every (case, profile) pair is one chat-completions request to `/p/<profile>/v1` with the header
+`X-Toolquake-Case: <id>`, sent over real HTTP to the proxy — one started in this process on a free
+loopback port (the default), or an external one (`--proxy URL`). The answer is graded by the same
+code as live scoring (`toolquake.proxy.live.grader.Grader`: BFCL's verdict, `fair`, optionally
+`semantic`; a step whose `expected_answer` says "no call" turns the case into an irrelevance case; an
+answer a step decoded from text is graded on its strict and lenient decodes).
+
+Exactly-once: each finished pair is one SQLite transaction keyed by (case_id, profile). A rerun
+with the same `--out` skips scored pairs and retries failed ones; a pair in flight when the process
+was killed was never committed and is simply sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from toolquake.proxy.replay.errors import ReplayError
+from toolquake.proxy.replay.inproc import InProcessProxy
+from toolquake.proxy.replay.progress import Progress
+from toolquake.proxy.replay.selection import expand_profiles, results_name, select_cases
+from toolquake.proxy.replay.store import Record, ResultsFile
+
+CASE_HEADER = "X-Toolquake-Case"
+#: this many connection failures in a row means the backend (or proxy) is down: stop, resume later
+MAX_CONSECUTIVE_UNREACHABLE = 25
+
+
+@dataclass
+class Options:
+    backend: str | None
+    profiles: str
+    out: Path
+    config: str | None = None
+    categories: list[str] = field(default_factory=lambda: ["multiple"])
+    limit: int | None = None
+    concurrency: int = 4
+    model: str | None = None
+    shard: tuple[int, int] | None = None
+    proxy: str | None = None
+    timeout: float = 600.0
+    temperature: float | None = 0.0
+    max_tokens: int | None = None
+    api_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    semantic: bool = False
+    fail_open: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Summary:
+    path: Path
+    model: str
+    arms: list[str]
+    sent: int = 0
+    skipped: int = 0
+    failed: int = 0
+    aborted: str | None = None
+    tallies: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _check_reachable(url: str, what: str, headers: dict[str, str]) -> httpx.Response:
+    try:
+        return httpx.get(url, timeout=10.0, headers=headers, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise ReplayError(f"cannot reach the {what} at {url} ({type(exc).__name__}: {exc}). Start it first "
+                          "(for the embedded model: `toolquake backend local`), or fix the URL.") from None
+
+
+def discover_model(backend: str, headers: dict[str, str]) -> str:
+    r = _check_reachable(f"{backend.rstrip('/')}/models", "backend", headers)
+    if r.status_code >= 400:
+        raise ReplayError(f"the backend at {backend} answered GET /models with {r.status_code}: {r.text[:200]}")
+    try:
+        return str(r.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ReplayError(f"the backend at {backend} lists no model on GET /models: pass --model") from None
+
+
+def _auth(options: Options) -> dict[str, str]:
+    headers = dict(options.headers)
+    if options.api_key:
+        headers["Authorization"] = f"Bearer {options.api_key}"
+    return headers
+
+
+def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each profile as replayed: mode, and each perturber with all its parameters (defaults included)."""
+    from toolquake.perturbers import build
+
+    out = {}
+    for name in names:
+        spec = config.profiles.get(name)
+        if spec is None:
+            out[name] = {"mode": "off", "perturbers": []}
+            continue
+        steps = [{"name": p.name, "params": msgspec.to_builtins(build(p.name, p.params).params()),
+                  "probability": p.probability} for p in spec.perturbers]
+        out[name] = {"mode": spec.mode, "perturbers": steps}
+    return out
+
+
+def prepare(options: Options) -> tuple[Any, list[str], list[Any]]:
+    """Load the config, expand the profiles, select the cases: everything that can fail before sending."""
+    from toolquake.proxy.server.config import ConfigError, load_config
+
+    try:
+        config = load_config(options.config or os.environ.get("TOOLQUAKE_CONFIG") or None,
+                             overrides={"upstream": options.backend, "read_timeout": options.timeout})
+    except ConfigError as exc:
+        raise ReplayError(str(exc)) from None
+    known = ["off", *config.profiles]
+    arms = expand_profiles(options.profiles, known)
+    try:
+        cases = select_cases(options.categories, options.limit, options.shard)
+    except FileNotFoundError as exc:
+        raise ReplayError(str(exc)) from None
+    return config, arms, cases
+
+
+async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str]], results: ResultsFile,
+                    progress: Progress, model: str, in_process: InProcessProxy | None,
+                    summary: Summary) -> None:
+    from toolquake.bfcl.corpus import case_request
+    from toolquake.proxy.live.grader import Grader
+
+    grader = Grader(semantic=options.semantic)
+    headers = _auth(options)
+    queue: asyncio.Queue[tuple[Any, str]] = asyncio.Queue()
+    for pair in pairs:
+        queue.put_nowait(pair)
+    state = {"unreachable": 0}
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
+                                 trust_env=False) as client:
+
+        async def multi_turn(case: Any, profile: str) -> Record:
+            """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
+            from toolquake.proxy.replay.multiturn import replay_fields
+
+            extra = {k: v for k, v in (("temperature", options.temperature), ("max_tokens", options.max_tokens))
+                     if v is not None}
+            fields = await replay_fields(case, f"{proxy_url}/p/{profile}/v1", model=model, client=client,
+                                         headers=headers, extra_body=extra,
+                                         take=in_process.take if in_process is not None else None)
+            return Record(case_id=case.id, profile=profile, category=case.category, **fields)
+
+        async def one(case: Any, profile: str) -> Record:
+            if case.is_multi_turn:
+                return await multi_turn(case, profile)
+            body = case_request(case, model=model)
+            if options.temperature is not None:
+                body["temperature"] = options.temperature
+            if options.max_tokens is not None:
+                body["max_tokens"] = options.max_tokens
+            rec = Record(case_id=case.id, profile=profile, category=case.category, status="error")
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(f"{proxy_url}/p/{profile}/v1/chat/completions", json=body,
+                                      headers={**headers, CASE_HEADER: case.id})
+            except httpx.TimeoutException as exc:
+                rec.error_code, rec.error = "timeout", f"{type(exc).__name__}: no answer in {options.timeout:.0f} s"
+                return rec
+            except httpx.HTTPError as exc:
+                rec.error_code, rec.error = "unreachable", f"{type(exc).__name__}: {exc}"[:500]
+                return rec
+            rec.latency_ms = (time.perf_counter() - t0) * 1000
+            rec.http_status = r.status_code
+            rec.request_id = r.headers.get("x-toolquake-request-id")
+            ex = in_process.take(rec.request_id) if in_process is not None else None
+            if ex is not None and ex.outcome is not None:
+                rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
+                                              for a in ex.outcome.applied],
+                                  "skipped": list(ex.outcome.skipped), "failed": list(ex.outcome.failed)}
+            try:
+                answer = r.json()
+            except ValueError:
+                answer = None
+            if r.status_code != 200 or not isinstance(answer, dict):
+                err = (answer or {}).get("error") if isinstance(answer, dict) else None
+                err = err if isinstance(err, dict) else {}
+                rec.error_code = str(err.get("code") or f"http_{r.status_code}")
+                rec.error = str(err.get("message") or r.text)[:500]
+                return rec
+            rec.answer = answer
+            usage = answer.get("usage") or {}
+            rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            applied = list(ex.outcome.applied) if ex is not None and ex.outcome is not None else []
+            restorers = list(ex.outcome.restorers) if ex is not None and ex.outcome is not None else []
+            try:
+                grade = await asyncio.to_thread(grader.grade, case, answer, applied, restorers)
+            except Exception as exc:  # a scorer bug costs this pair only; it is retried on the next run
+                rec.error_code, rec.error = "scorer_error", f"{type(exc).__name__}: {exc}"[:500]
+                return rec
+            rec.status = "scored"
+            rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
+                                                                     grade.taxonomy)
+            rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
+            return rec
+
+        async def worker() -> None:
+            while not stop.is_set():
+                try:
+                    case, profile = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                rec = await one(case, profile)
+                results.record(rec)
+                summary.sent += 1
+                if rec.status == "error":
+                    summary.failed += 1
+                progress.advance(profile, rec.valid if rec.status == "scored" else None)
+                if rec.error_code == "unreachable":
+                    state["unreachable"] += 1
+                    if state["unreachable"] >= MAX_CONSECUTIVE_UNREACHABLE:
+                        summary.aborted = (f"{MAX_CONSECUTIVE_UNREACHABLE} requests in a row could not reach "
+                                           f"the proxy or backend ({rec.error}); stopped. Rerun the same command "
+                                           "to resume.")
+                        stop.set()
+                else:
+                    state["unreachable"] = 0
+
+        await asyncio.gather(*(worker() for _ in range(max(1, options.concurrency))))
+
+
+def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
+    """Check the backend, plan the pairs, send what is left, record everything; returns a summary."""
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if options.concurrency < 1:
+        raise ReplayError("--concurrency must be at least 1")
+    if options.backend is None and options.proxy is None:
+        raise ReplayError("give --backend URL (and optionally --proxy URL)")
+    headers = _auth(options)
+    # reachability first: a clear error before anything else happens
+    if options.proxy:
+        r = _check_reachable(f"{options.proxy.rstrip('/')}/readyz", "proxy", {})
+        if r.status_code != 200:
+            raise ReplayError(f"the proxy at {options.proxy} is up but not ready ({r.status_code}: {r.text[:200]}): "
+                              "is its backend running?")
+    model = options.model
+    if options.backend:
+        if model is None:
+            model = discover_model(options.backend, headers)
+        else:  # any HTTP answer will do: the backend is up
+            _check_reachable(f"{options.backend.rstrip('/')}/models", "backend", headers)
+    model = model or "default"
+    config, arms, cases = prepare(options)
+    if not cases:
+        raise ReplayError("no cases selected (check --categories, --limit and --shard)")
+    out = Path(options.out)
+    results = ResultsFile(out / results_name(options.shard))
+    try:
+        results.claim(model, options.backend or options.proxy or "")
+        results.register_arms(_profile_specs(config, arms))
+        results.set_meta({"categories": ",".join(options.categories), "limit": str(options.limit or ""),
+                          "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
+        done = results.scored_pairs()
+        pairs = [(c, p) for c in cases for p in arms if (c.id, p) not in done]
+        summary = Summary(path=results.path, model=model, arms=arms, skipped=len(cases) * len(arms) - len(pairs))
+        if options.proxy and any(_changes_expectation(config, p) for p in arms):
+            say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
+                "expected tool or rewrite the answer format are graded on the client's answer only")
+        say(f"replay: {len(cases)} cases × {len(arms)} profiles, model {model!r}; {summary.skipped} pairs already "
+            f"scored in {results.path}")
+        if pairs:
+            in_process = None
+            proxy_url = options.proxy.rstrip("/") if options.proxy else None
+            if proxy_url is None:
+                in_process = InProcessProxy(config, fail_open=options.fail_open)
+                proxy_url = in_process.start()
+            totals = {a: len(cases) for a in arms}
+            tallies = results.tallies()
+            try:
+                with Progress(arms, totals, tallies, enabled=options.progress) as progress:
+                    asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary))
+            finally:
+                if in_process is not None:
+                    in_process.stop()
+        summary.tallies = results.tallies()
+        return summary
+    finally:
+        results.close()
+
+
+def _changes_expectation(config: Any, profile: str) -> bool:
+    """Grading this profile's answers needs what its perturbers did (declared by each perturber class)."""
+    from toolquake.perturbers import registry
+
+    spec = config.profiles.get(profile)
+    known = registry()
+    return spec is not None and any(p.name in known and known[p.name].affects_grading() for p in spec.perturbers)
+
+
+def iter_tallies(summary: Summary) -> Iterable[tuple[str, int, int]]:
+    for arm in summary.arms:
+        n, v = summary.tallies.get(arm, (0, 0))
+        yield arm, n, v

@@ -1,0 +1,92 @@
+"""What to replay: profiles (names, patterns, `@presets`), cases (categories, limit, shard)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import Any
+
+from toolquake.proxy.replay.errors import ReplayError
+
+#: named groups of profiles for `--profiles` (`@name`); patterns are expanded against the config
+PRESETS: dict[str, list[str]] = {
+    # seed 001 Table 2: original / rephrased query / expanded toolkit (run it on `multiple`)
+    "seed001": ["off", "rephrased", "expanded"],
+    # seed 003 challenge 1: catalog padded to 5 budgets × 5 positions of the original tools
+    "seed003": ["off", "pad-*"],
+    # seed 002: the 26 format configurations of BFCL V4 format sensitivity
+    "seed002": ["fmt-*"],
+    "tool_order": ["off", "shuffled", "reversed"],
+    "tool_removal": ["off", "no-target-tool", "random-tool-removed"],
+}
+#: this many connection failures in a row means the backend (or proxy) is down: stop, resume later
+
+
+def parse_shard(text: str | None, env: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """`I/N` → (I, N); `N` alone takes I from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job)."""
+    if text is None or text == "":
+        return None
+    env = os.environ if env is None else env
+    index_text, sep, count_text = text.partition("/")
+    if not sep:
+        index_text, count_text = env.get("JOB_COMPLETION_INDEX", ""), text
+        if index_text == "":
+            raise ReplayError(f"--shard {text}: give I/N, or set JOB_COMPLETION_INDEX for the index")
+    try:
+        index, count = int(index_text), int(count_text)
+    except ValueError:
+        raise ReplayError(f"--shard {text!r}: expected I/N with integers, e.g. 0/8") from None
+    if count < 1 or not 0 <= index < count:
+        raise ReplayError(f"--shard {text!r}: need 0 <= I < N")
+    return index, count
+
+
+def expand_profiles(spec: str, known: list[str]) -> list[str]:
+    """Comma-separated profile names, shell patterns (`pad-*`) and presets (`@seed001`), in order, once each."""
+    out: list[str] = []
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise ReplayError("--profiles is empty")
+    for item in items:
+        if item.startswith("@"):
+            group = PRESETS.get(item[1:])
+            if group is None:
+                raise ReplayError(f"unknown preset {item!r} (presets: {', '.join('@' + p for p in PRESETS)})")
+            names = [n for pattern in group for n in _match(pattern, known, item)]
+        else:
+            names = _match(item, known, item)
+        out.extend(n for n in names if n not in out)
+    return out
+
+
+def _match(pattern: str, known: list[str], asked: str) -> list[str]:
+    if any(c in pattern for c in "*?["):
+        names = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
+        if not names:
+            raise ReplayError(f"{asked!r}: no profile matches {pattern!r}")
+        return names
+    if pattern not in known:
+        raise ReplayError(f"unknown profile {pattern!r} (known: {', '.join(known)})")
+    return [pattern]
+
+
+def select_cases(categories: list[str], limit: int | None, shard: tuple[int, int] | None) -> list[Any]:
+    """The first `limit` cases of each category (file order), then every N-th from index I for a shard."""
+    from toolquake.bfcl.corpus import MULTI_TURN_CATEGORIES, load_category
+    from toolquake.proxy.live.resolver import scorable_categories
+
+    allowed = scorable_categories() + MULTI_TURN_CATEGORIES  # multi-turn: proxy/multiturn.py
+    cases: list[Any] = []
+    for name in categories:
+        if name not in allowed:
+            raise ReplayError(f"category {name!r} cannot be replayed (categories: {', '.join(allowed)})")
+        items = load_category(name)
+        cases.extend(items if limit is None else items[:limit])
+    if shard is not None:
+        index, count = shard
+        cases = cases[index::count]
+    return cases
+
+
+def results_name(shard: tuple[int, int] | None) -> str:
+    return "replay.sqlite" if shard is None else f"replay-shard-{shard[0]}-of-{shard[1]}.sqlite"

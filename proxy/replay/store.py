@@ -1,0 +1,142 @@
+"""The results file of one replay (one shard): one SQLite row per (case, profile), committed exactly once.
+
+A scored row is final; an error row is replaced by the next attempt (and `attempts` counts them).
+The verdict columns are the live results store's (`VERDICT_COLUMNS`), encoded the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolquake.proxy.live.results import VERDICT_COLUMNS, sql_value
+from toolquake.proxy.replay.errors import ReplayError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Record:
+    """One finished pair: scored (a verdict) or error (no verdict; retried on the next run)."""
+
+    case_id: str
+    profile: str
+    category: str
+    status: str  # "scored" | "error"
+    expected: str | None = None
+    valid: bool | None = None
+    error_type: str | None = None
+    taxonomy: str | None = None
+    errors: list[str] = field(default_factory=list)
+    fair_valid: bool | None = None
+    semantic_valid: bool | None = None
+    http_status: int | None = None
+    error_code: str | None = None
+    error: str | None = None
+    answer: dict[str, Any] | None = None
+    perturbers: dict[str, Any] | None = None
+    request_id: str | None = None
+    latency_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+#: the replay's own columns before and after the shared verdict columns
+_KEY_COLUMNS = ("case_id", "profile", "category", "status")
+_TAIL_COLUMNS = (("http_status", "INTEGER"), ("error_code", "TEXT"), ("error", "TEXT"), ("answer", "TEXT"),
+                 ("perturbers", "TEXT"), ("request_id", "TEXT"), ("latency_ms", "REAL"), ("prompt_tokens", "INTEGER"),
+                 ("completion_tokens", "INTEGER"))
+_COLUMNS = (*_KEY_COLUMNS, *(c for c, _ in VERDICT_COLUMNS), *(c for c, _ in _TAIL_COLUMNS))
+_JSON_COLUMNS = frozenset({"errors", "answer", "perturbers"})
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS arms (profile TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS results (
+    case_id TEXT NOT NULL,
+    profile TEXT NOT NULL,
+    category TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('scored', 'error')),
+    {", ".join(f"{c} {kind}" for c, kind in (*VERDICT_COLUMNS, *_TAIL_COLUMNS))},
+    attempts INTEGER NOT NULL DEFAULT 1,
+    recorded_at REAL NOT NULL,
+    PRIMARY KEY (case_id, profile)
+);
+"""
+
+
+class ResultsFile:
+    """The SQLite file of one replay (one shard). One writer: the replay's event-loop thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=30.0)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # a process crash never loses a committed row (only a power loss may lose the last ones)
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        version = self.meta().get("schema_version")
+        if version is not None and version != str(SCHEMA_VERSION):
+            raise ReplayError(f"{path} has replay schema {version}; this toolquake writes {SCHEMA_VERSION}. "
+                              "Use a new --out directory.")
+        self.set_meta({"schema_version": str(SCHEMA_VERSION)})
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+
+    def set_meta(self, values: dict[str, str]) -> None:
+        with self.db:
+            self.db.executemany("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET "
+                                "value = excluded.value", list(values.items()))
+
+    def claim(self, model: str, backend: str) -> None:
+        """Tie the file to one model; a resume against another model is refused."""
+        meta = self.meta()
+        if "model" in meta and meta["model"] != model:
+            raise ReplayError(f"{self.path} holds results for model {meta['model']!r}, not {model!r}: "
+                              "use another --out directory (or pass --model to match)")
+        values = {"model": model, "backend": backend}
+        if "created_at" not in meta:
+            values["created_at"] = f"{time.time():.3f}"
+        self.set_meta(values)
+
+    def register_arms(self, specs: dict[str, dict[str, Any]]) -> None:
+        """Record each profile's definition; a profile whose definition changed since is refused."""
+        stored = {p: json.loads(s) for p, s in self.db.execute("SELECT profile, spec FROM arms")}
+        for name, spec in specs.items():
+            if name in stored and stored[name] != spec:
+                raise ReplayError(f"profile {name!r} is defined differently from the one in {self.path} "
+                                  f"(stored {json.dumps(stored[name])}, now {json.dumps(spec)}): "
+                                  "use another --out directory, or restore the old definition")
+        with self.db:
+            self.db.executemany("INSERT OR IGNORE INTO arms(profile, spec) VALUES(?, ?)",
+                                [(n, json.dumps(s, sort_keys=True)) for n, s in specs.items()])
+
+    def scored_pairs(self) -> set[tuple[str, str]]:
+        return set(self.db.execute("SELECT case_id, profile FROM results WHERE status = 'scored'").fetchall())
+
+    def tallies(self) -> dict[str, tuple[int, int]]:
+        """profile → (scored, valid)."""
+        rows = self.db.execute("SELECT profile, COUNT(*), SUM(valid) FROM results WHERE status = 'scored' "
+                               "GROUP BY profile").fetchall()
+        return {p: (n, int(v or 0)) for p, n, v in rows}
+
+    def record(self, rec: Record) -> None:
+        """Commit one pair. A scored row is final; an error row is replaced by the next attempt."""
+        values = [sql_value(getattr(rec, c), c in _JSON_COLUMNS) for c in _COLUMNS]
+        cols = ", ".join(_COLUMNS)
+        updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[2:])
+        with self.db:
+            self.db.execute(
+                f"INSERT INTO results({cols}, recorded_at) VALUES({', '.join('?' * len(_COLUMNS))}, ?) "
+                f"ON CONFLICT(case_id, profile) DO UPDATE SET {updates}, attempts = results.attempts + 1, "
+                "recorded_at = excluded.recorded_at WHERE results.status = 'error'",
+                [*values, time.time()])
+
+    def close(self) -> None:
+        self.db.close()

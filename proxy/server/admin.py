@@ -1,0 +1,77 @@
+"""Runtime admin API for profiles: GET/PUT/DELETE /admin/profiles/{name}, GET /admin/profiles.
+
+Enabled only when an admin token is configured (TOOLQUAKE_ADMIN_TOKEN); every call needs
+`Authorization: Bearer <token>`. A PUT is validated like the config file; an invalid one changes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Request, Response, route
+
+from toolquake.proxy.server.config import ConfigError, decode_profile
+from toolquake.proxy.server.errors import error_body
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.state import ProxyState
+
+JSON = "application/json"
+
+
+def _err(status: int, message: str, code: str) -> Response:
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return Response(content=error_body(message, kind, code), status_code=status, media_type=JSON)
+
+
+def _authorized(st: ProxyState, request: Request) -> bool:
+    given = request.headers.get("authorization", "")
+    expected = f"Bearer {st.admin_token}"
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def routes(st: ProxyState) -> list[Any]:
+    def guard(request: Request) -> Response | None:
+        if not st.admin_token:
+            return _err(404, "The admin API is disabled; set TOOLQUAKE_ADMIN_TOKEN to enable it.", "admin_disabled")
+        if not _authorized(st, request):
+            return _err(401, "Missing or wrong admin token (Authorization: Bearer <TOOLQUAKE_ADMIN_TOKEN>).",
+                        "invalid_admin_token")
+        return None
+
+    def profile_json(name: str) -> dict[str, Any]:
+        return {"name": name, **msgspec.to_builtins(st.profiles.get(name).spec)}
+
+    @route("/admin/profiles", http_method=["GET"], name="admin_list")
+    async def list_profiles(request: Request) -> Response:
+        if (denied := guard(request)) is not None:
+            return denied
+        body = {"profiles": [profile_json(n) for n in st.profiles.names()]}
+        return Response(content=msgspec.json.encode(body), media_type=JSON)
+
+    @route("/admin/profiles/{name:str}", http_method=["GET", "PUT", "DELETE"], name="admin_profile", status_code=200)
+    async def one_profile(request: Request, name: str) -> Response:
+        if (denied := guard(request)) is not None:
+            return denied
+        if request.method == "GET":
+            if st.profiles.get(name) is None:
+                return _err(404, f"Unknown profile {name!r}.", "unknown_profile")
+            return Response(content=msgspec.json.encode(profile_json(name)), media_type=JSON)
+        if name == "off":
+            return _err(400, "Profile 'off' is built in and cannot be changed.", "reserved_profile")
+        if request.method == "DELETE":
+            if not st.profiles.delete(name):
+                return _err(404, f"Unknown profile {name!r}.", "unknown_profile")
+            return Response(content=b"", status_code=204)
+        try:
+            spec = decode_profile(await request.body(), name)
+            profile = st.profiles.put(name, spec)
+            if st.warm is not None:
+                st.warm([profile])
+        except (ConfigError, ValueError) as exc:
+            return _err(400, str(exc), "invalid_profile")
+        return Response(content=msgspec.json.encode(profile_json(name)), media_type=JSON)
+
+    return [list_profiles, one_profile]

@@ -1,0 +1,172 @@
+"""The app: routes wired to their handlers, error handlers, start-up and shutdown.
+
+No perturbation or scoring rule lives here. Data flows one way: request → profile → perturbers →
+upstream → restore → client (proxy/server/chat.py), and a finished request is handed to observers
+after the fact. Features such as live scoring attach themselves through `extensions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Iterable
+
+import structlog
+from litestar import Litestar, Request, Response, get, route
+from litestar.exceptions import HTTPException
+
+from toolquake.perturbers import Services
+from toolquake.proxy.server import admin
+from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
+from toolquake.proxy.server.config import Config
+from toolquake.proxy.server.errors import error_body
+from toolquake.proxy.server.metrics import Metrics
+from toolquake.proxy.server.passthrough import Passthrough
+from toolquake.proxy.server.profiles import Profile, ProfileStore
+from toolquake.proxy.server.state import ProxyState
+from toolquake.proxy.server.upstream import UpstreamError, make_upstream
+
+log = structlog.get_logger("toolquake.proxy")
+JSON = "application/json"
+#: a feature attached to a new app: gets the app and the server state (adds observers, hooks, routes)
+Extension = Callable[[Litestar, ProxyState], object]
+
+
+async def _setup_perturbers(st: ProxyState, profiles: list[Profile]) -> None:
+    t0 = time.perf_counter()
+    seen: set[int] = set()
+    for profile in profiles:
+        for step in profile.steps if profile else ():
+            if id(step.perturber) in seen:
+                continue
+            seen.add(id(step.perturber))
+            try:
+                await asyncio.to_thread(step.perturber.setup, st.services)
+            except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
+                log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                            error_type=type(exc).__name__, error=str(exc)[:300])
+    log.info("perturbers_set_up", profiles=[p.name for p in profiles if p], perturbers=len(seen),
+             seconds=round(time.perf_counter() - t0, 3))
+
+
+def _loop_tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # no running loop (scraped from another thread)
+        return 0
+
+
+def create_app(config: Config, *, admin_token: str | None = None, services: Services | None = None,
+               extensions: Iterable[Extension] = ()) -> Litestar:
+    """Build the Litestar app; each extension (e.g. `toolquake.proxy.live.attach`) is called with the new
+    app and its state, in order, before the app is returned."""
+    from toolquake.perturbers.helpers.tokens import make_counter
+
+    server = config.server
+    st = ProxyState(
+        config=config,
+        profiles=ProfileStore(config.profiles),
+        upstream=make_upstream(server.upstream, client=server.upstream_client, connect_timeout=server.connect_timeout,
+                               read_timeout=server.read_timeout, max_connections=server.max_connections),
+        metrics=Metrics(server.model_allowlist),
+        services=services or Services(token_counter=make_counter(server.token_counter, server.upstream)),
+        admin_token=admin_token,
+    )
+    st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
+    chat_handler = ChatHandler(st)
+    passthrough = Passthrough(st)
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+    @route("/v1/chat/completions", http_method=["POST"], name="chat", status_code=200)
+    async def chat(request: Request) -> Response:
+        return await chat_handler(request, None)
+
+    @route("/p/{profile:str}/v1/chat/completions", http_method=["POST"], name="chat_profile", status_code=200)
+    async def chat_profile(request: Request, profile: str) -> Response:
+        return await chat_handler(request, profile)
+
+    @route("/v1/{path:path}", http_method=methods, name="v1_passthrough", status_code=200)
+    async def v1_other(request: Request, path: str) -> Response:
+        return await passthrough(request, st.upstream.api_url(path), "v1_other")
+
+    @route("/p/{profile:str}/v1/{path:path}", http_method=methods, name="v1_profile_passthrough", status_code=200)
+    async def v1_profile_other(request: Request, profile: str, path: str) -> Response:
+        if st.profiles.get(profile) is None:
+            return error_response(unknown_profile(profile, st.profiles.names()))
+        return await passthrough(request, st.upstream.api_url(path), "v1_other")
+
+    @route(["/tokenize", "/detokenize"], http_method=["POST"], name="backend_tokenize", status_code=200)
+    async def backend_tokenize(request: Request) -> Response:
+        return await passthrough(request, st.upstream.root_url(request.url.path), "backend_extra")
+
+    @route("/extras/{path:path}", http_method=methods, name="backend_extras", status_code=200)
+    async def backend_extras(request: Request, path: str) -> Response:
+        return await passthrough(request, st.upstream.root_url(f"extras/{path.lstrip('/')}"), "backend_extra")
+
+    @get("/healthz", name="healthz")
+    async def healthz() -> Response:
+        return Response(content=b'{"status":"ok"}', media_type=JSON)
+
+    @get("/readyz", name="readyz")
+    async def readyz() -> Response:
+        try:
+            status = await st.upstream.probe("models")
+        except UpstreamError as exc:
+            return Response(content=error_body(f"upstream not reachable: {exc.cause_name}", "upstream_error",
+                                               "upstream_unreachable"), status_code=503, media_type=JSON)
+        if status >= 500:
+            return Response(content=error_body(f"upstream answered {status}", "upstream_error",
+                                               "upstream_unhealthy"), status_code=503, media_type=JSON)
+        return Response(content=b'{"status":"ready"}', media_type=JSON)
+
+    @get("/metrics", name="metrics")
+    async def metrics_route() -> Response:
+        return Response(content=st.metrics.exposition(), media_type=st.metrics.content_type)
+
+    def on_http_exception(_: Request, exc: HTTPException) -> Response:
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
+        message = exc.detail if status != 413 else (
+            f"Request body is larger than {server.max_body_bytes} bytes; raise [server] max_body_bytes if needed.")
+        return Response(content=error_body(str(message), kind, code), status_code=status, media_type=JSON)
+
+    def on_exception(_: Request, exc: Exception) -> Response:
+        log.error("internal_error", error_type=type(exc).__name__, error=str(exc)[:300])
+        return Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
+                                           "internal_error"), status_code=500, media_type=JSON)
+
+    warmers: set[asyncio.Task] = set()
+
+    def warm(profiles: list[Profile]) -> None:
+        """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
+        if not server.warm_up:
+            return
+        task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles))
+        warmers.add(task)
+        task.add_done_callback(warmers.discard)
+
+    st.warm = warm
+
+    async def startup() -> None:
+        warm([st.profiles.get(n) for n in st.profiles.names()])
+
+    async def shutdown() -> None:
+        for task in list(warmers):
+            task.cancel()
+        await st.upstream.aclose()
+
+    app = Litestar(
+        route_handlers=[chat, chat_profile, v1_other, v1_profile_other, backend_tokenize, backend_extras,
+                        healthz, readyz, metrics_route, *admin.routes(st)],
+        exception_handlers={HTTPException: on_http_exception, Exception: on_exception},
+        request_max_body_size=server.max_body_bytes,
+        on_startup=[startup],
+        on_shutdown=[shutdown],
+        logging_config=None,
+        debug=False,
+    )
+    app.state.proxy = st
+    for extension in extensions:
+        extension(app, st)
+    return app

@@ -1,0 +1,211 @@
+"""Configuration: a TOML file decoded into typed structs, then environment, then CLI flags.
+
+Unknown keys and bad values are errors that name the offending key. Precedence: flags win over
+environment (`TOOLQUAKE_*`), environment over the file, the file over the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+# the example profiles shipped in the package (proxy/profiles.toml)
+PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "profiles.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration file, environment variable or admin payload that cannot be used."""
+
+
+class PerturberSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    params: dict[str, Any] = {}
+    probability: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"probability must be between 0 and 1, got {self.probability}")
+
+
+class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    mode: Literal["perturb", "shadow", "off"] = "perturb"
+    perturbers: list[PerturberSpec] = []
+    description: str = ""
+    #: shadow mode: fraction of requests that get a perturbed twin, and how many twins at once
+    sample_rate: float = 1.0
+    max_concurrent: int = 4
+    #: replay may ask for strict: a perturber failure fails the request instead of serving unperturbed
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be between 0 and 1, got {self.sample_rate}")
+        if self.max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    upstream: str = "http://127.0.0.1:8000/v1"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    default_profile: str = "off"
+    #: request bodies larger than this are refused with 413
+    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout: float = 5.0
+    #: seconds to wait for the upstream's answer (and between stream chunks) before 504
+    read_timeout: float = 600.0
+    max_connections: int = 2048
+    #: "aiohttp" (default, the faster here) or "httpx": the HTTP client used for the upstream
+    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    #: seconds an idle client connection is kept open; longer than clients' own idle timeouts, so a
+    #: client never sends a request on a connection the proxy is closing
+    keep_alive_timeout: float = 75.0
+    #: set up every profile's perturbers (tool pool, embedding model, corpus filler) at start-up and when
+    #: the admin API adds a profile, in the background; off: they load on first use
+    warm_up: bool = False
+    #: models that get their own `model` label in metrics; anything else is counted as "other"
+    model_allowlist: list[str] = []
+    #: "estimate" | "upstream" | "tokenizer:/path/tokenizer.json"
+    token_counter: str = "estimate"
+    #: log message contents (debug only; never Authorization or keys)
+    log_contents: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: extra modules to import at start-up; they register their own perturbers with @register
+    plugins: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http(s) URL, got {self.upstream!r}")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
+
+
+class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Live scoring (`[scoring]`): case resolution, the background queue, the results store."""
+
+    enabled: bool = True
+    #: where the BFCL corpus is: a toolquake cache dir or the data dir `toolquake corpus path` prints
+    #: (default: the `toolquake corpus pull` cache)
+    corpus: str = ""
+    #: tie requests without X-Toolquake-Case to a case by their first user message (content hash)
+    match_content: bool = True
+    queue_size: int = 1024
+    workers: int = 2
+    #: also score in semantic mode and count the verdicts it flips (toolquake_semantic_flips_total)
+    semantic: bool = True
+    #: SQLite results file; "" = results.sqlite under the cache dir, "off" = no store
+    store: str = ""
+    #: keep request and answer bodies in the store (off by default)
+    store_contents: bool = False
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ValueError("queue_size must be at least 1")
+        if self.workers < 1:
+            raise ValueError("workers must be at least 1")
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    profiles: dict[str, ProfileSpec] = {}
+    scoring: ScoringConfig = msgspec.field(default_factory=ScoringConfig)
+
+
+# environment variable -> (server field, type)
+ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "TOOLQUAKE_UPSTREAM": ("upstream", str),
+    "TOOLQUAKE_HOST": ("host", str),
+    "TOOLQUAKE_PORT": ("port", int),
+    "TOOLQUAKE_DEFAULT_PROFILE": ("default_profile", str),
+    "TOOLQUAKE_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "TOOLQUAKE_READ_TIMEOUT": ("read_timeout", float),
+    "TOOLQUAKE_TOKEN_COUNTER": ("token_counter", str),
+    "TOOLQUAKE_LOG_CONTENTS": ("log_contents", bool),
+    "TOOLQUAKE_LOG_LEVEL": ("log_level", str),
+    "TOOLQUAKE_PLUGINS": ("plugins", list),
+    "TOOLQUAKE_WARM_UP": ("warm_up", bool),
+    "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
+}
+
+
+def _decode(raw: dict[str, Any], where: str) -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Read the file (the packaged example profiles when `path` is None), apply env and overrides."""
+    env = os.environ if env is None else env
+    source = Path(path) if path else PACKAGED_CONFIG
+    try:
+        raw = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {source}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    server = dict(raw.get("server") or {})
+    for var, (key, kind) in ENV_FIELDS.items():
+        if var in env and env[var] != "":
+            value = env[var]
+            try:
+                if kind is bool:
+                    server[key] = value.strip().lower() in ("1", "true", "yes", "on")
+                elif kind is list:
+                    server[key] = [v.strip() for v in value.split(",") if v.strip()]
+                else:
+                    server[key] = kind(value)
+            except ValueError:
+                raise ConfigError(f"{var}={value!r} is not a valid {kind.__name__}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            server[key] = value
+    raw["server"] = server
+    config = _decode(raw, str(source))
+    load_plugins(config.server.plugins)
+    validate_profiles(config.profiles)
+    return config
+
+
+def load_plugins(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"plugin module {name!r} cannot be imported: {exc}") from None
+
+
+def decode_profile(payload: bytes | dict[str, Any], name: str) -> ProfileSpec:
+    """Decode one profile (admin API or file) and check that its perturbers can be built."""
+    try:
+        if isinstance(payload, (bytes, bytearray)):
+            spec = msgspec.json.decode(payload, type=ProfileSpec)
+        else:
+            spec = msgspec.convert(payload, ProfileSpec)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"profile {name!r}: {exc}") from None
+    validate_profiles({name: spec})
+    return spec
+
+
+def validate_profiles(profiles: dict[str, ProfileSpec]) -> None:
+    from toolquake.perturbers import build
+
+    for name, spec in profiles.items():
+        if not name or "/" in name:
+            raise ConfigError(f"invalid profile name {name!r}")
+        if name == "off" and spec.perturbers:
+            raise ConfigError("profile 'off' is reserved and has no perturbers")
+        for i, p in enumerate(spec.perturbers):
+            try:
+                build(p.name, p.params)
+            except ValueError as exc:
+                raise ConfigError(f"profile {name!r}, perturbers[{i}]: {exc}") from None

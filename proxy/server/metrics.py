@@ -1,0 +1,102 @@
+"""Prometheus metrics. Names are prefixed `toolquake_`; labels stay low-cardinality."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.pipeline import Outcome
+
+# seconds: from 100 µs (proxy overhead) to 10 min (long generations)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+# tokens a perturber added to a request (budgets of the lengthening perturbers go to 120K)
+TOKEN_BUCKETS = (0, 10, 100, 1000, 5000, 10000, 20000, 40000, 80000, 120000, 250000)
+
+
+class Metrics:
+    """All of the proxy's metrics, in a registry of their own (one per app)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_allowlist: list[str] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.models = frozenset(model_allowlist or [])
+        r = self.registry
+        self.requests = Counter("toolquake_requests", "Requests answered, by profile, route, status class, stream and model.",
+                                ["profile", "route", "status_class", "stream", "model"], registry=r)
+        self.duration = Histogram("toolquake_request_duration_seconds", "Total time from request to last byte sent.",
+                                  ["profile", "route", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_duration = Histogram("toolquake_upstream_duration_seconds",
+                                           "Time spent waiting on the upstream (request sent to last byte received).",
+                                           ["route", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfb = Histogram("toolquake_time_to_first_byte_seconds", "Time from request to first body byte sent to the client.",
+                              ["profile", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead = Histogram("toolquake_proxy_overhead_seconds", "Total duration minus upstream duration.",
+                                  ["route", "stream"], buckets=OVERHEAD_BUCKETS, registry=r)
+        self.perturbations = Counter("toolquake_perturbations", "Perturbations applied, by perturber.",
+                                     ["perturber"], registry=r)
+        self.perturbation_failures = Counter("toolquake_perturbation_failures",
+                                             "Perturbers that raised; the request was served unperturbed.",
+                                             ["perturber"], registry=r)
+        self.restore_failures = Counter("toolquake_restore_failures",
+                                        "Response restores that raised; the upstream answer was served as is.",
+                                        ["perturber"], registry=r)
+        self.upstream_errors = Counter("toolquake_upstream_errors",
+                                       "Upstream failures answered by the proxy (unreachable, timeout, protocol).",
+                                       ["kind"], registry=r)
+        self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r)
+        self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
+                                      "(non-negative reports only), by the token counter that measured them.",
+                                      ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
+
+    def watch_runtime(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
+        """Gauges read at scrape time: upstream pool connections by state, and event-loop tasks."""
+        self.registry.register(_RuntimeCollector(pool_states, tasks))
+
+    def count_outcome(self, outcome: Outcome, counter: str) -> None:
+        """The one place perturbation metrics are counted: steps applied (with the tokens each added, as
+        measured by the token counter named `counter`) and steps that failed."""
+        for a in outcome.applied:
+            self.perturbations.labels(a.name).inc()
+            added = a.report.get("tokens_added")
+            if isinstance(added, int) and added >= 0:
+                self.tokens_added.labels(a.name, counter).observe(added)
+        for name in outcome.failed:
+            self.perturbation_failures.labels(name).inc()
+
+    def count_restore_failures(self, failed: list[str]) -> None:
+        for name in failed:
+            self.restore_failures.labels(name).inc()
+
+    def model_label(self, model: str | None) -> str:
+        if not model:
+            return "none"
+        return model if model in self.models else "other"
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeCollector:
+    def __init__(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
+        self.pool_states = pool_states
+        self.tasks = tasks
+
+    def collect(self):
+        conns = GaugeMetricFamily("toolquake_upstream_connections",
+                                  "Connections in the upstream pool, by state (active = serving a request).",
+                                  labels=["state"])
+        for state, n in self.pool_states().items():
+            conns.add_metric([state], n)
+        yield conns
+        yield GaugeMetricFamily("toolquake_event_loop_tasks", "asyncio tasks alive in the proxy's event loop.",
+                                value=self.tasks())
+
+    def describe(self):
+        return []

@@ -1,0 +1,56 @@
+"""Every route but chat completions: method, query, body, status and end-to-end headers relayed untouched."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from toolquake.proxy.server.chat import client_headers, error_response, send_upstream
+from toolquake.proxy.server.errors import ProxyError
+from toolquake.proxy.server.state import ProxyState
+from toolquake.proxy.server.upstream import request_headers, response_headers
+
+
+class Passthrough:
+    def __init__(self, st: ProxyState) -> None:
+        self.st = st
+
+    async def __call__(self, request: Request, url: str, route_label: str) -> Response:
+        m = self.st.metrics
+        t0 = time.perf_counter()
+        m.in_flight.inc()
+        status = 502
+        try:
+            body = await request.body()
+            upstream = await send_upstream(self.st, request.method, url, request_headers(client_headers(request)),
+                                           body or None, request.url.query)
+            if "text/event-stream" in upstream.header("content-type"):
+                status = upstream.status_code
+
+                async def relay() -> AsyncIterator[bytes]:
+                    try:
+                        async for chunk in upstream.aiter_raw():
+                            yield chunk
+                    finally:
+                        await upstream.aclose()
+
+                return Stream(relay(), status_code=status, headers=response_headers(upstream.headers),
+                              background=BackgroundTask(upstream.aclose))
+            try:
+                data = await upstream.aread()
+            finally:
+                await upstream.aclose()
+            status = upstream.status_code
+            return Response(content=data, status_code=status, headers=response_headers(upstream.headers),
+                            media_type=upstream.header("content-type") or None)
+        except ProxyError as exc:
+            status = exc.status
+            return error_response(exc)
+        finally:
+            m.in_flight.dec()
+            m.requests.labels("-", route_label, f"{status // 100}xx", "false", "none").inc()
+            m.duration.labels("-", route_label, "false").observe(time.perf_counter() - t0)

@@ -1,0 +1,94 @@
+"""The aiohttp upstream (the default): its C HTTP parser and pool cost a fraction of httpx's per request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import aiohttp
+
+from toolquake.proxy.server.upstream.base import Upstream, UpstreamError, UpstreamResponse
+
+
+class _AiohttpResponse(UpstreamResponse):
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
+        self._done = False
+
+    async def aread(self) -> bytes:
+        try:
+            data = await self._resp.read()
+        except BaseException as exc:
+            raise _error(exc) from exc
+        self._done = True
+        return data
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except BaseException as exc:
+            raise _error(exc) from exc
+        self._done = True
+
+    async def aclose(self) -> None:
+        # a fully read answer gives its connection back to the pool; anything else closes it
+        if self._done:
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+def _error(exc: BaseException) -> BaseException:
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamError("timeout", exc)
+    if isinstance(exc, (aiohttp.ClientError, OSError)):
+        return UpstreamError("unreachable", exc)
+    return exc  # cancellation and programming errors pass through unchanged
+
+
+class AiohttpUpstream(Upstream):
+    kind = "aiohttp"
+
+    def __init__(self, base: str, **limits: float) -> None:
+        super().__init__(base, **limits)
+        self._session: aiohttp.ClientSession | None = None  # created on first use, inside the running loop
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=30.0,
+                                             use_dns_cache=True, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout,
+                                              sock_read=self.read_timeout),
+                # send what the client sent: no User-Agent, Accept, Accept-Encoding or Content-Type of our own
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
+        return self._session
+
+    async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
+                   params: str = "", timeout: float | None = None) -> UpstreamResponse:
+        if params:
+            url = f"{url}?{params}"
+        kwargs = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
+        try:
+            resp = await self._client().request(method, url, headers=headers, data=content, allow_redirects=False,
+                                                compress=False, **kwargs)
+        except BaseException as exc:
+            raise _error(exc) from exc
+        return _AiohttpResponse(resp)
+
+    def pool_states(self) -> dict[str, int]:
+        states = {"active": 0, "idle": 0}
+        if self._session is not None:
+            connector = self._session.connector
+            states["active"] = sum(len(v) for v in getattr(connector, "_acquired_per_host", {}).values())
+            states["idle"] = sum(len(v) for v in getattr(connector, "_conns", {}).values())
+        return states
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,121 @@
+"""The upstream interface: URLs fixed by configuration, header hygiene, errors, the answer type.
+
+One implementation per HTTP client (`aiohttp_client.py`, `httpx_client.py`), chosen by
+`[server] upstream_client` through `make_upstream` (this package's `__init__`). Every implementation
+raises `UpstreamError` with a `kind` (`timeout` or `unreachable`), never its client's own exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus those the HTTP client sets for itself
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+# set by our own server on every response; the upstream's copies would be duplicates
+_RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
+# never sent upstream: our evaluation metadata, and encodings we would have to undo to score
+_REQUEST_DROP = HOP_BY_HOP | {"accept-encoding"}
+INTERNAL_PREFIX = "x-toolquake-"
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or did not answer in time (`kind`: timeout | unreachable)."""
+
+    def __init__(self, kind: str, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.kind = kind
+        self.cause_name = type(cause).__name__
+
+
+def request_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """End-to-end client headers for the upstream: hop-by-hop and every X-Toolquake-* dropped."""
+    named_by_connection = set()
+    for key, value in headers:
+        if key.lower() == "connection":
+            named_by_connection.update(v.strip().lower() for v in value.split(","))
+    out = []
+    for key, value in headers:
+        lk = key.lower()
+        if lk in _REQUEST_DROP or lk in named_by_connection or lk.startswith(INTERNAL_PREFIX):
+            continue
+        out.append((key, value))
+    return out
+
+
+def response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
+    """Upstream response headers for the client: hop-by-hop, length, date and server removed."""
+    out: dict[str, str] = {}
+    for key, value in headers:
+        lk = key.lower()
+        if lk in _RESPONSE_DROP:
+            continue
+        out[lk] = value if lk not in out else out[lk] + ", " + value
+    return out
+
+
+class UpstreamResponse:
+    """An upstream answer whose body has not been read yet. Always `aclose()` it."""
+
+    status_code: int
+    headers: list[tuple[str, str]]
+
+    def header(self, name: str, default: str = "") -> str:
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return default
+
+    async def aread(self) -> bytes:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def aclose(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Upstream:
+    """The backend. `base` ends in `/v1` (or whatever prefix the backend serves the API under).
+
+    Subclasses implement `send`, `pool_states` and `aclose` with one HTTP client each.
+    """
+
+    kind = ""
+
+    def __init__(self, base: str, *, connect_timeout: float, read_timeout: float, max_connections: int) -> None:
+        self.base = base.rstrip("/")
+        # the backend's own extras (/tokenize, /extras/...) live at its root
+        self.root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
+        self.connect_timeout, self.read_timeout, self.max_connections = connect_timeout, read_timeout, max_connections
+
+    def api_url(self, path: str) -> str:
+        """`path` is what follows `/v1/` in the client's URL."""
+        return f"{self.base}/{path.lstrip('/')}"
+
+    def root_url(self, path: str) -> str:
+        return f"{self.root}/{path.lstrip('/')}"
+
+    async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
+                   params: str = "", timeout: float | None = None) -> UpstreamResponse:  # pragma: no cover
+        """Send and return the answer with its body not yet read (the caller must `aclose()` it)."""
+        raise NotImplementedError
+
+    async def probe(self, path: str, timeout: float = 2.0) -> int:
+        """Status of GET {base}/{path}; UpstreamError when the backend cannot be reached."""
+        resp = await self.send("GET", self.api_url(path), [], None, timeout=timeout)
+        try:
+            await resp.aread()
+        finally:
+            await resp.aclose()
+        return resp.status_code
+
+    def pool_states(self) -> dict[str, int]:  # pragma: no cover - interface
+        """Connections in the pool: `active` (a request in flight) and `idle` (kept alive)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError

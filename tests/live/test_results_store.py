@@ -1,0 +1,183 @@
+"""The SQLite results store: WAL, versioned schema and migrations, what it keeps, and its summary."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+import pytest
+
+from tests.conftest import ROOT
+from toolquake.proxy.live import results
+from toolquake.proxy.live.results import ResultsStore, Row, StoreError
+
+
+def _row(**kw) -> Row:
+    base = dict(request_id="r1", profile="off", mode="perturb", arm="live", model="m", stream=False, status=200)
+    base.update(kw)
+    return Row(**base)
+
+
+def test_new_file_uses_wal_and_the_current_schema_version(tmp_path):
+    path = tmp_path / "sub" / "results.sqlite"
+    store = ResultsStore(path)
+    store.append(_row(case_id="simple_python_0", category="simple_python", valid=True, errors=[],
+                      perturbers=[{"name": "tool_order", "params": {"mode": "reverse"}, "report": {}}]))
+    store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA user_version").fetchone()[0] == results.SCHEMA_VERSION == len(results.MIGRATIONS)
+    db.close()
+    [row] = results.read_rows(path)
+    assert row["case_id"] == "simple_python_0" and row["valid"] == 1
+    assert row["perturbers"] == [{"name": "tool_order", "params": {"mode": "reverse"}, "report": {}}]
+
+
+def test_bodies_are_kept_only_when_store_contents_is_on(tmp_path):
+    body = {"messages": [{"role": "user", "content": "secret question"}]}
+    for flag in (False, True):
+        path = tmp_path / f"r{flag}.sqlite"
+        store = ResultsStore(path, store_contents=flag)
+        store.append(_row(request_body=body, response_body={"choices": []}))
+        store.close()
+        [row] = results.read_rows(path)
+        assert (row["request_body"] == body) is flag
+        assert (row["response_body"] is not None) is flag
+        raw = b"".join(p.read_bytes() for p in tmp_path.glob(path.name + "*"))
+        assert (b"secret question" in raw) is flag
+
+
+def test_an_older_file_is_migrated_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path, isolation_level=None)
+    results.MIGRATIONS[0](db)
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO results (request_id, ts, profile, mode, arm, stream, status, perturbers, valid) "
+               "VALUES ('old', 1.0, 'off', 'perturb', 'live', 0, 200, '[]', 1)")
+    db.close()
+    store = ResultsStore(path)
+    store.append(_row(request_id="new", profile="sh", mode="shadow", arm="twin", agree="false", shadow_of="x"))
+    store.close()
+    rows = results.read_rows(path)
+    assert [r["request_id"] for r in rows] == ["old", "new"]
+    assert rows[0]["agree"] is None and rows[1]["agree"] == "false"
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == results.SCHEMA_VERSION
+    db.close()
+
+
+def test_migrations_run_in_order_once_each(tmp_path):
+    calls = []
+    steps = [lambda db, i=i: (calls.append(i), db.execute(f"CREATE TABLE t{i} (x)")) for i in range(3)]
+    db = sqlite3.connect(tmp_path / "m.sqlite", isolation_level=None)
+    assert results.migrate(db, steps[:2]) == 2
+    assert results.migrate(db, steps) == 3
+    assert results.migrate(db, steps) == 3
+    assert calls == [0, 1, 2]
+
+
+def test_a_newer_schema_is_refused_with_advice(tmp_path):
+    path = tmp_path / "future.sqlite"
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {results.SCHEMA_VERSION + 5}")
+    db.close()
+    with pytest.raises(StoreError, match="newer than this toolquake"):
+        ResultsStore(path)
+    with pytest.raises(StoreError, match="newer than this toolquake"):
+        results.read_rows(path)
+
+
+def test_a_file_that_is_not_sqlite_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("not a database, just text " * 100)
+    with pytest.raises(StoreError, match="cannot use"):
+        ResultsStore(path)
+
+
+def test_append_waits_for_another_writer_instead_of_failing(tmp_path):
+    path = tmp_path / "busy.sqlite"
+    store = ResultsStore(path)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (store.append(_row()), done.set()))
+    t.start()
+    assert not done.wait(0.5)  # blocked behind the other writer
+    other.execute("COMMIT")
+    assert done.wait(10)
+    t.join()
+    other.close()
+    store.close()
+    assert len(results.read_rows(path)) == 1
+
+
+def test_two_stores_on_one_file_both_append(tmp_path):
+    path = tmp_path / "shared.sqlite"
+    a, b = ResultsStore(path), ResultsStore(path)
+    for i in range(20):
+        (a if i % 2 else b).append(_row(request_id=f"r{i}"))
+    a.close()
+    b.close()
+    assert sorted(r["request_id"] for r in results.read_rows(path)) == sorted(f"r{i}" for i in range(20))
+
+
+def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
+    path = tmp_path / "s.sqlite"
+    store = ResultsStore(path)
+    spec = [  # (profile, category, valid, taxonomy, semantic_valid)
+        ("off", "multiple", True, None, None), ("off", "multiple", True, None, None),
+        ("off", "multiple", False, "wrong_param_value", True), ("off", "simple_python", True, None, None),
+        ("expanded", "multiple", False, "wrong_function", False), ("expanded", "multiple", True, None, None),
+        ("expanded", "multiple", False, "wrong_count", False), ("expanded", "simple_python", False, "wrong_function", False),
+    ]
+    for i, (profile, cat, valid, tax, sem) in enumerate(spec):
+        store.append(_row(request_id=f"r{i}", profile=profile, case_id=f"{cat}_{i}", category=cat, valid=valid,
+                          taxonomy=tax, error_type=None if valid else "x:y", semantic_valid=sem))
+    for i, agree in enumerate(["true", "semantic", "false", "true"]):
+        store.append(_row(request_id=f"t{i}", profile="sh", mode="shadow", arm="twin", agree=agree))
+    store.close()
+    s = results.summarize(path)
+    assert s["rows"] == len(spec) + 4
+
+    def acc(profile, cat=None):
+        sel = [v for p, c, v, _, _ in spec if p == profile and (cat is None or c == cat)]
+        return Fraction(sum(sel), len(sel))
+
+    for profile in ("off", "expanded"):
+        arm = s["arms"][profile]
+        assert arm["n"] == sum(1 for p, *_ in spec if p == profile)
+        assert arm["accuracy"] == pytest.approx(float(acc(profile)))
+        for cat in ("multiple", "simple_python"):
+            assert arm["by_category"][cat]["accuracy"] == pytest.approx(float(acc(profile, cat)))
+    exp = s["arms"]["expanded"]
+    assert exp["drop_vs_off"] == pytest.approx(float((acc("expanded") - acc("off")) / acc("off")))
+    assert exp["by_category"]["multiple"]["drop_vs_off"] == pytest.approx(
+        float((acc("expanded", "multiple") - acc("off", "multiple")) / acc("off", "multiple")))
+    assert exp["errors"] == {"wrong_function": 2, "wrong_count": 1}
+    assert s["arms"]["off"]["semantic_flips"] == 1
+    assert s["consistency"]["sh"] == {"n": 4, "exact": 2, "semantic": 1, "disagree": 1,
+                                      "rate_exact": 0.5, "rate_semantic": 0.75}
+    text = results.format_summary(s)
+    assert "| expanded | 4 | 25.0% (-67%) | 0 |" in text
+    assert "| sh | 4 | 2 | 1 | 1 | 75.0% |" in text
+
+
+def test_report_db_prints_the_summary(tmp_path):
+    path = tmp_path / "cli.sqlite"
+    store = ResultsStore(path)
+    for i, (profile, valid) in enumerate([("off", True), ("off", True), ("expanded", True), ("expanded", False)]):
+        store.append(_row(request_id=f"r{i}", profile=profile, case_id=f"multiple_{i}", category="multiple",
+                          valid=valid, taxonomy=None if valid else "wrong_function"))
+    store.close()
+    run = [sys.executable, "-m", "toolquake", "report", "--db", str(path)]
+    as_json = subprocess.run([*run, "--format", "json"], capture_output=True, text=True, cwd=ROOT)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == json.loads(json.dumps(results.summarize(path)))
+    as_md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
+    assert as_md.returncode == 0 and as_md.stdout == results.format_summary(results.summarize(path))
+    missing = subprocess.run([*run[:-1], str(tmp_path / "nope.sqlite")], capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "no results file" in missing.stderr

@@ -1,0 +1,91 @@
+"""The layout as installed: one `toolquake` namespace, nothing at top level, and the import layers kept.
+
+`pip install .` (no dependencies: they are the ones this environment already has) into a scratch
+target lays the package out as a user gets it; the import-layer contracts of pyproject.toml are
+checked there with import-linter's own `lint-imports`, and the installed CLI is run from there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return target
+
+
+def _run(installed: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(installed)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def test_the_wheel_installs_one_namespace_and_nothing_at_top_level(installed: Path) -> None:
+    top = sorted(p.name for p in installed.iterdir() if p.name not in ("bin", "__pycache__")
+                 and not p.name.endswith(".dist-info"))
+    assert top == ["toolquake"]
+    assert {p.name for p in (installed / "toolquake").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "proxy", "perturbers", "scorers", "bfcl"}
+
+
+def test_old_top_level_names_do_not_import_and_the_cli_runs_from_the_install(installed: Path, tmp_path: Path) -> None:
+    for name in ("proxy", "perturbers", "scorers"):
+        r = _run(installed, "-c", f"import {name}", cwd=tmp_path)
+        assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stderr)
+    r = _run(installed, "-c", "import toolquake, toolquake.proxy.cli as c; print(toolquake.__file__, c.__file__)",
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert all(path.startswith(str(installed)) for path in r.stdout.split()), r.stdout
+    helped = _run(installed, "-m", "toolquake", "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and "serve" in helped.stdout and "replay" in helped.stdout
+
+
+def test_packaged_profiles_load_from_the_install(installed: Path, tmp_path: Path) -> None:
+    code = ("from toolquake.proxy.server.config import PACKAGED_CONFIG, load_config; c = load_config(None, env={}); "
+            "print(PACKAGED_CONFIG); print(len(c.profiles)); print(' '.join(sorted(c.profiles)))")
+    r = _run(installed, "-c", code, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    path, count, names = r.stdout.splitlines()
+    assert path.startswith(str(installed)) and Path(path).is_file()
+    shipped = tomllib.loads((ROOT / "proxy" / "profiles.toml").read_text())["profiles"]
+    assert int(count) == len(shipped) and names.split() == sorted(shipped)
+
+
+def test_import_layer_contracts_hold(installed: Path, tmp_path: Path) -> None:
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert lint, "import-linter is a dev dependency: pip install -e '.[dev]'"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(installed)
+    r = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "broken" in r.stdout and " 0 broken" in r.stdout
+
+
+def test_every_package_folder_is_listed_for_setuptools() -> None:
+    """A sub-package missing from [tool.setuptools] packages works in the editable install and vanishes
+    from the wheel: every folder with an __init__.py under a mapped folder must be listed."""
+    listed = set(SETUPTOOLS["packages"])
+    found = set()
+    for package, folder in SETUPTOOLS["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]) if rel.parts else package)
+    assert found == listed
