@@ -25,7 +25,8 @@ class SSEParser:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buf += chunk.replace(b"\r\n", b"\n")
+        # normalise on the buffer, not the chunk: a chunk may end between the "\r" and "\n" of a line end
+        self._buf = (self._buf + chunk).replace(b"\r\n", b"\n")
         out: list[bytes] = []
         while True:
             end = self._buf.find(b"\n\n")
