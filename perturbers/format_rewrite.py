@@ -3,14 +3,18 @@
 The upstream gets no `tools`/`tool_choice`: the function docs and the call-format instructions go
 into the system prompt (kept before any system message the client sent), earlier assistant
 `tool_calls` are shown as text in the chosen format and tool results as a user message, as BFCL
-does for prompting models. On the way back the answer text is parsed (strict = BFCL's decoder,
-lenient = also the documented near-misses) into OpenAI `tool_calls`, so the agent keeps working;
-text that does not decode reaches the client as content with finish_reason `stop`.
+does for prompting models. What `tool_choice` (`required`, a named function) and
+`parallel_tool_calls: false` ask for is added to the call instructions as sentences (nothing is added
+for `auto`, so BFCL's prompts stay exact). On the way back the answer text is parsed (strict = BFCL's
+decoder, lenient = also the documented near-misses, live = every call to an offered function found
+anywhere in the answer, positional arguments named) into OpenAI `tool_calls`, so the agent keeps
+working; text that does not decode reaches the client as content with finish_reason `stop`.
 
 What restore found is reported in `ctx.report["decode"]` (filled in place after the answer came
 back): `strict` and `lenient` verdicts (`ok`, `calls`, `error`, `leniencies`), which of them the
-client got (`used`), and `wrong_syntax` (strict decoding failed). The exact decoded calls (python
-values, dotted names) are in `ctx.state["decoded"]`; `answer_decodes` hands them to grading.
+client got (`used`), and `wrong_syntax` (strict decoding failed); with `parse = "live"` also the
+`live` verdict. The exact decoded calls (python values, dotted names) are in `ctx.state["decoded"]`;
+`answer_decodes` hands the strict and lenient ones to grading (never the live one).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any, ClassVar
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
-from toolquake.perturbers.helpers.callformat_parse import Decoded, Schemas, parse_both
+from toolquake.perturbers.helpers.callformat_parse import Decoded, Schemas, parse_both, parse_live
 from toolquake.perturbers.helpers.callformat_render import python_call, render_calls, tool_results_text
-from toolquake.perturbers.helpers.callformats import PARSE_MODES, CallFormat
+from toolquake.perturbers.helpers.callformats import PARSE_MODES, CallFormat, choice_rules
 
 
 def _text(content: Any) -> str:
@@ -91,6 +95,19 @@ class _Names:
         name = "" if name is None else str(name)
         return self.sent.get(name, name)
 
+    def offered(self) -> dict[str, str]:
+        """Every name the model may write for an offered function (shown or the client's) → the shown name."""
+        return {**{n: shown for n, shown in self.shown.items()}, **{shown: shown for shown in self.sent}}
+
+
+def _forced_name(choice: Any) -> str | None:
+    """The function a `tool_choice` object names (`{"type": "function", "function": {"name": …}}`), if any."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    return name if isinstance(name, str) else None
+
 
 @register
 class FormatRewrite(Perturber):
@@ -139,22 +156,44 @@ class FormatRewrite(Perturber):
         fmt = self.call_format
         names = _Names([t["function"]["name"] for t in tools], ctx.case)
         docs = from_openai_tools(tools, names.shown)
-        system = fmt.system_prompt(docs)
+        rules = self._choice_rules(request.body, names, ctx)
+        system = fmt.system_prompt(docs, rules)
         messages = self._history(request.messages, system, names)
         schemas: Schemas = {}
         for doc in docs:
             params = doc.get("parameters")
             props = params.get("properties") if isinstance(params, dict) else None
             schemas[doc["name"]] = props if isinstance(props, dict) else {}
-        ctx.state.update(active=True, names=names, schemas=schemas)
+        ctx.state.update(active=True, names=names, schemas=schemas,
+                         single=request.body.get("parallel_tool_calls") is False)
         ctx.report["config"] = fmt.config_string
         ctx.report["parse"] = self.parse
         ctx.report["prompt_chars"] = len(system)
-        if request.body.get("tool_choice") not in (None, "auto"):
-            ctx.report["tool_choice_dropped"] = request.body["tool_choice"]
         # filled in place by restore(): the pipeline's copy of this report shares the dict
         ctx.report["decode"] = {}
         return request.replace(messages=messages, tools=None, tool_choice=None, parallel_tool_calls=None)
+
+    @staticmethod
+    def _choice_rules(body: dict[str, Any], names: _Names, ctx: PerturbContext) -> str:
+        """The prompt sentences for the request's `tool_choice` / `parallel_tool_calls`; reports what was honoured.
+
+        `auto` (or none) and `parallel_tool_calls` true (or none) add nothing. A `tool_choice` that cannot
+        be honoured (a function that is not offered, another kind of choice) is reported as dropped.
+        """
+        choice = body.get("tool_choice")
+        single = body.get("parallel_tool_calls") is False
+        forced = _forced_name(choice)
+        required = choice == "required"
+        if forced is not None and forced not in names.shown:
+            ctx.report["tool_choice_dropped"] = choice
+            forced = None
+        elif forced is not None or required:
+            ctx.report["tool_choice"] = choice
+        elif choice not in (None, "auto"):
+            ctx.report["tool_choice_dropped"] = choice
+        if single:
+            ctx.report["parallel_tool_calls"] = False
+        return choice_rules(required, names.to_model(forced) if forced is not None else None, single)
 
     def _history(self, messages: list[dict[str, Any]], system: str, names: _Names) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -183,7 +222,8 @@ class FormatRewrite(Perturber):
                     if not isinstance(tc, dict):
                         continue
                     fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-                    call = {"name": names.to_model(str(fn.get("name") or "")), "arguments": _arguments(fn.get("arguments"))}
+                    call = {"name": names.to_model(str(fn.get("name") or "")),
+                            "arguments": _arguments(fn.get("arguments"))}
                     calls.append(call)
                     if isinstance(tc.get("id"), str):
                         calls_by_id[tc["id"]] = python_call(call)
@@ -214,7 +254,11 @@ class FormatRewrite(Perturber):
                 choices.append(choice)
                 continue
             strict, lenient = parse_both(text, self.return_format, self.tool_call_tag, schemas)
-            chosen = lenient if self.parse == "lenient" else strict
+            if self.parse == "live":
+                chosen = parse_live(text, self.return_format, self.tool_call_tag, names.offered(), schemas, lenient,
+                                    single=bool(ctx.state.get("single")))
+            else:
+                chosen = lenient if self.parse == "lenient" else strict
             records.append((choice.get("index", 0), strict, lenient, chosen))
             if not chosen.has_calls:
                 choices.append(choice)
@@ -231,12 +275,17 @@ class FormatRewrite(Perturber):
 
     def _record(self, ctx: PerturbContext, records: list[tuple[int, Decoded, Decoded, Decoded]]) -> None:
         report = ctx.report.setdefault("decode", {})
-        ctx.state["decoded"] = [{"index": i, "strict": s, "lenient": l} for i, s, l, _ in records]
+        live = self.parse == "live"
+        # strict stays BFCL's exact decode (grading reads it through answer_decodes); live is what the client got
+        ctx.state["decoded"] = [{"index": i, "strict": s, "lenient": le, **({"live": c} if live else {})}
+                                for i, s, le, c in records]
         summaries = []
         for index, strict, lenient, chosen in records:
-            summaries.append({"index": index, "strict": strict.summary(), "lenient": lenient.summary(),
-                              "used": self.parse if chosen.has_calls else "text",
-                              "wrong_syntax": not strict.ok})
+            summary = {"index": index, "strict": strict.summary(), "lenient": lenient.summary(),
+                       "used": self.parse if chosen.has_calls else "text", "wrong_syntax": not strict.ok}
+            if live:
+                summary["live"] = chosen.summary()
+            summaries.append(summary)
         if summaries:
             report.update(summaries[0])
             if len(summaries) > 1:

@@ -25,6 +25,11 @@ documents, and says which one fired:
 - `reasoning_block`: the answer starts with a reasoning model's `<think>…</think>` (BFCL's handlers
   for such models drop it before decoding; its generic decoder does not).
 
+`parse_live` is not a BFCL decoder: it gives an agent's client every call to a function the client
+offered, wherever the model wrote it (prose, fences, a missing `<TOOLCALL>`), with positional python
+arguments named by the parameter order of the tool's schema; calls to other functions are left out.
+Grading never reads it.
+
 A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
 """
 
@@ -549,3 +554,191 @@ def parse_both(text: str, return_format: str, tool_call_tag: bool = False,
     """Both verdicts for one answer: (strict, lenient)."""
     strict = parse_strict(text, return_format, tool_call_tag)
     return strict, parse_lenient(text, return_format, tool_call_tag, schemas, strict)
+
+
+# --- live -----------------------------------------------------------------------------------------
+# What an agent's client should get from a text answer: every call to a function it offered, wherever
+# in the answer the model wrote it, with positional arguments named by the tool's parameter order.
+# BFCL verdicts never use this decode (they use parse_strict / parse_lenient).
+
+LIVE_NOTES = ("positional_args", "outside_format", "unoffered_function", "unfit_call", "first_call_only")
+_PLACEHOLDER = "__toolquake_arg{}"
+
+
+def _balanced_end(text: str, open_at: int) -> int | None:
+    """The index just past the bracket that closes the one at `open_at` (python strings skipped), or None."""
+    depth, i, n = 0, open_at, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif ch in "'\"":
+            quote = ch * 3 if text.startswith(ch * 3, i) else ch
+            i += len(quote)
+            while i < n and not text.startswith(quote, i):
+                i += 2 if text[i] == "\\" else 1
+            if i >= n:
+                return None
+            i += len(quote)
+            continue
+        i += 1
+    return None
+
+
+def _python_call_spans(text: str, names: list[str]) -> list[tuple[str, int, int]]:
+    """(name as written, start, end) of every outermost `name(…)` in `text` for the given names, in order."""
+    if not names:
+        return []
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.])({alternatives})\s*\(")
+    spans: list[tuple[str, int, int]] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        if m.start() < pos:  # inside a call already taken (a nested call is an argument value)
+            continue
+        end = _balanced_end(text, m.end() - 1)
+        if end is None:  # never closed: the rest of the answer is inside it
+            break
+        spans.append((m.group(1), m.start(), end))
+        pos = end
+    return spans
+
+
+def _live_python_call(source: str, shown: str, params: list[str], notes: list[str]) -> dict[str, Any] | None:
+    """One `name(…)` source as a call, positional arguments named by `params`; None when it does not fit."""
+    from toolquake.bfcl.decode import DecodeFailure, decode_python
+
+    try:
+        node = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    written = [kw.arg for kw in node.keywords]
+    if None in written or len(node.args) > len(params):
+        return None
+    named = params[:len(node.args)]
+    if any(p in written for p in named):
+        return None  # a parameter given twice
+    # positional values go in as placeholder keywords (a parameter may be named like a python keyword)
+    keywords = [ast.keyword(arg=_PLACEHOLDER.format(i), value=a) for i, a in enumerate(node.args)] + node.keywords
+    decoded = decode_python(ast.unparse(ast.Call(func=ast.Name(id="f"), args=[], keywords=keywords)))
+    if isinstance(decoded, DecodeFailure) or len(decoded) != 1:
+        return None
+    real = {_PLACEHOLDER.format(i): p for i, p in enumerate(named)}
+    if named:
+        notes.append("positional_args")
+    return {"name": shown, "arguments": {real.get(k, k): v for k, v in decoded[0]["arguments"].items()}}
+
+
+def _live_python(segment: str, offered: dict[str, str], schemas: Schemas, notes: list[str]) -> list[dict[str, Any]]:
+    calls = []
+    for written, start, end in _python_call_spans(segment, list(offered)):
+        shown = offered[written]
+        source = "f" + segment[start + len(written):end]  # a tool name need not be a python name (`get-weather`)
+        call = _live_python_call(source, shown, list(schemas.get(shown) or {}), notes)
+        if call is not None:
+            calls.append(call)
+        else:
+            notes.append("unfit_call")
+    return calls
+
+
+def _live_json_call(value: Any, offered: dict[str, str], schemas: Schemas, notes: list[str]) -> dict[str, Any] | None:
+    if not isinstance(value, dict):
+        return None
+    name = value.get("function", value.get("name"))
+    args = value.get("parameters", value.get("arguments", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(name, str) or name not in offered:
+        return None
+    shown = offered[name]
+    params = list(schemas.get(shown) or {})
+    if isinstance(args, list) and len(args) <= len(params):
+        notes.append("positional_args")
+        args = dict(zip(params, args))
+    if not isinstance(args, dict):
+        notes.append("unfit_call")
+        return None
+    return {"name": shown, "arguments": args}
+
+
+def _live_json(segment: str, offered: dict[str, str], schemas: Schemas, notes: list[str]) -> list[dict[str, Any]]:
+    calls = []
+    for value in _json_values(segment):
+        for item in value if isinstance(value, list) else [value]:
+            call = _live_json_call(item, offered, schemas, notes)
+            if call is not None:
+                calls.append(call)
+    return calls
+
+
+def _live_xml(segment: str, concise: bool, offered: dict[str, str], schemas: Schemas) -> list[dict[str, Any]]:
+    try:
+        found = _as_calls(_xml_lenient(segment, concise, schemas, []))
+    except Exception:  # noqa: BLE001 — a block that does not decode holds no call for the client
+        return []
+    return [{"name": offered[c["name"]], "arguments": c["arguments"]} for c in found if c["name"] in offered]
+
+
+def _live_segments(text: str, tool_call_tag: bool) -> list[str]:
+    """Where to look: after a reasoning block; inside the <TOOLCALL> blocks when tagged and there are any."""
+    end_of_thought = text.rfind("</think>")
+    if end_of_thought >= 0:
+        text = text[end_of_thought + len("</think>"):]
+    if tool_call_tag:
+        try:
+            return _segments(text, True, [])
+        except DecodeError:
+            pass
+    return [text]
+
+
+def parse_live(text: str, return_format: str, tool_call_tag: bool, offered: dict[str, str],
+               schemas: Schemas | None = None, lenient: Decoded | None = None, single: bool = False) -> Decoded:
+    """The calls an agent's client should get from `text`: every call to an offered function, anywhere.
+
+    `offered` maps each name the model may write (the name shown to it, the client's own name) to
+    the shown name, which the calls carry. Python calls are found inside prose, code fences and tags
+    alike, positional arguments named in the order of the function's `schemas` parameters; JSON call
+    objects (`function`/`name` with `parameters`/`arguments`) wherever they are; XML as lenient
+    parsing finds it. Calls to other functions are left out. `single` keeps the first call only.
+    `lenient` (the lenient decode, when already made) only feeds the notes (`LIVE_NOTES`).
+    """
+    schemas = schemas or {}
+    lenient = lenient if lenient is not None else parse_lenient(text, return_format, tool_call_tag, schemas)
+    notes: list[str] = []
+    calls: list[dict[str, Any]] = []
+    from toolquake.perturbers.helpers.callformats import RETURN_FORMATS
+
+    if return_format not in RETURN_FORMATS:
+        raise ValueError(f"unknown return format {return_format!r}")
+    for segment in _live_segments(text, tool_call_tag):
+        try:
+            if return_format == "python":
+                calls.extend(_live_python(segment, offered, schemas, notes))
+            elif return_format == "json":
+                calls.extend(_live_json(segment, offered, schemas, notes))
+            else:
+                calls.extend(_live_xml(segment, return_format == "concise_xml", offered, schemas))
+        except Exception:  # noqa: BLE001 — e.g. RecursionError on absurdly nested JSON: no call from this segment
+            notes.append("unfit_call")
+    if lenient.ok and any(c["name"] not in offered for c in lenient.calls):
+        notes.append("unoffered_function")
+    if calls and not lenient.has_calls:
+        notes.append("outside_format")
+    if single and len(calls) > 1:
+        calls = calls[:1]
+        notes.append("first_call_only")
+    used = tuple(n for n in LIVE_NOTES if n in notes)
+    if calls or lenient.ok:
+        return Decoded(True, calls, leniencies=used)
+    return Decoded(False, [], lenient.error, lenient.detail or "no call to an offered function", used)

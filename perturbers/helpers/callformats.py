@@ -19,7 +19,7 @@ from toolquake.perturbers.helpers.callformat_docs import DOC_FORMATS, render_doc
 RETURN_FORMATS = ("python", "json", "verbose_xml", "concise_xml")
 PROMPT_FORMATS = ("plaintext", "markdown")
 PROMPT_STYLES = ("classic", "experimental")
-PARSE_MODES = ("strict", "lenient")
+PARSE_MODES = ("strict", "lenient", "live")
 
 # what the model is told to write, per return format
 OUTPUT_FORMATS = {
@@ -120,12 +120,18 @@ class CallFormat:
         ret, tag, doc, layout, style = m.groups()
         return cls(ret, tag == "True", doc, layout, style)
 
-    def system_prompt(self, functions: list[dict[str, Any]]) -> str:
-        """The system prompt BFCL builds for these function docs in this configuration."""
+    def system_prompt(self, functions: list[dict[str, Any]], rules: str = "") -> str:
+        """The system prompt BFCL builds for these function docs in this configuration.
+
+        `rules` (see `choice_rules`) is added as its own paragraph after the tool-call instructions;
+        without it the prompt is BFCL's, byte for byte.
+        """
         words = STYLES[self.prompt_style]
         template = words["tool_call_with_tag" if self.tool_call_tag else "tool_call_no_tag"]
         tool_call = template.format(output_format=OUTPUT_FORMATS[self.return_format],
                                     param_types=PARAM_TYPE_SENTENCES[self.return_format])
+        if rules:
+            tool_call = f"{tool_call}\n\n{rules}"
         tools = words["available_tools"].format(format=self.function_doc_format,
                                                 functions=render_docs(functions, self.function_doc_format))
         if self.prompt_format == "markdown":
@@ -134,8 +140,32 @@ class CallFormat:
         return f"{words['persona']}{words['task']}\n\n{tool_call}\n\n{words['multiturn']}\n\n{tools}"
 
 
+def choice_rules(required: bool = False, function: str | None = None, single: bool = False) -> str:
+    """What the client's `tool_choice` / `parallel_tool_calls` ask of the model, as prompt sentences.
+
+    `required`: `tool_choice: "required"`; `function`: the name (as shown to the model) of a function
+    `tool_choice` names; `single`: `parallel_tool_calls: false`. Empty when nothing is asked (`auto`).
+    """
+    if function is not None:
+        if single:
+            return (f"You MUST call the function {function} exactly once, in the format above, and no other "
+                    "function. Do not answer in plain text.")
+        return (f"You MUST call the function {function}, in the format above, and no other function. Do not "
+                "answer in plain text.")
+    if required:
+        if single:
+            return ("You MUST answer with exactly one function call, in the format above. Do not answer in plain "
+                    "text.")
+        return ("You MUST answer with at least one function call, in the format above. Do not answer in plain "
+                "text.")
+    if single:
+        return "If you call a function, make at most one function call in your response."
+    return ""
+
+
 def _configurations() -> tuple[CallFormat, ...]:
-    grid = [CallFormat(ret, tag, doc) for ret in RETURN_FORMATS for tag in (True, False) for doc in ("python", "xml", "json")]
+    grid = [CallFormat(ret, tag, doc)
+            for ret in RETURN_FORMATS for tag in (True, False) for doc in ("python", "xml", "json")]
     grid.append(CallFormat("python", False, "json", "markdown", "classic"))
     grid.append(CallFormat("python", False, "json", "plaintext", "experimental"))
     return tuple(grid)
