@@ -357,3 +357,19 @@ def test_sdk_gets_text_when_the_answer_calls_nothing_it_offered(live_proxy, fake
     assert choice.message.content == "[print('hi')]" and not choice.message.tool_calls
     assert choice.finish_reason == "stop"
     assert named("get_time") in upstream_body(fake_upstream, tag)["messages"][0]["content"]
+
+
+def test_streaming_sdk_gets_the_live_call_as_tool_call_deltas(live_proxy) -> None:
+    stream = sdk(live_proxy, "Sure: [get_weather('Paris')]", uuid.uuid4().hex).chat.completions.create(
+        model="fake-model", messages=USER, tools=TOOLS, stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += (tc.function.name or "") if tc.function else ""
+                slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = choice.finish_reason or finish
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
