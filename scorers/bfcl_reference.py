@@ -67,8 +67,11 @@ def _install_stubs() -> None:
     def _identity_decorator(*args: Any, **kwargs: Any) -> Any:
         return lambda fn: fn
 
-    _stub("tenacity", retry=_identity_decorator, retry_if_exception_message=_Anything,
-          retry_if_exception_type=_Anything, wait_random_exponential=_Anything)
+    try:  # the real one when installed (an agent framework may need it later in the same process)
+        import tenacity  # noqa: F401
+    except ImportError:
+        _stub("tenacity", retry=_identity_decorator, retry_if_exception_message=_Anything,
+              retry_if_exception_type=_Anything, wait_random_exponential=_Anything)
     _stub("tree_sitter", Language=_Anything, Parser=_Anything)
     try:
         import filelock  # noqa: F401 — present with most installs; only a lock class is needed

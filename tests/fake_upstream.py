@@ -4,6 +4,10 @@ Raw ASGI on uvicorn (httptools + uvloop) so benchmarks measure the proxy, not th
 
 What it answers with, per request (headers are end-to-end, so they pass through the proxy):
 - `X-Fake-Answer: {"calls": [{"name": ..., "arguments": {...}}]}` or `{"text": "..."}`;
+- `X-Fake-Call-Foreign: <the client's tool names, comma-separated>`: a call to the first tool the client
+  did not send (one the proxy added), or, right after a tool result, to the client's first own tool;
+- `X-Fake-Agent: a,b`: an agent loop — a call to `a`, after its result a call to `b`, then a final text
+  that quotes the tool results;
 - `X-Fake-Answer-By-First-Tool: {"<tool name>": <answer>, ...}`: the answer for the name of the
   request's first tool (so a perturbation that reorders tools changes the answer);
 - else a script entry (`--script FILE`, JSON lines `{"match": "<substring of the last user
@@ -16,9 +20,15 @@ Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first use
 its turn (user messages so far - 1) and step (assistant messages since the last user message); past
 the end of a turn's list, a short text (the turn ends).
 
+The Responses API (`POST /v1/responses`) answers from the same sources: its request is read as the
+chat request it stands for (`instructions` and `input` items as messages, function tools, tool
+choice), and the answer is a Responses object (`output` with `message` / `function_call` items), or
+its event stream (`response.created` … `response.completed`) when `stream` is true.
+
 Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
 `invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
-one byte at a time), `chunk-delay:MS` (between SSE frames).
+one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200 with an event-stream
+content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its final event).
 
 Introspection for tests: every request is recorded (last 2,000); `GET /_fake/requests` returns
 them (`?tag=X` filters on the `X-Test-Tag` header); `DELETE /_fake/requests` clears.
@@ -99,9 +109,49 @@ def _trajectory_answer(body: dict[str, Any]) -> dict[str, Any] | None:
     return steps[step] if step < len(steps) else {"text": "Done."}
 
 
-def choose_answer(body: dict[str, Any], header: str | None) -> dict[str, Any]:
+def _foreign(body: dict[str, Any], own: str) -> dict[str, Any] | None:
+    """`X-Fake-Call-Foreign: a,b` (the client's own tool names): call the first tool of the request that is
+    not the client's — a tool the proxy added — unless the last message is a tool result, then the first
+    of the client's own tools (a model that recovers after hearing the tool is unavailable)."""
+    names = [n.strip() for n in own.split(",") if n.strip()]
+    tools = [(t.get("function") or {}).get("name") for t in body.get("tools") or []]
+    messages = body.get("messages") or []
+    after_result = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "tool"
+    pick = next((n for n in tools if (n in names) == after_result), None)
+    return {"calls": [{"name": pick, "arguments": {}}]} if pick else None
+
+
+def _agent_turn(body: dict[str, Any], plan: str) -> dict[str, Any]:
+    """`X-Fake-Agent: a,b`: an agent loop's model — call `a`, then (after its result) `b`, then a final text."""
+    names = [n.strip() for n in plan.split(",") if n.strip()]
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    if not body.get("tools"):  # tools described in the prompt (format rewriting): answer in BFCL's python format
+        shown = [str(m.get("content")) for m in messages if m.get("role") == "user" and "'role': 'tool'" in
+                 str(m.get("content"))]
+        done = sum(text.count("'role': 'tool'") for text in shown)
+        if done < len(names):
+            return {"text": f"[{names[done]}(city='example')]"}
+        return {"text": f"Final answer after {done} tool results: {' '.join(shown)}"}
+    results = [m for m in messages if m.get("role") == "tool"]
+    if len(results) < len(names):
+        wanted = names[len(results)]
+        tool = next((t.get("function") or {} for t in body.get("tools") or []
+                     if (t.get("function") or {}).get("name") == wanted), {"name": wanted})
+        return {"calls": [{"name": wanted, "arguments": _example({"type": "object", **(tool.get("parameters") or {})})}]}
+    said = "; ".join(str(m.get("content")) for m in results)
+    return {"text": f"Final answer after {len(results)} tool results: {said}"}
+
+
+def choose_answer(body: dict[str, Any], header: str | None, foreign: str | None = None,
+                  agent: str | None = None) -> dict[str, Any]:
     if header:
         return _dec(header)
+    if agent:
+        return _agent_turn(body, agent)
+    if foreign:
+        answer = _foreign(body, foreign)
+        if answer is not None:
+            return answer
     if TRAJECTORIES:
         answer = _trajectory_answer(body)
         if answer is not None:
@@ -214,6 +264,8 @@ async def app(scope, receive, send) -> None:
                                                            "code": "injected"}}))
     if path.endswith("/chat/completions") and method == "POST":
         return await _chat(raw, headers, kind, arg, send, receive)
+    if path.endswith("/responses") and method == "POST":
+        return await _responses(raw, headers, kind, arg, send, receive)
     if path.endswith("/models"):
         return await _send(send, 200, _enc({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
     if path.endswith("/completions") and method == "POST":
@@ -240,7 +292,8 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         body = _dec(raw)
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
-    resp = completion(choose_answer(body, headers.get("x-fake-answer") or _by_first_tool(body, headers)),
+    resp = completion(choose_answer(body, headers.get("x-fake-answer") or _by_first_tool(body, headers),
+                                    headers.get("x-fake-call-foreign"), headers.get("x-fake-agent")),
                       body.get("model") or MODEL)
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
@@ -260,10 +313,105 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
             return await send({"type": "http.response.body", "body": b""})
         return await _send(send, 200, data)
     frames = stream_frames(resp)
+    if kind == "no-done":
+        frames = frames[:-1]
+    elif kind == "empty-stream":
+        frames = []
     state = {"complete": False}
     watcher = asyncio.ensure_future(_watch_disconnect(receive, headers, state))
     try:
         await _stream(send, frames, kind, arg, state)
+    finally:
+        watcher.cancel()
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request a Responses request stands for (enough to choose an answer)."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    for item in [{"role": "user", "content": items}] if isinstance(items, str) else items or []:
+        kind = item.get("type")
+        if kind in (None, "message"):
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            messages.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "type": "function",
+                             "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
+    tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+             for tool in body.get("tools") or [] if tool.get("type") == "function"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("name"):
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return {"messages": messages, "tools": tools, "tool_choice": choice}
+
+
+def response_object(answer: dict[str, Any], model: str) -> dict[str, Any]:
+    n = next(_ids)
+    output: list[dict[str, Any]] = []
+    if answer.get("text"):
+        output.append({"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]})
+    for i, c in enumerate(answer.get("calls") or []):
+        args = c["arguments"] if isinstance(c["arguments"], str) else _enc(c["arguments"]).decode()
+        output.append({"type": "function_call", "id": f"fc_{n}_{i}", "call_id": f"call_{n}_{i}", "status": "completed",
+                       "name": c["name"], "arguments": args})
+    return {"id": f"resp_fake_{n}", "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "completed", "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15}}
+
+
+def response_events(resp: dict[str, Any], piece: int = 8, final: bool = True) -> list[bytes]:
+    seq = itertools.count()
+
+    def ev(kind: str, **fields: Any) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + _enc({"type": kind, "sequence_number": next(seq),
+                                                                 **fields}) + b"\n\n"
+
+    out = [ev("response.created", response={**resp, "status": "in_progress", "output": []})]
+    for i, item in enumerate(resp["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            out.append(ev("response.output_item.added", output_index=i, item={**item, "content": []}))
+            for j in range(0, len(text), piece):
+                out.append(ev("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
+                              delta=text[j:j + piece]))
+        else:
+            out.append(ev("response.output_item.added", output_index=i, item={**item, "arguments": ""}))
+            args = item["arguments"]
+            for j in range(0, len(args), piece):
+                out.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                              delta=args[j:j + piece]))
+            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=args))
+        out.append(ev("response.output_item.done", output_index=i, item=item))
+    if final:
+        out.append(ev("response.completed", response=resp))
+    return out
+
+
+async def _responses(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, receive) -> None:
+    try:
+        body = _dec(raw)
+    except msgspec.DecodeError:
+        return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
+    chat = responses_as_chat(body)
+    resp = response_object(choose_answer(chat, headers.get("x-fake-answer") or _by_first_tool(chat, headers),
+                                         headers.get("x-fake-call-foreign"), headers.get("x-fake-agent")),
+                      body.get("model") or MODEL)
+    if kind == "invalid-json":
+        return await _send(send, 200, b'{"id": "resp_broken", "output": [')
+    if not body.get("stream"):
+        return await _send(send, 200, _enc(resp))
+    frames = response_events(resp, final=kind != "no-done")
+    state = {"complete": False}
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, headers, state))
+    try:
+        await _stream(send, [] if kind == "empty-stream" else frames, kind, arg, state)
     finally:
         watcher.cancel()
 

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
         case = case_by_id(args.case)
     raw = json.dumps(body).encode()
-    seed = args.seed if args.seed is not None else seed_for(None, raw)
+    seed = args.seed if args.seed is not None else seed_for(None, raw, request=ChatRequest(body))
     services = Services(token_counter=make_counter(config.server.token_counter, config.server.upstream))
     outcome = asyncio.run(run_profile(profile, ChatRequest(body), seed, services, case))
     json.dump(outcome.request.body, sys.stdout, ensure_ascii=False, indent=2)

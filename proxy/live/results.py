@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from toolquake.scorers.aggregate import ratio, relative_drop
 
 #: the schema version this code writes; older files are migrated on open, newer ones refused
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 60.0
 
 
@@ -64,14 +64,20 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE results ADD COLUMN shadow_of TEXT")
 
 
+def _v3(db: sqlite3.Connection) -> None:
+    # the API the client spoke (chat_completions | responses), and its calls to tools the proxy added
+    db.execute("ALTER TABLE results ADD COLUMN route TEXT")
+    db.execute("ALTER TABLE results ADD COLUMN injected_calls TEXT")
+
+
 #: MIGRATIONS[i] takes a database at version i to version i + 1
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3)
 
 COLUMNS = ("request_id", "ts", "profile", "mode", "arm", "model", "stream", "status", "case_id", "category",
            "resolved_by", "expected", "perturbers", "valid", "error_type", "taxonomy", "errors", "fair_valid",
            "semantic_valid", "total_ms", "upstream_ms", "scoring_ms", "prompt_tokens", "completion_tokens",
-           "tokens_added", "request_body", "response_body", "agree", "shadow_of")
-_JSON_COLUMNS = ("perturbers", "errors", "request_body", "response_body")
+           "tokens_added", "request_body", "response_body", "agree", "shadow_of", "route", "injected_calls")
+_JSON_COLUMNS = ("perturbers", "errors", "request_body", "response_body", "injected_calls")
 #: the verdict columns of every results table (this store and each replay file), with their SQL types;
 #: a change here needs a migration in both
 VERDICT_COLUMNS = (("expected", "TEXT"), ("valid", "INTEGER"), ("error_type", "TEXT"), ("taxonomy", "TEXT"),
@@ -171,6 +177,9 @@ class Row:
     response_body: Any = None
     agree: str | None = None
     shadow_of: str | None = None
+    route: str | None = None
+    #: names of tools the proxy added that the model called (None: none called)
+    injected_calls: list[str] | None = None
 
     def values(self) -> tuple[Any, ...]:
         return tuple(sql_value(getattr(self, name), name in _JSON_COLUMNS) for name in COLUMNS)

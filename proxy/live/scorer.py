@@ -50,10 +50,13 @@ class Origin:
     request: dict[str, Any]
     case: Any
     case_header: str | None
+    route: str = "-"
+    injected_calls: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, ex: RequestContext) -> Origin:
-        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, ex.case_header)
+        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, ex.case_header, ex.route,
+                   tuple(ex.injected_calls))
 
 
 @dataclass
@@ -239,7 +242,8 @@ class LiveScorer:
             else None,
             request_body=job.sent if keep_text else None, response_body=job.answer if keep_text else None,
             agree=agreement.agree if agreement else None,
-            shadow_of=ex.request_id if job.arm == "twin" else None,
+            shadow_of=ex.request_id if job.arm == "twin" else None, route=ex.route,
+            injected_calls=list(ex.injected_calls) if ex.injected_calls and job.arm == "live" else None,
         )
         if grade is not None:
             row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,

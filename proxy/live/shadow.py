@@ -21,6 +21,7 @@ import msgspec
 import structlog
 
 from toolquake.perturbers import ChatRequest
+from toolquake.proxy.server.apis import CHAT
 from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
 
 if TYPE_CHECKING:
@@ -106,10 +107,13 @@ class ShadowRunner:
         m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
         body = twin_body(outcome.request.body)
         twin = Twin(outcome, body)
+        api = ex.api or CHAT
+        # the twin speaks the client's API (a Responses request's twin is a Responses request)
+        wire = twin_body(api.to_wire(outcome.request.body, ex.wire_request or {}, ex.conversion))
         t0 = time.perf_counter()
         try:
-            resp = await st.upstream.send("POST", st.upstream.api_url("chat/completions"), ex.forward_headers,
-                                          msgspec.json.encode(body))
+            resp = await st.upstream.send("POST", st.upstream.api_url(api.path), ex.forward_headers,
+                                          msgspec.json.encode(wire))
             try:
                 data = await resp.aread()
             finally:
@@ -130,6 +134,7 @@ class ShadowRunner:
         if not isinstance(answer, dict):
             twin.error = "upstream answer is not a JSON object"
             return twin
+        answer = api.answer_to_internal(answer)
         if outcome.rewrites_response:
             answer, twin.restore_failed = restore(outcome, answer)
             m.count_restore_failures(twin.restore_failed)

@@ -16,15 +16,17 @@ class InProcessProxy:
     """`create_app` served by uvicorn on a free loopback port, in a thread of this process.
 
     Replay runs each profile strictly (a perturber that fails fails the pair, which is recorded as
-    an error and retried) unless `fail_open`; live scoring is off (replay grades the answers itself),
-    and each finished exchange is kept by request id so that grading sees what the perturbers did.
+    an error and retried) unless `fail_open`, and passes calls to tools the proxy added through to be
+    graded (`injected_calls = "pass"`: a call to an added tool is BFCL's `wrong_function`); live scoring
+    is off (replay grades the answers itself), and each finished exchange is kept by request id so
+    that grading sees what the perturbers did.
     """
 
     def __init__(self, config: Any, *, fail_open: bool = False) -> None:
         from toolquake.proxy.server.config import ScoringConfig
 
-        profiles = config.profiles if fail_open else {
-            name: msgspec.structs.replace(spec, strict=True) for name, spec in config.profiles.items()}
+        profiles = {name: msgspec.structs.replace(spec, strict=not fail_open, injected_calls="pass")
+                    for name, spec in config.profiles.items()}
         scoring = msgspec.structs.replace(config.scoring if isinstance(config.scoring, ScoringConfig)
                                           else ScoringConfig(), enabled=False, match_content=False)
         self.config = msgspec.structs.replace(config, profiles=profiles, scoring=scoring)

@@ -17,6 +17,7 @@ from litestar.exceptions import HTTPException
 
 from toolquake.perturbers import Services
 from toolquake.proxy.server import admin
+from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
 from toolquake.proxy.server.config import Config
 from toolquake.proxy.server.errors import error_body
@@ -73,7 +74,8 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         admin_token=admin_token,
     )
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
-    chat_handler = ChatHandler(st)
+    chat_handler = ChatHandler(st, CHAT)
+    responses_handler = ChatHandler(st, RESPONSES)
     passthrough = Passthrough(st)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -84,6 +86,14 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     @route("/p/{profile:str}/v1/chat/completions", http_method=["POST"], name="chat_profile", status_code=200)
     async def chat_profile(request: Request, profile: str) -> Response:
         return await chat_handler(request, profile)
+
+    @route("/v1/responses", http_method=["POST"], name="responses", status_code=200)
+    async def responses(request: Request) -> Response:
+        return await responses_handler(request, None)
+
+    @route("/p/{profile:str}/v1/responses", http_method=["POST"], name="responses_profile", status_code=200)
+    async def responses_profile(request: Request, profile: str) -> Response:
+        return await responses_handler(request, profile)
 
     @route("/v1/{path:path}", http_method=methods, name="v1_passthrough", status_code=200)
     async def v1_other(request: Request, path: str) -> Response:
@@ -157,7 +167,8 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         await st.upstream.aclose()
 
     app = Litestar(
-        route_handlers=[chat, chat_profile, v1_other, v1_profile_other, backend_tokenize, backend_extras,
+        route_handlers=[chat, chat_profile, responses, responses_profile, v1_other, v1_profile_other,
+                        backend_tokenize, backend_extras,
                         healthz, readyz, metrics_route, *admin.routes(st)],
         exception_handlers={HTTPException: on_http_exception, Exception: on_exception},
         request_max_body_size=server.max_body_bytes,

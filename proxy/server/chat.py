@@ -1,7 +1,10 @@
-"""The chat-completions route: decode, choose the profile, perturb, forward, relay or restore, count.
+"""The model routes (chat completions and the Responses API): decode, choose the profile, perturb,
+forward, relay or restore, count.
 
 One `RequestContext` carries a request from arrival to its last byte; the log line and the
-observers (live scoring, replay) are fed from it after the client was answered.
+observers (live scoring, replay) are fed from it after the client was answered. Both APIs go
+through the same steps; an `Api` (proxy/server/apis.py) converts its wire form to the one internal,
+chat-shaped form and back.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from toolquake.perturbers import ChatRequest
-from toolquake.proxy.server import streaming
+from toolquake.proxy.server.apis import Api
 from toolquake.proxy.server.errors import ProxyError, error_body
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
-from toolquake.proxy.server.protocol import request_decoder
 from toolquake.proxy.server.state import ProxyState, RequestContext
 from toolquake.proxy.server.upstream import UpstreamError, UpstreamResponse, request_headers, response_headers
 
 log = structlog.get_logger("toolquake.proxy")
 JSON = "application/json"
 CHAT_ROUTE = "chat_completions"
+#: follow-up rounds the proxy may spend answering calls to tools it added (`injected_calls = "answer"`)
+MAX_INJECTED_ROUNDS = 3
+UNAVAILABLE = ("Error: the tool {name!r} is not available. Do not call it again; use the other tools, "
+               "or answer without it.")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
@@ -56,6 +62,11 @@ def unknown_profile(name: str, known: list[str]) -> ProxyError:
     return ProxyError(404, f"Unknown profile {name!r}. Known profiles: {', '.join(known)}.", code="unknown_profile")
 
 
+def bad_upstream_answer(what: str) -> ProxyError:
+    return ProxyError(502, f"The upstream model server answered 2xx with {what}; see the backend's log.",
+                      type="upstream_error", code="upstream_invalid_response")
+
+
 async def send_upstream(st: ProxyState, method: str, url: str, headers: list[tuple[str, str]],
                         content: bytes | None, params: str = "") -> UpstreamResponse:
     """Send to the backend; failures become the proxy's own 502/504 (and are counted)."""
@@ -71,22 +82,33 @@ async def send_upstream(st: ProxyState, method: str, url: str, headers: list[tup
                          type="upstream_error", code="upstream_unreachable") from None
 
 
-class ChatHandler:
-    """Serves one chat-completions request end to end."""
+def _calls(answer: dict[str, Any] | None) -> list[dict[str, Any]]:
+    choices = (answer or {}).get("choices") or []
+    message = (choices[0] or {}).get("message") if choices and isinstance(choices[0], dict) else None
+    return [c for c in (message or {}).get("tool_calls") or [] if isinstance(c, dict)]
 
-    def __init__(self, st: ProxyState) -> None:
+
+def _call_name(call: dict[str, Any]) -> str:
+    return str((call.get("function") or {}).get("name"))
+
+
+class ChatHandler:
+    """Serves one model request (of `api`) end to end."""
+
+    def __init__(self, st: ProxyState, api: Api) -> None:
         self.st = st
+        self.api = api
 
     async def __call__(self, request: Request, profile_name: str | None) -> Response:
         st = self.st
-        ctx = RequestContext(request_id=uuid.uuid4().hex[:16], t0=time.perf_counter())
+        ctx = RequestContext(request_id=uuid.uuid4().hex[:16], t0=time.perf_counter(), api=self.api)
         headers = client_headers(request)
         st.metrics.in_flight.inc()
         streamed = False  # a streamed answer finishes (and leaves in_flight) in its background task
         try:
             raw = await request.body()
             try:
-                req = request_decoder.decode(raw)
+                req = self.api.decoder.decode(raw)
             except msgspec.ValidationError as exc:
                 raise ProxyError(400, f"Invalid request body: {exc}", code="invalid_type") from None
             except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -108,13 +130,13 @@ class ChatHandler:
                 st.metrics.in_flight.dec()
 
     async def _serve(self, ctx: RequestContext, headers: list[tuple[str, str]], raw: bytes) -> Response:
-        st, profile = self.st, ctx.profile
+        st, profile, api = self.st, ctx.profile, self.api
         assert profile is not None
         ctx.observed = bool(st.observers)
         ctx.case_header = header(headers, "x-toolquake-case")
-        ctx.seed = seed_for(header(headers, "x-toolquake-seed"), raw)
         send_raw = raw
         perturbing = profile.mode == "perturb" and bool(profile.steps)
+        chat = None
         if perturbing or ctx.observed:
             try:
                 body = _decode(raw)
@@ -122,31 +144,109 @@ class ChatHandler:
                 raise invalid_json(exc) from None  # e.g. bad UTF-8 in a key the typed decode skipped
             if not isinstance(body, dict):
                 raise ProxyError(400, "Request body must be a JSON object.", code="invalid_type")
-            ctx.request = body
-            chat = ChatRequest(body)
+            ctx.wire_request = body
+            ctx.request, ctx.conversion = api.to_internal(body)
+            chat = ChatRequest(ctx.request)
             if st.case_resolver is not None:
                 try:
                     ctx.case = st.case_resolver(ctx.case_header, chat)
                 except Exception as exc:  # fail-open: an unknown case never breaks the request
                     log.warning("case_resolution_failed", error_type=type(exc).__name__)
-            if perturbing:
-                try:
-                    ctx.outcome = await run_profile(profile, chat, ctx.seed, st.services, ctx.case)
-                except PerturbationFailed as exc:
-                    st.metrics.perturbation_failures.labels(exc.perturber).inc()
-                    raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
-                st.metrics.count_outcome(ctx.outcome, getattr(st.services.token_counter, "source", "none"))
-                if ctx.outcome.changed:
-                    send_raw = ctx.outcome.request.encode()
+        ctx.seed = seed_for(header(headers, "x-toolquake-seed"), raw,
+                            conversation=header(headers, "x-toolquake-conversation"), request=chat)
+        if perturbing and chat is not None:
+            try:
+                ctx.outcome = await run_profile(profile, chat, ctx.seed, st.services, ctx.case)
+            except PerturbationFailed as exc:
+                st.metrics.perturbation_failures.labels(exc.perturber).inc()
+                raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
+            st.metrics.count_outcome(ctx.outcome, getattr(st.services.token_counter, "source", "none"))
+            if ctx.outcome.changed:
+                send_raw = _encode(api.to_wire(ctx.outcome.request.body, ctx.wire_request or {}, ctx.conversion))
         ctx.forward_headers = request_headers(headers)
         ctx.t_upstream = time.perf_counter()
-        upstream = await send_upstream(st, "POST", st.upstream.api_url("chat/completions"), ctx.forward_headers,
-                                       send_raw)
-        if ctx.stream and upstream.status_code == 200 and "text/event-stream" in upstream.header("content-type"):
-            if ctx.outcome is not None and ctx.outcome.rewrites_response:
+        upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), ctx.forward_headers, send_raw)
+        if ctx.stream and 200 <= upstream.status_code < 300 and "text/event-stream" in upstream.header("content-type"):
+            if self._rewrites(ctx):
                 return await self._stream_rewritten(upstream, ctx)
             return self._stream_relay(upstream, ctx)
         return await self._plain(upstream, ctx)
+
+    @staticmethod
+    def _rewrites(ctx: RequestContext) -> bool:
+        """The answer must be read whole before the client gets it: a step rewrites it, or calls to tools
+        the proxy added are answered by the proxy."""
+        outcome = ctx.outcome
+        if outcome is None:
+            return False
+        answers_injected = bool(outcome.injected) and ctx.profile is not None \
+            and ctx.profile.spec.injected_calls == "answer"
+        return outcome.rewrites_response or answers_injected
+
+    async def _finish_answer(self, ctx: RequestContext, wire: dict[str, Any]) -> dict[str, Any]:
+        """Restore what the steps rewrote, handle calls to added tools; the answer to send, in wire form."""
+        st, api = self.st, self.api
+        internal = api.answer_to_internal(wire)
+        changed = False
+        if ctx.outcome is not None and ctx.outcome.rewrites_response:
+            internal, failed = restore(ctx.outcome, internal)
+            st.metrics.count_restore_failures(failed)
+            changed = True
+        if ctx.outcome is not None and ctx.outcome.injected:
+            internal, handled = await self._injected(ctx, internal)
+            changed = changed or handled
+        ctx.response = internal
+        if not changed:
+            return wire
+        return api.answer_to_wire(internal, wire)
+
+    async def _injected(self, ctx: RequestContext, answer: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Count calls to tools the proxy added; under `answer`, keep them from the client: strip them when
+        the model also called the client's own tools, else tell the model they are unavailable and ask
+        again (at most MAX_INJECTED_ROUNDS times; then the calls are stripped)."""
+        assert ctx.outcome is not None and ctx.profile is not None
+        injected = ctx.outcome.injected
+        answer_them = ctx.profile.spec.injected_calls == "answer"
+        request = ctx.outcome.request.body
+        for _ in range(MAX_INJECTED_ROUNDS + 1):
+            calls = _calls(answer)
+            bad = [c for c in calls if _call_name(c) in injected]
+            if not bad:
+                return answer, False if answer is None else ctx.injected_calls != []
+            for call in bad:
+                ctx.injected_calls.append(_call_name(call))
+                self.st.metrics.injected_calls.labels(ctx.profile_name, injected[_call_name(call)]).inc()
+            if not answer_them:
+                return answer, False
+            if len(bad) < len(calls) or _ == MAX_INJECTED_ROUNDS:
+                return _strip(answer, {id(c) for c in bad}), True
+            message = answer["choices"][0]["message"]
+            request = {**request, "stream": False,
+                       "messages": [*request.get("messages", []), {**message, "role": "assistant"},
+                                    *({"role": "tool", "tool_call_id": c.get("id", ""),
+                                       "content": UNAVAILABLE.format(name=_call_name(c))} for c in bad)]}
+            request.pop("stream_options", None)
+            answer = await self._ask_again(ctx, request)
+            if answer is None:
+                return _strip(ctx.response or {"choices": [{"index": 0, "message": message}]},
+                              {id(c) for c in bad}), True
+        return answer, True
+
+    async def _ask_again(self, ctx: RequestContext, request: dict[str, Any]) -> dict[str, Any] | None:
+        api = self.api
+        wire = api.to_wire(request, {**(ctx.wire_request or {}), "stream": False}, ctx.conversion)
+        try:
+            resp = await self.st.upstream.send("POST", self.st.upstream.api_url(api.path), ctx.forward_headers,
+                                               _encode(wire))
+            try:
+                data = await resp.aread()
+            finally:
+                await resp.aclose()
+            answer = _decode(data) if resp.status_code == 200 else None
+        except (UpstreamError, msgspec.DecodeError) as exc:
+            log.warning("injected_followup_failed", request_id=ctx.request_id, error_type=type(exc).__name__)
+            return None
+        return api.answer_to_internal(answer) if isinstance(answer, dict) else None
 
     async def _plain(self, upstream: UpstreamResponse, ctx: RequestContext) -> Response:
         st = self.st
@@ -164,17 +264,20 @@ class ChatHandler:
         ctx.upstream_s = time.perf_counter() - (ctx.t_upstream or ctx.t0)
         ctx.status = upstream.status_code
         resp_headers = response_headers(upstream.headers)
-        rewrites = ctx.outcome is not None and ctx.outcome.rewrites_response
-        if ctx.status == 200 and "json" in upstream.header("content-type") and (ctx.observed or rewrites):
+        if 200 <= ctx.status < 300:
+            # a 2xx answer to a model request is a JSON object; anything else is the backend's bug, said as one
             try:
                 parsed = _decode(data)
-                ctx.response = parsed if isinstance(parsed, dict) else None
             except msgspec.DecodeError:
-                ctx.response = None
-            if ctx.response is not None and rewrites:
-                ctx.response, failed = restore(ctx.outcome, ctx.response)
-                st.metrics.count_restore_failures(failed)
-                data = _encode(ctx.response)
+                st.metrics.upstream_errors.labels("invalid_response").inc()
+                raise bad_upstream_answer("a body that is not JSON" if data.strip() else "an empty body") from None
+            if not isinstance(parsed, dict):
+                st.metrics.upstream_errors.labels("invalid_response").inc()
+                raise bad_upstream_answer("JSON that is not an object")
+            if ctx.observed or self._rewrites(ctx):
+                sent = await self._finish_answer(ctx, parsed)
+                if sent is not parsed:
+                    data = _encode(sent)
         total = time.perf_counter() - ctx.t0
         resp_headers["X-Toolquake-Overhead-Ms"] = f"{(total - ctx.upstream_s) * 1000:.3f}"
         resp_headers["X-Toolquake-Request-Id"] = ctx.request_id
@@ -183,12 +286,19 @@ class ChatHandler:
         return Response(content=data, status_code=ctx.status, headers=resp_headers,
                         media_type=upstream.header("content-type", JSON))
 
+    def _stream_error(self, kind: str, message: str, code: str) -> bytes:
+        self.st.metrics.upstream_errors.labels(kind).inc()
+        return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+
     def _stream_relay(self, upstream: UpstreamResponse, ctx: RequestContext) -> Stream:
-        """Relay the upstream SSE chunk by chunk; capture a copy only when someone will score it."""
+        """Relay the upstream SSE chunk by chunk; capture a copy only when someone will score it. A stream
+        that ends without its end marker (chat `[DONE]`, a final Responses event) gets an error event."""
         parts: list[bytes] = []
-        state: dict[str, Any] = {"first": None, "end": None}
+        state: dict[str, Any] = {"first": None, "end": None, "ended": False, "tail": b""}
         ctx.status = 200
         m = self.st.metrics
+        markers = self.api.end_markers
+        keep = max(len(x) for x in markers) if markers else 0
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -198,13 +308,21 @@ class ChatHandler:
                         m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
                     if ctx.observed:
                         parts.append(chunk)
+                    if not state["ended"]:
+                        seen = state["tail"] + chunk
+                        state["ended"] = any(x in seen for x in markers)
+                        state["tail"] = seen[-keep:]
                     yield chunk
+                if not state["ended"]:
+                    ctx.status = 502
+                    what = "an empty stream" if state["first"] is None else "a stream that ended unfinished"
+                    yield self._stream_error("invalid_response", f"The upstream model server sent {what}.",
+                                             "upstream_invalid_response")
             except UpstreamError as exc:
                 # headers are sent: tell the client in-band, the way OpenAI streams report errors
-                m.upstream_errors.labels(exc.kind).inc()
                 ctx.status = 504 if exc.kind == "timeout" else 502
-                yield b"data: " + error_body(f"The upstream stream failed ({exc.cause_name}).",
-                                             "upstream_error", f"upstream_{exc.kind}") + b"\n\n"
+                yield self._stream_error(exc.kind, f"The upstream stream failed ({exc.cause_name}).",
+                                         f"upstream_{exc.kind}")
             finally:
                 state["end"] = time.perf_counter()
                 await upstream.aclose()
@@ -215,7 +333,11 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
-            ctx.response = streaming.assemble_sse(b"".join(parts)) if ctx.observed and parts else None
+            if ctx.observed and parts:
+                native = self.api.assemble(b"".join(parts))
+                ctx.response = self.api.answer_to_internal(native) if native else None
+                if ctx.response is not None and ctx.outcome is not None and ctx.outcome.injected:
+                    ctx.response, _ = await self._injected(ctx, ctx.response)  # counted; "pass" changes nothing
             self._finish(ctx)
             m.in_flight.dec()
 
@@ -223,23 +345,25 @@ class ChatHandler:
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
 
     async def _stream_rewritten(self, upstream: UpstreamResponse, ctx: RequestContext) -> Stream:
-        """A perturber must rewrite the answer: read the whole upstream stream, restore, re-emit."""
+        """The answer must change before the client sees it: read the whole upstream stream, restore,
+        re-emit it as a stream of the client's API."""
         m = self.st.metrics
-        assert ctx.outcome is not None
         try:
             data = await upstream.aread()
-            answer = streaming.assemble_sse(data)
         except UpstreamError as exc:
             m.upstream_errors.labels(exc.kind).inc()
             raise ProxyError(504 if exc.kind == "timeout" else 502, f"The upstream stream failed ({exc.cause_name}).",
                              type="upstream_error", code=f"upstream_{exc.kind}") from None
         finally:
             await upstream.aclose()
+        native = self.api.assemble(data)
+        if native is None or not any(x in data for x in self.api.end_markers):
+            m.upstream_errors.labels("invalid_response").inc()
+            raise bad_upstream_answer("an empty stream" if native is None else "a stream that ended unfinished")
         ctx.upstream_s = time.perf_counter() - (ctx.t_upstream or ctx.t0)
         ctx.status = 200
-        ctx.response, failed = restore(ctx.outcome, answer)
-        m.count_restore_failures(failed)
-        frames = list(streaming.emit_stream(ctx.response))
+        wire = await self._finish_answer(ctx, native)
+        frames = list(self.api.emit(wire))
         first: dict[str, float | None] = {"t": None}
 
         async def emit() -> AsyncIterator[bytes]:
@@ -268,18 +392,21 @@ class ChatHandler:
         st, m = self.st, self.st.metrics
         ctx.total_s = time.perf_counter() - ctx.t0
         s = "true" if ctx.stream else "false"
-        m.requests.labels(ctx.profile_name, CHAT_ROUTE, f"{ctx.status // 100}xx", s, m.model_label(ctx.model)).inc()
-        m.duration.labels(ctx.profile_name, CHAT_ROUTE, s).observe(ctx.total_s)
+        route = ctx.route
+        m.requests.labels(ctx.profile_name, route, f"{ctx.status // 100}xx", s, m.model_label(ctx.model)).inc()
+        m.duration.labels(ctx.profile_name, route, s).observe(ctx.total_s)
         if ctx.upstream_s is not None:
-            m.upstream_duration.labels(CHAT_ROUTE, s).observe(ctx.upstream_s)
-            m.overhead.labels(CHAT_ROUTE, s).observe(max(ctx.total_s - ctx.upstream_s, 0.0))
+            m.upstream_duration.labels(route, s).observe(ctx.upstream_s)
+            m.overhead.labels(route, s).observe(max(ctx.total_s - ctx.upstream_s, 0.0))
         outcome = ctx.outcome
-        event: dict[str, Any] = dict(request_id=ctx.request_id, route=CHAT_ROUTE, profile=ctx.profile_name,
+        event: dict[str, Any] = dict(request_id=ctx.request_id, route=route, profile=ctx.profile_name,
                                      stream=ctx.stream, status=ctx.status,
                                      perturbers=[a.name for a in outcome.applied] if outcome else [],
                                      total_ms=round(ctx.total_s * 1000, 3))
         if outcome is not None and outcome.failed:
             event["perturbers_failed"] = outcome.failed
+        if ctx.injected_calls:
+            event["injected_calls"] = ctx.injected_calls
         if ctx.upstream_s is not None:
             event["upstream_ms"] = round(ctx.upstream_s * 1000, 3)
         if st.config.server.log_contents and ctx.request is not None:
@@ -292,3 +419,17 @@ class ChatHandler:
                     observer(ctx)
                 except Exception as exc:  # fail-open: scoring never breaks serving
                     log.warning("observer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+
+def _strip(answer: dict[str, Any], drop: set[int]) -> dict[str, Any]:
+    """The answer without the given tool calls (by identity); no call left → a plain text answer."""
+    choice = answer["choices"][0]
+    message = dict(choice.get("message") or {})
+    kept = [c for c in message.get("tool_calls") or [] if id(c) not in drop]
+    if kept:
+        message["tool_calls"] = kept
+    else:
+        message.pop("tool_calls", None)
+        message["content"] = message.get("content") or ""
+    finish = "tool_calls" if kept else "stop"
+    return {**answer, "choices": [{**choice, "message": message, "finish_reason": finish}, *answer["choices"][1:]]}

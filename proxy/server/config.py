@@ -40,6 +40,9 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     max_concurrent: int = 4
     #: replay may ask for strict: a perturber failure fails the request instead of serving unperturbed
     strict: bool = False
+    #: a call to a tool the proxy added (toolkit expansion, catalog padding): "answer" — the proxy tells the
+    #: model the tool is unavailable and asks again, so the client only sees its own tools — or "pass"
+    injected_calls: Literal["answer", "pass"] = "answer"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:

@@ -28,14 +28,16 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.models = frozenset(model_allowlist or [])
         r = self.registry
-        self.requests = Counter("toolquake_requests", "Requests answered, by profile, route, status class, stream and model.",
+        self.requests = Counter("toolquake_requests",
+                                "Requests answered, by profile, route, status class, stream and model.",
                                 ["profile", "route", "status_class", "stream", "model"], registry=r)
         self.duration = Histogram("toolquake_request_duration_seconds", "Total time from request to last byte sent.",
                                   ["profile", "route", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.upstream_duration = Histogram("toolquake_upstream_duration_seconds",
                                            "Time spent waiting on the upstream (request sent to last byte received).",
                                            ["route", "stream"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfb = Histogram("toolquake_time_to_first_byte_seconds", "Time from request to first body byte sent to the client.",
+        self.ttfb = Histogram("toolquake_time_to_first_byte_seconds",
+                              "Time from request to first body byte sent to the client.",
                               ["profile", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.overhead = Histogram("toolquake_proxy_overhead_seconds", "Total duration minus upstream duration.",
                                   ["route", "stream"], buckets=OVERHEAD_BUCKETS, registry=r)
@@ -50,6 +52,9 @@ class Metrics:
         self.upstream_errors = Counter("toolquake_upstream_errors",
                                        "Upstream failures answered by the proxy (unreachable, timeout, protocol).",
                                        ["kind"], registry=r)
+        self.injected_calls = Counter("toolquake_injected_tool_calls",
+                                      "Calls the model made to tools the proxy added (not the client's), by profile "
+                                      "and the perturber that added the tool.", ["profile", "perturber"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r)
         self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
                                       "(non-negative reports only), by the token counter that measured them.",

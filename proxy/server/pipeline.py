@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 
 from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services
@@ -22,13 +23,36 @@ from toolquake.proxy.server.profiles import Profile
 log = structlog.get_logger("toolquake.pipeline")
 
 
-def seed_for(header: str | None, body: bytes) -> int:
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def conversation_key(request: ChatRequest) -> bytes | None:
+    """What stays fixed across the turns of one agent run: its first user message and its tool names
+    (sorted); None when the request has no user message (then the body decides)."""
+    for message in request.messages:
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            text = content if isinstance(content, str) else msgspec.json.encode(content).decode()
+            names = sorted(str((t.get("function") or {}).get("name")) for t in request.tools if isinstance(t, dict))
+            return msgspec.json.encode([text, names])
+    return None
+
+
+def seed_for(header: str | None, body: bytes, *, conversation: str | None = None,
+             request: ChatRequest | None = None) -> int:
+    """The request's seed: an integer `X-Toolquake-Seed`; else the conversation — `X-Toolquake-Conversation`
+    when sent, else the conversation key of the request — so every turn of one conversation perturbs the
+    same way; else a hash of the body."""
     if header:
         try:
             return int(header)
         except ValueError:
             pass
-    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "big")
+    if conversation:
+        return _hash(b"conversation:" + conversation.encode("utf-8", "replace"))
+    key = conversation_key(request) if request is not None else None
+    return _hash(b"key:" + key) if key is not None else _hash(body)
 
 
 @dataclass
@@ -39,6 +63,8 @@ class Applied:
     params: dict[str, Any]
     report: dict[str, Any]
     perturber: Perturber | None = field(default=None, repr=False, compare=False)
+    #: names of tools this step added to the request (tools the client never offered)
+    added_tools: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +81,15 @@ class Outcome:
     @property
     def rewrites_response(self) -> bool:
         return bool(self.restorers)
+
+    @property
+    def injected(self) -> dict[str, str]:
+        """Tools in the perturbed request that the client did not send: name → the step that added it."""
+        out: dict[str, str] = {}
+        for a in self.applied:
+            for name in a.added_tools:
+                out.setdefault(name, a.name)
+        return out
 
 
 class PerturbationFailed(Exception):
@@ -89,6 +124,7 @@ async def run_profile(profile: Profile, request: ChatRequest, seed: int, service
             outcome.skipped.append(p.name)
             continue
         ctx = PerturbContext(seed=seed, rng=rng, services=services, case=case)
+        before = current
         try:
             current = await _call(p, current, ctx)
         except Exception as exc:  # fail-open boundary: nothing a perturber does may break the request
@@ -98,12 +134,17 @@ async def run_profile(profile: Profile, request: ChatRequest, seed: int, service
             if profile.spec.strict:
                 raise PerturbationFailed(p.name, exc) from exc
             continue
-        outcome.applied.append(Applied(p.name, p.params(), dict(ctx.report), p))
+        added = [] if current.tools is before.tools else sorted(tool_names(current) - tool_names(before))
+        outcome.applied.append(Applied(p.name, p.params(), dict(ctx.report), p, added))
         if p.rewrites_response:
             outcome.restorers.append((p, ctx))
     outcome.request = current
     outcome.changed = current is not request
     return outcome
+
+
+def tool_names(request: ChatRequest) -> set[str]:
+    return {str((t.get("function") or {}).get("name")) for t in request.tools if isinstance(t, dict)}
 
 
 def restore(outcome: Outcome, response: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions wire types (msgspec Structs) and nothing else.
+"""OpenAI wire types (msgspec Structs) of Chat Completions and the Responses API, and nothing else.
 
 The request types decode only what the proxy must read or validate; every field they do not
 name is ignored by the decoder and survives in the raw body that is forwarded.
@@ -56,6 +56,26 @@ class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
 
 
+class ResponsesTool(msgspec.Struct, omit_defaults=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesRequest(msgspec.Struct, omit_defaults=True):
+    """The fields of a Responses API request (`POST /v1/responses`) that the proxy validates and reads."""
+
+    input: str | list[dict[str, Any]] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    previous_response_id: str | None = None
+
+
 class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
@@ -89,4 +109,5 @@ class ErrorBody(msgspec.Struct):
 
 
 request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+responses_request_decoder = msgspec.json.Decoder(ResponsesRequest)
 completion_decoder = msgspec.json.Decoder(ChatCompletion)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from toolquake.perturbers import ChatRequest, Services
+    from toolquake.proxy.server.apis import Api
     from toolquake.proxy.server.config import Config
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.pipeline import Outcome
@@ -17,15 +18,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class RequestContext:
-    """One chat-completions request from arrival to the last byte of its answer.
+    """One model request (chat completions or Responses) from arrival to the last byte of its answer.
 
     The handler fills it in as the request goes (profile, seed, case, outcome, then status and
     timings); the log line is written from it; observers get it once the client was answered.
+    `request` and `response` are chat-completions shaped whatever the API (the one internal form);
+    `api`, `wire_request` and `conversion` say how to speak the client's API again.
     """
 
     request_id: str
     #: perf_counter() at arrival, and when the request went upstream
     t0: float
+    api: Api | None = None
     t_upstream: float | None = None
     profile: Profile | None = None
     stream: bool = False
@@ -33,8 +37,10 @@ class RequestContext:
     seed: int = 0
     case: Any = None
     case_header: str | None = None
-    #: the client's request as decoded JSON (None when nobody needs it decoded)
+    #: the client's request, chat-shaped (None when nobody needs it decoded); as sent, and its conversion
     request: dict[str, Any] | None = None
+    wire_request: dict[str, Any] | None = field(default=None, repr=False)
+    conversion: Any = field(default=None, repr=False)
     outcome: Outcome | None = None
     #: end-to-end client headers (auth included) as sent upstream; for a shadow twin, never logged or stored
     forward_headers: list[tuple[str, str]] = field(repr=False, default_factory=list)
@@ -46,6 +52,12 @@ class RequestContext:
     response: dict[str, Any] | None = None
     total_s: float = 0.0
     upstream_s: float | None = None
+    #: names of the tools the proxy added that the model called (before `injected_calls` handled them)
+    injected_calls: list[str] = field(default_factory=list)
+
+    @property
+    def route(self) -> str:
+        return self.api.route if self.api is not None else "-"
 
     @property
     def profile_name(self) -> str:

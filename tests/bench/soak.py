@@ -30,7 +30,7 @@ TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
 FAULTS = {
     "": lambda stream, s, b: s == 200 and (b.endswith(b"data: [DONE]\n\n") if stream else b'"choices"' in b),
     "status:503": lambda stream, s, b: s == 503 and b'"injected"' in b,
-    "invalid-json": lambda stream, s, b: s == 200,
+    "invalid-json": lambda stream, s, b: s == 502,
     "cut-stream": lambda stream, s, b: (s == 200 and b"[DONE]" not in b) if stream else s == 502,
     "slow-bytes:1": lambda stream, s, b: s == 200,
     "delay:8000": lambda stream, s, b: s == 504 and b"upstream_timeout" in b,

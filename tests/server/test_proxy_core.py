@@ -288,10 +288,15 @@ def test_bad_requests_are_rejected_openai_shaped(proxy_factory):
     assert httpx.post(url, json=body()).status_code == 200
 
 
-def test_invalid_json_from_upstream_passes_through_unchanged(proxy):
+def test_invalid_json_from_upstream_is_an_openai_shaped_502_and_counted(proxy):
+    before = metric_value(httpx.get(f"{proxy.url}/metrics").text, "toolquake_upstream_errors_total",
+                          kind="invalid_response")
     r = httpx.post(f"{proxy.url}/v1/chat/completions", json=body(), headers={"x-fake-fault": "invalid-json"})
-    assert r.status_code == 200
-    assert r.content == b'{"id": "chatcmpl-broken", "choices": ['
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_invalid_response" and "not JSON" in r.json()["error"]["message"]
+    after = metric_value(httpx.get(f"{proxy.url}/metrics").text, "toolquake_upstream_errors_total",
+                         kind="invalid_response")
+    assert after == before + 1
 
 
 def test_upstream_cutting_a_stream_ends_the_client_stream(proxy):

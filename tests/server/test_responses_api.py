@@ -1,0 +1,231 @@
+"""The Responses API and live-agent safety: perturbed like chat, relayed as streamed, conversation-stable
+seeds, calls to tools the proxy invented, and upstream oddities answered cleanly.
+
+Real processes: `toolquake serve` and the fake upstream (which speaks `/v1/responses`); the client is
+the `openai` SDK. Assertions are on what the upstream received and what the client got.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import recorded
+from tests.server.test_proxy_core import metric_value
+
+NAMES = ["get_weather", "get_time", "get_news", "get_stock", "get_flight", "get_hotel"]
+TOOLS = [{"type": "function", "name": n, "description": f"{n} for a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+         for n in NAMES]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+CONFIG = """
+[server]
+plugins = ["tests.plugins.adds_tool"]
+
+[profiles.shuffled]
+perturbers = [{ name = "tool_order", params = { mode = "shuffle" } }]
+
+[profiles.format-python]
+perturbers = [{ name = "format_rewrite", params = { return_format = "python", function_doc_format = "json" } }]
+
+[profiles.invented]
+perturbers = [{ name = "test_adds_tool" }]
+
+[profiles.invented-pass]
+injected_calls = "pass"
+perturbers = [{ name = "test_adds_tool" }]
+"""
+
+
+@pytest.fixture(scope="module")
+def tq(fake_upstream):
+    from tests.conftest import start_proxy
+
+    proc = start_proxy(fake_upstream.url, CONFIG)
+    yield proc
+    proc.stop()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex
+
+
+def client(proxy, profile: str, t: str, **headers: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test",
+                         default_headers={"x-test-tag": t, **headers})
+
+
+def sent_bodies(fake, t: str, path: str = "/v1/responses") -> list[dict]:
+    return [json.loads(r["body"]) for r in recorded(fake, t) if r["path"] == path]
+
+
+def metrics(proxy) -> str:
+    return httpx.get(f"{proxy.url}/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_responses_request_is_perturbed_and_counted_under_its_own_route(tq, fake_upstream, stream):
+    t = tag()
+    before = metric_value(metrics(tq), "toolquake_requests_total", route="responses", profile="shuffled",
+                          stream=str(stream).lower())
+    c = client(tq, "shuffled", t)
+    if stream:
+        events = list(c.responses.create(model="fake-model", input="Weather in Paris?", tools=TOOLS, stream=True))
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        answer = events[-1].response
+    else:
+        answer = c.responses.create(model="fake-model", input="Weather in Paris?", tools=TOOLS)
+    (got,) = sent_bodies(fake_upstream, t)
+    order = [tool["name"] for tool in got["tools"]]
+    assert sorted(order) == sorted(NAMES) and order != NAMES  # the tools arrived shuffled, in Responses shape
+    assert all("function" not in tool for tool in got["tools"])
+    calls = [item for item in answer.output if item.type == "function_call"]
+    assert [call.name for call in calls] == [order[0]]  # the fake calls the first tool it was sent
+    after = metric_value(metrics(tq), "toolquake_requests_total", route="responses", profile="shuffled",
+                         stream=str(stream).lower())
+    assert after == before + 1
+
+
+def test_unknown_fields_and_items_survive_perturbation_in_place(tq, fake_upstream):
+    t = tag()
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "x_vendor": {"kept": True}},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"}]
+    body = {"model": "fake-model", "input": items, "tools": [*TOOLS, {"type": "web_search"}],
+            "instructions": "Be brief.", "store": False, "x_custom": {"a": [1, 2]}}
+    r = httpx.post(f"{tq.url}/p/shuffled/v1/responses", json=body, headers={"x-test-tag": t})
+    assert r.status_code == 200, r.text
+    (got,) = sent_bodies(fake_upstream, t)
+    assert got["input"] == items and got["instructions"] == "Be brief."
+    assert got["x_custom"] == {"a": [1, 2]} and got["store"] is False
+    assert got["tools"][-1] == {"type": "web_search"}
+    assert sorted(tool["name"] for tool in got["tools"][:-1]) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_format_rewrite_on_responses_sends_no_tools_and_gives_back_calls(tq, fake_upstream, stream):
+    t = tag()
+    text = json.dumps({"text": "[get_time(city='Tokyo')]"})
+    c = client(tq, "format-python", t, **{"x-fake-answer": text})
+    if stream:
+        events = list(c.responses.create(model="fake-model", input="Time in Tokyo?", tools=TOOLS, stream=True))
+        answer = events[-1].response
+        assert any(e.type == "response.function_call_arguments.delta" for e in events)
+    else:
+        answer = c.responses.create(model="fake-model", input="Time in Tokyo?", tools=TOOLS)
+    (got,) = sent_bodies(fake_upstream, t)
+    assert "tools" not in got and "get_time" in json.dumps(got["input"])  # docs moved into the prompt
+    (call,) = [item for item in answer.output if item.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments) == {"city": "Tokyo"}
+
+
+def test_unknown_profile_header_on_responses_is_404(tq):
+    r = httpx.post(f"{tq.url}/v1/responses", json={"model": "m", "input": "hi"},
+                   headers={"x-toolquake-profile": "no-such-profile"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_profile"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_every_turn_of_one_conversation_gets_the_same_perturbation(tq, fake_upstream, api):
+    t = tag()
+    if api == "chat":
+        c = client(tq, "shuffled", t).chat.completions
+        first = c.create(model="fake-model", messages=[{"role": "user", "content": "Plan my trip to Rome."}],
+                         tools=CHAT_TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        c.create(model="fake-model", tools=CHAT_TOOLS, messages=[
+            {"role": "user", "content": "Plan my trip to Rome."},
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+        path, key = "/v1/chat/completions", lambda tool: tool["function"]["name"]
+    else:
+        c = client(tq, "shuffled", t).responses
+        first = c.create(model="fake-model", input="Plan my trip to Rome.", tools=TOOLS)
+        call = first.output[0]
+        c.create(model="fake-model", tools=TOOLS, input=[
+            {"role": "user", "content": "Plan my trip to Rome."},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        path, key = "/v1/responses", lambda tool: tool["name"]
+    turns = sent_bodies(fake_upstream, t, path)
+    assert len(turns) == 2
+    orders = [[key(tool) for tool in body["tools"]] for body in turns]
+    assert orders[0] == orders[1] and orders[0] != NAMES
+
+
+def test_the_conversation_header_keys_the_perturbation(tq, fake_upstream):
+    t = tag()
+    for question in ("First question?", "A different opening question?"):
+        client(tq, "shuffled", t, **{"x-toolquake-conversation": "run-42"}).responses.create(
+            model="fake-model", input=question, tools=TOOLS)
+    orders = [[tool["name"] for tool in body["tools"]] for body in sent_bodies(fake_upstream, t)]
+    assert len(orders) == 2 and orders[0] == orders[1]
+    # without the header the two openings are two conversations: their own seeds, their own orders
+    u = tag()
+    for question in ("First question?", "A different opening question?"):
+        client(tq, "shuffled", u).responses.create(model="fake-model", input=question, tools=TOOLS)
+    others = [[tool["name"] for tool in body["tools"]] for body in sent_bodies(fake_upstream, u)]
+    assert len(others) == 2 and others[0] != others[1]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_calls_to_an_invented_tool_are_answered_by_the_proxy(tq, fake_upstream, api, stream):
+    """`injected_calls = "answer"` (the default): the model called the tool the proxy added; the proxy told
+    it the tool is unavailable and asked again; the client only ever sees a call to its own tool."""
+    t = tag()
+    before = metric_value(metrics(tq), "toolquake_injected_tool_calls_total", profile="invented",
+                          perturber="test_adds_tool")
+    c = client(tq, "invented", t, **{"x-fake-call-foreign": ",".join(NAMES)})
+    if api == "chat":
+        kw = dict(model="fake-model", messages=[{"role": "user", "content": "Archive?"}], tools=CHAT_TOOLS)
+        if stream:
+            chunks = list(c.chat.completions.create(stream=True, **kw))
+            names = [d.function.name for ch in chunks for choice in ch.choices for d in choice.delta.tool_calls or []
+                     if d.function and d.function.name]
+        else:
+            names = [tc.function.name for tc in c.chat.completions.create(**kw).choices[0].message.tool_calls]
+        path = "/v1/chat/completions"
+    else:
+        kw = dict(model="fake-model", input="Archive?", tools=TOOLS)
+        answer = list(c.responses.create(stream=True, **kw))[-1].response if stream else c.responses.create(**kw)
+        names = [item.name for item in answer.output if item.type == "function_call"]
+        path = "/v1/responses"
+    assert names == [NAMES[0]]
+    first, second = sent_bodies(fake_upstream, t, path)
+    assert "zz_lookup_archive" in json.dumps(first["tools"]) and "is not available" in json.dumps(second)
+    after = metric_value(metrics(tq), "toolquake_injected_tool_calls_total", profile="invented",
+                         perturber="test_adds_tool")
+    assert after == before + 1
+
+
+def test_pass_policy_lets_the_client_see_the_invented_call_and_counts_it(tq, fake_upstream):
+    t = tag()
+    before = metric_value(metrics(tq), "toolquake_injected_tool_calls_total", profile="invented-pass")
+    c = client(tq, "invented-pass", t, **{"x-fake-call-foreign": ",".join(NAMES)})
+    message = c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Archive?"}],
+                                        tools=CHAT_TOOLS).choices[0].message
+    assert [tc.function.name for tc in message.tool_calls] == ["zz_lookup_archive"]
+    assert len(sent_bodies(fake_upstream, t, "/v1/chat/completions")) == 1
+    assert metric_value(metrics(tq), "toolquake_injected_tool_calls_total", profile="invented-pass") == before + 1
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    ("/v1/responses", {"model": "m", "input": "hi", "stream": True}),
+])
+@pytest.mark.parametrize("fault", ["empty-stream", "no-done"])
+def test_an_empty_or_unfinished_stream_ends_with_an_error_event_and_is_counted(tq, path, body, fault):
+    before = metric_value(metrics(tq), "toolquake_upstream_errors_total", kind="invalid_response")
+    with httpx.stream("POST", f"{tq.url}{path}", json=body, headers={"x-fake-fault": fault}) as r:
+        data = b"".join(r.iter_raw())
+    last = [line for line in data.split(b"\n") if line.startswith(b"data: ")][-1]
+    error = json.loads(last[len(b"data: "):])["error"]
+    assert error["code"] == "upstream_invalid_response"
+    assert ("empty" in error["message"]) == (fault == "empty-stream")
+    assert metric_value(metrics(tq), "toolquake_upstream_errors_total", kind="invalid_response") == before + 1
