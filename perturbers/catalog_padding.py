@@ -1,4 +1,5 @@
-"""catalog_padding: pads the toolkit with random pool tools up to a token budget, the request's own tools at fraction α (seed 003 §4.1)."""
+"""catalog_padding: pads the toolkit with random pool tools up to a token budget, the request's own tools at
+fraction α (seed 003 §4.1)."""
 
 from __future__ import annotations
 
@@ -61,16 +62,29 @@ class CatalogPadding(Perturber):
 
         # how this counter's whole-request count compares with its per-tool costs, kept between requests
         learned = ctx.services.get(f"catalog_padding_ratio:{getattr(counter, 'key', counter.source)}", dict)
-        result = fit(counter, self.budget_tokens, base, iter(costs.tolist()),
-                     lambda n: counter.count_request({**request.body, "tools": build(n)}), learned=learned)
+        result = fit(
+            counter,
+            self.budget_tokens,
+            base,
+            iter(costs.tolist()),
+            lambda n: counter.count_request({**request.body, "tools": build(n)}),
+            learned=learned,
+        )
         n = result.units
         at = round(self.position * n)
-        ctx.report.update({
-            "tokens_before": base, "tokens_after": result.total, "tokens_added": result.total - base,
-            "tools_before": len(originals), "tools_added": n, "tools_after": n + len(originals),
-            "insert_index": at, "position": at / n if n else None,
-            "original_tools": [tool_name(t) for t in originals],
-        })
+        ctx.report.update(
+            {
+                "tokens_before": base,
+                "tokens_after": result.total,
+                "tokens_added": result.total - base,
+                "tools_before": len(originals),
+                "tools_added": n,
+                "tools_after": n + len(originals),
+                "insert_index": at,
+                "position": at / n if n else None,
+                "original_tools": [tool_name(t) for t in originals],
+            }
+        )
         if n == 0:
             return request
         return request.replace(tools=build(n))

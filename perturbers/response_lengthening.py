@@ -80,13 +80,16 @@ class ResponseLengthening(Perturber):
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         counter = ctx.services.token_counter
         messages = request.messages
-        wanted = [i for i, m in enumerate(messages) if m.get("role") in _TOOL_ROLES and isinstance(m.get("content"), str)]
+        wanted = [
+            i for i, m in enumerate(messages) if m.get("role") in _TOOL_ROLES and isinstance(m.get("content"), str)
+        ]
         if self.target == "last":
             wanted = wanted[-1:]
         targets, skipped = [], []
         # words for look-alike names: the conversation's own prose
-        words = " ".join(m["content"] for m in messages if isinstance(m.get("content"), str)
-                         and m.get("role") not in _TOOL_ROLES)
+        words = " ".join(
+            m["content"] for m in messages if isinstance(m.get("content"), str) and m.get("role") not in _TOOL_ROLES
+        )
         for i in wanted:
             try:
                 targets.append(_Target(i, messages[i]["content"], ctx, words))
@@ -94,8 +97,9 @@ class ResponseLengthening(Perturber):
                 skipped.append({"message": i, "reason": str(exc)[:200]})
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
         if not targets:
-            ctx.report.update(tokens_added=0, reason="no tool message with records or text to pad",
-                              skipped_messages=skipped)
+            ctx.report.update(
+                tokens_added=0, reason="no tool message with records or text to pad", skipped_messages=skipped
+            )
             return request
 
         def build(n: int) -> tuple[ChatRequest, list[int]]:
@@ -119,11 +123,23 @@ class ResponseLengthening(Perturber):
                     t.units.append(text)
                     yield cost
 
-        result = fit(counter, self.budget_tokens, base, costs(), lambda n: counter.count_request(build(n)[0].body),
-                     learned=learned_ratio(ctx.services, counter))
+        result = fit(
+            counter,
+            self.budget_tokens,
+            base,
+            costs(),
+            lambda n: counter.count_request(build(n)[0].body),
+            learned=learned_ratio(ctx.services, counter),
+        )
         perturbed, positions = build(result.units)
-        ctx.report.update(tokens_added=result.total - base, tokens_total=result.total, units_added=result.units,
-                          position=positions[-1], targets=len(targets), counts=result.counts)
+        ctx.report.update(
+            tokens_added=result.total - base,
+            tokens_total=result.total,
+            units_added=result.units,
+            position=positions[-1],
+            targets=len(targets),
+            counts=result.counts,
+        )
         if skipped:
             ctx.report["skipped_messages"] = skipped
         if result.units == 0:

@@ -63,7 +63,8 @@ WORD_EDITS: tuple[tuple[str, Callable[[str, Any], str], int], ...] = (
 
 @register
 class SurfaceNoise(Perturber):
-    """Each free word of the last user message gets one slip with probability `rate`; so does each gap and punctuation mark."""
+    """Each free word of the last user message gets one slip with probability `rate`; so does each gap and
+    punctuation mark."""
 
     name = "surface_noise"
     rate: float = 0.1
@@ -110,7 +111,7 @@ def _noisy_free(chunk: str, rate: float, rng: Any, edits: dict[str, int]) -> str
     pieces: list[str] = []
     last = 0
     for m in _WORD.finditer(chunk):
-        pieces.append(_noisy_gap(chunk[last:m.start()], rate, rng, edits))
+        pieces.append(_noisy_gap(chunk[last : m.start()], rate, rng, edits))
         word = m.group()
         if rng.random() < rate:
             kind = rng.choices(kinds, weights)[0]
@@ -136,5 +137,5 @@ def _noisy_gap(gap: str, rate: float, rng: Any, edits: dict[str, int]) -> str:
         edits["punctuation"] = edits.get("punctuation", 0) + 1
         mark = m.group()
         replacement = "" if rng.random() < 0.6 else mark * 2
-        return gap[:m.start()] + replacement + gap[m.end():]
+        return gap[: m.start()] + replacement + gap[m.end() :]
     return gap

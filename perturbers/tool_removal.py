@@ -1,4 +1,5 @@
-"""tool_removal: removes the tool the request needs, so the right behaviour becomes "no call" (seed 004 miss_func; BFCL irrelevance)."""
+"""tool_removal: removes the tool the request needs, so the right behaviour becomes "no call" (seed 004
+miss_func; BFCL irrelevance)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ class ToolRemoval(Perturber):
         tools = list(request.tools)
         if self.which == EXPECTED:
             if ctx.case is None:
-                raise LookupError("which='expected' needs the BFCL case: send X-Toolquake-Case or serve with "
-                                  "a corpus so the case is resolved")
+                raise LookupError(
+                    "which='expected' needs the BFCL case: send X-Toolquake-Case or serve with "
+                    "a corpus so the case is resolved"
+                )
             wanted = set(expected_functions(ctx.case))
             if not wanted:
                 raise LookupError(f"case {getattr(ctx.case, 'id', '?')} has no ground-truth call to remove")
@@ -89,8 +92,14 @@ class ToolRemoval(Perturber):
         else:
             removed = [t for t in tools if _matches(t, {self.which})]
         names = [tool_name(t) for t in removed]
-        ctx.report.update({"which": self.which, "removed": names, "tools_before": len(tools),
-                           "tools_after": len(tools) - len(removed)})
+        ctx.report.update(
+            {
+                "which": self.which,
+                "removed": names,
+                "tools_before": len(tools),
+                "tools_after": len(tools) - len(removed),
+            }
+        )
         if not removed:
             return request
         ctx.report["expect"] = _expectation(self.which, names, ctx.case)

@@ -137,13 +137,15 @@ def _agent_turn(body: dict[str, Any], plan: str) -> dict[str, Any]:
         wanted = names[len(results)]
         tool = next((t.get("function") or {} for t in body.get("tools") or []
                      if (t.get("function") or {}).get("name") == wanted), {"name": wanted})
-        return {"calls": [{"name": wanted, "arguments": _example({"type": "object", **(tool.get("parameters") or {})})}]}
+        arguments = _example({"type": "object", **(tool.get("parameters") or {})})
+        return {"calls": [{"name": wanted, "arguments": arguments}]}
     said = "; ".join(str(m.get("content")) for m in results)
     return {"text": f"Final answer after {len(results)} tool results: {said}"}
 
 
-def choose_answer(body: dict[str, Any], header: str | None, foreign: str | None = None,
-                  agent: str | None = None) -> dict[str, Any]:
+def choose_answer(
+    body: dict[str, Any], header: str | None, foreign: str | None = None, agent: str | None = None
+) -> dict[str, Any]:
     if header:
         return _dec(header)
     if agent:
@@ -169,8 +171,11 @@ def choose_answer(body: dict[str, Any], header: str | None, foreign: str | None 
             name = (wanted.get("function") or {}).get("name")
             tool = next((t for t in tools if t.get("function", {}).get("name") == name), tool)
         fn = tool.get("function") or {}
-        return {"calls": [{"name": fn.get("name", "f"), "arguments": _example(
-            {"type": "object", **(fn.get("parameters") or {})})}]}
+        return {
+            "calls": [
+                {"name": fn.get("name", "f"), "arguments": _example({"type": "object", **(fn.get("parameters") or {})})}
+            ]
+        }
     return {"text": "Hello from the fake upstream."}
 
 
@@ -180,14 +185,25 @@ def completion(answer: dict[str, Any], model: str) -> dict[str, Any]:
     finish = "stop"
     if answer.get("calls"):
         message["tool_calls"] = [
-            {"id": f"call_{n}_{i}", "type": "function",
-             "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(c["arguments"], str)
-                          else _enc(c["arguments"]).decode()}}
-            for i, c in enumerate(answer["calls"])]
+            {
+                "id": f"call_{n}_{i}",
+                "type": "function",
+                "function": {
+                    "name": c["name"],
+                    "arguments": c["arguments"] if isinstance(c["arguments"], str) else _enc(c["arguments"]).decode(),
+                },
+            }
+            for i, c in enumerate(answer["calls"])
+        ]
         finish = "tool_calls"
-    return {"id": f"chatcmpl-fake-{n}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+    return {
+        "id": f"chatcmpl-fake-{n}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
 
 
 def stream_frames(resp: dict[str, Any], piece: int = 8) -> list[bytes]:
@@ -200,13 +216,25 @@ def stream_frames(resp: dict[str, Any], piece: int = 8) -> list[bytes]:
     out = [frame({"role": "assistant", "content": ""})]
     text = msg.get("content") or ""
     for i in range(0, len(text), piece):
-        out.append(frame({"content": text[i:i + piece]}))
+        out.append(frame({"content": text[i : i + piece]}))
     for n, tc in enumerate(msg.get("tool_calls") or []):
-        out.append(frame({"tool_calls": [{"index": n, "id": tc["id"], "type": "function",
-                                          "function": {"name": tc["function"]["name"], "arguments": ""}}]}))
+        out.append(
+            frame(
+                {
+                    "tool_calls": [
+                        {
+                            "index": n,
+                            "id": tc["id"],
+                            "type": "function",
+                            "function": {"name": tc["function"]["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        )
         args = tc["function"]["arguments"]
         for i in range(0, len(args), piece):
-            out.append(frame({"tool_calls": [{"index": n, "function": {"arguments": args[i:i + piece]}}]}))
+            out.append(frame({"tool_calls": [{"index": n, "function": {"arguments": args[i : i + piece]}}]}))
     out.append(frame({}, resp["choices"][0]["finish_reason"]))
     out.append(b"data: [DONE]\n\n")
     return out
@@ -224,8 +252,13 @@ async def _read_body(receive) -> bytes:
 
 
 async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", extra=()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *extra]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *extra],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -251,8 +284,15 @@ async def app(scope, receive, send) -> None:
                 tag = part[4:]
         items = [r for r in RECORDED if tag is None or r["headers"].get("x-test-tag") == tag]
         return await _send(send, 200, _enc(items))
-    RECORDED.append({"method": method, "path": path, "query": scope.get("query_string", b"").decode(),
-                     "headers": headers, "body": raw.decode("utf-8", "replace")})
+    RECORDED.append(
+        {
+            "method": method,
+            "path": path,
+            "query": scope.get("query_string", b"").decode(),
+            "headers": headers,
+            "body": raw.decode("utf-8", "replace"),
+        }
+    )
     fault = headers.get("x-fake-fault", "")
     kind, _, arg = fault.partition(":")
     if kind == "delay":
@@ -260,8 +300,9 @@ async def app(scope, receive, send) -> None:
     elif kind == "hang":
         await asyncio.sleep(3600)
     elif kind == "status":
-        return await _send(send, int(arg), _enc({"error": {"message": f"injected {arg}", "type": "server_error",
-                                                           "code": "injected"}}))
+        return await _send(
+            send, int(arg), _enc({"error": {"message": f"injected {arg}", "type": "server_error", "code": "injected"}})
+        )
     if path.endswith("/chat/completions") and method == "POST":
         return await _chat(raw, headers, kind, arg, send, receive)
     if path.endswith("/responses") and method == "POST":
@@ -269,11 +310,30 @@ async def app(scope, receive, send) -> None:
     if path.endswith("/models"):
         return await _send(send, 200, _enc({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
     if path.endswith("/completions") and method == "POST":
-        return await _send(send, 200, _enc({"id": "cmpl-fake", "object": "text_completion", "model": MODEL,
-                                            "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}]}))
+        return await _send(
+            send,
+            200,
+            _enc(
+                {
+                    "id": "cmpl-fake",
+                    "object": "text_completion",
+                    "model": MODEL,
+                    "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}],
+                }
+            ),
+        )
     if path.endswith("/embeddings") and method == "POST":
-        return await _send(send, 200, _enc({"object": "list", "model": MODEL,
-                                            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]}))
+        return await _send(
+            send,
+            200,
+            _enc(
+                {
+                    "object": "list",
+                    "model": MODEL,
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                }
+            ),
+        )
     if path in TOKENIZE_ROUTES:
         try:
             body = _dec(raw) if raw else {}
@@ -281,8 +341,9 @@ async def app(scope, receive, send) -> None:
             return await _send(send, 400, b'{"error":{"message":"bad json","type":"invalid_request_error"}}')
         text = _enc([body.get("messages") or body.get("prompt") or body.get("input") or "", body.get("tools") or []])
         count = max(1, len(text) // 4)
-        payload = {"count": count} if path.startswith("/extras") else {"count": count, "max_model_len": 131072,
-                                                                         "tokens": []}
+        payload = (
+            {"count": count} if path.startswith("/extras") else {"count": count, "max_model_len": 131072, "tokens": []}
+        )
         return await _send(send, 200, _enc(payload))
     return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
 
@@ -292,23 +353,39 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         body = _dec(raw)
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
-    resp = completion(choose_answer(body, headers.get("x-fake-answer") or _by_first_tool(body, headers),
-                                    headers.get("x-fake-call-foreign"), headers.get("x-fake-agent")),
-                      body.get("model") or MODEL)
+    resp = completion(
+        choose_answer(
+            body,
+            headers.get("x-fake-answer") or _by_first_tool(body, headers),
+            headers.get("x-fake-call-foreign"),
+            headers.get("x-fake-agent"),
+        ),
+        body.get("model") or MODEL,
+    )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
     if not body.get("stream"):
         data = _enc(resp)
         if kind == "cut-stream":  # the body stops halfway and the connection drops
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
             raise ConnectionAbortedError("fake upstream cut the body on purpose")
         if kind == "slow-bytes":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+                }
+            )
             for i in range(len(data)):
-                await send({"type": "http.response.body", "body": data[i:i + 1], "more_body": True})
+                await send({"type": "http.response.body", "body": data[i : i + 1], "more_body": True})
                 await asyncio.sleep(float(arg) / 1000)
             return await send({"type": "http.response.body", "body": b""})
         return await _send(send, 200, data)
@@ -339,12 +416,25 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             messages.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
-            messages.append({"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "type": "function",
-                             "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": item.get("call_id"),
+                            "type": "function",
+                            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                        }
+                    ],
+                }
+            )
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
-    tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-             for tool in body.get("tools") or [] if tool.get("type") == "function"]
+    tools = [
+        {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        for tool in body.get("tools") or []
+        if tool.get("type") == "function"
+    ]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("name"):
         choice = {"type": "function", "function": {"name": choice["name"]}}
@@ -355,23 +445,52 @@ def response_object(answer: dict[str, Any], model: str) -> dict[str, Any]:
     n = next(_ids)
     output: list[dict[str, Any]] = []
     if answer.get("text"):
-        output.append({"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]})
+        output.append(
+            {
+                "type": "message",
+                "id": f"msg_{n}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": answer["text"], "annotations": []}],
+            }
+        )
     for i, c in enumerate(answer.get("calls") or []):
         args = c["arguments"] if isinstance(c["arguments"], str) else _enc(c["arguments"]).decode()
-        output.append({"type": "function_call", "id": f"fc_{n}_{i}", "call_id": f"call_{n}_{i}", "status": "completed",
-                       "name": c["name"], "arguments": args})
-    return {"id": f"resp_fake_{n}", "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "completed", "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-            "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15}}
+        output.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{n}_{i}",
+                "call_id": f"call_{n}_{i}",
+                "status": "completed",
+                "name": c["name"],
+                "arguments": args,
+            }
+        )
+    return {
+        "id": f"resp_fake_{n}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "completed",
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15},
+    }
 
 
 def response_events(resp: dict[str, Any], piece: int = 8, final: bool = True) -> list[bytes]:
     seq = itertools.count()
 
     def ev(kind: str, **fields: Any) -> bytes:
-        return b"event: " + kind.encode() + b"\ndata: " + _enc({"type": kind, "sequence_number": next(seq),
-                                                                 **fields}) + b"\n\n"
+        return (
+            b"event: "
+            + kind.encode()
+            + b"\ndata: "
+            + _enc({"type": kind, "sequence_number": next(seq), **fields})
+            + b"\n\n"
+        )
 
     out = [ev("response.created", response={**resp, "status": "in_progress", "output": []})]
     for i, item in enumerate(resp["output"]):
@@ -379,14 +498,27 @@ def response_events(resp: dict[str, Any], piece: int = 8, final: bool = True) ->
             text = item["content"][0]["text"]
             out.append(ev("response.output_item.added", output_index=i, item={**item, "content": []}))
             for j in range(0, len(text), piece):
-                out.append(ev("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
-                              delta=text[j:j + piece]))
+                out.append(
+                    ev(
+                        "response.output_text.delta",
+                        item_id=item["id"],
+                        output_index=i,
+                        content_index=0,
+                        delta=text[j : j + piece],
+                    )
+                )
         else:
             out.append(ev("response.output_item.added", output_index=i, item={**item, "arguments": ""}))
             args = item["arguments"]
             for j in range(0, len(args), piece):
-                out.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                              delta=args[j:j + piece]))
+                out.append(
+                    ev(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=i,
+                        delta=args[j : j + piece],
+                    )
+                )
             out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=args))
         out.append(ev("response.output_item.done", output_index=i, item=item))
     if final:
@@ -400,9 +532,15 @@ async def _responses(raw: bytes, headers: dict[str, str], kind: str, arg: str, s
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
     chat = responses_as_chat(body)
-    resp = response_object(choose_answer(chat, headers.get("x-fake-answer") or _by_first_tool(chat, headers),
-                                         headers.get("x-fake-call-foreign"), headers.get("x-fake-agent")),
-                      body.get("model") or MODEL)
+    resp = response_object(
+        choose_answer(
+            chat,
+            headers.get("x-fake-answer") or _by_first_tool(chat, headers),
+            headers.get("x-fake-call-foreign"),
+            headers.get("x-fake-agent"),
+        ),
+        body.get("model") or MODEL,
+    )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "resp_broken", "output": [')
     if not body.get("stream"):
@@ -428,8 +566,13 @@ async def _watch_disconnect(receive, headers: dict[str, str], state: dict[str, b
 
 
 async def _stream(send, frames: list[bytes], kind: str, arg: str, state: dict[str, bool]) -> None:
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+    )
     if kind == "cut-stream":
         for f in frames[: max(1, len(frames) // 2)]:
             await send({"type": "http.response.body", "body": f, "more_body": True})
@@ -438,7 +581,7 @@ async def _stream(send, frames: list[bytes], kind: str, arg: str, state: dict[st
     for f in frames:
         if kind == "slow-bytes":
             for i in range(len(f)):
-                await send({"type": "http.response.body", "body": f[i:i + 1], "more_body": True})
+                await send({"type": "http.response.body", "body": f[i : i + 1], "more_body": True})
                 await asyncio.sleep(delay)
             continue
         await send({"type": "http.response.body", "body": f, "more_body": True})
@@ -455,11 +598,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--script", help="JSON lines of {match, answer} (see module docstring)")
-    parser.add_argument("--tokenize", choices=tuple(_TOKENIZE_CHOICES), default="both",
-                        help="tokenizer endpoints to serve: vLLM's /tokenize, llama.cpp's /extras/tokenize/count, "
-                             "both (default) or none")
-    parser.add_argument("--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents "
-                                                "(see module docstring)")
+    parser.add_argument(
+        "--tokenize",
+        choices=tuple(_TOKENIZE_CHOICES),
+        default="both",
+        help="tokenizer endpoints to serve: vLLM's /tokenize, llama.cpp's /extras/tokenize/count, "
+        "both (default) or none",
+    )
+    parser.add_argument(
+        "--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents (see module docstring)"
+    )
     args = parser.parse_args(argv)
     if args.trajectories:
         with open(args.trajectories) as f:
@@ -472,8 +620,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.script:
         with open(args.script) as f:
             SCRIPT.extend(_dec(line) for line in f if line.strip())
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="error",
-                access_log=False, lifespan="on")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="error",
+        access_log=False,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

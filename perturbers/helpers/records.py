@@ -134,7 +134,8 @@ class _Hole:
             elif c.isascii() and c.isalpha() and run.isalpha() and run.isascii():
                 if run.islower() or run.isupper():
                     low = run.islower()
-                    plan.append(((_HEXL_T if low else _HEXU_T) if hexish else (_LOWER_T if low else _UPPER_T), len(run)))
+                    kind = (_HEXL_T if low else _HEXU_T) if hexish else (_LOWER_T if low else _UPPER_T)
+                    plan.append((kind, len(run)))
                 else:  # mixed case (wordy runs): keep the first letter's case, lower the rest
                     plan.append((_UPPER_T if c.isupper() else _LOWER_T, 1))
                     plan.append((_LOWER_T, len(run) - 1))
@@ -146,16 +147,26 @@ class _Hole:
             plan.append(suffix)
         self.plan = plan
         literal = "".join(step for step in plan if isinstance(step, str))
-        words_ok = all(w.isascii() and w.isalpha() for step in plan if isinstance(step, tuple)
-                       and isinstance(step[0], list) for w in step[0])
+        words_ok = all(
+            w.isascii() and w.isalpha()
+            for step in plan
+            if isinstance(step, tuple) and isinstance(step[0], list)
+            for w in step[0]
+        )
         self.safe = words_ok and json.dumps(literal, ensure_ascii=False)[1:-1] == literal
 
 
 class RecordSource:
     """Draws synthetic records like the originals of one JSON value's main array."""
 
-    def __init__(self, value: Any, rng: random.Random, separators: tuple[str, str] = (", ", ": "),
-                 words: str = "", variants: int = 16) -> None:
+    def __init__(
+        self,
+        value: Any,
+        rng: random.Random,
+        separators: tuple[str, str] = (", ", ": "),
+        words: str = "",
+        variants: int = 16,
+    ) -> None:
         found = find_main_array(value)
         if found is None:
             raise LookupError("the JSON holds no array of records")
@@ -169,7 +180,9 @@ class RecordSource:
         for rec in self.originals:
             self._collect(rec, ())
         self._forbidden |= _all_leaves(value)
-        for w in _WORD.findall(words + " " + " ".join(x for x in self._forbidden if isinstance(x, str) and not _URL.match(x))):
+        for w in _WORD.findall(
+            words + " " + " ".join(x for x in self._forbidden if isinstance(x, str) and not _URL.match(x))
+        ):
             if len(w) > 1:
                 self._words.setdefault(len(w), []).append(w.lower())
         for length in self._words:
@@ -263,8 +276,11 @@ class RecordSource:
                 if isinstance(hole.original, int):
                     hole.width += 1
                 else:  # two more digits, before a file extension if there is one
-                    at = len(hole.plan) - 1 if hole.plan and isinstance(hole.plan[-1], str) and \
-                        hole.plan[-1].startswith(".") else len(hole.plan)
+                    at = (
+                        len(hole.plan) - 1
+                        if hole.plan and isinstance(hole.plan[-1], str) and hole.plan[-1].startswith(".")
+                        else len(hole.plan)
+                    )
                     hole.plan.insert(at, (_DIGIT_T, 2))
                 hole.widened, hole.misses = True, 0
 
@@ -273,7 +289,7 @@ class RecordSource:
         original = hole.original
         if isinstance(original, int):
             digits = hole.width
-            drawn = rng.randrange(10 ** (digits - 1), 10 ** digits)
+            drawn = rng.randrange(10 ** (digits - 1), 10**digits)
             return -drawn if original < 0 else drawn
         rb = rng.randbytes
         out = []

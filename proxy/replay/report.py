@@ -324,7 +324,8 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         row = [model]
         for p in profiles:
             arm = data["arms"].get(p)
-            row.append("" if arm is None else _acc(arm["accuracy"]) + ("" if p == baseline else _rel(arm["drop_vs_off"])))
+            drop = "" if arm is None or p == baseline else _rel(arm["drop_vs_off"])
+            row.append("" if arm is None else _acc(arm["accuracy"]) + drop)
         rows.append(row)
     out.append((f"AST accuracy per arm (relative change against `{baseline}` in brackets)", header, rows))
 
@@ -337,17 +338,36 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                 continue
             rows.append([model, p, str(failures), *(f"{arm['errors'].get(c, 0) / failures:.2f}" for c in cols)])
     if rows:
-        out.append(("Error analysis of perturbed arms (share of each error type among failures)",
-                    ["model", "profile", "failures", *cols], rows))
+        out.append(
+            (
+                "Error analysis of perturbed arms (share of each error type among failures)",
+                ["model", "profile", "failures", *cols],
+                rows,
+            )
+        )
 
     rows = []
     for model, data in models.items():
         for p, arm in data["arms"].items():
             failed = ", ".join(f"{k} {v}" for k, v in arm["failed_codes"].items())
-            rows.append([model, p, str(arm["n"]), _acc(arm["accuracy"]), _acc(arm["fair_accuracy"]),
-                         _acc(arm["semantic_accuracy"]), str(arm["failed"]) + (f" ({failed})" if failed else "")])
-    out.append(("Arms: scored pairs, accuracy in the three scoring modes, failed pairs",
-                ["model", "profile", "n", "bfcl", "fair", "semantic", "failed"], rows))
+            rows.append(
+                [
+                    model,
+                    p,
+                    str(arm["n"]),
+                    _acc(arm["accuracy"]),
+                    _acc(arm["fair_accuracy"]),
+                    _acc(arm["semantic_accuracy"]),
+                    str(arm["failed"]) + (f" ({failed})" if failed else ""),
+                ]
+            )
+    out.append(
+        (
+            "Arms: scored pairs, accuracy in the three scoring modes, failed pairs",
+            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed"],
+            rows,
+        )
+    )
 
     categories = sorted({c for data in models.values() for arm in data["arms"].values() for c in arm["by_category"]})
     for model, data in models.items():
@@ -356,8 +376,12 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             cells = []
             for c in categories:
                 cat = arm["by_category"].get(c)
-                cells.append("" if cat is None else f"{_acc(cat['accuracy'])} (n={cat['n']})"
-                             + ("" if p == baseline else _rel(cat.get("drop_vs_off"))))
+                cells.append(
+                    ""
+                    if cat is None
+                    else f"{_acc(cat['accuracy'])} (n={cat['n']})"
+                    + ("" if p == baseline else _rel(cat.get("drop_vs_off")))
+                )
             rows.append([p, *cells])
         out.append((f"Per category: {model}", ["profile", *categories], rows))
     return out
@@ -370,8 +394,12 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
         lines.append(f"({summary['duplicates']} pairs found in more than one file were counted once.)")
     lines.append("")
     for title, header, rows in tables(summary):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+        lines += [
+            f"## {title}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
     for name, ref in (images or {}).items():
@@ -381,27 +409,31 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
 
 def render_html(summary: dict[str, Any], pngs: dict[str, bytes]) -> str:
     esc = html.escape
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title><style>",
-             "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}",
-             "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
-             "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}</style></head><body>",
-             "<h1>toolquake replay report</h1>",
-             f"<p>Sources: {esc(', '.join(summary['sources']))}</p>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title><style>",
+        "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}",
+        "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
+        "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}</style></head><body>",
+        "<h1>toolquake replay report</h1>",
+        f"<p>Sources: {esc(', '.join(summary['sources']))}</p>",
+    ]
     for title, header, rows in tables(summary):
         parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
     for name, png in pngs.items():
-        parts.append(f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,"
-                     f"{base64.b64encode(png).decode()}'>")
+        parts.append(
+            f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
 def render_csv(summary: dict[str, Any]) -> str:
     """BFCL's leaderboard CSV shape: Rank, Overall Acc, Model, then one column per category (percent)."""
-    categories = sorted({c for data in summary["models"].values() for arm in data["arms"].values()
-                         for c in arm["by_category"]})
+    categories = sorted(
+        {c for data in summary["models"].values() for arm in data["arms"].values() for c in arm["by_category"]}
+    )
     entries = [(model, p, arm) for model, data in summary["models"].items() for p, arm in data["arms"].items()]
     entries.sort(key=lambda e: -(e[2]["accuracy"] or 0.0))
     buf = io.StringIO()
@@ -412,14 +444,22 @@ def render_csv(summary: dict[str, Any]) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
 
     for rank, (model, p, arm) in enumerate(entries, 1):
-        w.writerow([rank, pct(arm["accuracy"]), model, p, arm["n"],
-                    *(pct(arm["by_category"][c]["accuracy"]) if c in arm["by_category"] else "N/A"
-                      for c in categories)])
+        w.writerow(
+            [
+                rank,
+                pct(arm["accuracy"]),
+                model,
+                p,
+                arm["n"],
+                *(pct(arm["by_category"][c]["accuracy"]) if c in arm["by_category"] else "N/A" for c in categories),
+            ]
+        )
     return buf.getvalue()
 
 
-def build(paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE,
-          plots: bool = True) -> tuple[str, list[Path]]:
+def build(
+    paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True
+) -> tuple[str, list[Path]]:
     """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout)."""
     summary = summarize(load(paths), baseline)
     written: list[Path] = []

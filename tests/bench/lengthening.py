@@ -101,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| perturber | counter | budget | median ms | p90 ms | CPU ms (this thread) | median / 30 ms target | "
              "counted | error | counts/request |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['perturber']} | {r['counter']} | {r['budget']:,} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
-                     f"{r['cpu_median_ms']:.1f} | {r['median_ms'] / TARGET_MS:.2f} | {r['counted_tokens']:,} | "
-                     f"{r['error_pct']:+.1f} % | {r['counts_per_request']:.1f} |")
+        lines.append(
+            f"| {r['perturber']} | {r['counter']} | {r['budget']:,} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
+            f"{r['cpu_median_ms']:.1f} | {r['median_ms'] / TARGET_MS:.2f} | {r['counted_tokens']:,} | "
+            f"{r['error_pct']:+.1f} % | {r['counts_per_request']:.1f} |"
+        )
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall times include waiting for a core)")
     table = "\n".join(lines)
     print(table)

@@ -59,16 +59,39 @@ def run_wrk(url: str, conns: int, seconds: float) -> dict:
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "{AUTH["authorization"]}"\n'
                       f"wrk.body = [[{PAYLOAD.decode()}]]\n")
-    out = subprocess.run(["wrk", "-t", "1", "--timeout", "30s", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(script),
-                          f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t",
+            "1",
+            "--timeout",
+            "30s",
+            "-c",
+            str(conns),
+            "-d",
+            f"{max(1, round(seconds))}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"{url}/v1/chat/completions",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     pct = {p: _ms(v) for p, v in re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M)}
     if not pct:  # no request completed in the round
         pct = {"50": float("nan"), "99": float("nan")}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     socket_errors = re.search(r"Socket errors: (.*)", out)
-    return {"rps": rps, "p50_ms": pct["50"], "p99_ms": pct["99"], "non2xx": int(errors.group(1)) if errors else 0,
-            "socket_errors": socket_errors.group(1) if socket_errors else ""}
+    return {
+        "rps": rps,
+        "p50_ms": pct["50"],
+        "p99_ms": pct["99"],
+        "non2xx": int(errors.group(1)) if errors else 0,
+        "socket_errors": socket_errors.group(1) if socket_errors else "",
+    }
 
 
 def run_asyncio(url: str, conns: int, seconds: float) -> dict:
@@ -83,8 +106,11 @@ def run_asyncio(url: str, conns: int, seconds: float) -> dict:
                 nonlocal bad
                 while time.perf_counter() < end:
                     t = time.perf_counter()
-                    r = await client.post(f"{url}/v1/chat/completions", content=PAYLOAD,
-                                          headers={"content-type": "application/json", **AUTH})
+                    r = await client.post(
+                        f"{url}/v1/chat/completions",
+                        content=PAYLOAD,
+                        headers={"content-type": "application/json", **AUTH},
+                    )
                     lat.append((time.perf_counter() - t) * 1000)
                     bad += r.status_code != 200
 
@@ -119,17 +145,24 @@ def stream_timings(url: str, n: int, chunk_delay_ms: int) -> dict:
 
 def concurrent_streams(url: str, n: int) -> dict:
     """Open n streams at once (each ~30 frames, 20 ms apart) and count what did not complete."""
+
     async def main() -> dict:
         payload = json.dumps({**BODY, "stream": True}).encode()
         headers = {"content-type": "application/json", "x-fake-fault": "chunk-delay:20", **AUTH}
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+
             async def one() -> str:
                 try:
-                    async with client.stream("POST", f"{url}/v1/chat/completions", content=payload,
-                                             headers=headers) as r:
+                    async with client.stream(
+                        "POST", f"{url}/v1/chat/completions", content=payload, headers=headers
+                    ) as r:
                         data = b"".join([c async for c in r.aiter_raw()])
-                    return "ok" if r.status_code == 200 and data.endswith(b"data: [DONE]\n\n") else f"status {r.status_code}"
+                    return (
+                        "ok"
+                        if r.status_code == 200 and data.endswith(b"data: [DONE]\n\n")
+                        else f"status {r.status_code}"
+                    )
                 except httpx.HTTPError as exc:
                     return type(exc).__name__
 
@@ -166,14 +199,24 @@ def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
             print("litellm could not be installed; its arm is skipped", flush=True)
             return None
     cfg = cache / "litellm.yaml"
-    cfg.write_text("model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
-                   f"      api_base: {upstream}/v1\n      api_key: none\n")
+    cfg.write_text(
+        "model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
+        f"      api_base: {upstream}/v1\n      api_key: none\n"
+    )
     port = free_port()
-    env = {**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-           "LITELLM_LOG": "ERROR"}
+    env = {
+        **os.environ,
+        "LITELLM_MASTER_KEY": LITELLM_KEY,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_LOG": "ERROR",
+    }
     log = open(cache / "litellm.log", "wb")
-    proc = subprocess.Popen([str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1",
-                             "--telemetry", "False"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1", "--telemetry", "False"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -181,8 +224,12 @@ def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
             print("litellm exited; see", cache / "litellm.log", flush=True)
             return None
         try:
-            r = httpx.post(f"{url}/v1/chat/completions", content=PAYLOAD, timeout=5,
-                           headers={"content-type": "application/json", **AUTH})
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                content=PAYLOAD,
+                timeout=5,
+                headers={"content-type": "application/json", **AUTH},
+            )
             if r.status_code == 200:
                 return proc, url
         except httpx.HTTPError:
@@ -212,8 +259,13 @@ def main() -> None:
     litellm = None if args.no_litellm else start_litellm(fake.url)
     if litellm:
         arms["litellm"] = litellm[1]
-    results: dict = {"tool": tool, "machine": f"{platform.machine()} {os.cpu_count()} cores", "arms": list(arms),
-                     "load": {}, "streams": {}}
+    results: dict = {
+        "tool": tool,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "arms": list(arms),
+        "load": {},
+        "streams": {},
+    }
     try:
         for url in arms.values():  # warm every arm
             run_asyncio(url, 4, 1.0)
@@ -222,17 +274,26 @@ def main() -> None:
             for _ in range(args.rounds):
                 for arm, url in arms.items():
                     rounds[arm].append(load(url, conns, args.seconds))
-            med = {arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
-                   for arm, rs in rounds.items()}
-            entry = {"rounds": rounds, "median": med, "errors": {a: sum(r["non2xx"] for r in rs) for a, rs in rounds.items()}}
+            med = {
+                arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+                for arm, rs in rounds.items()
+            }
+            entry = {
+                "rounds": rounds,
+                "median": med,
+                "errors": {a: sum(r["non2xx"] for r in rs) for a, rs in rounds.items()},
+            }
             for arm in arms:
                 if arm != "direct":
-                    entry[arm] = {"throughput_vs_direct": med[arm]["rps"] / med["direct"]["rps"],
-                                  "added_p50_ms": med[arm]["p50_ms"] - med["direct"]["p50_ms"],
-                                  "added_p99_ms": med[arm]["p99_ms"] - med["direct"]["p99_ms"]}
+                    entry[arm] = {
+                        "throughput_vs_direct": med[arm]["rps"] / med["direct"]["rps"],
+                        "added_p50_ms": med[arm]["p50_ms"] - med["direct"]["p50_ms"],
+                        "added_p99_ms": med[arm]["p99_ms"] - med["direct"]["p99_ms"],
+                    }
             if "litellm" in arms:
-                entry["toolquake_vs_litellm_throughput"] = (med["toolquake"]["rps"] / med["litellm"]["rps"]
-                                                            if med["litellm"]["rps"] else float("inf"))
+                entry["toolquake_vs_litellm_throughput"] = (
+                    med["toolquake"]["rps"] / med["litellm"]["rps"] if med["litellm"]["rps"] else float("inf")
+                )
             results["load"][conns] = entry
         for arm, url in arms.items():
             results["streams"][arm] = stream_timings(url, args.streams, 5)
@@ -242,8 +303,10 @@ def main() -> None:
         results["concurrent_streams"] = concurrent_streams(proxy.url, args.concurrent_streams)
         metrics = httpx.get(f"{proxy.url}/metrics").text
         results["concurrent_streams"]["proxy_upstream_errors"] = sum(
-            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-            if line.startswith("toolquake_upstream_errors_total{"))
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("toolquake_upstream_errors_total{")
+        )
     finally:
         proxy.stop()
         if litellm:
@@ -251,8 +314,12 @@ def main() -> None:
             litellm[0].wait(20)
     emb = start_proxy(fake.url, None, None, "--no-scoring")  # the packaged profiles, `expanded` among them
     try:
-        r = httpx.post(f"{emb.url}/p/expanded/v1/chat/completions", content=PAYLOAD, timeout=300,
-                       headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{emb.url}/p/expanded/v1/chat/completions",
+            content=PAYLOAD,
+            timeout=300,
+            headers={"content-type": "application/json"},
+        )
         metrics = httpx.get(f"{emb.url}/metrics").text
         loaded = 'toolquake_perturbations_total{perturber="toolkit_expansion"}' in metrics
         results["rss_mb"]["toolquake_embeddings"] = rss_mb(emb.popen.pid) if r.status_code == 200 and loaded else None
@@ -260,27 +327,43 @@ def main() -> None:
         emb.stop()
         fake.stop()
 
-    lines = [f"# Proxy overhead (load tool: {tool}; {results['machine']}; medians of {args.rounds} alternating "
-             f"rounds of {args.seconds:g} s; ~{len(PAYLOAD)} B requests)", "",
-             "| concurrency | arm | req/s | vs direct | added p50 | added p99 | non-2xx |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Proxy overhead (load tool: {tool}; {results['machine']}; medians of {args.rounds} alternating "
+        f"rounds of {args.seconds:g} s; ~{len(PAYLOAD)} B requests)",
+        "",
+        "| concurrency | arm | req/s | vs direct | added p50 | added p99 | non-2xx |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for conns, r in results["load"].items():
         for arm in arms:
             m = r["median"][arm]
             rel = r.get(arm, {})
-            lines.append(f"| {conns} | {arm} | {m['rps']:.0f} | "
-                         + (f"{rel['throughput_vs_direct']:.2f} | {rel['added_p50_ms']:+.3f} ms | {rel['added_p99_ms']:+.3f} ms"
-                            if rel else "1.00 | – | –") + f" | {r['errors'][arm]} |")
+            lines.append(
+                f"| {conns} | {arm} | {m['rps']:.0f} | "
+                + (
+                    f"{rel['throughput_vs_direct']:.2f} | {rel['added_p50_ms']:+.3f} ms | {rel['added_p99_ms']:+.3f} ms"
+                    if rel
+                    else "1.00 | – | –"
+                )
+                + f" | {r['errors'][arm]} |"
+            )
         if "toolquake_vs_litellm_throughput" in r:
             lines.append(f"| {conns} | toolquake / litellm | | {r['toolquake_vs_litellm_throughput']:.1f}× | | | |")
-    lines += ["", "| streams (sequential, 5 ms between upstream chunks) | TTFB p50 | TTFB p99 | median inter-chunk gap |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "| streams (sequential, 5 ms between upstream chunks) | TTFB p50 | TTFB p99 | median inter-chunk gap |",
+        "|---|---:|---:|---:|",
+    ]
     for arm, s in results["streams"].items():
         lines.append(f"| {arm} | {s['ttfb_p50_ms']:.2f} ms | {s['ttfb_p99_ms']:.2f} ms | {s['gap_median_ms']:.2f} ms |")
     cs = results["concurrent_streams"]
-    lines += ["", f"{cs['streams']} concurrent streams through toolquake: {cs['outcomes']} in {cs['seconds']:.1f} s; "
-              f"proxy-side upstream errors (pool timeouts included): {cs['proxy_upstream_errors']:.0f}.",
-              "", "RSS: " + ", ".join(f"{k} {v:.0f} MB" if v else f"{k} n/a" for k, v in results["rss_mb"].items()) + "."]
+    lines += [
+        "",
+        f"{cs['streams']} concurrent streams through toolquake: {cs['outcomes']} in {cs['seconds']:.1f} s; "
+        f"proxy-side upstream errors (pool timeouts included): {cs['proxy_upstream_errors']:.0f}.",
+        "",
+        "RSS: " + ", ".join(f"{k} {v:.0f} MB" if v else f"{k} n/a" for k, v in results["rss_mb"].items()) + ".",
+    ]
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

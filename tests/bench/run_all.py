@@ -48,7 +48,14 @@ def main() -> int:
         (out / f"{name}.log").write_text(text)
         print(done.stdout[-6000:], flush=True)
         failed += done.returncode != 0
-        summary += [f"## {name} (exit {done.returncode}, {took:.0f} s)", "", "```", done.stdout.strip()[-6000:], "```", ""]
+        summary += [
+            f"## {name} (exit {done.returncode}, {took:.0f} s)",
+            "",
+            "```",
+            done.stdout.strip()[-6000:],
+            "```",
+            "",
+        ]
     (out / "summary.md").write_text("\n".join(summary))
     print(f"wrote {out / 'summary.md'}; {failed} benchmark(s) failed")
     return 1 if failed else 0

@@ -275,19 +275,33 @@ def main() -> int:
                   f"| ours | {latency['ours_first']:.2f} | {latency['ours_second']:.2f} |",
                   f"| BFCL | {latency['bfcl_first']:.2f} | {latency['bfcl_second']:.2f} |"]
     flips = _flips(sets, args.embeddings)
-    lines += ["", f"| answers | count | bfcl valid | fair valid | semantic valid{'' if args.embeddings else ' (normalisation)'}"
-              " | fair flips | semantic flips |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"| answers | count | bfcl valid | fair valid | semantic valid{'' if args.embeddings else ' (normalisation)'}"
+        " | fair flips | semantic flips |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for f in flips:
-        lines.append(f"| {f['set']} | {f['answers']} | {f['bfcl_valid']} | {f['fair_valid']} | {f['semantic_valid']} | "
-                     f"{f['fair_flips']} | {f['semantic_flips']} |")
+        lines.append(
+            f"| {f['set']} | {f['answers']} | {f['bfcl_valid']} | {f['fair_valid']} | {f['semantic_valid']} | "
+            f"{f['fair_flips']} | {f['semantic_flips']} |"
+        )
     table = "\n".join(lines)
     print(table)
-    print(f"target: ours ≥ {TARGET_RATIO:.0f}× faster; CPU time, median of {args.rounds} rounds, "
-          f"{platform.python_implementation()} {platform.python_version()}")
+    print(
+        f"target: ours ≥ {TARGET_RATIO:.0f}× faster; CPU time, median of {args.rounds} rounds, "
+        f"{platform.python_implementation()} {platform.python_version()}"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"rows": rows, "by_error": by_error, "key_latency": latency, "rounds": args.rounds, "batch": args.batch,
-              "flips": flips}
+    report = {
+        "rows": rows,
+        "by_error": by_error,
+        "key_latency": latency,
+        "rounds": args.rounds,
+        "batch": args.batch,
+        "flips": flips,
+    }
     (out / "scorer_vs_bfcl.json").write_text(json.dumps(report, indent=2))
     (out / "scorer_vs_bfcl.md").write_text(table + "\n")
     return 0

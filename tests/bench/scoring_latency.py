@@ -152,10 +152,13 @@ def main() -> None:
         on.stop()
         off.stop()
         fake.stop()
-    lines = [f"# Client latency with live scoring ({platform.node()}, {load.__name__}, {args.rounds} rounds × "
-             f"{args.seconds:g} s, medians)", "",
-             "| arm | conns | p50 ms | p99 ms | req/s | p50 / off | p99 / off | proxy CPU ms/req | CPU / off | non-2xx |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Client latency with live scoring ({platform.node()}, {load.__name__}, {args.rounds} rounds × "
+        f"{args.seconds:g} s, medians)",
+        "",
+        "| arm | conns | p50 ms | p99 ms | req/s | p50 / off | p99 / off | proxy CPU ms/req | CPU / off | non-2xx |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     summary: dict = {}
     for conns in table["scoring off"]:
         keys = ("p50_ms", "p99_ms", "rps", "cpu_ms_per_req")
@@ -163,22 +166,30 @@ def main() -> None:
         for arm in arms:
             med = {k: statistics.median(r[k] for r in table[arm][conns]) for k in keys}
             bad = sum(r["non2xx"] for r in table[arm][conns])
-            summary.setdefault(arm, {})[conns] = {**med, "p50_ratio": med["p50_ms"] / base["p50_ms"],
-                                                  "p99_ratio": med["p99_ms"] / base["p99_ms"],
-                                                  "cpu_ratio": med["cpu_ms_per_req"] / base["cpu_ms_per_req"],
-                                                  "non2xx": bad}
-            lines.append(f"| {arm} | {conns} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | {med['rps']:.0f} | "
-                         f"{med['p50_ms'] / base['p50_ms']:.2f} | {med['p99_ms'] / base['p99_ms']:.2f} | "
-                         f"{med['cpu_ms_per_req']:.3f} | {med['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f} | {bad} |")
-    lines += ["", f"Scored answers: {scored:.0f}; dropped (queue full): {dropped:.0f}; shadow twins compared: "
-              f"{twins:.0f}."]
+            summary.setdefault(arm, {})[conns] = {
+                **med,
+                "p50_ratio": med["p50_ms"] / base["p50_ms"],
+                "p99_ratio": med["p99_ms"] / base["p99_ms"],
+                "cpu_ratio": med["cpu_ms_per_req"] / base["cpu_ms_per_req"],
+                "non2xx": bad,
+            }
+            lines.append(
+                f"| {arm} | {conns} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | {med['rps']:.0f} | "
+                f"{med['p50_ms'] / base['p50_ms']:.2f} | {med['p99_ms'] / base['p99_ms']:.2f} | "
+                f"{med['cpu_ms_per_req']:.3f} | {med['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f} | {bad} |"
+            )
+    lines += [
+        "",
+        f"Scored answers: {scored:.0f}; dropped (queue full): {dropped:.0f}; shadow twins compared: {twins:.0f}.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scoring_latency.md").write_text(text)
-    (out / "scoring_latency.json").write_text(json.dumps({"arms": summary, "scored": scored, "dropped": dropped,
-                                                         "twins": twins}, indent=2))
+    (out / "scoring_latency.json").write_text(
+        json.dumps({"arms": summary, "scored": scored, "dropped": dropped, "twins": twins}, indent=2)
+    )
 
 
 if __name__ == "__main__":

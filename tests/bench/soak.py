@@ -74,7 +74,14 @@ async def soak(url: str, pid: int, seconds: float, concurrency: int, fault_rate:
                 if not ok:
                     counts["unexpected"] += 1
                     if len(unexpected) < 20:
-                        unexpected.append({"fault": fault, "stream": stream, "status": status, "body": data[:200].decode(errors="replace")})
+                        unexpected.append(
+                            {
+                                "fault": fault,
+                                "stream": stream,
+                                "status": status,
+                                "body": data[:200].decode(errors="replace"),
+                            }
+                        )
 
         async def sampler() -> None:
             t0 = time.monotonic()
@@ -95,8 +102,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args()
     fake = start_fake_upstream()
-    proxy = start_proxy(fake.url, "[server]\nread_timeout = 2.0\n[scoring]\nenabled = false\n"
-                        "[profiles.shuffled]\nperturbers = [{ name = \"tool_order\" }]\n")
+    proxy = start_proxy(
+        fake.url,
+        "[server]\nread_timeout = 2.0\n[scoring]\nenabled = false\n"
+        '[profiles.shuffled]\nperturbers = [{ name = "tool_order" }]\n',
+    )
     try:
         result = asyncio.run(soak(proxy.url, proxy.popen.pid, args.minutes * 60, args.concurrency, args.fault_rate))
         alive = proxy.popen.poll() is None
@@ -105,10 +115,16 @@ def main() -> None:
         fake.stop()
     s = result["series"]
     first, last = s[1] if len(s) > 2 else s[0], s[-1]
-    lines = [f"# Soak: {args.minutes:g} min, concurrency {args.concurrency}, fault rate {args.fault_rate:g}", "",
-             f"requests {result['requests']}, unexpected {result['unexpected']}, proxy alive at the end: {alive}",
-             f"RSS {first['rss_mb']} MB → {last['rss_mb']} MB; open fds {first['fds']} → {last['fds']} "
-             "(first sample after warm-up vs last)", "", "| t (s) | RSS MB | fds | requests |", "|---:|---:|---:|---:|"]
+    lines = [
+        f"# Soak: {args.minutes:g} min, concurrency {args.concurrency}, fault rate {args.fault_rate:g}",
+        "",
+        f"requests {result['requests']}, unexpected {result['unexpected']}, proxy alive at the end: {alive}",
+        f"RSS {first['rss_mb']} MB → {last['rss_mb']} MB; open fds {first['fds']} → {last['fds']} "
+        "(first sample after warm-up vs last)",
+        "",
+        "| t (s) | RSS MB | fds | requests |",
+        "|---:|---:|---:|---:|",
+    ]
     lines += [f"| {x['t']} | {x['rss_mb']} | {x['fds']} | {x['requests']} |" for x in s]
     text = "\n".join(lines)
     print(text)

@@ -161,9 +161,16 @@ def expansion() -> dict[str, Any]:
             a = emb.embed([signature(t) for t in added])
             o = emb.embed([signature(t) for t in body["tools"]])
             worst = max(worst, float((a @ o.T).max()))
-    return {"cases": len(bodies), "mean_tools_before": float(np.mean(before)), "mean_tools_after": float(np.mean(after)),
-            "max_cosine_added_to_original": worst, "p50_ms": pct(ms, 0.5), "p95_ms": pct(ms, 0.95),
-            "cpu_p50_ms": pct(cpu, 0.5), "cpu_p95_ms": pct(cpu, 0.95)}
+    return {
+        "cases": len(bodies),
+        "mean_tools_before": float(np.mean(before)),
+        "mean_tools_after": float(np.mean(after)),
+        "max_cosine_added_to_original": worst,
+        "p50_ms": pct(ms, 0.5),
+        "p95_ms": pct(ms, 0.95),
+        "cpu_p50_ms": pct(cpu, 0.5),
+        "cpu_p95_ms": pct(cpu, 0.95),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -186,9 +193,11 @@ def markdown(result: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
-        lines.append(f"| {r['budget']:,} | {r['mean_tools']:.0f} | {r['seed_003_tools']} | {r['max_position_error']:.3f} "
-                     f"| {r['max_abs_tokens_off_budget']} | {r['p50_ms']:.2f} / {r['p95_ms']:.2f} "
-                     f"| {r['cpu_p50_ms']:.2f} / {r['cpu_p95_ms']:.2f} | {r['cpu_p95_ms'] / PAD_TARGET_MS:.2f} |")
+        lines.append(
+            f"| {r['budget']:,} | {r['mean_tools']:.0f} | {r['seed_003_tools']} | {r['max_position_error']:.3f} "
+            f"| {r['max_abs_tokens_off_budget']} | {r['p50_ms']:.2f} / {r['p95_ms']:.2f} "
+            f"| {r['cpu_p50_ms']:.2f} / {r['cpu_p95_ms']:.2f} | {r['cpu_p95_ms'] / PAD_TARGET_MS:.2f} |"
+        )
     if e is not None:
         lines += [
             "",
@@ -203,30 +212,48 @@ def markdown(result: dict[str, Any]) -> str:
         ]
     lines += [
         "",
-        f"Machine: {result['cpus']} CPUs, load average {result['load_before']} before and {result['load_after']} after.",
+        f"Machine: {result['cpus']} CPUs, load average {result['load_before']} before and "
+        f"{result['load_after']} after.",
         "",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Speed and fidelity of toolkit_expansion and catalog_padding "
-                                                 "on the BFCL corpus (needs the corpus and the embeddings extra).")
-    parser.add_argument("--counter", default="estimate",
-                        help="token counter for padding: 'estimate', 'tokenizer:/path/tokenizer.json', or 'upstream' "
-                             "(the backend at --upstream) (default: estimate)")
-    parser.add_argument("--upstream", default="http://127.0.0.1:8000/v1",
-                        help="the backend's API base URL for --counter upstream (vLLM /tokenize or llama.cpp "
-                             "/extras/tokenize/count at its root) (default: http://127.0.0.1:8000/v1)")
+    parser = argparse.ArgumentParser(
+        description="Speed and fidelity of toolkit_expansion and catalog_padding "
+        "on the BFCL corpus (needs the corpus and the embeddings extra)."
+    )
+    parser.add_argument(
+        "--counter",
+        default="estimate",
+        help="token counter for padding: 'estimate', 'tokenizer:/path/tokenizer.json', or 'upstream' "
+        "(the backend at --upstream) (default: estimate)",
+    )
+    parser.add_argument(
+        "--upstream",
+        default="http://127.0.0.1:8000/v1",
+        help="the backend's API base URL for --counter upstream (vLLM /tokenize or llama.cpp "
+        "/extras/tokenize/count at its root) (default: http://127.0.0.1:8000/v1)",
+    )
     parser.add_argument("--skip-expansion", action="store_true", help="only start-up and padding")
-    parser.add_argument("--cases", type=int, default=40,
-                        help="padding cases per dataset (simple_python, live_simple, multiple), evenly spread (default 40)")
+    parser.add_argument(
+        "--cases",
+        type=int,
+        default=40,
+        help="padding cases per dataset (simple_python, live_simple, multiple), evenly spread (default 40)",
+    )
     parser.add_argument("--out", default="bench-results", help="directory for toolkit_perturbers.{json,md}")
     args = parser.parse_args(argv)
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    result = {"startup": startup(), "padding": padding(args.counter, args.upstream, args.cases),
-              "expansion": None if args.skip_expansion else expansion(), "cpus": os.cpu_count(),
-              "load_before": load_before, "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    result = {
+        "startup": startup(),
+        "padding": padding(args.counter, args.upstream, args.cases),
+        "expansion": None if args.skip_expansion else expansion(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }
     text = markdown(result)
     print(text)
     out = Path(args.out)

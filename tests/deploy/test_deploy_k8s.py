@@ -289,8 +289,11 @@ def _hardened(spec: dict[str, Any], container: dict[str, Any]) -> None:
     writable = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if "emptyDir" in volumes[m["name"]]}
     cache = env_of(container)["TOOLQUAKE_CACHE"]
     assert cache == image_cache_dir()
-    assert "/tmp" in writable and cache in writable, "a read-only root filesystem needs emptyDirs for /tmp and the cache"
-    (seeder,) = [c for c in inits if any(m["name"] == writable[cache] for m in c["volumeMounts"]) and c is not container]
+    assert "/tmp" in writable and cache in writable, (
+        "a read-only root filesystem needs emptyDirs for /tmp and the cache")
+    (seeder,) = [
+        c for c in inits if any(m["name"] == writable[cache] for m in c["volumeMounts"]) and c is not container
+    ]
     assert "restartPolicy" not in seeder, "the seeding init container must run to completion first"
     if container in inits:
         assert inits.index(seeder) < inits.index(container)
@@ -331,13 +334,20 @@ def test_podmonitor_scrapes_the_sidecar_metrics_port() -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
     selector = monitor["spec"]["selector"]["matchLabels"]
-    scraped = [o for o in objects.values() if o["kind"] == "Deployment"
-               and selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()]
+    scraped = [
+        o
+        for o in objects.values()
+        if o["kind"] == "Deployment" and selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
+    ]
     assert scraped, "the PodMonitor selects no pod of the overlay"
     for deployment in scraped:
         spec = pod_spec(deployment)
-        ports = [p for c in spec.get("initContainers", []) + spec["containers"]
-                 if c["name"] == "toolquake" for p in c["ports"]]
+        ports = [
+            p
+            for c in spec.get("initContainers", []) + spec["containers"]
+            if c["name"] == "toolquake"
+            for p in c["ports"]
+        ]
         assert endpoint["port"] in {p["name"] for p in ports}
     # the shared proxy carries the same label and port name, so the same PodMonitor covers it
     proxy = objects_by_key(K8S / "base")["Deployment", "toolquake"]
@@ -382,8 +392,9 @@ def test_vllm_overlay_serves_tool_calls_and_the_proxy_counts_with_its_tokenizer(
     assert proxy_env["TOOLQUAKE_TOKEN_COUNTER"] == "upstream"
     # the patch changed one variable and kept the others
     base_env = env_of(pod_spec(objects_by_key(K8S / "base")["Deployment", "toolquake"])["containers"][0])
-    assert {k: v for k, v in proxy_env.items() if k != "TOOLQUAKE_TOKEN_COUNTER"} == \
-        {k: v for k, v in base_env.items() if k != "TOOLQUAKE_TOKEN_COUNTER"}
+    assert {k: v for k, v in proxy_env.items() if k != "TOOLQUAKE_TOKEN_COUNTER"} == {
+        k: v for k, v in base_env.items() if k != "TOOLQUAKE_TOKEN_COUNTER"
+    }
 
 
 def _cli_parser():
@@ -416,8 +427,10 @@ def test_replay_is_an_indexed_job_whose_shards_cover_the_corpus_once() -> None:
     args = container["args"]
     assert args[args.index("--shard") + 1] == f"$(JOB_COMPLETION_INDEX)/{n}"
     declared = {e["name"]: e for e in container["env"]}
-    assert declared["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        declared["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     outs = {_expand(args, {"JOB_COMPLETION_INDEX": str(i)})[args.index("--out") + 1] for i in range(n)}
     assert len(outs) == n, "every shard needs its own output directory"
     mounts = {mnt["mountPath"]: mnt["name"] for mnt in container["volumeMounts"]}
@@ -508,8 +521,13 @@ def test_replay_and_merge_jobs_run_against_a_backend_on_loopback(tmp_path: Path,
     config = tmp_path / "etc" / Path(env_of(container)["TOOLQUAKE_CONFIG"]).name
     config.parent.mkdir()
     config.write_text(profiles_toml())
-    env = {**os.environ, "TOOLQUAKE_CONFIG": str(config), "TOOLQUAKE_CACHE": str(cache),
-           "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    env = {
+        **os.environ,
+        "TOOLQUAKE_CONFIG": str(config),
+        "TOOLQUAKE_CACHE": str(cache),
+        "HOME": str(tmp_path),
+        "MPLCONFIGDIR": str(tmp_path / "mpl"),
+    }
     limit = 4
 
     def local(argv: list[str]) -> list[str]:
@@ -521,23 +539,39 @@ def test_replay_and_merge_jobs_run_against_a_backend_on_loopback(tmp_path: Path,
         return [sys.executable, "-m", "toolquake", *argv, "--limit", str(limit)]
 
     for wave in range(0, n, m):
-        pods = [subprocess.Popen(pod_argv(i), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for i in range(wave, min(wave + m, n))]
+        pods = [
+            subprocess.Popen(
+                pod_argv(i), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for i in range(wave, min(wave + m, n))
+        ]
         for pod in pods:
             out, err = pod.communicate(timeout=300)
             assert pod.returncode == 0, err[-2000:]
 
     merge = pod_spec(objects_by_key(K8S / "overlays" / "replay-merge")["Job", "toolquake-report"])["containers"][0]
-    merged = subprocess.run([sys.executable, "-m", "toolquake", *local(merge["command"][1:] + merge["args"])], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    merged = subprocess.run(
+        [sys.executable, "-m", "toolquake", *local(merge["command"][1:] + merge["args"])],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert merged.returncode == 0, merged.stderr[-2000:]
     report = Path(local([merge["args"][merge["args"].index("--out") + 1]])[0])
     assert report.is_file() and "<html" in report.read_text().lower()
 
     # merged, every selected case counts once per arm
     dirs = list(itertools.takewhile(lambda a: not a.startswith("--"), local(merge["args"])))
-    tables = subprocess.run([sys.executable, "-m", "toolquake", "report", *dirs, "--format", "json", "--no-plots"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    tables = subprocess.run(
+        [sys.executable, "-m", "toolquake", "report", *dirs, "--format", "json", "--no-plots"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert tables.returncode == 0, tables.stderr[-2000:]
     arms = json.loads(tables.stdout)["arms"]
     args = container["args"]

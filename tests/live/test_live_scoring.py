@@ -162,9 +162,14 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
                              "simple_python_2", "parallel_0", "parallel_1"]):
         kind = ("right", "wrong_value", "wrong_function", "text")[i % 4]
         plan.append(("off", cid, kind, i % 2 == 0, i % 3 == 0))
-    plan += [("reversed", "multiple_4", "right", True, False), ("reversed", "multiple_5", "wrong_function", False, True),
-             ("off", "irrelevance_0", "text", True, False), ("off", "irrelevance_1", "first_tool", False, False),
-             ("removed", "multiple_6", "first_tool", True, False), ("removed", "multiple_7", "text", True, True)]
+    plan += [
+        ("reversed", "multiple_4", "right", True, False),
+        ("reversed", "multiple_5", "wrong_function", False, True),
+        ("off", "irrelevance_0", "text", True, False),
+        ("off", "irrelevance_1", "first_tool", False, False),
+        ("removed", "multiple_6", "first_tool", True, False),
+        ("removed", "multiple_7", "text", True, True),
+    ]
     sent = []
     for profile, cid, kind, by_header, stream in plan:
         case = load_case(cid)
@@ -174,23 +179,41 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
             answer = {"text": "I would rather not call a tool."}
         else:
             calls = gt_calls(case)
-            answer = {"calls": {"right": calls, "wrong_value": wrong_value(calls),
-                                "wrong_function": wrong_function(case, calls) if len(case.functions) > 1
-                                else wrong_value(calls)}[kind]}
-        rid, message = send(proxy, profile, case_request(case), answer=answer,
-                            case_header=cid if by_header else None, stream=stream)
+            answer = {
+                "calls": {
+                    "right": calls,
+                    "wrong_value": wrong_value(calls),
+                    "wrong_function": wrong_function(case, calls) if len(case.functions) > 1 else wrong_value(calls),
+                }[kind]
+            }
+        rid, message = send(
+            proxy, profile, case_request(case), answer=answer, case_header=cid if by_header else None, stream=stream
+        )
         verdict, error = expected_verdict(case, message, irrelevance=profile == "removed")
-        sent.append({"rid": rid, "profile": profile, "case": case, "verdict": verdict, "error": error,
-                     "resolved_by": "header" if by_header else "content", "stream": stream})
+        sent.append(
+            {
+                "rid": rid,
+                "profile": profile,
+                "case": case,
+                "verdict": verdict,
+                "error": error,
+                "resolved_by": "header" if by_header else "content",
+                "stream": stream,
+            }
+        )
     # the plan exercises both verdicts and the main error classes
     assert {s["verdict"] for s in sent} == {"valid", "invalid"}
-    assert {"wrong_syntax", "wrong_function", "wrong_param_value", "irrelevance_violation"} <= {s["error"] for s in sent}
+    assert {"wrong_syntax", "wrong_function", "wrong_param_value", "irrelevance_violation"} <= {
+        s["error"] for s in sent
+    }
     wait_for(lambda: metric(proxy, "toolquake_scored_total") == len(sent), what="every answer scored")
 
     by_labels = Counter((s["profile"], s["case"].category, s["verdict"]) for s in sent)
     for (profile, category, verdict), n in by_labels.items():
-        assert metric(proxy, "toolquake_scored_total", profile=profile, model=MODEL, category=category,
-                      verdict=verdict) == n, (profile, category, verdict)
+        assert (
+            metric(proxy, "toolquake_scored_total", profile=profile, model=MODEL, category=category, verdict=verdict)
+            == n
+        ), (profile, category, verdict)
     errors = Counter((s["profile"], s["error"]) for s in sent if s["verdict"] == "invalid")
     for (profile, error), n in errors.items():
         assert metric(proxy, "toolquake_errors_total", profile=profile, model=MODEL, error_type=error) == n
@@ -205,8 +228,9 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
         assert bool(row["valid"]) == (s["verdict"] == "valid"), s["case"].id
         assert row["taxonomy"] == s["error"] or (s["error"] is not None and row["error_type"] == s["error"])
         assert row["resolved_by"] == s["resolved_by"]
-        assert row["expected"] == ("irrelevance" if s["profile"] == "removed" or "irrelevance" in s["case"].category
-                                   else "ground_truth")
+        assert row["expected"] == (
+            "irrelevance" if s["profile"] == "removed" or "irrelevance" in s["case"].category else "ground_truth"
+        )
         assert row["upstream_ms"] > 0 and bool(row["stream"]) == s["stream"]
         assert row["prompt_tokens"] == (None if s["stream"] else 10)  # the fake's usage block (not in streams)
         assert row["request_body"] is None and row["response_body"] is None
@@ -217,7 +241,8 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
         mine = [s for s in sent if s["profile"] == profile]
         assert summary["arms"][profile]["n"] == len(mine)
         assert summary["arms"][profile]["accuracy"] == pytest.approx(
-            sum(s["verdict"] == "valid" for s in mine) / len(mine))
+            sum(s["verdict"] == "valid" for s in mine) / len(mine)
+        )
 
 
 @pytest.mark.needs_corpus
@@ -229,18 +254,35 @@ def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, t
     case = load_case("multiple_2")
     body = case_request(case)
     # the case's question with tools under other names is some other conversation: unlabeled
-    other_tools = [{"type": "function", "function": {**t["function"], "name": t["function"]["name"] + "_v2"}}
-                   for t in body["tools"]]
+    other_tools = [
+        {"type": "function", "function": {**t["function"], "name": t["function"]["name"] + "_v2"}}
+        for t in body["tools"]
+    ]
     send(proxy, "off", {**body, "tools": other_tools}, answer=None, case_header=None, stream=False)
     send(proxy, "off", {"messages": MESSAGES, "tools": TOOLS}, answer=None, case_header=None, stream=False)
     # the second model turn of the case's conversation is not the case any more
     followup = body["messages"] + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "country_info_capital",
-                                                              "arguments": '{"country": "Brazil"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "Brasília"}]
-    send(proxy, "off", {**body, "messages": followup}, answer={"text": "The capital is Brasília."},
-         case_header=None, stream=False)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "country_info_capital", "arguments": '{"country": "Brazil"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Brasília"},
+    ]
+    send(
+        proxy,
+        "off",
+        {**body, "messages": followup},
+        answer={"text": "The capital is Brasília."},
+        case_header=None,
+        stream=False,
+    )
     send(proxy, "off", body, answer={"text": "x"}, case_header="no_such_category_7", stream=False)
     # the upstream failed: there is no answer to score
     with pytest.raises(openai.InternalServerError):
@@ -284,21 +326,26 @@ def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory,
     db = tmp_path / "fmt.sqlite"
     proxy = proxy_factory(live_config(db, semantic=False))
     case = load_case("multiple_2")  # country_info.capital(country="Brazil")
-    texts = {"right": "[country_info.capital(country='Brazil')]",
-             "wrong": "[country_info.capital(country='Peru')]",
-             "fenced": "```python\n[country_info.capital(country='Brazil')]\n```",  # only lenient decodes it
-             "prose": "The capital of Brazil is Brasília."}
+    texts = {
+        "right": "[country_info.capital(country='Brazil')]",
+        "wrong": "[country_info.capital(country='Peru')]",
+        "fenced": "```python\n[country_info.capital(country='Brazil')]\n```",  # only lenient decodes it
+        "prose": "The capital of Brazil is Brasília.",
+    }
     sent = {}
     for kind, text in texts.items():
-        rid, message = send(proxy, "python-text", case_request(case), answer={"text": text}, case_header=case.id,
-                            stream=kind == "wrong")
+        rid, message = send(
+            proxy, "python-text", case_request(case), answer={"text": text}, case_header=case.id, stream=kind == "wrong"
+        )
         sent[kind] = (rid, message)
     assert sent["right"][1]["tool_calls"][0]["function"]["name"] == "country_info_capital"  # restored for the client
     assert sent["fenced"][1].get("tool_calls")  # lenient parsing gave the client its call
     wait_for(lambda: len(results.read_rows(db)) == len(texts), what="rows")
     rows = {r["request_id"]: r for r in results.read_rows(db)}
-    got = {kind: (bool(rows[rid]["valid"]), rows[rid]["taxonomy"], bool(rows[rid]["fair_valid"]))
-           for kind, (rid, _) in sent.items()}
+    got = {
+        kind: (bool(rows[rid]["valid"]), rows[rid]["taxonomy"], bool(rows[rid]["fair_valid"]))
+        for kind, (rid, _) in sent.items()
+    }
     right, _ = expected_verdict(case, sent["right"][1])
     wrong, wrong_error = expected_verdict(case, sent["wrong"][1])
     prose, prose_error = expected_verdict(case, sent["prose"][1])
@@ -318,8 +365,7 @@ def test_shadow_original_counts_as_off_and_twin_under_the_profile(proxy_factory,
     proxy = proxy_factory(live_config(db, semantic=False))
     case = load_case("multiple_1")  # three tools: the reversed twin is offered them in another order
     # no X-Fake-Answer: the fake calls the first tool offered, so the twin calls another function
-    rid, message = send(proxy, "shadow-reversed", case_request(case), answer=None, case_header=case.id,
-                        stream=True)
+    rid, message = send(proxy, "shadow-reversed", case_request(case), answer=None, case_header=case.id, stream=True)
     first = case_request(case)["tools"][0]["function"]["name"]
     assert message["tool_calls"][0]["function"]["name"] == first
     wait_for(lambda: len(results.read_rows(db)) == 2, what="original and twin rows")
@@ -376,8 +422,9 @@ def test_the_store_path_from_the_command_line(proxy_factory, tmp_path):
     db = tmp_path / "flag.sqlite"
     proxy = proxy_factory(live_config(tmp_path / "from-config.sqlite"), None, None, "--results-db", str(db))
     client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
-    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, extra_headers={
-        "X-Test-Tag": uuid.uuid4().hex})
+    client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, extra_headers={"X-Test-Tag": uuid.uuid4().hex}
+    )
     wait_for(lambda: db.exists() and len(results.read_rows(db)) == 1, what="the row in --results-db")
     assert not (tmp_path / "from-config.sqlite").exists()
 
@@ -407,8 +454,13 @@ def test_dashboard_queries_name_only_metrics_the_proxy_exports(proxy_factory, tm
     assert used, "the dashboard has no toolquake queries"
     missing = {n for n in used if n not in exported and n.removesuffix("_bucket") not in exported}
     assert not missing, f"dashboard queries metrics the proxy does not export: {sorted(missing)}"
-    for contract in ("toolquake_scored_total", "toolquake_errors_total", "toolquake_semantic_flips_total",
-                     "toolquake_consistency_total", "toolquake_proxy_overhead_seconds_bucket"):
+    for contract in (
+        "toolquake_scored_total",
+        "toolquake_errors_total",
+        "toolquake_semantic_flips_total",
+        "toolquake_consistency_total",
+        "toolquake_proxy_overhead_seconds_bucket",
+    ):
         assert contract in used
 
 
@@ -416,9 +468,17 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": expr}
-        for i, expr in enumerate(e for exprs in dashboard_queries().values() for e in exprs)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": expr}
+                    for i, expr in enumerate(e for exprs in dashboard_queries().values() for e in exprs)
+                ],
+            }
+        ]
+    }
     path = tmp_path / "rules.yml"
     path.write_text(json.dumps(rules))  # JSON is YAML
     proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
@@ -436,13 +496,28 @@ def prometheus(tmp_path):
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                               "scrape_configs": [{"job_name": "toolquake", "file_sd_configs": [
-                                   {"files": [str(targets)], "refresh_interval": "1s"}]}]}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {"job_name": "toolquake", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}
+                ],
+            }
+        )
+    )
     port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _ready(url), timeout=30, what="prometheus")
@@ -479,8 +554,14 @@ def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, pr
         for i, kind in enumerate(kinds):
             case = load_case(f"multiple_{10 + i}")
             calls = gt_calls(case)
-            send(proxy, profile, case_request(case), answer={"calls": calls if kind == "right" else wrong_value(calls)},
-                 case_header=case.id, stream=False)
+            send(
+                proxy,
+                profile,
+                case_request(case),
+                answer={"calls": calls if kind == "right" else wrong_value(calls)},
+                case_header=case.id,
+                stream=False,
+            )
             n += 1
     wait_for(lambda: metric(proxy, "toolquake_scored_total") == n, what="every answer scored")
     wait_for(lambda: promql(prom, "sum(toolquake_scored_total)") == {"{}": n}, timeout=30, what="a scrape")
@@ -507,22 +588,27 @@ def test_corpus_flag_points_at_a_data_directory(proxy_factory, tmp_path):
     db = tmp_path / "c.sqlite"
     empty_cache = tmp_path / "empty-cache"
     empty_cache.mkdir()
-    proxy = proxy_factory(live_config(db, semantic=False), {"TOOLQUAKE_CACHE": str(empty_cache)}, None,
-                          "--corpus", str(data_dir()))
+    proxy = proxy_factory(
+        live_config(db, semantic=False), {"TOOLQUAKE_CACHE": str(empty_cache)}, None, "--corpus", str(data_dir())
+    )
     wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     case = load_case("simple_python_1")
     body = case_request(case)
     send(proxy, "off", body, answer={"calls": gt_calls(case)}, case_header=None, stream=False)  # by content
-    wait_for(lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
-             what="the verdict")
+    wait_for(
+        lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
+        what="the verdict",
+    )
     assert results.read_rows(db)[0]["resolved_by"] == "content"
 
 
 def test_an_unusable_default_store_does_not_stop_serving_but_a_chosen_one_does(proxy_factory, tmp_path):
     not_a_dir = tmp_path / "cache-is-a-file"
     not_a_dir.write_text("")
-    shadow = ('[profiles.shadow-reversed]\nmode = "shadow"\n'
-              'perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]\n')
+    shadow = (
+        '[profiles.shadow-reversed]\nmode = "shadow"\n'
+        'perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]\n'
+    )
     proxy = proxy_factory(shadow, {"TOOLQUAKE_CACHE": str(not_a_dir)})  # default store: <cache>/results.sqlite
     client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)

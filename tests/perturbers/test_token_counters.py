@@ -1,4 +1,5 @@
-"""Token counters: the estimate, the backend's tokenizer over HTTP (a real fake upstream process), a local tokenizer.json."""
+"""Token counters: the estimate, the backend's tokenizer over HTTP (a real fake upstream process), a local
+tokenizer.json."""
 
 from __future__ import annotations
 
@@ -19,20 +20,46 @@ from toolquake.perturbers.helpers.tokens import (
     render_request,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Local time in a time zone such as Europe/Paris.",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
-STOCK = {"type": "function", "function": {
-    "name": "stock.quote", "description": "Latest price of a stock ticker, in USD; 15-minute delay.",
-    "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}, "exchange": {
-        "type": "string", "enum": ["NYSE", "NASDAQ"]}}, "required": ["ticker"]}}}
-BODY = {"model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Weather in Paris, and the time there?"}],
-        "tools": [WEATHER]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time in a time zone such as Europe/Paris.",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
+STOCK = {
+    "type": "function",
+    "function": {
+        "name": "stock.quote",
+        "description": "Latest price of a stock ticker, in USD; 15-minute delay.",
+        "parameters": {
+            "type": "object",
+            "properties": {"ticker": {"type": "string"}, "exchange": {"type": "string", "enum": ["NYSE", "NASDAQ"]}},
+            "required": ["ticker"],
+        },
+    },
+}
+BODY = {
+    "model": "fake-model",
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris, and the time there?"},
+    ],
+    "tools": [WEATHER],
+}
 
 
 def test_estimate_of_a_longer_toolkit_is_the_sum_of_the_tool_costs() -> None:

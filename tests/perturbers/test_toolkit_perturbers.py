@@ -264,9 +264,18 @@ SCRIPT = [
     {"match": "Request: Find the perimeter", "answer": {"text": "```json\n" + json.dumps(PERIMETER) + "\n```"}},
     {"match": "Request: Find the area of the triangle ABC", "answer": {"text": "Sure! " + json.dumps(COPY)}},
     {"match": "Request: Compute the circumradius", "answer": {"text": json.dumps(CIRCUM)}},
-    {"match": "- Find the area of the triangle ABC", "answer": {"text": "Compute the circumradius of a triangle with sides 3, 4 and 5."}},
-    {"match": "- Find the perimeter", "answer": {"text": "Find the area of the triangle ABC with base 10 and height 5."}},
-    {"match": "area of a triangle with base 10", "answer": {"text": "Find the perimeter of a triangle with sides 3, 4 and 5 cm."}},
+    {
+        "match": "- Find the area of the triangle ABC",
+        "answer": {"text": "Compute the circumradius of a triangle with sides 3, 4 and 5."},
+    },
+    {
+        "match": "- Find the perimeter",
+        "answer": {"text": "Find the area of the triangle ABC with base 10 and height 5."},
+    },
+    {
+        "match": "area of a triangle with base 10",
+        "answer": {"text": "Find the perimeter of a triangle with sides 3, 4 and 5 cm."},
+    },
 ]
 
 
@@ -278,15 +287,22 @@ def test_generated_expansion_follows_seed_001_and_is_cached(tmp_path, monkeypatc
     monkeypatch.setenv("TOOLQUAKE_CACHE", str(tmp_path / "cache"))
     fake = start_fake_upstream("--script", str(script))
     try:
-        body = {"model": "agent", "messages": [{"role": "user", "content": "What is the area of a triangle with base 10 and height 5?"}],
-                "tools": [TRIANGLE]}
+        body = {
+            "model": "agent",
+            "messages": [{"role": "user", "content": "What is the area of a triangle with base 10 and height 5?"}],
+            "tools": [TRIANGLE],
+        }
         params = {"k": 2, "source": "generate", "generator_url": f"{fake.url}/v1", "generator_model": "gen"}
         out, report = apply("toolkit_expansion", params, body, services=Services())
-        sent = [json.loads(r["body"]) for r in httpx.get(f"{fake.url}/_fake/requests").json()
-                if r["path"] == "/v1/chat/completions"]
+        sent = [
+            json.loads(r["body"])
+            for r in httpx.get(f"{fake.url}/_fake/requests").json()
+            if r["path"] == "/v1/chat/completions"
+        ]
         assert len(sent) == 6  # three request variants, a definition for each
         assert sent[0]["model"] == "gen" and sent[0]["messages"][0]["content"].startswith(
-            "You are a helpful assistant introduced with the following user query.")
+            "You are a helpful assistant introduced with the following user query."
+        )
         assert sent[0]["messages"][-1]["content"] == body["messages"][0]["content"]
         assert "triangle_area" in sent[1]["messages"][-1]["content"]  # the originals are the style examples
         assert sorted(report["added"]) == ["triangle_circumradius", "triangle_perimeter"]
@@ -309,6 +325,7 @@ def test_generated_expansion_follows_seed_001_and_is_cached(tmp_path, monkeypatc
 
 # --- through the proxy ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def served():
     """The fake upstream and a proxy with the shipped example profiles."""
@@ -326,16 +343,16 @@ def send(proxy, profile: str, body: dict[str, Any], case_id: str | None = None) 
     headers = {"X-Test-Tag": tag}
     if case_id:
         headers["X-Toolquake-Case"] = case_id
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="k", default_headers=headers,
-                           timeout=300)
+    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="k", default_headers=headers, timeout=300)
     answer = client.chat.completions.create(**body)
     return tag, answer
 
 
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
-@pytest.mark.parametrize("profile", ["expanded", "padded-32k-mid", "padded-120k-end", "no-target-tool",
-                                     "random-tool-removed"])
+@pytest.mark.parametrize(
+    "profile", ["expanded", "padded-32k-mid", "padded-120k-end", "no-target-tool", "random-tool-removed"]
+)
 def test_a_bfcl_case_through_each_shipped_profile(served, profile: str) -> None:
     fake, proxy = served
     case, body = bfcl("multiple_4")
@@ -368,8 +385,10 @@ def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metric
     from prometheus_client.parser import text_string_to_metric_families
 
     fake = start_fake_upstream()
-    config = ('[server]\ntoken_counter = "upstream"\n\n[profiles.pad]\nmode = "perturb"\n'
-              'perturbers = [{ name = "catalog_padding", params = { budget_tokens = 8192, position = 0.5 } }]\n')
+    config = (
+        '[server]\ntoken_counter = "upstream"\n\n[profiles.pad]\nmode = "perturb"\n'
+        'perturbers = [{ name = "catalog_padding", params = { budget_tokens = 8192, position = 0.5 } }]\n'
+    )
     proxy = start_proxy(fake.url, config)
     try:
         _, body = bfcl("multiple_12")
@@ -380,8 +399,11 @@ def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metric
         assert abs(UpstreamCounter(f"{fake.url}/v1").count_request(sent) - 8192) <= 0.02 * 8192
         counted = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
         assert counted  # the proxy asked the backend, not its own estimate
-        samples = {(s.name, s.labels.get("perturber"), s.labels.get("counter")): s.value
-                   for f in text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text) for s in f.samples}
+        samples = {
+            (s.name, s.labels.get("perturber"), s.labels.get("counter")): s.value
+            for f in text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text)
+            for s in f.samples
+        }
         assert samples[("toolquake_tokens_added_count", "catalog_padding", "upstream")] == 1.0
     finally:
         proxy.stop()
@@ -416,9 +438,24 @@ def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(
 def test_perturb_command_pads_a_case_and_names_the_token_counter() -> None:
     if not (HAVE_EMBEDDINGS and corpus_present()):
         pytest.skip("needs the corpus and the embeddings extra")
-    out = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", "padded-32k-mid",
-                          "--case", "multiple_0", "--seed", "3"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolquake",
+            "perturb",
+            "--profile",
+            "padded-32k-mid",
+            "--case",
+            "multiple_0",
+            "--seed",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     summary = json.loads(out.stderr.strip().splitlines()[-1])

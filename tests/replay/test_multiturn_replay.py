@@ -53,9 +53,15 @@ def stack(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Itera
         c = load(case_id)
         script[first_user(c)] = scripted_turns(mt.ground_truth_result(c, backends))
     wrong = mt.ground_truth_result(load(WRONG_DIRECTORY_CASE), backends)
-    wrong.turns[0] = [mt.Step(calls=[{"name": "cd", "arguments": {"folder": "document"}},
-                                     {"name": "mkdir", "arguments": {"dir_name": "tmp"}},
-                                     {"name": "mv", "arguments": {"source": "final_report.pdf", "destination": "tmp"}}])]
+    wrong.turns[0] = [
+        mt.Step(
+            calls=[
+                {"name": "cd", "arguments": {"folder": "document"}},
+                {"name": "mkdir", "arguments": {"dir_name": "tmp"}},
+                {"name": "mv", "arguments": {"source": "final_report.pdf", "destination": "tmp"}},
+            ]
+        )
+    ]
     script[first_user(load(WRONG_DIRECTORY_CASE))] = scripted_turns(wrong)
     script[first_user(load(LOOPING_CASE))] = [[{"calls": [{"name": "pwd", "arguments": {}}]}] * 30]
     assert len(script) == len(GROUND_TRUTH_CASES) + 2, "first user messages must tell the cases apart"
@@ -85,8 +91,15 @@ def proxy(stack: tuple[Proc, Proc]) -> Proc:
 def play(proxy: Proc, case_id: str, backends: Backends, profile: str = "shuffled") -> mt.MultiTurnResult:
     from toolquake.proxy.replay.multiturn import run_case
 
-    return asyncio.run(run_case(load(case_id), f"{proxy.url}/p/{profile}/v1", model="fake-model",
-                                headers={"X-Test-Tag": f"{profile}-{case_id}"}, backends=backends))
+    return asyncio.run(
+        run_case(
+            load(case_id),
+            f"{proxy.url}/p/{profile}/v1",
+            model="fake-model",
+            headers={"X-Test-Tag": f"{profile}-{case_id}"},
+            backends=backends,
+        )
+    )
 
 
 def tool_names(request: dict[str, Any]) -> list[str]:
@@ -94,8 +107,9 @@ def tool_names(request: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.parametrize("case_id", GROUND_TRUTH_CASES)
-def test_ground_truth_played_through_the_proxy_passes(proxy: Proc, model: Proc, backends: Backends,
-                                                      case_id: str) -> None:
+def test_ground_truth_played_through_the_proxy_passes(
+    proxy: Proc, model: Proc, backends: Backends, case_id: str
+) -> None:
     c = load(case_id)
     result = play(proxy, case_id, backends)
     assert result.error is None and not result.force_terminated
@@ -184,13 +198,34 @@ def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, 
     from tests.conftest import ROOT
 
     out = tmp_path / "replay"
-    proc = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--backend", f"{model.url}/v1",
-                           "--categories", "multi_turn_base", "--limit", "2", "--profiles", "off,shuffled",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolquake",
+            "replay",
+            "--backend",
+            f"{model.url}/v1",
+            "--categories",
+            "multi_turn_base",
+            "--limit",
+            "2",
+            "--profiles",
+            "off,shuffled",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     db = sqlite3.connect(out / "replay.sqlite")
-    rows = db.execute("SELECT case_id, profile, status, valid, error_type, taxonomy, answer, perturbers "
-                      "FROM results ORDER BY case_id, profile").fetchall()
+    rows = db.execute(
+        "SELECT case_id, profile, status, valid, error_type, taxonomy, answer, perturbers "
+        "FROM results ORDER BY case_id, profile"
+    ).fetchall()
     assert [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
         ("multi_turn_base_0", "off", "scored", 0, mt.STATE_MISMATCH, mt.STATE),
         ("multi_turn_base_0", "shuffled", "scored", 0, mt.STATE_MISMATCH, mt.STATE),
@@ -203,8 +238,13 @@ def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, 
     assert perturbers["steps"] == steps and perturbers["applied"] == {"tool_order": steps}
     assert json.loads(rows[2][7])["applied"] == {}
     # `toolquake report`: accuracy per profile and category, and the multi-turn error breakdown
-    report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json", "--no-plots"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "toolquake", "report", str(out), "--format", "json", "--no-plots"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     arms = next(iter(json.loads(report.stdout)["models"].values()))["arms"]
     for profile in ("off", "shuffled"):
@@ -220,9 +260,11 @@ def cannot_generate(server: Any) -> str | None:
     import httpx
 
     try:
-        r = httpx.post(f"{server.api_url}/chat/completions", timeout=120,
-                       json={"model": server.model, "messages": [{"role": "user", "content": "Say hi."}],
-                             "max_tokens": 4})
+        r = httpx.post(
+            f"{server.api_url}/chat/completions",
+            timeout=120,
+            json={"model": server.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4},
+        )
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
@@ -243,17 +285,27 @@ def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> 
         server.start(timeout=180)
         broken = cannot_generate(server)
         if broken is not None:
-            pytest.skip(f"the local llama.cpp server cannot generate on this machine ({broken}; exit code "
-                        f"{server.process.poll() if server.process else None}): the local llama-cpp-python build "
-                        f"is unusable here (server log: {server.log_path})")
+            pytest.skip(
+                f"the local llama.cpp server cannot generate on this machine ({broken}; exit code "
+                f"{server.process.poll() if server.process else None}): the local llama-cpp-python build "
+                f"is unusable here (server log: {server.log_path})"
+            )
         proxy = start_proxy(server.url)
         try:
             # small cases (one API class, few turns): a function being revealed, long-context simulators;
             # short answers keep this to a minute or two on two cores
             for case_id in ("multi_turn_miss_func_3", "multi_turn_long_context_50"):
                 c = load(case_id)
-                result = asyncio.run(run_case(c, f"{proxy.url}/p/shuffled/v1", model=server.model, backends=backends,
-                                              extra_body={"max_tokens": 24, "temperature": 0}, timeout_s=300))
+                result = asyncio.run(
+                    run_case(
+                        c,
+                        f"{proxy.url}/p/shuffled/v1",
+                        model=server.model,
+                        backends=backends,
+                        extra_body={"max_tokens": 24, "temperature": 0},
+                        timeout_s=300,
+                    )
+                )
                 assert result.error is None, result.error
                 assert 1 <= len(result.turns) <= len(c.turns)
                 assert all(s.calls or s.decode_error for turn in result.turns for s in turn)
@@ -265,10 +317,12 @@ def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("category", ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
-                                      "multi_turn_long_context"])
-def test_every_ground_truth_trajectory_played_through_the_proxy_passes(backends: Backends, category: str,
-                                                                       tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "category", ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context"]
+)
+def test_every_ground_truth_trajectory_played_through_the_proxy_passes(
+    backends: Backends, category: str, tmp_path: Path
+) -> None:
     """All cases of a category (one per first user message: the fake tells cases apart by it), through the
     proxy's `shuffled` profile, four conversations at a time."""
     import httpx
@@ -291,6 +345,7 @@ def test_every_ground_truth_trajectory_played_through_the_proxy_passes(backends:
     async def play_all() -> list[tuple[str, mt.MultiTurnVerdict]]:
         limit = asyncio.Semaphore(4)
         async with httpx.AsyncClient(timeout=60) as client:
+
             async def one(c: Any) -> tuple[str, mt.MultiTurnVerdict]:
                 async with limit:
                     result = await run_case(c, f"{proxy.url}/p/shuffled/v1", client=client, backends=backends)

@@ -58,17 +58,29 @@ def _draw(rng: random.Random, profiles: list[str], n_cases: int) -> list[Record]
         category = "multiple" if i % 3 else "simple_python"
         for p in profiles:
             if rng.random() < 0.1:
-                out.append(Record(f"{category}_{i}", p, category, "error", error_code=rng.choice(["timeout", "http_500"])))
+                out.append(
+                    Record(f"{category}_{i}", p, category, "error", error_code=rng.choice(["timeout", "http_500"]))
+                )
                 continue
             valid = rng.random() < (0.8 if p == "off" else 0.5)
-            out.append(Record(f"{category}_{i}", p, category, "scored", valid=valid,
-                              taxonomy=None if valid else rng.choice(TAXA), fair_valid=valid or rng.random() < 0.3))
+            out.append(
+                Record(
+                    f"{category}_{i}",
+                    p,
+                    category,
+                    "scored",
+                    valid=valid,
+                    taxonomy=None if valid else rng.choice(TAXA),
+                    fair_valid=valid or rng.random() < 0.3,
+                )
+            )
     return out
 
 
 def report(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +91,14 @@ def shards(tmp_path_factory):
     records = _draw(rng, profiles, 60)
     # two shards of one run, plus the first shard's error rows repeated as scored in a third file (a retry
     # that landed elsewhere): the scored copy must win and count once
-    a, b = records[: len(records) // 2], records[len(records) // 2:]
+    a, b = records[: len(records) // 2], records[len(records) // 2 :]
     _write(root / "s0" / "replay-shard-0-of-2.sqlite", "m1", a)
     _write(root / "s1" / "replay-shard-1-of-2.sqlite", "m1", b)
-    retried = [Record(r.case_id, r.profile, r.category, "scored", valid=True, fair_valid=True)
-               for r in a if r.status == "error"]
+    retried = [
+        Record(r.case_id, r.profile, r.category, "scored", valid=True, fair_valid=True)
+        for r in a
+        if r.status == "error"
+    ]
     _write(root / "s2" / "replay.sqlite", "m1", retried)
     final = {(r.case_id, r.profile): r for r in records}
     for r in retried:
@@ -97,10 +112,14 @@ def _expected(records: list[Record], profile: str) -> dict:
     for cat in sorted({r.category for r in scored}):
         rs = [r for r in scored if r.category == cat]
         by_cat[cat] = (len(rs), sum(r.valid for r in rs) / len(rs))
-    return {"n": len(scored), "accuracy": sum(r.valid for r in scored) / len(scored), "by_category": by_cat,
-            "errors": Counter(r.taxonomy for r in scored if not r.valid),
-            "failed": sum(1 for r in records if r.profile == profile and r.status == "error"),
-            "fair": sum(bool(r.fair_valid) for r in scored) / len(scored)}
+    return {
+        "n": len(scored),
+        "accuracy": sum(r.valid for r in scored) / len(scored),
+        "by_category": by_cat,
+        "errors": Counter(r.taxonomy for r in scored if not r.valid),
+        "failed": sum(1 for r in records if r.profile == profile and r.status == "error"),
+        "fair": sum(bool(r.fair_valid) for r in scored) / len(scored),
+    }
 
 
 def test_json_report_merges_shards_and_matches_the_stored_verdicts(shards):
@@ -126,8 +145,22 @@ def test_json_report_merges_shards_and_matches_the_stored_verdicts(shards):
 def test_markdown_has_table_2_with_relative_drops_and_the_error_breakdown(shards, tmp_path):
     root, records, _ = shards
     out = tmp_path / "report.md"
-    subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "s0"), str(root / "s1"), str(root / "s2"),
-                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolquake",
+            "report",
+            str(root / "s0"),
+            str(root / "s1"),
+            str(root / "s2"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     text = out.read_text()
     base = _expected(records, "off")["accuracy"]
     shuffled = _expected(records, "shuffled")
@@ -185,8 +218,9 @@ def test_several_models_get_their_own_arms(tmp_path):
 
 
 def test_report_errors_are_clear(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "toolquake", "report", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 2 and "no replay results" in r.stderr
 
 
@@ -195,9 +229,22 @@ def test_db_option_summarises_the_live_results_store(tmp_path):
 
     store = ResultsStore(tmp_path / "live.sqlite")
     for i, (profile, valid) in enumerate([("off", True), ("off", True), ("expanded", True), ("expanded", False)]):
-        store.append(Row(request_id=f"r{i}", profile=profile, mode="perturb", arm="live", model="m", stream=False,
-                         status=200, case_id=f"multiple_{i}", category="multiple", expected="ground_truth",
-                         valid=valid, taxonomy=None if valid else "wrong_function"))
+        store.append(
+            Row(
+                request_id=f"r{i}",
+                profile=profile,
+                mode="perturb",
+                arm="live",
+                model="m",
+                stream=False,
+                status=200,
+                case_id=f"multiple_{i}",
+                category="multiple",
+                expected="ground_truth",
+                valid=valid,
+                taxonomy=None if valid else "wrong_function",
+            )
+        )
     store.close()
     data = json.loads(report("--db", str(tmp_path / "live.sqlite"), "--format", "json"))
     assert data["arms"]["off"]["accuracy"] == 1.0 and data["arms"]["expanded"]["accuracy"] == 0.5

@@ -240,13 +240,24 @@ def test_odd_schemas_and_answers_fail_where_bfcl_fails(reference: Reference) -> 
 
     doc = {"name": "f", "description": "", "parameters": {"type": "dict", "required": ["a"], "properties": {
         "a": {"type": "integer"}, "b": {"type": "array"}, "c": {"type": "weird"}, "d": {"type": "string"}}}}
-    no_required = {"name": "f", "description": "", "parameters": {"type": "dict", "properties": doc["parameters"]["properties"]}}
-    gts = [[{"f": {"a": [1], "b": [[1]], "c": [1], "d": ["x", ""]}}], [{"f": {"a": [1], "d": 5}}],
-           [{"g": {"a": [1]}}], [{"f": {"a": [1], "d": [["x"], "y"]}}]]
-    answers = [[], [{"name": "f", "arguments": {"a": 1}}], [{"name": "f", "arguments": {"a": 1, "b": [1]}}],
-               [{"name": "f", "arguments": {"a": 1, "c": 1}}], [{"name": "f", "arguments": {"a": 1, "d": "x"}}],
-               [{"name": "f", "arguments": {"a": 2, "c": 1}}], [{"name": "g", "arguments": {"a": 1}}],
-               [{"name": "f", "arguments": {"a": 1, "d": ["x"]}}]]
+    no_required = {"name": "f", "description": "",
+                   "parameters": {"type": "dict", "properties": doc["parameters"]["properties"]}}
+    gts = [
+        [{"f": {"a": [1], "b": [[1]], "c": [1], "d": ["x", ""]}}],
+        [{"f": {"a": [1], "d": 5}}],
+        [{"g": {"a": [1]}}],
+        [{"f": {"a": [1], "d": [["x"], "y"]}}],
+    ]
+    answers = [
+        [],
+        [{"name": "f", "arguments": {"a": 1}}],
+        [{"name": "f", "arguments": {"a": 1, "b": [1]}}],
+        [{"name": "f", "arguments": {"a": 1, "c": 1}}],
+        [{"name": "f", "arguments": {"a": 1, "d": "x"}}],
+        [{"name": "f", "arguments": {"a": 2, "c": 1}}],
+        [{"name": "g", "arguments": {"a": 1}}],
+        [{"name": "f", "arguments": {"a": 1, "d": ["x"]}}],
+    ]
     compared = 0
     for docs in ([doc], [no_required]):
         for gt in gts:

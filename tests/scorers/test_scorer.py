@@ -283,29 +283,69 @@ def test_score_cli_keeps_input_order_and_counts_bad_lines(tmp_path: Path) -> Non
     backward = [stock.format("Apple", "2022-02-01"), stock.format("Apple", "2022-01-01"),
                 stock.format("Microsoft", "2022-02-01"), stock.format("Microsoft", "2022-01-01")]
     lines = [
-        json.dumps({"id": "simple_python_0", "calls": [{"name": "calculate_triangle_area",
-                                                          "arguments": {"base": 10, "height": 5}}]}),
+        json.dumps(
+            {
+                "id": "simple_python_0",
+                "calls": [{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5}}],
+            }
+        ),
         "{not json",
         json.dumps({"id": "no_such_case_7", "calls": []}),
         json.dumps({"id": "simple_python_0"}),
         json.dumps({"id": "parallel_178", "text": "[" + ", ".join(backward) + "]"}),
-        json.dumps({"id": "multiple_0", "message": {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                    "function": {"name": "triangle_properties_get", "arguments": '{"side1":5,"side2":4,"side3":3}'}}]}}),
-        json.dumps({"id": "simple_python_0", "calls": [{"name": "calculate_triangle_area",
-                                                          "arguments": '{"base": 10, "height": "5"}'}]}),
+        json.dumps(
+            {
+                "id": "multiple_0",
+                "message": {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {
+                                "name": "triangle_properties_get",
+                                "arguments": '{"side1":5,"side2":4,"side3":3}',
+                            },
+                        }
+                    ],
+                },
+            }
+        ),
+        json.dumps(
+            {
+                "id": "simple_python_0",
+                "calls": [{"name": "calculate_triangle_area", "arguments": '{"base": 10, "height": "5"}'}],
+            }
+        ),
         json.dumps(["a list"]),
         json.dumps({"id": "multi_turn_base_0", "text": "[]"}),
     ]
     done = run_score(lines, "--output", str(tmp_path / "v.jsonl"))
     assert done.returncode == 0, done.stderr
     rows = [json.loads(x) for x in (tmp_path / "v.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["simple_python_0", None, "no_such_case_7", "simple_python_0", "parallel_178",
-                                       "multiple_0", "simple_python_0", None, "multi_turn_base_0"]
+    assert [r["id"] for r in rows] == [
+        "simple_python_0",
+        None,
+        "no_such_case_7",
+        "simple_python_0",
+        "parallel_178",
+        "multiple_0",
+        "simple_python_0",
+        None,
+        "multi_turn_base_0",
+    ]
     assert [r["valid"] for r in rows] == [True, False, False, False, False, True, False, False, False]
     assert [r["error_type"] for r in rows] == [
-        None, "toolquake:input_error", "toolquake:input_error", "toolquake:input_error",
-        "parallel_function_checker_no_order:cannot_find_match", None, "type_error:simple",
-        "toolquake:input_error", "toolquake:input_error"]
+        None,
+        "toolquake:input_error",
+        "toolquake:input_error",
+        "toolquake:input_error",
+        "parallel_function_checker_no_order:cannot_find_match",
+        None,
+        "type_error:simple",
+        "toolquake:input_error",
+        "toolquake:input_error",
+    ]
     assert rows[6]["taxonomy"] == "wrong_type" and rows[1]["taxonomy"] == "input_error"
     assert all(set(r) >= {"id", "valid", "error_type", "errors", "taxonomy"} for r in rows)
     assert "input_err" in done.stderr and "overall" in done.stderr
@@ -322,13 +362,17 @@ def test_score_cli_reads_the_tag_flag_of_format_sensitivity_ids() -> None:
     fs_id = f"format_sensitivity_3:{config}:simple_python_0"
     json_id = fs_id.replace("ret_fmt=python", "ret_fmt=json")
     tagged = "Here: <TOOLCALL>[calculate_triangle_area(base=10, height=5)]</TOOLCALL>"
-    lines = [json.dumps({"id": fs_id, "text": tagged}),
-             json.dumps({"id": fs_id, "text": "[calculate_triangle_area(base=10, height=5)]"}),
-             json.dumps({"id": json_id, "text": "[]"})]
+    lines = [
+        json.dumps({"id": fs_id, "text": tagged}),
+        json.dumps({"id": fs_id, "text": "[calculate_triangle_area(base=10, height=5)]"}),
+        json.dumps({"id": json_id, "text": "[]"}),
+    ]
     rows = [json.loads(x) for x in run_score(lines).stdout.splitlines()]
     assert [(r["category"], r["valid"], r["error_type"]) for r in rows] == [
-        ("format_sensitivity", True, None), ("format_sensitivity", False, "ast_decoder:decoder_failed"),
-        ("format_sensitivity", False, "toolquake:input_error")]
+        ("format_sensitivity", True, None),
+        ("format_sensitivity", False, "ast_decoder:decoder_failed"),
+        ("format_sensitivity", False, "toolquake:input_error"),
+    ]
 
 
 # --- robustness -----------------------------------------------------------------------------------
@@ -336,7 +380,8 @@ def test_score_cli_reads_the_tag_flag_of_format_sensitivity_ids() -> None:
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -347,11 +392,19 @@ def test_decoding_arbitrary_text_returns_calls_or_a_failure(text: str) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.fixed_dictionaries({"name": st.sampled_from(["weather.get", "x", ""]),
-                                        "arguments": st.dictionaries(st.sampled_from(["city", "days", "z"]),
-                                                                     _json_values, max_size=3)}), max_size=3),
-       st.sampled_from(["simple_python", "parallel", "multiple", "simple_java", "simple_javascript", "irrelevance"]),
-       st.sampled_from(["bfcl", "fair"]))
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(["weather.get", "x", ""]),
+                "arguments": st.dictionaries(st.sampled_from(["city", "days", "z"]), _json_values, max_size=3),
+            }
+        ),
+        max_size=3,
+    ),
+    st.sampled_from(["simple_python", "parallel", "multiple", "simple_java", "simple_javascript", "irrelevance"]),
+    st.sampled_from(["bfcl", "fair"]),
+)
 def test_any_json_answer_gets_a_verdict(calls: list, category: str, mode: str) -> None:
     v = check_calls(DOCS, GT if "parallel" in category else GT[:1], category, calls, mode)
     assert v.valid in (True, False)

@@ -432,18 +432,33 @@ def test_bad_config_files_fail_with_a_clear_message(tmp_path, config, fragment):
 def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path):
     req = tmp_path / "req.json"
     req.write_text(json.dumps(body()))
-    done = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", "reversed", "--request", str(req)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "toolquake", "perturb", "--profile", "reversed", "--request", str(req)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert [t["function"]["name"] for t in out["tools"]] == [t["function"]["name"] for t in TOOLS][::-1]
     assert out["messages"] == MESSAGES
     summary = json.loads(done.stderr.strip().splitlines()[-1])
     assert summary["applied"][0]["name"] == "tool_order" and summary["token_counter"] == "estimate"
-    again = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request",
-                            str(req), "--seed", "7"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    twice = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request",
-                            str(req), "--seed", "7"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    again = subprocess.run(
+        [sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request", str(req), "--seed", "7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    twice = subprocess.run(
+        [sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request", str(req), "--seed", "7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert again.stdout == twice.stdout
 
 

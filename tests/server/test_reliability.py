@@ -52,16 +52,24 @@ def fault_request(url: str, fault: str, stream: bool) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("fault, check", [
-    ("status:500", lambda status, data: status == 500 and b'"injected"' in data),
-    ("status:429", lambda status, data: status == 429),
-    ("invalid-json", lambda status, data: status == 502 and b"upstream_invalid_response" in data),
-    ("hang", lambda status, data: status == 504 and b"upstream_timeout" in data),
-    ("delay:1500", lambda status, data: status == 504 and b"upstream_timeout" in data),
-    ("slow-bytes:1", lambda status, data: status == 200 and (b"[DONE]" in data or b"tool_calls" in data)),
-    ("cut-stream", lambda status, data: (status == 200 and data.startswith(b"data: ") and b"[DONE]" not in data
-                                         and b'"error"' in data) or (status == 502 and b"upstream_unreachable" in data)),
-])
+@pytest.mark.parametrize(
+    "fault, check",
+    [
+        ("status:500", lambda status, data: status == 500 and b'"injected"' in data),
+        ("status:429", lambda status, data: status == 429),
+        ("invalid-json", lambda status, data: status == 502 and b"upstream_invalid_response" in data),
+        ("hang", lambda status, data: status == 504 and b"upstream_timeout" in data),
+        ("delay:1500", lambda status, data: status == 504 and b"upstream_timeout" in data),
+        ("slow-bytes:1", lambda status, data: status == 200 and (b"[DONE]" in data or b"tool_calls" in data)),
+        (
+            "cut-stream",
+            lambda status, data: (
+                (status == 200 and data.startswith(b"data: ") and b"[DONE]" not in data and b'"error"' in data)
+                or (status == 502 and b"upstream_unreachable" in data)
+            ),
+        ),
+    ],
+)
 def test_fault_gets_its_answer_and_leaves_nothing_behind(proxy_1s, fault, check, stream):
     url = proxy_1s.url
     assert httpx.post(f"{url}/v1/chat/completions", json=body()).status_code == 200
@@ -92,8 +100,9 @@ def test_client_abort_mid_stream_releases_everything(proxy_1s):
     url = proxy_1s.url
     _, baseline_tasks, _ = settled(url, 1e9)
     for _ in range(5):
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body(stream=True),
-                          headers={"x-fake-fault": "chunk-delay:200"}) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body(stream=True), headers={"x-fake-fault": "chunk-delay:200"}
+        ) as r:
             next(r.iter_raw())
     active, tasks, in_flight = settled(url, baseline_tasks)
     assert (active, in_flight) == (0, 0)
@@ -107,14 +116,16 @@ def test_client_sending_slowly_is_served(proxy_1s):
 
     payload = json.dumps(body()).encode()
     host, port = proxy_1s.url.removeprefix("http://").split(":")
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     with socket.create_connection((host, int(port)), timeout=10) as s:
         for i in range(0, len(head), 7):
-            s.sendall(head[i:i + 7])
+            s.sendall(head[i : i + 7])
             time.sleep(0.005)
         for i in range(0, len(payload), 50):
-            s.sendall(payload[i:i + 50])
+            s.sendall(payload[i : i + 50])
             time.sleep(0.02)
         data = b""
         while chunk := s.recv(65536):
