@@ -166,9 +166,13 @@ def answer_schema(mode: str, tools: list[Tool], parallel: bool) -> dict[str, Any
             "additionalProperties": False}
     if mode == "required":
         return call
-    reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-             "additionalProperties": False}
-    return {"anyOf": [call, reply]}
+    return {"anyOf": [call, reply_schema()]}
+
+
+def reply_schema() -> dict[str, Any]:
+    """A text reply only, in the same JSON wrapper."""
+    return {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+            "additionalProperties": False}
 
 
 def decode_answer(text: str) -> tuple[str | None, list[tuple[str, str]]]:

@@ -95,7 +95,8 @@ class Engine:
             raise ApiError(400, f"the prompt is {len(tokens)} tokens, over the model's context of {self.n_ctx}",
                            "context_length_exceeded", "messages")
         max_tokens = min(max_tokens, room)
-        grammar = _grammar(json.dumps(schema))  # key order is the answer's order if schema is not None else None
+        # key order is the answer's order (a call's name before its arguments): never sort the keys
+        grammar = _grammar(json.dumps(schema)) if schema is not None else None
         llm = self.pool.get()
         try:
             kwargs = dict(max_tokens=max_tokens, temperature=max(0.0, temperature), top_p=top_p,
@@ -214,6 +215,38 @@ def parse_job(body: Any, api: str, default_max_tokens: int) -> Job:
                schema, body.get("stream") is True)
 
 
+def _canonical(name: str, arguments: str) -> tuple[str, str]:
+    try:
+        return name, json.dumps(json.loads(arguments), sort_keys=True)
+    except ValueError:
+        return name, arguments
+
+
+def answered_calls(msgs: list[t.Msg]) -> set[tuple[str, str]]:
+    """The calls earlier in the conversation that a tool result answered, as (name, canonical arguments)."""
+    answered = {m.tool_call_id for m in msgs if m.role == "tool"}
+    return {_canonical(n, a) for m in msgs for cid, n, a in m.tool_calls if cid in answered}
+
+
+def complete(engine: Engine, job: Job, on_text: Callable[[str], None] | None = None,
+             repeat_guard: bool = True) -> Generation:
+    """One generation for the job. The repeat guard: under `auto`, an answer that only repeats calls already
+    made and answered in this conversation (a small model's loop) is generated again as a text reply, so agent
+    loops end; `required` and a named tool_choice are never overridden."""
+    plain = job.schema is None or job.mode == "none"
+    gen = engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
+                          top_p=job.top_p, seed=job.seed, stop=job.stop, on_text=on_text if plain else None)
+    if plain or job.mode != "auto" or not repeat_guard:
+        return gen
+    _, calls = g.decode_answer(gen.text)
+    done = answered_calls(job.msgs)
+    if calls and done and all(_canonical(n, a) in done for n, a in calls):
+        job.schema = g.reply_schema()
+        return engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
+                               top_p=job.top_p, seed=job.seed, stop=job.stop)
+    return gen
+
+
 def _answer(job: Job, gen: Generation) -> tuple[str | None, list[tuple[str, str]]]:
     if job.schema is None or job.mode == "none":
         return gen.text, []
@@ -248,7 +281,7 @@ def chat_completion(job: Job, gen: Generation, model: str) -> dict[str, Any]:
 
 
 def chat_stream(engine: Engine, job: Job, model: str, send: Callable[[dict[str, Any]], None],
-                include_usage: bool) -> None:
+                include_usage: bool, repeat_guard: bool = True) -> None:
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -257,9 +290,7 @@ def chat_stream(engine: Engine, job: Job, model: str, send: Callable[[dict[str, 
 
     send(chunk({"role": "assistant", "content": ""}))
     plain = job.schema is None or job.mode == "none"
-    gen = engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                          top_p=job.top_p, seed=job.seed, stop=job.stop,
-                          on_text=(lambda s: send(chunk({"content": s}))) if plain else None)
+    gen = complete(engine, job, lambda s: send(chunk({"content": s})), repeat_guard)
     finish = gen.finish_reason
     if not plain:
         text, calls = _answer(job, gen)
@@ -319,7 +350,7 @@ def response_object(body: dict[str, Any], job: Job, gen: Generation, model: str)
 
 
 def responses_stream(engine: Engine, body: dict[str, Any], job: Job, model: str,
-                     send: Callable[[dict[str, Any]], None]) -> None:
+                     send: Callable[[dict[str, Any]], None], repeat_guard: bool = True) -> None:
     seq = [0]
 
     def event(kind: str, **fields: Any) -> None:
@@ -347,8 +378,7 @@ def responses_stream(engine: Engine, body: dict[str, Any], job: Job, model: str,
         open_message()
         event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=s, logprobs=[])
 
-    gen = engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                          top_p=job.top_p, seed=job.seed, stop=job.stop, on_text=text_delta if plain else None)
+    gen = complete(engine, job, text_delta, repeat_guard)
     text, calls = _answer(job, gen)
     items = _output_items(text, calls)
     if calls:
@@ -501,14 +531,13 @@ class Handler(BaseHTTPRequestHandler):
         job = parse_job(body, "chat", self.app.default_max_tokens)
         model = body.get("model") or self.app.model
         if not job.stream:
-            gen = self.app.engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens,
-                                           temperature=job.temperature, top_p=job.top_p, seed=job.seed, stop=job.stop)
+            gen = complete(self.app.engine, job, repeat_guard=self.app.repeat_guard)
             self._json(200, chat_completion(job, gen, model))
             return
         self._start_stream()
         streaming[0] = True
         opts = body.get("stream_options") or {}
-        chat_stream(self.app.engine, job, model, self._event, bool(opts.get("include_usage")))
+        chat_stream(self.app.engine, job, model, self._event, bool(opts.get("include_usage")), self.app.repeat_guard)
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -519,19 +548,19 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "previous_response_id is not supported: this server stores no responses; send the "
                            "whole conversation in 'input'", "unsupported_parameter", "previous_response_id")
         if not job.stream:
-            gen = self.app.engine.generate(job.prompt, job.schema, max_tokens=job.max_tokens,
-                                           temperature=job.temperature, top_p=job.top_p, seed=job.seed, stop=job.stop)
+            gen = complete(self.app.engine, job, repeat_guard=self.app.repeat_guard)
             self._json(200, response_object(body, job, gen, model))
             return
         self._start_stream()
         streaming[0] = True
-        responses_stream(self.app.engine, body, job, model, lambda e: self._event(e, e["type"]))
+        responses_stream(self.app.engine, body, job, model, lambda e: self._event(e, e["type"]), self.app.repeat_guard)
 
 
 class App:
     def __init__(self, engine: Engine, model: str = MODEL_ALIAS, default_max_tokens: int = 512,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, repeat_guard: bool = True) -> None:
         self.engine, self.model, self.default_max_tokens, self.verbose = engine, model, default_max_tokens, verbose
+        self.repeat_guard = repeat_guard
 
     def make_server(self, host: str, port: int) -> ThreadingHTTPServer:
         handler = type("BoundHandler", (Handler,), {"app": self})
@@ -568,6 +597,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-alias", default=MODEL_ALIAS, help=f"the model id served (default {MODEL_ALIAS})")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="max tokens per answer when the request sets none (default 512)")
+    p.add_argument("--no-repeat-guard", dest="repeat_guard", action="store_false",
+                   help="under tool_choice auto, let the model repeat a call already answered in the conversation "
+                        "(by default such an answer is generated again as a text reply, so agent loops end)")
     p.add_argument("--verbose", action="store_true", help="log each request")
 
 
@@ -583,7 +615,7 @@ def serve(args: argparse.Namespace, ready: Callable[[str], None] | None = None) 
     model_path = args.model_path or str(gguf_path())
     engine = Engine(model_path, n_ctx=args.n_ctx, threads=args.threads or default_threads(args.parallel),
                     parallel=args.parallel)
-    app = App(engine, args.model_alias, args.max_tokens, args.verbose)
+    app = App(engine, args.model_alias, args.max_tokens, args.verbose, args.repeat_guard)
     server = app.make_server(args.host, args.port)
     stopping = threading.Event()
 
