@@ -117,10 +117,18 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rewrites_response: ClassVar[bool] = False
     #: True when `apply` blocks (CPU-heavy work, synchronous HTTP): it then runs in a worker thread
     blocking: ClassVar[bool] = False
+    #: True when `restore` only turns answer text into calls, so a streamed answer's plain text may reach the
+    #: client as it arrives (up to what `stream_release` allows) instead of after the whole answer
+    streams_text: ClassVar[bool] = False
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest | Awaitable[ChatRequest]:
         """Return the perturbed request. May be `async def` (the pipeline awaits what it returns)."""
         raise NotImplementedError  # pragma: no cover
+
+    def stream_release(self, text: str, ctx: PerturbContext) -> int:
+        """With `streams_text`: how many leading characters of the answer text streamed so far are plain text
+        the client may see now (text that can no longer become part of a call)."""
+        return 0
 
     def expected_answer(self, report: dict[str, Any], case: Any) -> str | None:
         """How this step changed the right answer to `case`, judged from what it reported when it ran:

@@ -115,6 +115,7 @@ class FormatRewrite(Perturber):
 
     name = "format_rewrite"
     rewrites_response: ClassVar[bool] = True
+    streams_text: ClassVar[bool] = True
 
     return_format: str = "python"
     function_doc_format: str = "json"
@@ -132,6 +133,23 @@ class FormatRewrite(Perturber):
     def call_format(self) -> CallFormat:
         return CallFormat(self.return_format, self.tool_call_tag, self.function_doc_format, self.prompt_format,
                           self.prompt_style)
+
+    def stream_release(self, text: str, ctx: PerturbContext) -> int:
+        """Text before anything that could open a call in this format (a list or object, a tag, a code fence,
+        the name of an offered function) is released; a text ending in the start of such a marker keeps that
+        end back until the next chunk says what it is."""
+        if not ctx.state.get("active"):
+            return len(text)
+        markers = ["```", "<"] if self.tool_call_tag else ["```"]
+        markers += {"python": ["["], "json": ["[", "{"]}.get(self.return_format, ["<"])
+        names: _Names | None = ctx.state.get("names")
+        if names is not None:
+            markers += [shown.split(".")[-1] for shown in names.shown.values()]
+        found = [i for i in (text.find(m) for m in markers if m) if i >= 0]
+        if found:
+            return min(found)
+        held = max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+        return len(text) - held
 
     def answer_decodes(self, ctx: PerturbContext) -> tuple[Any, Any] | None:
         """The (strict, lenient) decodes of the first choice's text, once `restore` parsed it."""

@@ -20,7 +20,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from toolquake.perturbers import ChatRequest
-from toolquake.proxy.server.apis import Api
+from toolquake.proxy.server import streaming
+from toolquake.proxy.server.apis import CHAT, Api
 from toolquake.proxy.server.errors import ProxyError, error_body
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
 from toolquake.proxy.server.state import ProxyState, RequestContext
@@ -167,6 +168,8 @@ class ChatHandler:
         ctx.t_upstream = time.perf_counter()
         upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), ctx.forward_headers, send_raw)
         if ctx.stream and 200 <= upstream.status_code < 300 and "text/event-stream" in upstream.header("content-type"):
+            if self._streams_text(ctx):
+                return self._stream_text_through(upstream, ctx)
             if self._rewrites(ctx):
                 return await self._stream_rewritten(upstream, ctx)
             return self._stream_relay(upstream, ctx)
@@ -182,6 +185,108 @@ class ChatHandler:
         answers_injected = bool(outcome.injected) and ctx.profile is not None \
             and ctx.profile.spec.injected_calls == "answer"
         return outcome.rewrites_response or answers_injected
+
+    def _streams_text(self, ctx: RequestContext) -> bool:
+        """A chat stream whose only rewriting step declares `streams_text`, and no added-tool calls to answer:
+        its plain text can reach the client as it arrives."""
+        outcome = ctx.outcome
+        if self.api is not CHAT or outcome is None or len(outcome.restorers) != 1:
+            return False
+        if outcome.injected and ctx.profile is not None and ctx.profile.spec.injected_calls == "answer":
+            return False
+        return outcome.restorers[0][0].streams_text
+
+    def _stream_text_through(self, upstream: UpstreamResponse, ctx: RequestContext) -> Stream:
+        """Relay the answer's plain text as it arrives, up to what the step releases (text that cannot become
+        a call any more); at the end restore the whole answer and send the rest: the remaining text, or the
+        calls the text turned into."""
+        assert ctx.outcome is not None
+        perturber, pctx = ctx.outcome.restorers[0]
+        m = self.st.metrics
+        ctx.status = 200
+        state: dict[str, Any] = {"first": None, "end": None}
+
+        async def relay() -> AsyncIterator[bytes]:
+            parser, asm = streaming.SSEParser(), streaming.StreamAssembler()
+            raw: list[bytes] = []
+            released, sent_role, base = 0, False, None
+
+            def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
+                chunk = {**(base or {}), "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                return b"data: " + _encode(chunk) + b"\n\n"
+
+            try:
+                async for data in upstream.aiter_raw():
+                    raw.append(data)
+                    for payload in parser.feed(data):
+                        asm.add_payload(payload)
+                    if base is None and asm.id is not None:
+                        base = {"id": asm.id, "object": "chat.completion.chunk", "created": asm.created or 0,
+                                "model": asm.model or ""}
+                    text = ((asm.choices.get(0) or {}).get("content")) or ""
+                    upto = perturber.stream_release(text, pctx) if text else 0
+                    if base is not None and upto > released:
+                        out = b""
+                        if not sent_role:
+                            out += frame({"role": "assistant", "content": ""})
+                            sent_role = True
+                        out += frame({"content": text[released:upto]})
+                        released = upto
+                        if state["first"] is None:
+                            state["first"] = time.perf_counter()
+                            m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
+                        yield out
+                for payload in parser.flush():
+                    asm.add_payload(payload)
+                whole = b"".join(raw)
+                if not any(x in whole for x in self.api.end_markers):
+                    ctx.status = 502
+                    yield self._stream_error("invalid_response", "The upstream model server sent "
+                                             + ("an empty stream." if not whole.strip() else
+                                                "a stream that ended unfinished."), "upstream_invalid_response")
+                    return
+                answer = asm.result()
+                text = ((answer.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+                restored, failed = restore(ctx.outcome, answer)
+                m.count_restore_failures(failed)
+                ctx.response = restored
+                # what the client still needs: the restored answer, less the text it already has
+                rest = json_copy(restored)
+                for choice in rest.get("choices") or []:
+                    msg = choice.get("message") or {}
+                    if choice.get("index", 0) == 0 and released:
+                        content = msg.get("content")
+                        if msg.get("tool_calls") or not isinstance(content, str):
+                            msg["content"] = None
+                        else:
+                            msg["content"] = content[released:] if content.startswith(text[:released]) else content
+                frames = list(streaming.emit_stream(rest))
+                if sent_role:  # the role chunk went out with the first text
+                    frames = frames[1:]
+                if state["first"] is None and frames:
+                    state["first"] = time.perf_counter()
+                    m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
+                for f in frames:
+                    yield f
+            except UpstreamError as exc:
+                ctx.status = 504 if exc.kind == "timeout" else 502
+                yield self._stream_error(exc.kind, f"The upstream stream failed ({exc.cause_name}).",
+                                         f"upstream_{exc.kind}")
+            finally:
+                state["end"] = time.perf_counter()
+                await upstream.aclose()
+
+        gen = relay()
+
+        async def cleanup() -> None:
+            await gen.aclose()
+            await upstream.aclose()
+            ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
+            self._finish(ctx)
+            m.in_flight.dec()
+
+        return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
+                      media_type="text/event-stream", background=BackgroundTask(cleanup))
 
     async def _finish_answer(self, ctx: RequestContext, wire: dict[str, Any]) -> dict[str, Any]:
         """Restore what the steps rewrote, handle calls to added tools; the answer to send, in wire form."""
@@ -419,6 +524,10 @@ class ChatHandler:
                     observer(ctx)
                 except Exception as exc:  # fail-open: scoring never breaks serving
                     log.warning("observer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+
+def json_copy(value: Any) -> Any:
+    return _decode(_encode(value))
 
 
 def _strip(answer: dict[str, Any], drop: set[int]) -> dict[str, Any]:

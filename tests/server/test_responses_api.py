@@ -229,3 +229,55 @@ def test_an_empty_or_unfinished_stream_ends_with_an_error_event_and_is_counted(t
     assert error["code"] == "upstream_invalid_response"
     assert ("empty" in error["message"]) == (fault == "empty-stream")
     assert metric_value(metrics(tq), "toolquake_upstream_errors_total", kind="invalid_response") == before + 1
+
+
+LIVE_CONFIG = """
+[profiles.format-python]
+perturbers = [{ name = "format_rewrite", params = { return_format = "python", function_doc_format = "json" } }]
+
+[profiles.format-live]
+perturbers = [{ name = "format_rewrite", params = { return_format = "python", parse = "live" } }]
+"""
+
+
+def timed_stream(proxy, profile: str, answer_text: str, delay_ms: int = 120) -> tuple[list, list[float], float]:
+    """The SDK's chunks of a paced stream, when each arrived, and when the stream ended (seconds)."""
+    import time
+
+    c = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test", default_headers={
+        "x-fake-answer": json.dumps({"text": answer_text}), "x-fake-fault": f"chunk-delay:{delay_ms}"})
+    t0 = time.perf_counter()
+    chunks, times = [], []
+    for chunk in c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Tokyo?"}],
+                                           tools=[{"type": "function", "function": {k: v for k, v in TOOLS[1].items()
+                                                                                    if k != "type"}}], stream=True):
+        chunks.append(chunk)
+        times.append(time.perf_counter() - t0)
+    return chunks, times, time.perf_counter() - t0
+
+
+def test_format_rewrite_streams_plain_text_as_it_arrives(proxy_factory):
+    proxy = proxy_factory(LIVE_CONFIG)
+    text = "It is nine in the morning in Tokyo, and the trains are on time today."
+    chunks, times, total = timed_stream(proxy, "format-python", text)
+    content = [(i, ch.choices[0].delta.content) for i, ch in enumerate(chunks)
+               if ch.choices and ch.choices[0].delta.content]
+    assert "".join(c for _, c in content) == text  # all of it, once, in order
+    first = times[content[0][0]]
+    assert len(content) > 3 and first < total / 3  # the text came as it was written, not at the end
+
+
+@pytest.mark.parametrize("profile, text, prefix", [
+    ("format-python", "[get_time(city='Tokyo')]", ""),
+    ("format-live", "Sure: [get_time(city='Tokyo')]", "Sure: "),
+])
+def test_format_rewrite_stream_turns_call_syntax_into_tool_calls(proxy_factory, profile, text, prefix):
+    proxy = proxy_factory(LIVE_CONFIG)
+    chunks, _, _ = timed_stream(proxy, profile, text, delay_ms=20)
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == prefix  # the prose before the call, nothing of the call
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert [tc.function.name for tc in calls if tc.function.name] == ["get_time"]
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Tokyo"}
+    finish_reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish_reasons == ["tool_calls"]
