@@ -331,10 +331,9 @@ class ChatHandler:
                                     *({"role": "tool", "tool_call_id": c.get("id", ""),
                                        "content": UNAVAILABLE.format(name=_call_name(c))} for c in bad)]}
             request.pop("stream_options", None)
-            answer = await self._ask_again(ctx, request)
-            if answer is None:
-                return _strip(ctx.response or {"choices": [{"index": 0, "message": message}]},
-                              {id(c) for c in bad}), True
+            previous, answer = answer, await self._ask_again(ctx, request)
+            if answer is None:  # the follow-up failed: the client gets the answer without the added calls
+                return _strip(previous, {id(c) for c in bad}), True
         return answer, True
 
     async def _ask_again(self, ctx: RequestContext, request: dict[str, Any]) -> dict[str, Any] | None:
@@ -379,7 +378,7 @@ class ChatHandler:
             if not isinstance(parsed, dict):
                 st.metrics.upstream_errors.labels("invalid_response").inc()
                 raise bad_upstream_answer("JSON that is not an object")
-            if ctx.observed or self._rewrites(ctx):
+            if ctx.observed or self._rewrites(ctx) or (ctx.outcome is not None and ctx.outcome.injected):
                 sent = await self._finish_answer(ctx, parsed)
                 if sent is not parsed:
                     data = _encode(sent)
@@ -404,6 +403,8 @@ class ChatHandler:
         m = self.st.metrics
         markers = self.api.end_markers
         keep = max(len(x) for x in markers) if markers else 0
+        # a copy of the stream is kept for observers, and to count calls to tools the proxy added
+        capture = ctx.observed or bool(ctx.outcome is not None and ctx.outcome.injected)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -411,7 +412,7 @@ class ChatHandler:
                     if state["first"] is None:
                         state["first"] = time.perf_counter()
                         m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
-                    if ctx.observed:
+                    if capture:
                         parts.append(chunk)
                     if not state["ended"]:
                         seen = state["tail"] + chunk
@@ -438,7 +439,7 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
-            if ctx.observed and parts:
+            if capture and parts:
                 native = self.api.assemble(b"".join(parts))
                 ctx.response = self.api.answer_to_internal(native) if native else None
                 if ctx.response is not None and ctx.outcome is not None and ctx.outcome.injected:

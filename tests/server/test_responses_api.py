@@ -281,3 +281,17 @@ def test_format_rewrite_stream_turns_call_syntax_into_tool_calls(proxy_factory, 
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Tokyo"}
     finish_reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finish_reasons == ["tool_calls"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_invented_calls_are_counted_without_any_observer(proxy_factory, fake_upstream, stream):
+    """With scoring off nobody observes the answers; a call to an added tool is still counted."""
+    proxy = proxy_factory(CONFIG, None, None, "--no-scoring")
+    t = tag()
+    c = client(proxy, "invented-pass", t, **{"x-fake-call-foreign": ",".join(NAMES)})
+    out = c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Archive?"}],
+                                    tools=CHAT_TOOLS, stream=stream)
+    if stream:
+        list(out)
+    wanted = dict(profile="invented-pass", perturber="test_adds_tool")
+    assert metric_value(metrics(proxy), "toolquake_injected_tool_calls_total", **wanted) == 1
