@@ -20,7 +20,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from toolquake.perturbers import ChatRequest
-from toolquake.proxy.server import streaming
+from toolquake.proxy.server import responses, streaming
 from toolquake.proxy.server.apis import CHAT, Api
 from toolquake.proxy.server.errors import ProxyError, error_body
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
@@ -169,7 +169,9 @@ class ChatHandler:
         upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), ctx.forward_headers, send_raw)
         if ctx.stream and 200 <= upstream.status_code < 300 and "text/event-stream" in upstream.header("content-type"):
             if self._streams_text(ctx):
-                return self._stream_text_through(upstream, ctx)
+                if self.api is CHAT:
+                    return self._stream_text_through(upstream, ctx)
+                return self._stream_text_through_responses(upstream, ctx)
             if self._rewrites(ctx):
                 return await self._stream_rewritten(upstream, ctx)
             return self._stream_relay(upstream, ctx)
@@ -190,7 +192,7 @@ class ChatHandler:
         """A chat stream whose only rewriting step declares `streams_text`, and no added-tool calls to answer:
         its plain text can reach the client as it arrives."""
         outcome = ctx.outcome
-        if self.api is not CHAT or outcome is None or len(outcome.restorers) != 1:
+        if outcome is None or len(outcome.restorers) != 1:
             return False
         if outcome.injected and ctx.profile is not None and ctx.profile.spec.injected_calls == "answer":
             return False
@@ -268,6 +270,64 @@ class ChatHandler:
                     m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
                 for f in frames:
                     yield f
+            except UpstreamError as exc:
+                ctx.status = 504 if exc.kind == "timeout" else 502
+                yield self._stream_error(exc.kind, f"The upstream stream failed ({exc.cause_name}).",
+                                         f"upstream_{exc.kind}")
+            finally:
+                state["end"] = time.perf_counter()
+                await upstream.aclose()
+
+        gen = relay()
+
+        async def cleanup() -> None:
+            await gen.aclose()
+            await upstream.aclose()
+            ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
+            self._finish(ctx)
+            m.in_flight.dec()
+
+        return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
+                      media_type="text/event-stream", background=BackgroundTask(cleanup))
+
+    def _stream_text_through_responses(self, upstream: UpstreamResponse, ctx: RequestContext) -> Stream:
+        """`_stream_text_through` for the Responses API: the message item opens with the first released text;
+        the rest (remaining text, then the calls) follows once the answer is complete and restored."""
+        assert ctx.outcome is not None
+        perturber, pctx = ctx.outcome.restorers[0]
+        m, api = self.st.metrics, self.api
+        ctx.status = 200
+        state: dict[str, Any] = {"first": None, "end": None}
+
+        def first_byte() -> None:
+            if state["first"] is None:
+                state["first"] = time.perf_counter()
+                m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
+
+        async def relay() -> AsyncIterator[bytes]:
+            through, raw = responses.TextThrough(), []
+            try:
+                async for data in upstream.aiter_raw():
+                    raw.append(data)
+                    through.feed(data)
+                    out = through.release(perturber.stream_release(through.text, pctx)) if through.text else b""
+                    if out:
+                        first_byte()
+                        yield out
+                whole = b"".join(raw)
+                native = api.assemble(whole)
+                if native is None or not any(x in whole for x in api.end_markers):
+                    ctx.status = 502
+                    yield self._stream_error("invalid_response", "The upstream model server sent "
+                                             + ("an empty stream." if native is None else
+                                                "a stream that ended unfinished."), "upstream_invalid_response")
+                    return
+                restored, failed = restore(ctx.outcome, api.answer_to_internal(native))
+                m.count_restore_failures(failed)
+                ctx.response = restored
+                for frame in through.finish(api.answer_to_wire(restored, native)):
+                    first_byte()
+                    yield frame
             except UpstreamError as exc:
                 ctx.status = 504 if exc.kind == "timeout" else 502
                 yield self._stream_error(exc.kind, f"The upstream stream failed ({exc.cause_name}).",

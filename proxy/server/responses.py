@@ -300,6 +300,37 @@ def _event(kind: str, seq: int, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
 
 
+def item_events(item: dict[str, Any], index: int, seq: Iterator[int], *, piece: int = 64) -> Iterator[bytes]:
+    """The events of one complete output item: added, its text or argument deltas, done."""
+    kind = item.get("type") if isinstance(item, dict) else None
+    if kind == "message":
+        yield _event("response.output_item.added", next(seq), output_index=index,
+                     item={**item, "status": "in_progress", "content": []})
+        for c, part in enumerate(item.get("content") or []):
+            text = part.get("text", "") if isinstance(part, dict) else ""
+            yield _event("response.content_part.added", next(seq), item_id=item.get("id"), output_index=index,
+                         content_index=c, part={**part, "text": ""})
+            for start in range(0, len(text), piece):
+                yield _event("response.output_text.delta", next(seq), item_id=item.get("id"), output_index=index,
+                             content_index=c, delta=text[start:start + piece])
+            yield _event("response.output_text.done", next(seq), item_id=item.get("id"), output_index=index,
+                         content_index=c, text=text)
+            yield _event("response.content_part.done", next(seq), item_id=item.get("id"), output_index=index,
+                         content_index=c, part=part)
+    elif kind == "function_call":
+        args = item.get("arguments") or ""
+        yield _event("response.output_item.added", next(seq), output_index=index,
+                     item={**item, "status": "in_progress", "arguments": ""})
+        for start in range(0, len(args), piece):
+            yield _event("response.function_call_arguments.delta", next(seq), item_id=item.get("id"),
+                         output_index=index, delta=args[start:start + piece])
+        yield _event("response.function_call_arguments.done", next(seq), item_id=item.get("id"),
+                     output_index=index, arguments=args)
+    else:
+        yield _event("response.output_item.added", next(seq), output_index=index, item=item)
+    yield _event("response.output_item.done", next(seq), output_index=index, item=item)
+
+
 def emit_events(response: dict[str, Any], *, piece: int = 64) -> Iterator[bytes]:
     """A complete Responses answer as a well-formed event stream (what a client's SDK expects)."""
     seq = itertools.count()
@@ -307,33 +338,81 @@ def emit_events(response: dict[str, Any], *, piece: int = 64) -> Iterator[bytes]
     yield _event("response.created", next(seq), response=started)
     yield _event("response.in_progress", next(seq), response=started)
     for index, item in enumerate(response.get("output") or []):
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "message":
-            yield _event("response.output_item.added", next(seq), output_index=index,
-                         item={**item, "status": "in_progress", "content": []})
-            for c, part in enumerate(item.get("content") or []):
-                text = part.get("text", "") if isinstance(part, dict) else ""
-                yield _event("response.content_part.added", next(seq), item_id=item.get("id"), output_index=index,
-                             content_index=c, part={**part, "text": ""})
-                for start in range(0, len(text), piece):
-                    yield _event("response.output_text.delta", next(seq), item_id=item.get("id"), output_index=index,
-                                 content_index=c, delta=text[start:start + piece])
-                yield _event("response.output_text.done", next(seq), item_id=item.get("id"), output_index=index,
-                             content_index=c, text=text)
-                yield _event("response.content_part.done", next(seq), item_id=item.get("id"), output_index=index,
-                             content_index=c, part=part)
-        elif kind == "function_call":
-            args = item.get("arguments") or ""
-            yield _event("response.output_item.added", next(seq), output_index=index,
-                         item={**item, "status": "in_progress", "arguments": ""})
-            for start in range(0, len(args), piece):
-                yield _event("response.function_call_arguments.delta", next(seq), item_id=item.get("id"),
-                             output_index=index, delta=args[start:start + piece])
-            yield _event("response.function_call_arguments.done", next(seq), item_id=item.get("id"),
-                         output_index=index, arguments=args)
-        else:
-            yield _event("response.output_item.added", next(seq), output_index=index, item=item)
-        yield _event("response.output_item.done", next(seq), output_index=index, item=item)
+        yield from item_events(item, index, seq, piece=piece)
+    yield completed(response, seq)
+
+
+def completed(response: dict[str, Any], seq: Iterator[int]) -> bytes:
     final = {**response, "status": response.get("status") or "completed"}
     final.setdefault("created_at", int(time.time()))
-    yield _event("response.completed", next(seq), response=final)
+    return _event("response.completed", next(seq), response=final)
+
+
+class TextThrough:
+    """A Responses stream whose plain text is released as it arrives (the message item opened early), the
+    rest of the answer — remaining text, then other items such as calls — emitted once it is complete."""
+
+    def __init__(self) -> None:
+        self.seq = itertools.count()
+        self.parser = SSEParser()
+        self.created: dict[str, Any] | None = None
+        self.text = ""
+        self.released = 0
+        self.item = {"type": "message", "id": f"msg_tq{next(_ids)}", "status": "in_progress", "role": "assistant",
+                     "content": []}
+
+    def feed(self, data: bytes) -> None:
+        for payload in self.parser.feed(data):
+            try:
+                event = _decode(payload)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if event.get("type") == "response.created" and isinstance(event.get("response"), dict):
+                self.created = event["response"]
+            elif event.get("type") == "response.output_text.delta" and isinstance(event.get("delta"), str):
+                self.text += event["delta"]
+
+    def release(self, upto: int) -> bytes:
+        """Events for the text up to `upto` not sent yet ('' before the stream said who it is)."""
+        if self.created is None or upto <= self.released:
+            return b""
+        out = b""
+        if self.released == 0:
+            out += _event("response.created", next(self.seq), response={**self.created, "output": []})
+            out += _event("response.output_item.added", next(self.seq), output_index=0, item=self.item)
+            out += _event("response.content_part.added", next(self.seq), item_id=self.item["id"], output_index=0,
+                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        out += _event("response.output_text.delta", next(self.seq), item_id=self.item["id"], output_index=0,
+                      content_index=0, delta=self.text[self.released:upto])
+        self.released = upto
+        return out
+
+    def finish(self, final: dict[str, Any]) -> Iterator[bytes]:
+        """The rest of the answer `final` (the restored, complete response)."""
+        if self.released == 0:
+            yield from emit_events(final)
+            return
+        output = list(final.get("output") or [])
+        first = next((i for i, item in enumerate(output) if isinstance(item, dict) and item.get("type") == "message"),
+                     None)
+        text = ""
+        if first is not None:
+            text = "".join(p.get("text", "") for p in output[first].get("content") or [] if isinstance(p, dict))
+            output.pop(first)
+        sent = self.text[:self.released]
+        rest = text[len(sent):] if text.startswith(sent) else ""
+        if rest:
+            yield _event("response.output_text.delta", next(self.seq), item_id=self.item["id"], output_index=0,
+                         content_index=0, delta=rest)
+        part = {"type": "output_text", "text": sent + rest, "annotations": []}
+        yield _event("response.output_text.done", next(self.seq), item_id=self.item["id"], output_index=0,
+                     content_index=0, text=part["text"])
+        yield _event("response.content_part.done", next(self.seq), item_id=self.item["id"], output_index=0,
+                     content_index=0, part=part)
+        item = {**self.item, "status": "completed", "content": [part]}
+        yield _event("response.output_item.done", next(self.seq), output_index=0, item=item)
+        for index, other in enumerate(output, start=1):
+            yield from item_events(other, index, self.seq)
+        yield completed({**final, "output": [item, *output]}, self.seq)

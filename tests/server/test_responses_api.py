@@ -295,3 +295,37 @@ def test_invented_calls_are_counted_without_any_observer(proxy_factory, fake_ups
         list(out)
     wanted = dict(profile="invented-pass", perturber="test_adds_tool")
     assert metric_value(metrics(proxy), "toolquake_injected_tool_calls_total", **wanted) == 1
+
+
+def timed_responses_stream(proxy, profile: str, answer_text: str, delay_ms: int = 120) -> tuple[list, list[float]]:
+    import time
+
+    c = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test", default_headers={
+        "x-fake-answer": json.dumps({"text": answer_text}), "x-fake-fault": f"chunk-delay:{delay_ms}"})
+    t0 = time.perf_counter()
+    events, times = [], []
+    for event in c.responses.create(model="fake-model", input="Tokyo?", tools=[TOOLS[1]], stream=True):
+        events.append(event)
+        times.append(time.perf_counter() - t0)
+    return events, times
+
+
+def test_format_rewrite_streams_plain_text_through_on_the_responses_api(proxy_factory):
+    proxy = proxy_factory(LIVE_CONFIG)
+    text = "It is nine in the morning in Tokyo, and the trains are on time today."
+    events, times = timed_responses_stream(proxy, "format-python", text)
+    deltas = [(i, e.delta) for i, e in enumerate(events) if e.type == "response.output_text.delta"]
+    assert "".join(d for _, d in deltas) == text and len(deltas) > 3
+    assert times[deltas[0][0]] < times[-1] / 3  # the text came as it was written, not at the end
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output_text == text
+
+
+def test_format_rewrite_responses_stream_turns_call_syntax_into_a_function_call(proxy_factory):
+    proxy = proxy_factory(LIVE_CONFIG)
+    events, _ = timed_responses_stream(proxy, "format-live", "Sure: [get_time(city='Tokyo')]", delay_ms=20)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure: "
+    final = events[-1].response
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments) == {"city": "Tokyo"}
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
