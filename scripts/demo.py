@@ -50,9 +50,9 @@ def meaning(acc: dict[str, tuple[float, int]]) -> str:
             "order of the tools (`shuffled`), or three related but wrong tools added next to the right ones "
             "(`expanded`) — so a drop is the model's brittleness, not a harder task, and the relative drop is the "
             "number seed 001's Table 2 reports; the error table says how it fails (a `wrong_function` share that "
-            "grows under `expanded` means the model called a look-alike instead of the right tool). SmolLM2-135M on a small sample (a case is "
-            f"1/{n} of the score) shows the pipeline measuring a real effect; run more cases (--cases) or a real "
-            "backend for numbers to quote.")
+            "grows under `expanded` means the model called a look-alike instead of the right tool). "
+            f"SmolLM2-135M on a small sample (a case is 1/{n} of the score) shows the pipeline measuring a real "
+            "effect; run more cases (--cases) or a real backend for numbers to quote.")
 
 
 def main(argv: list[str] | None = None) -> int:
