@@ -107,7 +107,11 @@ class LocalBackend:
         return cmd
 
     def start(self, timeout: float = 180.0) -> LocalBackend:
-        """Start the server and wait until GET /v1/models answers; raise BackendUnavailable if it cannot."""
+        """Start the server and wait until GET /v1/models answers; raise BackendUnavailable if it cannot.
+
+        Starting a backend whose server is running does nothing (a second server would be left behind)."""
+        if self.process is not None and self.process.poll() is None:
+            return self
         check_server_installed()
         cmd = self.command()
         if self.log_path is None:

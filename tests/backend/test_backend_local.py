@@ -190,3 +190,9 @@ def test_backend_local_command_dies_when_killed():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_starting_a_running_backend_again_starts_no_second_server(backend):
+    pid = backend.process.pid
+    assert backend.start() is backend and backend.process.pid == pid
+    assert httpx.get(f"{backend.api_url}/models", timeout=10).status_code == 200
