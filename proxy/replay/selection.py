@@ -18,6 +18,9 @@ PRESETS: dict[str, list[str]] = {
     "seed002": ["fmt-*"],
     "tool_order": ["off", "shuffled", "reversed"],
     "tool_removal": ["off", "no-target-tool", "random-tool-removed"],
+    # issue #19: failed tool results (tool_failure) and rewritten tool descriptions (tool_metadata)
+    "faults": ["off", "fail-*"],
+    "metadata": ["off", "meta-*"],
 }
 #: this many connection failures in a row means the backend (or proxy) is down: stop, resume later
 
