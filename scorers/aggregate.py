@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def ratio(num: int, den: int) -> float | None:
     """num / den, or None when there is nothing to divide by."""
@@ -13,3 +15,53 @@ def relative_drop(acc: float | None, base: float | None) -> float | None:
     if acc is None or not base:
         return None
     return (acc - base) / base
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials (95 % with z = 1.96); (0, 1) when n is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson: need 0 <= k <= n, got k={k}, n={n}")
+    p = k / n
+    z2 = z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # clamp the rounding noise at the ends (k = 0 gives exactly 0, k = n exactly 1)
+    return max(0.0, centre - half) if k else 0.0, min(1.0, centre + half) if k < n else 1.0
+
+
+def wilson_ci(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    """`wilson` as a JSON-friendly [lo, hi], or None when there is nothing to estimate (n = 0)."""
+    return list(wilson(k, n, z)) if n > 0 else None
+
+
+def mcnemar(b: int, c: int) -> float:
+    """McNemar's exact test: two-sided binomial p-value of b vs c discordant pairs under p = 1/2.
+
+    b = pairs valid in the baseline and invalid in the arm, c = the reverse. 1.0 with no discordant pair.
+    """
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def paired_drop_ci(both: int, base_only: int, arm_only: int, neither: int,
+                   z: float = 1.96) -> tuple[float, float] | None:
+    """Approximate 95 % interval for the relative drop acc_arm / acc_base - 1 on paired cases.
+
+    Counts: `both` valid in both arms, `base_only` valid in the baseline only (valid→invalid),
+    `arm_only` valid in the arm only (invalid→valid), `neither`. Delta method on the log of the ratio
+    of paired proportions, Var ln R ≈ (b + c) / ((a + b)(a + c)), with 0.5 added to each of the four
+    cells (so that no flip, or an arm that is never valid, still gives an interval of honest width).
+    None when the baseline is never valid on these cases (no ratio to take).
+    """
+    if both + base_only == 0:
+        return None
+    a, b, c = (x + 0.5 for x in (both, base_only, arm_only))  # `neither` does not enter the ratio
+    log_ratio = math.log((a + c) / (a + b))
+    se = math.sqrt((b + c) / ((a + b) * (a + c)))
+    return math.exp(log_ratio - z * se) - 1, math.exp(log_ratio + z * se) - 1

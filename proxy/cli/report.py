@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
     from toolquake.proxy.replay.report import build
 
     try:
-        text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots)
+        text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots,
+                             csv_stats=args.csv_stats)
     except (FileNotFoundError, ValueError) as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
         return 2
@@ -78,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="write the report to this file (default: stdout)")
     p.add_argument("--baseline", default="off", help="profile the relative changes are computed against "
                    "(default off)")
+    p.add_argument("--csv-stats", action="store_true", help="csv: append the 95 %% interval and paired-test "
+                   "columns (accuracy CI, drop vs baseline with CI, flips, McNemar p) after the BFCL columns")
     p.add_argument("--no-plots", action="store_true", help="skip the heatmaps (no matplotlib needed)")
     p.add_argument("--db", metavar="PATH", help="summarise the live results store of `toolquake serve` instead "
                    "(md or json)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from toolquake.scorers.aggregate import ratio, relative_drop
+from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
 #: the schema version this code writes; older files are migrated on open, newer ones refused
 SCHEMA_VERSION = 3
@@ -232,6 +232,11 @@ def summarize(path: str | Path) -> dict[str, Any]:
     {"n", "accuracy", "drop_vs_off"}}, "errors": {taxonomy: count}, "semantic_flips"}},
     "consistency": {profile: {"n", "exact", "semantic", "disagree", "rate_exact", "rate_semantic"}}}.
     `drop_vs_off` = (acc - acc_off) / acc_off over the same category (null without an `off` baseline).
+    Next to them: `accuracy_ci` (95 % Wilson), `errors_ci` (the Wilson interval of each error type's share
+    of the failures), `drop_vs_off_ci` and `paired` (the arm against `off` on the case ids both scored, the
+    latest verdict of each: {"n", "both_valid", "valid_to_invalid", "invalid_to_valid", "both_invalid",
+    "p_value" (McNemar exact), "significant" (p < 0.05), "drop", "drop_ci"}; null for `off` or without
+    it), and "consistency_ci": {profile: {"rate_exact": [lo, hi], "rate_semantic": [lo, hi]}}.
     """
     rows = read_rows(path)
     arms: dict[str, dict[str, Any]] = {}
@@ -252,16 +257,30 @@ def summarize(path: str | Path) -> dict[str, Any]:
             if r["semantic_valid"]:
                 arm["semantic_flips"] += 1
     for arm in arms.values():
-        arm["accuracy"] = ratio(arm.pop("correct"), arm["n"])
+        correct = arm.pop("correct")
+        arm["accuracy"] = ratio(correct, arm["n"])
+        arm["accuracy_ci"] = wilson_ci(correct, arm["n"])
         for cat in arm["by_category"].values():
-            cat["accuracy"] = ratio(cat.pop("correct"), cat["n"])
+            cat_correct = cat.pop("correct")
+            cat["accuracy"] = ratio(cat_correct, cat["n"])
+            cat["accuracy_ci"] = wilson_ci(cat_correct, cat["n"])
         arm["errors"] = dict(sorted(arm["errors"].items(), key=lambda kv: (-kv[1], kv[0])))
+        arm["errors_ci"] = {k: wilson_ci(v, arm["n"] - correct) for k, v in arm["errors"].items()}
+    # the latest verdict of each (profile, case id): the pairs of the paired comparison against off
+    latest: dict[str, dict[str, tuple[str, bool]]] = {}
+    for r in rows:
+        if r["valid"] is not None and r["case_id"]:
+            latest.setdefault(r["profile"], {})[r["case_id"]] = (r["category"] or "unknown", bool(r["valid"]))
     base = arms.get("off")
-    for arm in arms.values():
+    for name_, arm in arms.items():
         arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
+        arm["paired"] = _paired(latest.get("off", {}), latest.get(name_, {})) if base and name_ != "off" else None
+        arm["drop_vs_off_ci"] = arm["paired"]["drop_ci"] if arm["paired"] else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
             cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
+            cmp = (_paired(latest.get("off", {}), latest.get(name_, {}), name) if b and name_ != "off" else None)
+            cat["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
     consistency: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["agree"] is None:
@@ -272,8 +291,28 @@ def summarize(path: str | Path) -> dict[str, Any]:
     for c in consistency.values():
         c["rate_exact"] = ratio(c["exact"], c["n"])
         c["rate_semantic"] = ratio(c["exact"] + c["semantic"], c["n"])
+    consistency_ci = {p: {"rate_exact": wilson_ci(c["exact"], c["n"]),
+                          "rate_semantic": wilson_ci(c["exact"] + c["semantic"], c["n"])}
+                      for p, c in sorted(consistency.items())}
     return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
-            "consistency": dict(sorted(consistency.items()))}
+            "consistency": dict(sorted(consistency.items())), "consistency_ci": consistency_ci}
+
+
+def _paired(base: dict[str, tuple[str, bool]], arm: dict[str, tuple[str, bool]],
+            category: str | None = None) -> dict[str, Any]:
+    """An arm against off on the case ids both scored ({case id: (category, valid)}): 2×2 table, McNemar's
+    exact p-value, the relative drop on these cases and its approximate 95 % interval."""
+    cases = [c for c in arm if c in base and (category is None or arm[c][0] == category)]
+    both = sum(1 for c in cases if base[c][1] and arm[c][1])
+    lost = sum(1 for c in cases if base[c][1] and not arm[c][1])
+    gained = sum(1 for c in cases if not base[c][1] and arm[c][1])
+    neither = len(cases) - both - lost - gained
+    p = mcnemar(lost, gained)
+    ci = paired_drop_ci(both, lost, gained, neither)
+    return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
+            "both_invalid": neither, "p_value": p, "significant": p < 0.05,
+            "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
+            "drop_ci": None if ci is None else list(ci)}
 
 
 
@@ -281,32 +320,54 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.1f}%"
 
 
+def _pct_ci(ci: list[float] | None, signed: bool = False) -> str:
+    if ci is None:
+        return "–"
+    return f"[{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if signed else f"[{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]"
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 0.001 else f"{p:.1e}"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as Markdown: seed 001 Table 2 shape (accuracy, drop vs off in brackets), errors, consistency."""
     lines = [f"# Live results: {summary['db']} ({summary['rows']} rows)", ""]
     arms = summary["arms"]
     if arms:
-        lines += ["| profile | n | accuracy | semantic flips |", "|---|---:|---:|---:|"]
+        lines += ["| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
+                  "paired cases | valid→invalid | invalid→valid | McNemar p | drop ≠ 0 at 0.05 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, arm in arms.items():
             drop = "" if arm["drop_vs_off"] is None or name == "off" else f" ({arm['drop_vs_off'] * 100:+.0f}%)"
-            lines.append(f"| {name} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} |")
-        lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off |",
-                  "|---|---|---:|---:|---:|"]
+            cmp = arm.get("paired")
+            stats = (f"{_pct(arm['drop_vs_off'])} {_pct_ci(arm['drop_vs_off_ci'], True)} | {cmp['n']} | "
+                     f"{cmp['valid_to_invalid']} | {cmp['invalid_to_valid']} | {_p(cmp['p_value'])} | "
+                     f"{'yes' if cmp['significant'] else 'no'}") if cmp else "– | – | – | – | – | –"
+            lines.append(f"| {name} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
+                         f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} |")
+        lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off | accuracy 95 % CI | "
+                  "drop 95 % CI |", "|---|---|---:|---:|---:|---:|---:|"]
         for name, arm in arms.items():
             for cat, c in sorted(arm["by_category"].items()):
-                lines.append(f"| {name} | {cat} | {c['n']} | {_pct(c['accuracy'])} | {_pct(c['drop_vs_off'])} |")
-        lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share |",
-                  "|---|---|---:|---:|"]
+                lines.append(f"| {name} | {cat} | {c['n']} | {_pct(c['accuracy'])} | {_pct(c['drop_vs_off'])} | "
+                             f"{_pct_ci(c.get('accuracy_ci'))} | {_pct_ci(c.get('drop_vs_off_ci'), True)} |")
+        lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share | "
+                  "share 95 % CI |", "|---|---|---:|---:|---:|"]
         for name, arm in arms.items():
             failures = sum(arm["errors"].values())
             for kind, count in arm["errors"].items():
-                lines.append(f"| {name} | {kind} | {count} | {_pct(count / failures)} |")
+                lines.append(f"| {name} | {kind} | {count} | {_pct(count / failures)} | "
+                             f"{_pct_ci((arm.get('errors_ci') or {}).get(kind))} |")
     else:
         lines.append("No scored answers with a known case.")
     if summary["consistency"]:
-        lines += ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent | "
+                  "consistent 95 % CI | exact 95 % CI |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        cis = summary.get("consistency_ci") or {}
         for name, c in summary["consistency"].items():
+            ci = cis.get(name) or {}
             lines.append(f"| {name} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
-                         f"{_pct(c['rate_semantic'])} |")
+                         f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
+                         f"{_pct_ci(ci.get('rate_exact'))} |")
     return "\n".join(lines) + "\n"

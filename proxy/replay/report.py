@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolquake.scorers.aggregate import ratio, relative_drop
+from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import TAXONOMY
 
 BASELINE = "off"
@@ -68,6 +68,8 @@ class Row:
     error_code: str | None
     fair_valid: bool | None
     semantic_valid: bool | None
+    #: index into Results.sources of the file the row was read from (for the per-case details)
+    source: int = -1
 
 
 @dataclass
@@ -119,7 +121,8 @@ def load(paths: list[str | Path]) -> Results:
                 res.arms.setdefault((model, profile), json.loads(spec))
             for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
                                 "fair_valid, semantic_valid FROM results ORDER BY rowid"):
-                row = Row(model, r[0], r[1], r[2], r[3], _bool(r[4]), r[5], r[6], r[7], _bool(r[8]), _bool(r[9]))
+                row = Row(model, r[0], r[1], r[2], r[3], _bool(r[4]), r[5], r[6], r[7], _bool(r[8]), _bool(r[9]),
+                          source=len(res.sources))
                 key = (model, row.profile, row.case_id)
                 if key in seen:
                     res.duplicates += 1
@@ -141,6 +144,7 @@ def load(paths: list[str | Path]) -> Results:
 # numbers
 
 
+ALPHA = 0.05
 
 
 def _arm_numbers(rows: list[Row]) -> dict[str, Any]:
@@ -152,28 +156,67 @@ def _arm_numbers(rows: list[Row]) -> dict[str, Any]:
     errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
     failed = Counter(r.error_code or "unknown" for r in rows if r.status != "scored")
     fair = [r for r in scored if r.fair_valid is not None]
+    fair_valid = sum(1 for r in fair if r.fair_valid)
+    has_semantic = any(r.semantic_valid is not None for r in scored)
+    semantic_valid = sum(1 for r in scored if r.valid or r.semantic_valid)
+    failures = len(scored) - valid
     return {
         "n": len(scored),
         "accuracy": ratio(valid, len(scored)),
-        "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs))}
+        "accuracy_ci": wilson_ci(valid, len(scored)),
+        "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs)),
+                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs))}
                         for c, rs in sorted(by_cat.items())},
         "errors": dict(sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))),
+        # Wilson interval of each error type's share among the arm's failures
+        "errors_ci": {k: wilson_ci(v, failures) for k, v in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))},
         "failed": sum(failed.values()),
         "failed_codes": dict(sorted(failed.items())),
-        "fair_accuracy": ratio(sum(1 for r in fair if r.fair_valid), len(fair)) if fair else None,
+        "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
+        "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
-        "semantic_accuracy": (ratio(sum(1 for r in scored if r.valid or r.semantic_valid), len(scored))
-                              if any(r.semantic_valid is not None for r in scored) else None),
+        "semantic_accuracy": ratio(semantic_valid, len(scored)) if has_semantic else None,
+        "semantic_accuracy_ci": wilson_ci(semantic_valid, len(scored)) if has_semantic else None,
     }
 
 
-def _with_drops(arms: dict[str, dict[str, Any]], baseline: str) -> None:
+def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
+    """The arm against the baseline on the cases both scored ({case id: valid} each): the 2×2 table,
+    McNemar's exact p-value, and the relative drop on these cases with its approximate 95 % interval."""
+    cases = [c for c in arm if c in base]
+    both = sum(1 for c in cases if base[c] and arm[c])
+    lost = sum(1 for c in cases if base[c] and not arm[c])
+    gained = sum(1 for c in cases if not base[c] and arm[c])
+    neither = len(cases) - both - lost - gained
+    p = mcnemar(lost, gained)
+    ci = paired_drop_ci(both, lost, gained, neither)
+    return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
+            "both_invalid": neither, "p_value": p, "significant": p < ALPHA,
+            "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
+            "drop_ci": None if ci is None else list(ci)}
+
+
+def _verdicts(rows: list[Row], category: str | None = None) -> dict[str, bool]:
+    return {r.case_id: bool(r.valid) for r in rows if r.status == "scored" and (category is None or
+                                                                                r.category == category)}
+
+
+def _with_drops(arms: dict[str, dict[str, Any]], baseline: str,
+                rows: dict[str, list[Row]] | None = None) -> None:
     base = arms.get(baseline)
-    for arm in arms.values():
+    rows = rows or {}
+    base_rows = rows.get(baseline, [])
+    for p, arm in arms.items():
         arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
+        cmp = paired(_verdicts(base_rows), _verdicts(rows.get(p, []))) if base and p != baseline else None
+        arm["paired"] = cmp
+        arm["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
             cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
+            cat_cmp = (paired(_verdicts(base_rows, name), _verdicts(rows.get(p, []), name))
+                       if b and p != baseline else None)
+            cat["drop_vs_off_ci"] = cat_cmp["drop_ci"] if cat_cmp else None
 
 
 def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
@@ -189,14 +232,128 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     models: dict[str, dict[str, Any]] = {}
     for model in res.models:
         arms = {p: _arm_numbers(by_arm.get((model, p), [])) for p in res.profiles(model)}
-        _with_drops(arms, baseline)
+        _with_drops(arms, baseline, {p: by_arm.get((model, p), []) for p in res.profiles(model)})
         for p, arm in arms.items():
             arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
         models[model] = {"arms": arms}
     single = len(models) == 1
     flat = {(p if single else f"{p} [{m}]"): arm for m, data in models.items() for p, arm in data["arms"].items()}
     return {"arms": flat, "models": models, "baseline": baseline, "sources": [str(s) for s in res.sources],
-            "duplicates": res.duplicates}
+            "duplicates": res.duplicates,
+            "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
+
+
+def flips(res: Results, baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Every case whose verdict differs between an arm and the baseline (both scored), arm by arm.
+
+    `direction` is valid_to_invalid (the perturbation broke it) or invalid_to_valid; `error_type` is the
+    invalid side's (the arm's, or the baseline's for invalid_to_valid).
+    """
+    by_key = {(r.model, r.profile, r.case_id): r for r in res.rows if r.status == "scored"}
+    out = []
+    for model in res.models:
+        for p in res.profiles(model):
+            if p == baseline:
+                continue
+            for r in res.rows:
+                if r.model != model or r.profile != p or r.status != "scored":
+                    continue
+                base = by_key.get((model, baseline, r.case_id))
+                if base is None or bool(base.valid) == bool(r.valid):
+                    continue
+                wrong = base if r.valid else r
+                out.append({"model": model, "profile": p, "case_id": r.case_id, "category": r.category,
+                            "direction": "invalid_to_valid" if r.valid else "valid_to_invalid",
+                            "error_type": wrong.taxonomy or wrong.error_type or "unknown",
+                            "_sources": (r.source, base.source)})
+    return out
+
+
+_MAX_TEXT = 1500
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + " …"
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)
+
+
+def calls_text(answer: Any) -> str | None:
+    """The model's calls in a stored answer, one `name(arguments)` per call (its text when it made none)."""
+    if answer is None:
+        return None
+    if isinstance(answer, dict) and isinstance(answer.get("choices"), list) and answer["choices"]:
+        message = (answer["choices"][0] or {}).get("message") or {}
+        calls = message.get("tool_calls") or []
+        if calls:
+            return _short("; ".join(f"{(c.get('function') or {}).get('name')}"
+                                    f"({(c.get('function') or {}).get('arguments', '')})" for c in calls))
+        return _short(f"no call; text: {message.get('content') or ''!s}")
+    return _short(_compact(answer))  # a multi-turn summary: {"turns": [[{"calls": [...]}, ...]], ...}
+
+
+def perturbation_text(perturbers: Any, spec: dict[str, Any] | None = None) -> str:
+    """What was applied to this request (the stored `perturbers`), else the arm's definition."""
+    applied = perturbers.get("applied") if isinstance(perturbers, dict) else None
+    if isinstance(applied, list) and applied:
+        return _short("; ".join(f"{a.get('name')}({_compact(a.get('params') or {})})" for a in applied))
+    if isinstance(applied, dict) and applied:  # multi-turn: {name: steps applied}
+        return _short("; ".join(f"{k} on {v} step(s)" for k, v in applied.items()))
+    listed = (spec or {}).get("perturbers") or []
+    if listed:
+        return _short("; ".join(f"{a.get('name')}({_compact(a.get('params') or {})})" for a in listed)
+                      + (" (defined; none recorded as applied)" if perturbers is not None else ""))
+    return "none"
+
+
+def _expected_calls(case_id: str) -> str | None:
+    try:
+        from toolquake.bfcl.corpus import is_present, load_case
+
+        if not is_present():
+            return None
+        return _short(_compact(load_case(case_id).ground_truth))
+    except Exception:  # no corpus, an unknown id, a corpus that cannot be read: the column is omitted
+        return None
+
+
+def case_details(res: Results, found: list[dict[str, Any]], baseline: str = BASELINE,
+                 expected: bool = True) -> list[dict[str, Any]]:
+    """The flips with what happened: the perturbation applied, the arm's and the baseline's calls, and the
+    expected calls (from the BFCL corpus when it is on this machine and `expected`; else None)."""
+    wanted: dict[int, set[tuple[str, str]]] = defaultdict(set)
+    for f in found:
+        arm_src, base_src = f["_sources"]
+        wanted[arm_src].add((f["profile"], f["case_id"]))
+        wanted[base_src].add((baseline, f["case_id"]))
+    stored: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+    for src, pairs in wanted.items():
+        db = sqlite3.connect(f"file:{res.sources[src]}?mode=ro", uri=True)
+        try:
+            for profile, case_id in sorted(pairs):
+                row = db.execute("SELECT answer, perturbers FROM results WHERE profile = ? AND case_id = ?",
+                                 (profile, case_id)).fetchone()
+                if row is not None:
+                    stored[(src, profile, case_id)] = (
+                        None if row[0] is None else json.loads(row[0]),
+                        None if row[1] is None else json.loads(row[1]),
+                    )
+        finally:
+            db.close()
+    out = []
+    for f in found:
+        arm_src, base_src = f["_sources"]
+        answer, perturbers = stored.get((arm_src, f["profile"], f["case_id"]), (None, None))
+        base_answer, _ = stored.get((base_src, baseline, f["case_id"]), (None, None))
+        entry = {k: v for k, v in f.items() if not k.startswith("_")}
+        entry["perturbation"] = perturbation_text(perturbers, res.arms.get((f["model"], f["profile"])))
+        entry["calls"] = calls_text(answer)
+        entry["baseline_calls"] = calls_text(base_answer)
+        entry["expected"] = _expected_calls(f["case_id"]) if expected else None
+        out.append(entry)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,11 +445,48 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
     return out
 
 
-def _png(fig: Any, plt: Any) -> bytes:
+def _png(fig: Any, plt: Any, fmt: str = "png") -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format=fmt, dpi=110, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else None)
     plt.close(fig)
     return buf.getvalue()
+
+
+def accuracy_plot(summary: dict[str, Any], fmt: str = "png") -> bytes | None:
+    """Accuracy per arm with 95 % Wilson interval bars, one panel per model (None without scored arms)."""
+    panels = [(m, [(p, a) for p, a in data["arms"].items() if a["n"]]) for m, data in summary["models"].items()]
+    panels = [(m, arms) for m, arms in panels if arms]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if fmt == "svg":
+        matplotlib.rcParams["svg.hashsalt"] = "toolquake"  # the same results give the same file
+    width = max(len(arms) for _, arms in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(5.0, 1.0 + 0.55 * width), 3.2 * len(panels)),
+                             squeeze=False)
+    baseline = summary["baseline"]
+    for ax, (model, arms) in zip(axes[:, 0], panels):
+        xs = range(len(arms))
+        accs = [a["accuracy"] for _, a in arms]
+        lows = [a["accuracy"] - a["accuracy_ci"][0] for _, a in arms]
+        highs = [a["accuracy_ci"][1] - a["accuracy"] for _, a in arms]
+        colors = ["#555555" if p == baseline else
+                  ("#c0392b" if (a.get("paired") or {}).get("significant") else "#2e86c1") for p, a in arms]
+        for x, y, lo, hi, c in zip(xs, accs, lows, highs, colors):
+            ax.errorbar([x], [y], yerr=[[lo], [hi]], fmt="o", color=c, capsize=4)
+        base = next((a["accuracy"] for p, a in arms if p == baseline), None)
+        if base is not None:
+            ax.axhline(base, color="#555555", linestyle="--", linewidth=0.8)
+        ax.set_xticks(list(xs), [p for p, _ in arms], rotation=30, ha="right", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("AST accuracy")
+        ax.set_title(f"{model}: accuracy per arm, 95 % Wilson intervals (red: paired drop vs {baseline} "
+                     f"p < {ALPHA})", fontsize=9)
+    return _png(fig, plt, fmt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +499,69 @@ def _acc(x: float | None) -> str:
 
 def _rel(x: float | None) -> str:
     return "" if x is None else f" ({x * 100:+.0f}%)"
+
+
+def _ci(ci: list[float] | None) -> str:
+    """[lo, hi] in the 0..1 scale of the tables beside it."""
+    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def pct_ci(x: float | None, ci: list[float] | None) -> str:
+    """`62.5 % [48.1, 75.0]`."""
+    if x is None:
+        return "–"
+    return f"{x * 100:.1f} %" + ("" if ci is None else f" [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]")
+
+
+def drop_ci(x: float | None, ci: list[float] | None) -> str:
+    """`-12.0 % [-25.3, +1.2]`."""
+    if x is None:
+        return "–"
+    return f"{x * 100:+.1f} %" + ("" if ci is None else f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]")
+
+
+def p_text(p: float | None) -> str:
+    if p is None:
+        return "–"
+    return f"{p:.2g}" if p >= 0.001 else f"{p:.1e}"
+
+
+def _spec_text(perturbers: list[dict[str, Any]]) -> str:
+    text = "; ".join(f"{a.get('name')}({_compact(a.get('params') or {})})" for a in perturbers) or "none"
+    return text if len(text) <= 120 else text[:120] + " …"
+
+
+def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Which perturbations hurt this model most: the arms against the baseline, largest drop first."""
+    baseline = summary["baseline"]
+    entries = [(m, p, a) for m, data in summary["models"].items() for p, a in data["arms"].items()
+               if p != baseline and a.get("paired")]
+    entries.sort(key=lambda e: (e[2]["drop_vs_off"] is None, e[2]["drop_vs_off"] or 0.0, e[0], e[1]))
+    rows = []
+    for model, p, arm in entries:
+        cmp = arm["paired"]
+        rows.append([model, p, _spec_text(arm.get("perturbers") or []), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
+                     drop_ci(arm["drop_vs_off"], arm["drop_vs_off_ci"]), str(cmp["n"]),
+                     str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
+                     "yes" if cmp["significant"] else "no"])
+    return (f"Summary: which perturbations hurt most (largest relative drop against `{baseline}` first)",
+            ["model", "profile", "perturbation", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
+             "paired cases", "valid→invalid", "invalid→valid", "McNemar p", f"drop ≠ 0 at {ALPHA}"], rows)
+
+
+def headline(summary: dict[str, Any]) -> list[str]:
+    """One sentence per model: the arm that hurt most, and whether that is distinguishable from noise."""
+    out = []
+    for model, data in summary["models"].items():
+        arms = [(p, a) for p, a in data["arms"].items() if a.get("paired") and a["drop_vs_off"] is not None]
+        if not arms:
+            continue
+        p, a = min(arms, key=lambda pa: pa[1]["drop_vs_off"])
+        sig = [q for q, b in arms if b["paired"]["significant"] and b["drop_vs_off"] < 0]
+        out.append(f"{model}: `{p}` hurt most ({drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}, McNemar p = "
+                   f"{p_text(a['paired']['p_value'])}); {len(sig)} of {len(arms)} arms lower accuracy "
+                   f"distinguishably from zero at {ALPHA}" + (f" ({', '.join(sig)})" if sig else "") + ".")
+    return out
 
 
 def _taxonomy_columns(summary: dict[str, Any]) -> list[str]:
@@ -322,12 +579,15 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     rows = []
     for model, data in models.items():
         row = [model]
+        ci_row = [f"{model} 95 % CI"]
         for p in profiles:
             arm = data["arms"].get(p)
             drop = "" if arm is None or p == baseline else _rel(arm["drop_vs_off"])
             row.append("" if arm is None else _acc(arm["accuracy"]) + drop)
-        rows.append(row)
-    out.append((f"AST accuracy per arm (relative change against `{baseline}` in brackets)", header, rows))
+            ci_row.append("" if arm is None else _ci(arm.get("accuracy_ci")))
+        rows += [row, ci_row]
+    out.append((f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
+                "on the row below)", header, rows))
 
     cols = _taxonomy_columns(summary)
     rows = []
@@ -337,10 +597,14 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             if p == baseline or not failures:
                 continue
             rows.append([model, p, str(failures), *(f"{arm['errors'].get(c, 0) / failures:.2f}" for c in cols)])
+            cis = arm.get("errors_ci") or {}
+            rows.append([model, f"{p} 95 % CI", "",
+                         *(_ci(cis[c] if c in cis else wilson_ci(0, failures)) for c in cols)])
     if rows:
         out.append(
             (
-                "Error analysis of perturbed arms (share of each error type among failures)",
+                "Error analysis of perturbed arms (share of each error type among failures; 95 % Wilson intervals "
+                "on the row below)",
                 ["model", "profile", "failures", *cols],
                 rows,
             )
@@ -359,12 +623,15 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                     _acc(arm["fair_accuracy"]),
                     _acc(arm["semantic_accuracy"]),
                     str(arm["failed"]) + (f" ({failed})" if failed else ""),
+                    _ci(arm.get("accuracy_ci")),
+                    _ci(arm.get("fair_accuracy_ci")),
+                    _ci(arm.get("semantic_accuracy_ci")),
                 ]
             )
     out.append(
         (
-            "Arms: scored pairs, accuracy in the three scoring modes, failed pairs",
-            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed"],
+            "Arms: scored pairs, accuracy in the three scoring modes, failed pairs, 95 % Wilson intervals",
+            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed", "bfcl CI", "fair CI", "semantic CI"],
             rows,
         )
     )
@@ -381,10 +648,40 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                     if cat is None
                     else f"{_acc(cat['accuracy'])} (n={cat['n']})"
                     + ("" if p == baseline else _rel(cat.get("drop_vs_off")))
+                    + (f" {_ci(cat['accuracy_ci'])}" if cat.get("accuracy_ci") else "")
                 )
             rows.append([p, *cells])
-        out.append((f"Per category: {model}", ["profile", *categories], rows))
+        out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
+                    ["profile", *categories], rows))
     return out
+
+
+_DIRECTION = {"valid_to_invalid": "valid → invalid", "invalid_to_valid": "invalid → valid"}
+
+
+def _flip_groups(summary: dict[str, Any]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for f in summary.get("flips") or []:
+        groups[(f["model"], f["profile"])].append(f)
+    return [(m, p, fs) for (m, p), fs in groups.items()]
+
+
+def _md_cell(text: str | None) -> str:
+    if text is None:
+        return ""
+    return "`" + text.replace("|", "\\|").replace("`", "'").replace("\n", " ") + "`"
+
+
+def _md_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = [
+        f"## {title}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    return lines
 
 
 def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = None) -> str:
@@ -393,44 +690,103 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
     if summary["duplicates"]:
         lines.append(f"({summary['duplicates']} pairs found in more than one file were counted once.)")
     lines.append("")
+    top = headline(summary)
+    title, header, rows = summary_table(summary)
+    if rows:
+        lines += [f"- {t}" for t in top] + [""]
+        lines += _md_table(title, header, rows)
     for title, header, rows in tables(summary):
-        lines += [
-            f"## {title}",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
-        ]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines.append("")
+        lines += _md_table(title, header, rows)
     for name, ref in (images or {}).items():
         lines += [f"![{name}]({ref})", ""]
+    groups = _flip_groups(summary)
+    if groups:
+        baseline = summary["baseline"]
+        lines += [f"## Per-case diffs against `{baseline}` (cases whose verdict flipped)", ""]
+        with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
+        for model, p, fs in groups:
+            lines += [f"### {p} [{model}]: {len(fs)} flipped", ""]
+            head = ["case", "flip", "error type", "perturbation applied", "model's calls", f"{baseline}'s calls"]
+            if with_expected:
+                head.append("expected (BFCL ground truth)")
+            lines += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+            for f in fs:
+                cells = [f["case_id"], _DIRECTION[f["direction"]], f["error_type"], _md_cell(f.get("perturbation")),
+                         _md_cell(f.get("calls")), _md_cell(f.get("baseline_calls"))]
+                if with_expected:
+                    cells.append(_md_cell(f.get("expected")))
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
     return "\n".join(lines)
 
 
-def render_html(summary: dict[str, Any], pngs: dict[str, bytes]) -> str:
+def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str, bytes] | None = None) -> str:
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title><style>",
         "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}",
         "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
-        "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}</style></head><body>",
+        "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+        "details{margin:.4em 0}summary{cursor:pointer}td code{white-space:pre-wrap;word-break:break-all;"
+        "font-size:85%}table.cases td{text-align:left;vertical-align:top;max-width:28em}"
+        "table.summary td:nth-child(3){text-align:left}.sig{color:#b03a2e;font-weight:600}</style></head><body>",
         "<h1>toolquake replay report</h1>",
         f"<p>Sources: {esc(', '.join(summary['sources']))}</p>",
     ]
+    title, header, rows = summary_table(summary)
+    if rows:
+        parts.append(f"<section id='summary'><h2>{esc(title.replace('`', ''))}</h2><ul>"
+                     + "".join(f"<li>{esc(t.replace('`', ''))}</li>" for t in headline(summary))
+                     + "</ul><table class='summary'><tr>"
+                     + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
+        parts += ["<tr" + (" class='sig'" if r[-1] == "yes" else "") + ">" + "".join(f"<td>{esc(c)}</td>" for c in r)
+                  + "</tr>" for r in rows]
+        parts.append("</table></section>")
     for title, header, rows in tables(summary):
-        parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
+        parts.append(f"<h2>{esc(title.replace('`', ''))}</h2><table><tr>"
+                     + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
+    for name, svg in (svgs or {}).items():
+        parts.append(f"<h2>{esc(name)}</h2><img alt='{esc(name)}' "
+                     f"src='data:image/svg+xml;base64,{base64.b64encode(svg).decode()}'>")
     for name, png in pngs.items():
         parts.append(
             f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
         )
+    groups = _flip_groups(summary)
+    if groups:
+        baseline = summary["baseline"]
+        parts.append(f"<section id='cases'><h2>Per-case diffs against {esc(baseline)} (cases whose verdict "
+                     "flipped)</h2>")
+        with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
+        for model, p, fs in groups:
+            lost = sum(1 for f in fs if f["direction"] == "valid_to_invalid")
+            parts.append(f"<details class='arm'><summary>{esc(p)} [{esc(model)}]: {len(fs)} flipped ({lost} valid → "
+                         f"invalid, {len(fs) - lost} invalid → valid)</summary><table class='cases'><tr>"
+                         "<th>case</th><th>flip</th><th>error type</th><th>perturbation applied</th>"
+                         f"<th>model's calls</th><th>{esc(baseline)}'s calls</th>"
+                         + ("<th>expected (BFCL ground truth)</th>" if with_expected else "") + "</tr>")
+            for f in fs:
+                cells = [esc(f["case_id"]), esc(_DIRECTION[f["direction"]]), esc(f["error_type"])]
+                cells += [f"<code>{esc(f.get(k) or '')}</code>" for k in ("perturbation", "calls", "baseline_calls")]
+                if with_expected:
+                    cells.append(f"<code>{esc(f.get('expected') or '')}</code>")
+                parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+            parts.append("</table></details>")
+        parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def render_csv(summary: dict[str, Any]) -> str:
-    """BFCL's leaderboard CSV shape: Rank, Overall Acc, Model, then one column per category (percent)."""
+#: the statistics columns `--csv-stats` appends to the BFCL-shaped CSV
+CSV_STATS_COLUMNS = ["Overall Acc CI Low", "Overall Acc CI High", "Drop vs Baseline", "Drop CI Low", "Drop CI High",
+                     "Paired N", "Valid to Invalid", "Invalid to Valid", "McNemar p", "Significant"]
+
+
+def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
+    """BFCL's leaderboard CSV shape: Rank, Overall Acc, Model, then one column per category (percent);
+    with `stats`, the interval and paired-test columns (CSV_STATS_COLUMNS) after them."""
     categories = sorted(
         {c for data in summary["models"].values() for arm in data["arms"].values() for c in arm["by_category"]}
     )
@@ -438,12 +794,20 @@ def render_csv(summary: dict[str, Any]) -> str:
     entries.sort(key=lambda e: -(e[2]["accuracy"] or 0.0))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories])
+    w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories, *(CSV_STATS_COLUMNS if stats else ())])
 
     def pct(x: float | None) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
 
     for rank, (model, p, arm) in enumerate(entries, 1):
+        extra: list[Any] = []
+        if stats:
+            ci = arm.get("accuracy_ci") or [None, None]
+            dci = arm.get("drop_vs_off_ci") or [None, None]
+            cmp = arm.get("paired") or {}
+            extra = [pct(ci[0]), pct(ci[1]), pct(arm.get("drop_vs_off")), pct(dci[0]), pct(dci[1]),
+                     cmp.get("n", "N/A"), cmp.get("valid_to_invalid", "N/A"), cmp.get("invalid_to_valid", "N/A"),
+                     "N/A" if not cmp else f"{cmp['p_value']:.6g}", "N/A" if not cmp else str(cmp["significant"])]
         w.writerow(
             [
                 rank,
@@ -452,24 +816,32 @@ def render_csv(summary: dict[str, Any]) -> str:
                 p,
                 arm["n"],
                 *(pct(arm["by_category"][c]["accuracy"]) if c in arm["by_category"] else "N/A" for c in categories),
+                *extra,
             ]
         )
     return buf.getvalue()
 
 
 def build(
-    paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True
+    paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True,
+    csv_stats: bool = False,
 ) -> tuple[str, list[Path]]:
     """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout)."""
-    summary = summarize(load(paths), baseline)
+    res = load(paths)
+    summary = summarize(res, baseline)
     written: list[Path] = []
+    if fmt == "csv":
+        return render_csv(summary, stats=csv_stats), written
+    summary["flips"] = case_details(res, flips(res, baseline), baseline)
     if fmt == "json":
         return json.dumps(summary, indent=2, ensure_ascii=False) + "\n", written
-    if fmt == "csv":
-        return render_csv(summary), written
     pngs = heatmaps(summary) if plots else {}
     if fmt == "html":
-        return render_html(summary, pngs), written
+        svg = accuracy_plot(summary, "svg") if plots else None
+        return render_html(summary, pngs, {"accuracy per arm": svg} if svg else None), written
+    acc = accuracy_plot(summary, "png") if plots else None
+    if acc is not None:
+        pngs = {"accuracy.png": acc, **pngs}
     refs: dict[str, str] = {}
     if out is not None:
         for name, data in pngs.items():
