@@ -133,8 +133,13 @@ def _agent_turn(body: dict[str, Any], plan: str) -> dict[str, Any]:
             return {"text": f"[{names[done]}(city='example')]"}
         return {"text": f"Final answer after {done} tool results: {' '.join(shown)}"}
     results = [m for m in messages if m.get("role") == "tool"]
-    if len(results) < len(names):
-        wanted = names[len(results)]
+    # the next step is the first planned tool without a result yet (a tool the proxy added and answered
+    # itself appears only in the proxy's follow-ups, so each turn of the client's loop plans it again)
+    called = {str(c.get("id")): str((c.get("function") or {}).get("name")) for m in messages
+              if m.get("role") == "assistant" for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+    answered = {called.get(str(m.get("tool_call_id")), "") for m in results}
+    wanted = next((n for n in names if n not in answered), None)
+    if wanted is not None:
         tool = next((t.get("function") or {} for t in body.get("tools") or []
                      if (t.get("function") or {}).get("name") == wanted), {"name": wanted})
         arguments = _example({"type": "object", **(tool.get("parameters") or {})})

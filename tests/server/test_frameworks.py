@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import recorded
 
 PLAN = "get_weather,get_time"
+ADDED = "zz_lookup_archive"  # the tool tests/plugins/adds_tool.py adds
 CONFIG = """
 [server]
 plugins = ["tests.plugins.adds_tool"]
@@ -68,6 +69,13 @@ def tool_orders(fake, t: str) -> list[list[str]]:
     return [[(tool.get("function") or tool).get("name") for tool in body.get("tools") or []] for body in sent]
 
 
+def calls_made(body: dict) -> list[str]:
+    """Names of the calls already in a request's conversation (chat tool_calls, Responses function_call items)."""
+    chat = [c["function"]["name"] for m in body.get("messages") or [] for c in m.get("tool_calls") or []]
+    items = body.get("input") if isinstance(body.get("input"), list) else []
+    return chat + [i.get("name") for i in items if isinstance(i, dict) and i.get("type") == "function_call"]
+
+
 def check(fake, t: str, ran: Ran, final: str, profile: str) -> None:
     assert [name for name, _ in ran.calls] == ["get_weather", "get_time"], ran.calls
     assert "rain in" in final and "9:00 in" in final, final
@@ -77,6 +85,10 @@ def check(fake, t: str, ran: Ran, final: str, profile: str) -> None:
                 "invented": [["zz_lookup_archive", "get_weather", "get_time"]], "format-python": [[]],
                 "shadowed": [["get_weather", "get_time"], ["get_time", "get_weather"]]}[profile]
     assert all(order in expected for order in orders), orders
+    if profile == "invented":  # each of the three turns: the call to the added tool, then the proxy's follow-up
+        bodies = [json.loads(r["body"]) for r in recorded(fake, t) if r["method"] == "POST"]
+        follow_ups = [b for b in bodies if ADDED in calls_made(b)]
+        assert len(follow_ups) >= 3, [calls_made(b) for b in bodies]
     if profile == "shadowed":  # the client's turns unperturbed; the twins, sent after the fact, reversed
         deadline = time.monotonic() + 10
         while ["get_time", "get_weather"] not in orders and time.monotonic() < deadline:
@@ -85,8 +97,11 @@ def check(fake, t: str, ran: Ran, final: str, profile: str) -> None:
         assert ["get_time", "get_weather"] in orders and ["get_weather", "get_time"] in orders
 
 
-def headers(t: str) -> dict[str, str]:
-    return {"x-test-tag": t, "x-fake-agent": PLAN}
+def headers(t: str, profile: str = "off") -> dict[str, str]:
+    # under `invented` the model calls the tool the proxy added first, at every turn: the proxy answers those
+    # calls itself (injected_calls = "answer"), so the framework only ever sees calls to its own tools
+    plan = f"{ADDED},{PLAN}" if profile == "invented" else PLAN
+    return {"x-test-tag": t, "x-fake-agent": plan}
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -104,7 +119,7 @@ def test_openai_agents_sdk_loop_completes(tq, fake_upstream, profile, api):
 
     set_tracing_disabled(True)
     t, ran = uuid.uuid4().hex, Ran()
-    client = AsyncOpenAI(base_url=f"{tq.url}/p/{profile}/v1", api_key="sk-test", default_headers=headers(t))
+    client = AsyncOpenAI(base_url=f"{tq.url}/p/{profile}/v1", api_key="sk-test", default_headers=headers(t, profile))
     model = (OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(
         model="fake-model", openai_client=client)
 
@@ -144,7 +159,7 @@ def test_langgraph_react_agent_loop_completes(tq, fake_upstream, profile, api, s
         return ran.time(city)
 
     llm = ChatOpenAI(model="fake-model", base_url=f"{tq.url}/p/{profile}/v1", api_key="sk-test",
-                     default_headers=headers(t), use_responses_api=api == "responses", streaming=stream)
+                     default_headers=headers(t, profile), use_responses_api=api == "responses", streaming=stream)
     graph = create_react_agent(llm, [get_weather, get_time])
     out = graph.invoke({"messages": [("user", "Weather and time in Oslo?")]})
     final = out["messages"][-1].content
@@ -160,7 +175,7 @@ def test_pydantic_ai_agent_loop_completes(tq, fake_upstream, profile, api):
     from pydantic_ai.providers.openai import OpenAIProvider
 
     t, ran = uuid.uuid4().hex, Ran()
-    client = AsyncOpenAI(base_url=f"{tq.url}/p/{profile}/v1", api_key="sk-test", default_headers=headers(t))
+    client = AsyncOpenAI(base_url=f"{tq.url}/p/{profile}/v1", api_key="sk-test", default_headers=headers(t, profile))
     provider = OpenAIProvider(openai_client=client)
     model = (OpenAIResponsesModel if api == "responses" else OpenAIChatModel)("fake-model", provider=provider)
     agent = Agent(model, instructions="Answer with the tools.")
