@@ -141,6 +141,11 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         restored `tool_calls` (strict for BFCL's verdict, lenient for `fair`). None otherwise."""
         return None
 
+    def injected_failures(self, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """Tool results this step replaced with a failure, judged from its report: one {"index": message index,
+        "kind": failure kind} each; the answer that follows is scored for recovery. Empty for most steps."""
+        return []
+
     @classmethod
     def affects_grading(cls) -> bool:
         """True when grading an answer needs what this perturber did (its expected answer or its decodes)."""

@@ -169,6 +169,10 @@ class ToolFailure(Perturber):
         if not 0.0 <= self.probability_each <= 1.0:
             raise ValueError("probability_each must be between 0 and 1")
 
+    def injected_failures(self, report: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"index": d["index"], "kind": self.kind} for d in report.get("details") or []
+                if isinstance(d, dict) and isinstance(d.get("index"), int)]
+
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         messages = request.messages
         ctx.report.update({"kind": self.kind, "target": self.target,

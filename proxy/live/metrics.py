@@ -29,6 +29,10 @@ class ScoringMetrics:
                                   buckets=SCORING_BUCKETS, registry=r)
         self.shadow = Counter("toolquake_shadow_requests", "Shadow twins by outcome (answered, failed, busy, "
                               "sampled_out).", ["profile", "outcome"], registry=r)
+        self.recovery = Counter("toolquake_tool_failure_recovery", "Answers after a tool result the tool_failure "
+                                "perturber replaced, by failure kind and verdict (retried, requeried, reported, "
+                                "answered, invented, other_call, no_answer).", ["profile", "kind", "verdict"],
+                                registry=r)
         self.store_errors = Counter("toolquake_results_store_errors", "Rows the results store could not write.",
                                     registry=r)
         self.corpus_cases = Gauge("toolquake_corpus_cases", "BFCL cases available for content matching "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from toolquake.proxy.live import recovery
 from toolquake.proxy.live.grader import Grader, is_followup
 from toolquake.proxy.live.metrics import ScoringMetrics
 from toolquake.proxy.live.resolver import scorable_categories
@@ -76,6 +77,9 @@ class Job:
     total_s: float | None = None
     #: for twins: the original answer they are compared with
     original: dict[str, Any] | None = None
+    #: (message index, kind) of the tool results a step replaced with failures, and the request as sent
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    failed_request: dict[str, Any] | None = None
 
 
 def _semantic_strings() -> consistency.StringEquivalence | None:
@@ -127,13 +131,30 @@ class LiveScorer:
             self._start()
             self.shadow.launch(ex)
             return
+        applied = list(ex.outcome.applied) if ex.outcome else []
+        failures = self._failures(ex, applied)
         if ex.case is None:
             self.metrics.skipped.labels(ex.profile_name, "unlabeled").inc()
+            if failures:  # an agent's conversation, not a BFCL case: its recovery still counts
+                self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, None, applied, [], ex.status,
+                                  ex.upstream_s or 0.0, ex.total_s, failures=failures, failed_request=ex.sent))
             return
-        applied = list(ex.outcome.applied) if ex.outcome else []
         restorers = list(ex.outcome.restorers) if ex.outcome else []
         self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, self._kept(ex.sent), applied, restorers,
-                          ex.status, ex.upstream_s or 0.0, ex.total_s))
+                          ex.status, ex.upstream_s or 0.0, ex.total_s, failures=failures,
+                          failed_request=ex.sent if failures else None))
+
+    def _failures(self, ex: RequestContext, applied: list[Applied]) -> list[tuple[int, str]]:
+        """The failures a step injected that this answer reacts to (fail-open: none when that cannot be told)."""
+        if not applied:
+            return []
+        try:
+            return recovery.injected(applied, (ex.sent or {}).get("messages") or [])
+        except Exception as exc:
+            self.metrics.skipped.labels(ex.profile_name, "scorer_error").inc()
+            log.warning("recovery_failed", request_id=ex.request_id, error_type=type(exc).__name__,
+                        error=str(exc)[:300])
+            return []
 
     def _twin_done(self, ex: RequestContext, twin: Twin) -> None:
         if twin.error is not None:
@@ -179,6 +200,10 @@ class LiveScorer:
     def _score_and_store(self, job: Job) -> None:
         """In a worker thread: grade, count, then append the row (blocking while another writer holds the file)."""
         t0 = time.perf_counter()
+        if job.failures:
+            self._count_recovery(job)
+            if job.ex.case is None:
+                return
         row = self._score(job)
         self.metrics.duration.observe(time.perf_counter() - t0)
         if row is None or self.store is None:
@@ -251,6 +276,20 @@ class LiveScorer:
             row.errors, row.fair_valid, row.semantic_valid = grade.errors, grade.fair_valid, grade.semantic_valid
         row.scoring_ms = (time.perf_counter() - t0) * 1000
         return row
+
+    def _count_recovery(self, job: Job) -> None:
+        """Count the verdict on the answer after each injected failure (fail-open: a scorer bug counts no verdict)."""
+        if job.status != 200:
+            return
+        try:
+            found = recovery.verdicts(job.failed_request, job.answer, job.failures)
+        except Exception as exc:
+            self.metrics.skipped.labels(job.profile, "scorer_error").inc()
+            log.warning("recovery_failed", request_id=job.ex.request_id, error_type=type(exc).__name__,
+                        error=str(exc)[:300])
+            return
+        for v in found:
+            self.metrics.recovery.labels(job.profile, v.kind, v.verdict).inc()
 
     async def drain(self, timeout: float) -> None:
         """Wait (at most `timeout` seconds) until every queued job was scored."""

@@ -24,6 +24,7 @@ import httpx
 from toolquake.bfcl.convert import to_openai_tools, with_language_hints
 from toolquake.bfcl.decode import DecodeFailure, calls_from_message
 from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
+from toolquake.proxy.live import recovery
 from toolquake.scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
 
 __all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
@@ -178,6 +179,13 @@ def _summary(result: MultiTurnResult) -> dict[str, Any]:
             "force_terminated": result.force_terminated}
 
 
+def _recoveries(ex: Any) -> list[Any]:
+    """The recovery verdicts on one step's answer, when a step of the profile replaced tool results with failures."""
+    sent = ex.sent or {}
+    failures = recovery.injected(list(ex.outcome.applied), sent.get("messages") or [])
+    return recovery.verdicts(sent, ex.response, failures)
+
+
 async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.AsyncClient,
                         headers: Mapping[str, str] | None = None, extra_body: Mapping[str, Any] | None = None,
                         take: Callable[[str | None], Any] | None = None, strict: bool = False,
@@ -186,7 +194,9 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
 
     `status` is "scored" with BFCL's verdict (error type, taxonomy: state_mismatch, response_mismatch,
     force_terminated, decode_failure), or "error" when the model could not be queried (retried on the
-    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy).
+    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy);
+    after a tool result a step replaced with a failure, the answer's recovery verdict is kept in
+    `perturbers.recovery` (turn, step, kind, tool, verdict, recovered).
     """
     try:
         result = await run_case(case, base_url, model=model, client=client, headers=headers, extra_body=extra_body,
@@ -196,16 +206,24 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
     steps = [s for turn in result.turns for s in turn]
     applied: dict[str, int] = {}
     failed: dict[str, int] = {}
-    for step in steps:
-        ex = take(step.request_id) if take is not None else None
-        outcome = getattr(ex, "outcome", None)
-        for a in getattr(outcome, "applied", None) or ():
-            applied[a.name] = applied.get(a.name, 0) + 1
-        for name in getattr(outcome, "failed", None) or ():
-            failed[str(name)] = failed.get(str(name), 0) + 1
+    recoveries: list[dict[str, Any]] = []
+    for t, turn in enumerate(result.turns):
+        for n, step in enumerate(turn):
+            ex = take(step.request_id) if take is not None else None
+            outcome = getattr(ex, "outcome", None)
+            for a in getattr(outcome, "applied", None) or ():
+                applied[a.name] = applied.get(a.name, 0) + 1
+            for name in getattr(outcome, "failed", None) or ():
+                failed[str(name)] = failed.get(str(name), 0) + 1
+            if outcome is not None:
+                try:
+                    recoveries += [{"turn": t, "step": n, **v.as_dict()} for v in _recoveries(ex)]
+                except Exception as exc:  # a scorer bug loses this verdict, never the pair's BFCL verdict
+                    recoveries.append({"turn": t, "step": n, "error": f"{type(exc).__name__}: {exc}"[:300]})
     fields: dict[str, Any] = {
         "answer": _summary(result),
-        "perturbers": {"steps": len(steps), "applied": applied, "failed": failed},
+        "perturbers": {"steps": len(steps), "applied": applied, "failed": failed,
+                       **({"recovery": recoveries} if recoveries else {})},
         "request_id": steps[0].request_id if steps else None,
         "latency_ms": sum(s.latency_ms or 0.0 for s in steps) or None,
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,
