@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolquake.proxy.replay import families
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import TAXONOMY
 
@@ -238,9 +239,11 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
         models[model] = {"arms": arms}
     single = len(models) == 1
     flat = {(p if single else f"{p} [{m}]"): arm for m, data in models.items() for p, arm in data["arms"].items()}
-    return {"arms": flat, "models": models, "baseline": baseline, "sources": [str(s) for s in res.sources],
-            "duplicates": res.duplicates,
-            "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
+    summary = {"arms": flat, "models": models, "baseline": baseline, "sources": [str(s) for s in res.sources],
+               "duplicates": res.duplicates,
+               "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
+    summary.update(families=families.family_numbers(summary), recovery=families.recovery_numbers(res))
+    return summary
 
 
 def flips(res: Results, baseline: str = BASELINE) -> list[dict[str, Any]]:
@@ -653,7 +656,7 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             rows.append([p, *cells])
         out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
                     ["profile", *categories], rows))
-    return out
+    return out + families.tables(summary)
 
 
 _DIRECTION = {"valid_to_invalid": "valid → invalid", "invalid_to_valid": "invalid → valid"}
@@ -794,7 +797,8 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
     entries.sort(key=lambda e: -(e[2]["accuracy"] or 0.0))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories, *(CSV_STATS_COLUMNS if stats else ())])
+    w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories, *(CSV_STATS_COLUMNS if stats else ()),
+                *families.csv_columns(summary)])
 
     def pct(x: float | None) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
@@ -817,6 +821,7 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
                 arm["n"],
                 *(pct(arm["by_category"][c]["accuracy"]) if c in arm["by_category"] else "N/A" for c in categories),
                 *extra,
+                *families.csv_cells(summary, model, p),
             ]
         )
     return buf.getvalue()

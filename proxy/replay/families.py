@@ -1,0 +1,139 @@
+"""Report sections for the perturbation families of issue #19: accuracy per kind against the baseline
+(`@faults`, `@metadata`), and the recovery after failed tool results that multi-turn replays score.
+
+`report.summarize` adds `recovery_numbers` and `family_numbers` to the JSON report; `report.tables`
+appends `tables` (Markdown and HTML); `report.render_csv` appends `csv_columns` / `csv_cells`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter, defaultdict
+from typing import Any
+
+from toolquake.scorers.aggregate import ratio, wilson_ci
+from toolquake.scorers.recovery import VERDICTS
+
+#: perturber → the family its arms belong to; an arm of one such step is reported per its `kind` parameter
+FAMILIES = {"tool_failure": "faults", "tool_metadata": "metadata"}
+
+
+def _family(perturbers: list[dict[str, Any]]) -> tuple[str, str] | None:
+    if len(perturbers) != 1 or perturbers[0].get("name") not in FAMILIES:
+        return None
+    step = perturbers[0]
+    return FAMILIES[step["name"]], str((step.get("params") or {}).get("kind", ""))
+
+
+def recovery_numbers(res: Any) -> dict[str, Any]:
+    """{"models": {model: {profile: {kind, cases, failures, recovered, recovered_share, recovered_ci, verdicts,
+    errors}}}} from the `recovery` verdicts of scored multi-turn rows (each (model, profile, case) once)."""
+    seen: set[tuple[str, str, str]] = set()
+    entries: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    cases: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for path in res.sources:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
+            for profile, case_id, perturbers in db.execute(
+                    "SELECT profile, case_id, perturbers FROM results WHERE status = 'scored' ORDER BY rowid"):
+                if (model, profile, case_id) in seen:
+                    continue
+                seen.add((model, profile, case_id))
+                try:
+                    found = (json.loads(perturbers) or {}).get("recovery") if perturbers else None
+                except ValueError:
+                    found = None
+                if isinstance(found, list) and found:
+                    entries[(model, profile)] += [e for e in found if isinstance(e, dict)]
+                    cases[(model, profile)].add(case_id)
+        finally:
+            db.close()
+    models: dict[str, dict[str, Any]] = {}
+    for (model, profile), found in entries.items():
+        judged = [e for e in found if "verdict" in e]
+        recovered = sum(1 for e in judged if e.get("recovered"))
+        verdicts = Counter(str(e["verdict"]) for e in judged)
+        models.setdefault(model, {})[profile] = {
+            "kind": ", ".join(sorted({str(e.get("kind")) for e in judged})),
+            "cases": len(cases[(model, profile)]),
+            "failures": len(judged),
+            "recovered": recovered,
+            "recovered_share": ratio(recovered, len(judged)),
+            "recovered_ci": wilson_ci(recovered, len(judged)),
+            "verdicts": {v: verdicts[v] for v in (*VERDICTS, *sorted(set(verdicts) - set(VERDICTS))) if verdicts[v]},
+            "errors": len(found) - len(judged),
+        }
+    return {"models": models}
+
+
+def family_numbers(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per arm of a family (model, family, kind, profile) with its accuracy and drop against the
+    baseline, family by family in the arms' order."""
+    out = []
+    for model, data in summary["models"].items():
+        for p, arm in data["arms"].items():
+            fam = _family(arm.get("perturbers") or [])
+            if fam is None:
+                continue
+            cmp = arm.get("paired") or {}
+            out.append({"model": model, "family": fam[0], "kind": fam[1], "profile": p, "n": arm["n"],
+                        "accuracy": arm["accuracy"], "accuracy_ci": arm.get("accuracy_ci"),
+                        "drop_vs_off": arm.get("drop_vs_off"), "drop_vs_off_ci": arm.get("drop_vs_off_ci"),
+                        "valid_to_invalid": cmp.get("valid_to_invalid"),
+                        "invalid_to_valid": cmp.get("invalid_to_valid"), "p_value": cmp.get("p_value")})
+    out.sort(key=lambda e: (e["model"], e["family"]))
+    return out
+
+
+def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The family and recovery tables (title, header, rows); none when the report has no such arm."""
+    from toolquake.proxy.replay.report import drop_ci, p_text, pct_ci
+
+    out = []
+    baseline = summary["baseline"]
+    rows = []
+    for e in summary.get("families") or []:
+        rows.append([e["model"], e["family"], e["kind"], e["profile"], str(e["n"]), pct_ci(e["accuracy"],
+                     e["accuracy_ci"]), drop_ci(e["drop_vs_off"], e["drop_vs_off_ci"]),
+                     "" if e["valid_to_invalid"] is None else str(e["valid_to_invalid"]),
+                     "" if e["invalid_to_valid"] is None else str(e["invalid_to_valid"]),
+                     "" if e["p_value"] is None else p_text(e["p_value"])])
+    if rows:
+        out.append((f"Perturbation families: accuracy per kind against `{baseline}` (failed tool results, "
+                    "misleading tool metadata; 95 % intervals)",
+                    ["model", "family", "kind", "profile", "n", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
+                     "valid→invalid", "invalid→valid", "McNemar p"], rows))
+    recovery = (summary.get("recovery") or {}).get("models") or {}
+    seen = [v for arms in recovery.values() for arm in arms.values() for v in arm["verdicts"]]
+    cols = [v for v in VERDICTS if v in seen] + sorted(set(seen) - set(VERDICTS))
+    rows = []
+    for model, arms in recovery.items():
+        for p, arm in arms.items():
+            rows.append([model, p, arm["kind"], str(arm["cases"]), str(arm["failures"]),
+                         pct_ci(arm["recovered_share"], arm["recovered_ci"]),
+                         *(str(arm["verdicts"].get(c, 0)) for c in cols)])
+    if rows:
+        out.append(("Recovery after failed tool results (multi-turn replay: answers after an injected failure that "
+                    "did what its kind calls for; 95 % Wilson intervals; docs/perturbers-faults.md)",
+                    ["model", "profile", "kind", "cases", "failures", "recovered [95 % CI]", *cols], rows))
+    return out
+
+
+#: the columns `render_csv` appends when the results hold recovery verdicts
+CSV_COLUMNS = ["Tool Failure Recovered", "Recovered CI Low", "Recovered CI High", "Tool Failures"]
+
+
+def csv_columns(summary: dict[str, Any]) -> list[str]:
+    return CSV_COLUMNS if (summary.get("recovery") or {}).get("models") else []
+
+
+def csv_cells(summary: dict[str, Any], model: str, profile: str) -> list[Any]:
+    if not csv_columns(summary):
+        return []
+    arm = summary["recovery"]["models"].get(model, {}).get(profile)
+    if arm is None:
+        return ["N/A"] * len(CSV_COLUMNS)
+    lo, hi = arm["recovered_ci"] or (None, None)
+    return [*("N/A" if x is None else f"{x * 100:.2f}%" for x in (arm["recovered_share"], lo, hi)), arm["failures"]]
