@@ -92,4 +92,4 @@ def test_replay_of_the_metadata_preset_against_the_ground_truth_scores_every_arm
             assert step["name"] == "tool_metadata", r["case_id"]
             if category == "multiple":
                 report = step["report"]
-                assert not report.get("skipped") and (report.get("changed") or report.get("added")), (r["case_id"], step)
+                assert not report.get("skipped") and (report.get("changed") or report.get("added")), r["case_id"]
