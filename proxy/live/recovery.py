@@ -24,6 +24,8 @@ def injected(applied: list[Applied], messages: list[dict[str, Any]]) -> list[tup
             continue
         for f in a.perturber.injected_failures(a.report):
             kinds.setdefault(int(f["index"]), str(f["kind"]))
+    if not kinds:
+        return []
     return [(i, kinds[i]) for i in recovery.after_last_answer(messages, kinds)]
 
 
