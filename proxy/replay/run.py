@@ -274,6 +274,9 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         if options.proxy and any(_changes_expectation(config, p) for p in arms):
             say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
                 "expected tool or rewrite the answer format are graded on the client's answer only")
+        if options.proxy and any(_injects_failures(config, p) for p in arms):
+            say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
+                "rows get no recovery verdicts")
         say(f"replay: {len(cases)} cases × {len(arms)} profiles, model {model!r}; {summary.skipped} pairs already "
             f"scored in {results.path}")
         if pairs:
@@ -303,6 +306,16 @@ def _changes_expectation(config: Any, profile: str) -> bool:
     spec = config.profiles.get(profile)
     known = registry()
     return spec is not None and any(p.name in known and known[p.name].affects_grading() for p in spec.perturbers)
+
+
+def _injects_failures(config: Any, profile: str) -> bool:
+    """This profile replaces tool results with failures (declared by the perturber class)."""
+    from toolquake.perturbers import Perturber, registry
+
+    spec = config.profiles.get(profile)
+    known = registry()
+    return spec is not None and any(p.name in known and known[p.name].injected_failures is not
+                                    Perturber.injected_failures for p in spec.perturbers)
 
 
 def iter_tallies(summary: Summary) -> Iterable[tuple[str, int, int]]:
