@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "models) and report: accuracy per arm with the relative change against the baseline in "
                     "brackets (seed 001 Table 2), the error-type breakdown of each perturbed arm, per-category "
                     "tables, a BFCL-style CSV, and heatmaps (catalog size × position like seed 003 Fig. 3; format "
-                    "configuration × model like seed 002 Fig. 2) when the arms support them. Accuracy counts "
-                    "scored pairs; failed pairs are listed beside it.")
+                    "configuration × model like seed 002 Fig. 2) when the arms support them; for `@faults` and "
+                    "`@metadata` arms, accuracy per kind and the recovered share after failed tool results "
+                    "(multi-turn replays, 95 %% Wilson intervals). Accuracy counts scored pairs; failed pairs are "
+                    "listed beside it.")
     p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
     p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
                    help="md (default; heatmap PNGs written next to --out), html (one file, heatmaps embedded), "
