@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "tables, a BFCL-style CSV, and heatmaps (catalog size × position like seed 003 Fig. 3; format "
                     "configuration × model like seed 002 Fig. 2) when the arms support them; for `@faults` and "
                     "`@metadata` arms, accuracy per kind and the recovered share after failed tool results "
-                    "(multi-turn replays, 95 %% Wilson intervals). Accuracy counts scored pairs; failed pairs are "
+                    "(multi-turn replays, 95 % Wilson intervals). Accuracy counts scored pairs; failed pairs are "
                     "listed beside it.")
     p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
     p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
