@@ -54,10 +54,12 @@ install-local: $(VENV)/.local
 corpus: install
 	$(BIN)/toolquake corpus pull --with-backends
 
-# promtool and prometheus (Debian package prometheus) for the deployment tests; CI runs as root
+# promtool and prometheus (Debian package prometheus) for the deployment tests, chromium (Debian package) for the
+# HTML report test (tests/replay/test_report_stats.py opens the report headless); CI runs as root
 tools:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    prometheus chromium; }
 
 # ruff, and the import-layer contracts checked on the package as `pip install .` lays it out (lint-imports
 # reads the file tree, and the editable install maps the top-level folders into toolquake.*)

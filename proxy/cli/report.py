@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots,
-                             csv_stats=args.csv_stats)
+                             csv_stats=args.csv_stats, csv_cases=args.csv_cases)
     except (FileNotFoundError, ValueError) as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
         return 2
@@ -83,6 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default off)")
     p.add_argument("--csv-stats", action="store_true", help="csv: append the 95 %% interval and paired-test "
                    "columns (accuracy CI, drop vs baseline with CI, flips, McNemar p) after the BFCL columns")
+    p.add_argument("--csv-cases", action="store_true", help="csv: the per-case diffs instead of the leaderboard "
+                   "(one row per case whose verdict flipped against the baseline: model, profile, case, category, "
+                   "direction, error type, perturbation applied, expected calls, the arm's and the baseline's calls)")
     p.add_argument("--no-plots", action="store_true", help="skip the heatmaps (no matplotlib needed)")
     p.add_argument("--db", metavar="PATH", help="summarise the live results store of `toolquake serve` instead "
                    "(md or json)")

@@ -297,18 +297,32 @@ def calls_text(answer: Any) -> str | None:
     return _short(_compact(answer))  # a multi-turn summary: {"turns": [[{"calls": [...]}, ...]], ...}
 
 
-def perturbation_text(perturbers: Any, spec: dict[str, Any] | None = None) -> str:
-    """What was applied to this request (the stored `perturbers`), else the arm's definition."""
+def perturbation_steps(perturbers: Any, spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The steps applied to this request, each {"name", "params", "report"} (what it added or changed, as the
+    perturber reported it); the arm's defined steps (report None) when none were recorded as applied."""
     applied = perturbers.get("applied") if isinstance(perturbers, dict) else None
     if isinstance(applied, list) and applied:
-        return _short("; ".join(f"{a.get('name')}({_compact(a.get('params') or {})})" for a in applied))
+        return [{"name": a.get("name"), "params": a.get("params") or {}, "report": a.get("report") or {}}
+                for a in applied if isinstance(a, dict)]
+    if isinstance(applied, dict) and applied:  # multi-turn: {name: steps applied}
+        return [{"name": k, "params": {}, "report": {"steps_applied": v}} for k, v in applied.items()]
+    return [{"name": a.get("name"), "params": a.get("params") or {}, "report": None}
+            for a in (spec or {}).get("perturbers") or []]
+
+
+def perturbation_text(perturbers: Any, spec: dict[str, Any] | None = None) -> str:
+    """What was applied to this request (the stored `perturbers`: each step's parameters, then what it
+    reported doing after `→`), else the arm's definition."""
+    applied = perturbers.get("applied") if isinstance(perturbers, dict) else None
     if isinstance(applied, dict) and applied:  # multi-turn: {name: steps applied}
         return _short("; ".join(f"{k} on {v} step(s)" for k, v in applied.items()))
-    listed = (spec or {}).get("perturbers") or []
-    if listed:
-        return _short("; ".join(f"{a.get('name')}({_compact(a.get('params') or {})})" for a in listed)
-                      + (" (defined; none recorded as applied)" if perturbers is not None else ""))
-    return "none"
+    steps = perturbation_steps(perturbers, spec)
+    if not steps:
+        return "none"
+    text = "; ".join(f"{a['name']}({_compact(a['params'])})" + (f" → {_compact(a['report'])}" if a["report"] else "")
+                     for a in steps)
+    recorded = isinstance(applied, list) and bool(applied)
+    return _short(text + ("" if recorded or perturbers is None else " (defined; none recorded as applied)"))
 
 
 def _expected_calls(case_id: str) -> str | None:
@@ -351,7 +365,9 @@ def case_details(res: Results, found: list[dict[str, Any]], baseline: str = BASE
         answer, perturbers = stored.get((arm_src, f["profile"], f["case_id"]), (None, None))
         base_answer, _ = stored.get((base_src, baseline, f["case_id"]), (None, None))
         entry = {k: v for k, v in f.items() if not k.startswith("_")}
-        entry["perturbation"] = perturbation_text(perturbers, res.arms.get((f["model"], f["profile"])))
+        spec = res.arms.get((f["model"], f["profile"]))
+        entry["perturbation"] = perturbation_text(perturbers, spec)
+        entry["perturbation_steps"] = perturbation_steps(perturbers, spec)
         entry["calls"] = calls_text(answer)
         entry["baseline_calls"] = calls_text(base_answer)
         entry["expected"] = _expected_calls(f["case_id"]) if expected else None
@@ -372,6 +388,12 @@ def _params(perturbers: list[dict[str, Any]], name: str) -> dict[str, Any] | Non
 
 def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
     """Seed 003 Fig. 3 data for one model: budgets, positions, accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model).items() if n}
+    return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
+
+
+def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float], tuple[int, int]]:
+    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
         params = _params(arm["perturbers"], "catalog_padding")
@@ -382,8 +404,7 @@ def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[f
         key = (int(params["budget_tokens"]), round(float(params["position"]), 3))
         pooled[key][0] += round(arm["accuracy"] * arm["n"])
         pooled[key][1] += arm["n"]
-    cells = {k: v / n for k, (v, n) in pooled.items() if n}
-    return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
+    return {k: (v, n) for k, (v, n) in pooled.items()}
 
 
 def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
@@ -398,6 +419,22 @@ def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tup
             cells[(format_label(params), model)] = arm["accuracy"]
     labels = sorted({c for c, _ in cells}, key=lambda c: (order.get(c, len(order)), c))
     return labels, [m for m in summary["models"] if any(k[1] == m for k in cells)], cells
+
+
+def format_counts(summary: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(valid, scored) per (format configuration, model), the counts behind `format_grid`'s cells."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for model, data in summary["models"].items():
+        for arm in data["arms"].values():
+            params = _params(arm["perturbers"], "format_rewrite")
+            if params is not None and arm["n"]:
+                out[(format_label(params), model)] = (round(arm["accuracy"] * arm["n"]), arm["n"])
+    return out
+
+
+def _cell_text(value: float, counts: tuple[int, int] | None) -> str:
+    """A heatmap cell: the accuracy, and the valid / scored counts under it."""
+    return f"{value:.2f}" + (f"\n{counts[0]}/{counts[1]}" if counts else "")
 
 
 def _budget_label(b: int) -> str:
@@ -417,6 +454,7 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
     if padded:
         fig, axes = plt.subplots(1, len(padded), figsize=(4.2 * len(padded) + 1, 4), squeeze=False)
         for ax, (model, (budgets, positions, cells)) in zip(axes[0], padded):
+            counts = padding_counts(summary, model)
             grid = [[cells.get((b, p), float("nan")) for b in budgets] for p in positions]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
             ax.set_xticks(range(len(budgets)), [_budget_label(b) for b in budgets])
@@ -427,13 +465,16 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
             for i, row in enumerate(grid):
                 for j, v in enumerate(row):
                     if v == v:
-                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+                        ax.text(j, i, _cell_text(v, counts.get((budgets[j], positions[i]))), ha="center",
+                                va="center", fontsize=7)
         fig.colorbar(im, ax=axes[0].tolist(), label="AST accuracy")
-        fig.suptitle("Large tool catalog: accuracy by catalog size × position (seed 003, challenge 1)", fontsize=10)
+        fig.suptitle("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, challenge 1)",
+                     fontsize=10)
         out["heatmap-catalog.png"] = _png(fig, plt)
     labels, models, cells = format_grid(summary)
     if labels:
-        fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(models), 1.2 + 0.32 * len(labels)))
+        counts = format_counts(summary)
+        fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(models), 1.2 + 0.45 * len(labels)))
         grid = [[cells.get((c, m), float("nan")) for m in models] for c in labels]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
@@ -441,9 +482,10 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v == v:
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+                    ax.text(j, i, _cell_text(v, counts.get((labels[i], models[j]))), ha="center", va="center",
+                            fontsize=6.5)
         fig.colorbar(im, ax=ax, label="AST accuracy")
-        ax.set_title("Format sensitivity: configuration × model (seed 002)", fontsize=10)
+        ax.set_title("Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)", fontsize=10)
         out["heatmap-formats.png"] = _png(fig, plt)
     return out
 
@@ -709,77 +751,166 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
         with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
         for model, p, fs in groups:
             lines += [f"### {p} [{model}]: {len(fs)} flipped", ""]
-            head = ["case", "flip", "error type", "perturbation applied", "model's calls", f"{baseline}'s calls"]
-            if with_expected:
-                head.append("expected (BFCL ground truth)")
+            head = ["case", "flip", "error type", "perturbation applied (parameters → what it did)",
+                    *(["expected (BFCL ground truth)"] if with_expected else []), "model's calls",
+                    f"{baseline}'s calls"]
             lines += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
             for f in fs:
                 cells = [f["case_id"], _DIRECTION[f["direction"]], f["error_type"], _md_cell(f.get("perturbation")),
-                         _md_cell(f.get("calls")), _md_cell(f.get("baseline_calls"))]
-                if with_expected:
-                    cells.append(_md_cell(f.get("expected")))
+                         *([_md_cell(f.get("expected"))] if with_expected else []), _md_cell(f.get("calls")),
+                         _md_cell(f.get("baseline_calls"))]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
 
 
-def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str, bytes] | None = None) -> str:
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:110em}"
+    "table{border-collapse:collapse;margin:1em 0}"
+    "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
+    "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+    "nav{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;display:inline-block}nav a{margin-right:1em}"
+    "details{margin:.4em 0}summary{cursor:pointer}td code{white-space:pre-wrap;word-break:break-word;"
+    "font-size:85%}table.cases td{text-align:left;vertical-align:top;max-width:26em}"
+    "table.cases td.calls{background:#fafafa}table.cases th.calls{background:#e8eef6}"
+    "tr.valid_to_invalid td:nth-child(2){color:#b03a2e}tr.invalid_to_valid td:nth-child(2){color:#1e8449}"
+    "dl.steps{margin:0}dl.steps dt{font-weight:600}dl.steps dd{margin:0 0 .3em 1em}"
+    "table.summary td:nth-child(3),table.summary th:nth-child(3),table.cases th{text-align:left}"
+    ".sig{color:#b03a2e;font-weight:600}"
+    ".filter{margin:.5em 0;padding:.5em;background:#f7f7f7;border:1px solid #ddd}.filter input{width:24em}"
+)
+
+# filters the per-case rows by text and direction (a `#q=...` in the address pre-fills the text); no network
+_CASES_JS = """
+(function () {
+  var q = document.getElementById('case-filter'), d = document.getElementById('case-direction');
+  var count = document.getElementById('case-count');
+  if (!q || !d || !count) { return; }
+  if (location.hash.indexOf('#q=') === 0) { q.value = decodeURIComponent(location.hash.slice(3)); }
+  function apply() {
+    var text = q.value.toLowerCase(), dir = d.value, shown = 0, all = 0;
+    document.querySelectorAll('table.cases tbody tr').forEach(function (row) {
+      all += 1;
+      var ok = (!text || row.textContent.toLowerCase().indexOf(text) >= 0) && (!dir || row.dataset.direction === dir);
+      row.hidden = !ok;
+      if (ok) { shown += 1; }
+    });
+    document.querySelectorAll('details.arm').forEach(function (box) {
+      var n = box.querySelectorAll('tbody tr:not([hidden])').length;
+      box.querySelector('.shown').textContent = String(n);
+      if (text && n) { box.open = true; }
+    });
+    count.textContent = shown + ' of ' + all + ' flipped cases shown';
+  }
+  q.addEventListener('input', apply);
+  d.addEventListener('change', apply);
+  apply();
+})();
+"""
+
+
+def _html_table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     esc = html.escape
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title><style>",
-        "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}",
-        "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
-        "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}"
-        "details{margin:.4em 0}summary{cursor:pointer}td code{white-space:pre-wrap;word-break:break-all;"
-        "font-size:85%}table.cases td{text-align:left;vertical-align:top;max-width:28em}"
-        "table.summary td:nth-child(3){text-align:left}.sig{color:#b03a2e;font-weight:600}</style></head><body>",
-        "<h1>toolquake replay report</h1>",
-        f"<p>Sources: {esc(', '.join(summary['sources']))}</p>",
-    ]
+    return (f"<table{f' class={cls!r}' if cls else ''}><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header)
+            + "</tr></thead><tbody>"
+            + "".join("<tr" + (" class='sig'" if cls == "summary" and r[-1] == "yes" else "") + ">"
+                      + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+            + "</tbody></table>")
+
+
+def _html_summary(summary: dict[str, Any]) -> str:
     title, header, rows = summary_table(summary)
-    if rows:
-        parts.append(f"<section id='summary'><h2>{esc(title.replace('`', ''))}</h2><ul>"
-                     + "".join(f"<li>{esc(t.replace('`', ''))}</li>" for t in headline(summary))
-                     + "</ul><table class='summary'><tr>"
-                     + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
-        parts += ["<tr" + (" class='sig'" if r[-1] == "yes" else "") + ">" + "".join(f"<td>{esc(c)}</td>" for c in r)
-                  + "</tr>" for r in rows]
-        parts.append("</table></section>")
-    for title, header, rows in tables(summary):
-        parts.append(f"<h2>{esc(title.replace('`', ''))}</h2><table><tr>"
-                     + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
-        parts.append("</table>")
+    if not rows:
+        return ""
+    esc = html.escape
+    return (f"<section id='summary'><h2>{esc(title.replace('`', ''))}</h2><ul>"
+            + "".join(f"<li>{esc(t.replace('`', ''))}</li>" for t in headline(summary)) + "</ul>"
+            + _html_table(header, rows, "summary") + "</section>")
+
+
+def _html_images(pngs: dict[str, bytes], svgs: dict[str, bytes] | None) -> str:
+    esc = html.escape
+    parts = []
     for name, svg in (svgs or {}).items():
-        parts.append(f"<h2>{esc(name)}</h2><img alt='{esc(name)}' "
+        parts.append(f"<h3>{esc(name)}</h3><img alt='{esc(name)}' "
                      f"src='data:image/svg+xml;base64,{base64.b64encode(svg).decode()}'>")
     for name, png in pngs.items():
-        parts.append(
-            f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-        )
+        parts.append(f"<h3>{esc(name)}</h3><img alt='{esc(name)}' "
+                     f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    return "<section id='plots'><h2>Plots</h2>" + "".join(parts) + "</section>" if parts else ""
+
+
+def _html_steps(steps: list[dict[str, Any]] | None, fallback: str | None) -> str:
+    """The perturbation applied: each step's parameters, and what it reported adding or changing."""
+    esc = html.escape
+    if not steps:
+        return f"<code>{esc(fallback or 'none')}</code>"
+    items = []
+    for st in steps:
+        items.append(f"<dt>{esc(str(st.get('name')))}</dt><dd>params <code>{esc(_short(_compact(st['params'])))}"
+                     "</code></dd>")
+        report = st.get("report")
+        items.append("<dd>" + ("defined; none recorded as applied" if report is None else "reported nothing"
+                               if not report else f"did <code>{esc(_short(_compact(report)))}</code>") + "</dd>")
+    return "<dl class='steps'>" + "".join(items) + "</dl>"
+
+
+def _html_cases(summary: dict[str, Any]) -> str:
     groups = _flip_groups(summary)
-    if groups:
-        baseline = summary["baseline"]
-        parts.append(f"<section id='cases'><h2>Per-case diffs against {esc(baseline)} (cases whose verdict "
-                     "flipped)</h2>")
-        with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
-        for model, p, fs in groups:
-            lost = sum(1 for f in fs if f["direction"] == "valid_to_invalid")
-            parts.append(f"<details class='arm'><summary>{esc(p)} [{esc(model)}]: {len(fs)} flipped ({lost} valid → "
-                         f"invalid, {len(fs) - lost} invalid → valid)</summary><table class='cases'><tr>"
-                         "<th>case</th><th>flip</th><th>error type</th><th>perturbation applied</th>"
-                         f"<th>model's calls</th><th>{esc(baseline)}'s calls</th>"
-                         + ("<th>expected (BFCL ground truth)</th>" if with_expected else "") + "</tr>")
-            for f in fs:
-                cells = [esc(f["case_id"]), esc(_DIRECTION[f["direction"]]), esc(f["error_type"])]
-                cells += [f"<code>{esc(f.get(k) or '')}</code>" for k in ("perturbation", "calls", "baseline_calls")]
-                if with_expected:
-                    cells.append(f"<code>{esc(f.get('expected') or '')}</code>")
-                parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-            parts.append("</table></details>")
-        parts.append("</section>")
-    parts.append("</body></html>")
+    if not groups:
+        return ""
+    esc = html.escape
+    baseline = summary["baseline"]
+    with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
+    total = sum(len(fs) for _, _, fs in groups)
+    parts = [f"<section id='cases'><h2>Per-case diffs against {esc(baseline)} (cases whose verdict flipped)</h2>",
+             "<div class='filter'><label>filter <input id='case-filter' type='search' placeholder='case id, call, "
+             "perturbation, error type…'></label> <label>direction <select id='case-direction'><option value=''>"
+             "both</option><option value='valid_to_invalid'>valid → invalid</option><option value='invalid_to_valid'>"
+             f"invalid → valid</option></select></label> <span id='case-count'>{total} flipped cases</span></div>"]
+    head = ("<th>case</th><th>flip</th><th>error type</th><th>perturbation applied (parameters; what it did)</th>"
+            + ("<th class='calls'>expected (BFCL ground truth)</th>" if with_expected else "")
+            + f"<th class='calls'>model's calls ({esc('this arm')})</th><th class='calls'>model's calls "
+            f"({esc(baseline)})</th>")
+    for model, p, fs in groups:
+        lost = sum(1 for f in fs if f["direction"] == "valid_to_invalid")
+        parts.append(f"<details class='arm'><summary>{esc(p)} [{esc(model)}]: <span class='shown'>{len(fs)}</span> "
+                     f"of {len(fs)} flipped ({lost} valid → invalid, {len(fs) - lost} invalid → valid)</summary>"
+                     f"<table class='cases'><thead><tr>{head}</tr></thead><tbody>")
+        for f in fs:
+            cells = [esc(f["case_id"]), esc(_DIRECTION[f["direction"]]), esc(f["error_type"]),
+                     _html_steps(f.get("perturbation_steps"), f.get("perturbation"))]
+            calls = ([f.get("expected")] if with_expected else []) + [f.get("calls"), f.get("baseline_calls")]
+            row = "".join(f"<td>{c}</td>" for c in cells)
+            row += "".join(f"<td class='calls'><code>{esc(c or '')}</code></td>" for c in calls)
+            parts.append(f"<tr class='{f['direction']}' data-direction='{f['direction']}'>{row}</tr>")
+        parts.append("</tbody></table></details>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str, bytes] | None = None) -> str:
+    """One self-contained page: summary, tables, plots (embedded), per-case diffs (filterable); no network."""
+    esc = html.escape
+    sections = [("summary", "Summary", _html_summary(summary))]
+    sections += [(sid, name, body) for sid, name, body in extra_html_sections(summary)]
+    tables_html = "".join(f"<h3>{esc(title.replace('`', ''))}</h3>" + _html_table(header, rows)
+                          for title, header, rows in tables(summary))
+    sections.append(("tables", "Tables", f"<section id='tables'><h2>Tables</h2>{tables_html}</section>"))
+    sections.append(("plots", "Plots", _html_images(pngs, svgs)))
+    sections.append(("cases", "Per-case diffs", _html_cases(summary)))
+    sections = [s for s in sections if s[2]]
+    nav = "<nav>" + "".join(f"<a href='#{sid}'>{esc(name)}</a>" for sid, name, _ in sections) + "</nav>"
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title>"
+             f"<style>{_CSS}</style></head><body>", "<h1>toolquake replay report</h1>",
+             f"<p>Sources: {esc(', '.join(summary['sources']))}</p>", nav, *(body for _, _, body in sections),
+             f"<script>{_CASES_JS}</script></body></html>"]
     return "\n".join(parts)
+
+
+def extra_html_sections(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(id, name, html) of the sections between the summary and the tables (repeated trials)."""
+    return []
 
 
 #: the statistics columns `--csv-stats` appends to the BFCL-shaped CSV
@@ -827,17 +958,36 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
     return buf.getvalue()
 
 
+#: the columns of `--csv-cases`: one row per flipped case, the per-case diffs of the other formats
+CSV_CASES_COLUMNS = ["Model", "Profile", "Case", "Category", "Direction", "Error Type", "Perturbation",
+                     "Expected", "Calls", "Baseline Calls"]
+
+
+def render_cases_csv(summary: dict[str, Any]) -> str:
+    """The per-case diffs as CSV (CSV_CASES_COLUMNS), in the order of the other formats."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_CASES_COLUMNS)
+    for f in summary.get("flips") or []:
+        w.writerow([f["model"], f["profile"], f["case_id"], f["category"], f["direction"], f["error_type"],
+                    f.get("perturbation") or "", f.get("expected") or "", f.get("calls") or "",
+                    f.get("baseline_calls") or ""])
+    return buf.getvalue()
+
+
 def build(
     paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True,
-    csv_stats: bool = False,
+    csv_stats: bool = False, csv_cases: bool = False,
 ) -> tuple[str, list[Path]]:
     """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout)."""
     res = load(paths)
     summary = summarize(res, baseline)
     written: list[Path] = []
-    if fmt == "csv":
+    if fmt == "csv" and not csv_cases:
         return render_csv(summary, stats=csv_stats), written
     summary["flips"] = case_details(res, flips(res, baseline), baseline)
+    if fmt == "csv":
+        return render_cases_csv(summary), written
     if fmt == "json":
         return json.dumps(summary, indent=2, ensure_ascii=False) + "\n", written
     pngs = heatmaps(summary) if plots else {}

@@ -180,15 +180,21 @@ def test_markdown_has_table_2_with_relative_drops_and_the_error_breakdown(shards
 
 
 def test_heatmap_cells_are_the_arm_accuracies(shards):
-    from toolquake.proxy.replay.report import format_grid, load, padding_grid, summarize
+    from toolquake.proxy.replay.report import format_counts, format_grid, load, padding_counts, padding_grid, summarize
 
     root, records, _ = shards
     summary = summarize(load([root / "s0", root / "s1", root / "s2"]))
     budgets, positions, cells = padding_grid(summary, "m1")
+    counts = padding_counts(summary, "m1")
     assert budgets == BUDGETS and positions == POSITIONS
     for b in BUDGETS:
         for p in POSITIONS:
-            assert cells[(b, p)] == pytest.approx(_expected(records, f"pad-{b}-{p}")["accuracy"])
+            want = _expected(records, f"pad-{b}-{p}")
+            assert cells[(b, p)] == pytest.approx(want["accuracy"])
+            # the counts written in the cells: valid / scored pairs
+            assert counts[(b, p)] == (round(want["accuracy"] * want["n"]), want["n"])
+    fmt = _expected(records, "fmt-json")
+    assert format_counts(summary)[("json->json,True", "m1")] == (round(fmt["accuracy"] * fmt["n"]), fmt["n"])
     labels, models, fcells = format_grid(summary)
     # seed 002's order: python return format before json; its label notation
     assert labels == ["json->python,False", "json->json,True"] and models == ["m1"]

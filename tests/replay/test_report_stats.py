@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,11 @@ PROFILES = {
 }
 
 
+#: what each perturber reports having done to case i (stored with the pair, shown in the per-case diffs)
+REPORTS = {"tool_order": lambda i: {"order": [f"t{(i + k) % 3}" for k in range(3)]},
+           "param_rename": lambda i: {"renamed": {"x": "xValue"}} if i % 2 else {}}
+
+
 def case_id(i: int) -> str:
     return f"simple_python_{i}" if i < 40 else f"multiple_{i - 40}"
 
@@ -133,7 +139,8 @@ def replay_dir(tmp_path_factory):
             if v is None:
                 f.record(Record(cid, p, cat, "error", error_code="timeout"))
                 continue
-            applied = [{"name": x["name"], "params": x["params"], "report": {}} for x in spec["perturbers"]]
+            applied = [{"name": x["name"], "params": x["params"], "report": REPORTS[x["name"]](i)}
+                       for x in spec["perturbers"]]
             f.record(Record(cid, p, cat, "scored", valid=v, taxonomy=None if v else
                             ("wrong_function" if i % 3 else "wrong_param_value"),
                             answer=_answer(f"call_{p}_{i}"),
@@ -202,7 +209,10 @@ def test_json_report_has_the_intervals_and_the_paired_test(replay_dir):
                    ("renamed", case_id(5), "invalid_to_valid")}
     assert got == want_flips
     f = next(f for f in data["flips"] if f["profile"] == "renamed" and f["case_id"] == case_id(4))
-    assert f["perturbation"] == 'param_rename({"style": "camel"})'
+    assert f["perturbation"] == 'param_rename({"style": "camel"})'  # case 4 reported nothing
+    assert f["perturbation_steps"] == [{"name": "param_rename", "params": {"style": "camel"}, "report": {}}]
+    g3 = next(f for f in data["flips"] if f["profile"] == "renamed" and f["case_id"] == case_id(3))
+    assert g3["perturbation"] == 'param_rename({"style": "camel"}) → {"renamed": {"x": "xValue"}}'
     assert f["calls"] == 'call_renamed_4({"x": 1})' and f["baseline_calls"] == 'call_off_4({"x": 1})'
     assert f["error_type"] == "wrong_function"
     g = next(f for f in data["flips"] if f["profile"] == "renamed" and f["case_id"] == case_id(5))
@@ -242,6 +252,16 @@ def test_csv_stats_columns(replay_dir):
     assert row["Overall Acc CI Low"] == f"{sh['ci'][0] * 100:.2f}%"
     assert (row["Valid to Invalid"], row["Invalid to Valid"], row["Significant"]) == ("12", "3", "True")
     assert float(row["McNemar p"]) == pytest.approx(sh["p"], rel=1e-5)
+
+
+def test_csv_cases_are_the_per_case_diffs_of_the_json(replay_dir):
+    flipped = json.loads(report(str(replay_dir), "--format", "json").stdout)["flips"]
+    table = list(csv.reader(io.StringIO(report(str(replay_dir), "--format", "csv", "--csv-cases").stdout)))
+    assert table[0][:6] == ["Model", "Profile", "Case", "Category", "Direction", "Error Type"]
+    assert len(table) - 1 == len(flipped) == 18
+    for row, f in zip(table[1:], flipped):
+        assert row == [f["model"], f["profile"], f["case_id"], f["category"], f["direction"], f["error_type"],
+                       f["perturbation"], f["expected"] or "", f["calls"], f["baseline_calls"]]
 
 
 def test_live_summary_has_intervals_and_the_paired_test(tmp_path):
@@ -285,29 +305,84 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
+_CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                   "--no-first-run", "--disable-default-apps", "--enable-logging=stderr", "--v=0",
+                   "--virtual-time-budget=3000"]
+
+
+def _open(browser: str, tmp_path: Path, url: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run headless Chromium on `url`; returns the run and every network request the page itself started
+    (read from Chromium's net log: requests in the page's file:// network partition, other than file: and data:)."""
+    netlog = tmp_path / f"net-{len(list(tmp_path.glob('net-*')))}.json"
+    r = subprocess.run([browser, *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                        f"--log-net-log={netlog}", *args, url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads(netlog.read_text())
+    started = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
+    requests = [e["params"]["url"] for e in log["events"] if e["type"] == started
+                and "file://" in e["params"].get("network_isolation_key", "")
+                and not e["params"]["url"].startswith(("file:", "data:"))]
+    return r, requests
+
+
+def _console(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_chromium_checks_catch_console_errors_and_network_requests(tmp_path):
+    """The two checks below can fail: a page with a script error and a remote image trips both."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!doctype html><p>x</p><img src='http://192.0.2.1/x.png'><script>nope();</script>")
+    r, requests = _open(browser, tmp_path, bad.as_uri(), "--dump-dom")
+    assert any("nope is not defined" in line for line in _console(r.stderr))
+    assert requests == ["http://192.0.2.1/x.png"]
+
+
 def test_html_report_in_headless_chromium(replay_dir, tmp_path):
     browser = _chromium()
     if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium)")
+        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
     page = tmp_path / "report.html"
     report(str(replay_dir), "--format", "html", "--out", str(page))
     text = page.read_text()
-    assert "http://" not in text and "https://" not in text  # one self-contained file
+    assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", text)  # one self-contained file
     assert text.count("data:image/svg+xml;base64,") == 1  # the accuracy plot
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-             f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    html = dom.stdout
+    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert _console(r.stderr) == [] and requests == []
+    html = r.stdout
     assert "<section id=\"summary\">" in html and "which perturbations hurt most" in html
-    assert html.index("id=\"summary\"") < html.index("AST accuracy per arm") < html.index("id=\"cases\"")
+    order = [html.index(s) for s in ("id=\"summary\"", "id=\"tables\"", "AST accuracy per arm", "id=\"plots\"",
+                                     "id=\"cases\"")]
+    assert order == sorted(order)
     assert html.count("<details class=\"arm\">") == 2
     assert f"<td>{case_id(4)}</td>" in html and "param_rename" in html
-    shot = Path(tmp_path / "report.png")
-    r = subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1400,1800", page.as_uri()],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and shot.read_bytes().startswith(b"\x89PNG"), r.stderr[-2000:]
+    # the filter script ran: every flipped case counted (12 + 3 shuffled, 2 + 1 renamed)
+    assert "18 of 18 flipped cases shown" in html
+    # expected | this arm's calls | the baseline's calls, side by side in one row
+    row = re.search(rf"<tr class=\"valid_to_invalid\"[^>]*><td>{case_id(4)}</td>.*?</tr>", html, re.S).group(0)
+    assert row.index("call_renamed_4") < row.index("call_off_4")
+
+    # a #q= address filters the rows in the browser: one case left, its arm opened
+    r, requests = _open(browser, tmp_path, page.as_uri() + f"#q={case_id(4)}", "--dump-dom")
+    assert _console(r.stderr) == [] and requests == []
+    shown = re.findall(r"<tr class=\"(?:valid_to_invalid|invalid_to_valid)\" data-direction=\"\w+\">", r.stdout)
+    assert len(shown) == 1 and "1 of 18 flipped cases shown" in r.stdout  # case 4 flipped in `renamed` only
+    assert "<details class=\"arm\" open=\"\">" in r.stdout
+
+    shot = tmp_path / "report.png"
+    r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,1800")
+    assert _console(r.stderr) == [] and requests == []
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.format == "PNG" and img.size == (1400, 1800)
+        gray = img.convert("L")
+        dark = sum(gray.histogram()[:128])  # text, table rules, plot marks
+        assert dark > 0.005 * 1400 * 1800 and len(gray.getcolors(256) or []) > 20  # not blank
     keep = ROOT / ".pytest_cache" / "report-screenshot.png"  # for a person to look at
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)
