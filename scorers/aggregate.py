@@ -65,3 +65,31 @@ def paired_drop_ci(both: int, base_only: int, arm_only: int, neither: int,
     log_ratio = math.log((a + c) / (a + b))
     se = math.sqrt((b + c) / ((a + b) * (a + c)))
     return math.exp(log_ratio - z * se) - 1, math.exp(log_ratio + z * se) - 1
+
+
+def pass_hat_k(counts: list[tuple[int, int]], k: int) -> float | None:
+    """tau-bench's pass^k: the chance that k trials drawn without replacement from a case's n are all right,
+    averaged over cases — mean of C(c, k) / C(n, k) over `counts` [(n trials, c right), ...]. Cases with
+    fewer than k trials are left out; None when none is left."""
+    usable = [(n, c) for n, c in counts if n >= k]
+    if k < 1 or not usable:
+        return None
+    return sum(math.comb(c, k) / math.comb(n, k) for n, c in usable) / len(usable)
+
+
+def pass_at_k(counts: list[tuple[int, int]], k: int) -> float | None:
+    """pass@k: the chance that at least one of k trials drawn from a case's n is right, averaged over
+    cases — mean of 1 - C(n - c, k) / C(n, k). Same conventions as `pass_hat_k`."""
+    usable = [(n, c) for n, c in counts if n >= k]
+    if k < 1 or not usable:
+        return None
+    return sum(1 - math.comb(n - c, k) / math.comb(n, k) for n, c in usable) / len(usable)
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    """mean, sample standard deviation (n - 1), min and max of `values` (None where undefined)."""
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}

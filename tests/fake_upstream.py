@@ -25,6 +25,11 @@ chat request it stands for (`instructions` and `input` items as messages, functi
 choice), and the answer is a Responses object (`output` with `message` / `function_call` items), or
 its event stream (`response.created` … `response.completed`) when `stream` is true.
 
+Nondeterminism (`X-Fake-Flaky: P`): whatever the answer above, it is replaced with probability P by a
+text with no call (`FLAKY_TEXT`) — decided from the request's `seed` and last user message when the
+body has a `seed` (the same request gives the same answer), else at random (a twin of the same
+request may disagree with it). `X-Fake-Flaky: 0`, or no header, is deterministic.
+
 Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
 `invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
 one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200 with an event-stream
@@ -40,6 +45,7 @@ import argparse
 import asyncio
 import collections
 import itertools
+import random
 import time
 from typing import Any
 
@@ -146,6 +152,21 @@ def _agent_turn(body: dict[str, Any], plan: str) -> dict[str, Any]:
         return {"calls": [{"name": wanted, "arguments": arguments}]}
     said = "; ".join(str(m.get("content")) for m in results)
     return {"text": f"Final answer after {len(results)} tool results: {said}"}
+
+
+FLAKY_TEXT = "Flaky: no call this time."
+
+
+def flaky_hit(seed: Any, text: str, p: float) -> bool:
+    """Whether `X-Fake-Flaky: p` replaces the answer: fixed by (seed, text) when the request has a seed."""
+    rng = random.Random(f"{seed}\0{text}") if seed is not None else random
+    return rng.random() < p
+
+
+def flaky(answer: dict[str, Any], body: dict[str, Any], header: str | None) -> dict[str, Any]:
+    if not header:
+        return answer
+    return {"text": FLAKY_TEXT} if flaky_hit(body.get("seed"), _last_user(body), float(header)) else answer
 
 
 def choose_answer(
@@ -359,12 +380,12 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
     resp = completion(
-        choose_answer(
+        flaky(choose_answer(
             body,
             headers.get("x-fake-answer") or _by_first_tool(body, headers),
             headers.get("x-fake-call-foreign"),
             headers.get("x-fake-agent"),
-        ),
+        ), body, headers.get("x-fake-flaky")),
         body.get("model") or MODEL,
     )
     if kind == "invalid-json":
@@ -538,12 +559,12 @@ async def _responses(raw: bytes, headers: dict[str, str], kind: str, arg: str, s
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
     chat = responses_as_chat(body)
     resp = response_object(
-        choose_answer(
+        flaky(choose_answer(
             chat,
             headers.get("x-fake-answer") or _by_first_tool(chat, headers),
             headers.get("x-fake-call-foreign"),
             headers.get("x-fake-agent"),
-        ),
+        ), chat, headers.get("x-fake-flaky")),
         body.get("model") or MODEL,
     )
     if kind == "invalid-json":

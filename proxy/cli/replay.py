@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend, profiles=args.profiles, out=Path(args.out), config=args.config,
             categories=[c.strip() for c in args.categories.split(",") if c.strip()], limit=args.limit,
             concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard), proxy=args.proxy,
-            timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature,
+            timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
             progress=not args.no_progress)
@@ -84,6 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one answer (default 600)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature sent with each request (default 0; negative: send none)")
+    p.add_argument("--trials", type=int, default=1, metavar="K",
+                   help="send every (case, profile) K times (default 1), trial t with the sampling seed "
+                        "trial_seed(case, t) — the same in every arm and on a rerun; each (case, profile, trial) is "
+                        "recorded exactly once. The report adds the mean accuracy over trials with its spread, "
+                        "pass^k and pass@k. Use with --temperature > 0")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens sent with each request (default: none)")
     p.add_argument("--api-key", help="bearer token for the backend (default: env OPENAI_API_KEY; never logged)")
     p.add_argument("--header", action="append", type=_header, metavar="'NAME: VALUE'",

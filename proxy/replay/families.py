@@ -36,8 +36,10 @@ def recovery_numbers(res: Any) -> dict[str, Any]:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
+            # with `replay --trials`, trial 0 (as every other per-case number of the report)
+            first = " AND trial = 0" if any(r[1] == "trial" for r in db.execute("PRAGMA table_info(results)")) else ""
             for profile, case_id, perturbers in db.execute(
-                    "SELECT profile, case_id, perturbers FROM results WHERE status = 'scored' ORDER BY rowid"):
+                    f"SELECT profile, case_id, perturbers FROM results WHERE status = 'scored'{first} ORDER BY rowid"):
                 if (model, profile, case_id) in seen:
                     continue
                 seen.add((model, profile, case_id))

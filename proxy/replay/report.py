@@ -6,6 +6,10 @@ directories (or files) are merged, e.g. the shards of one run, or runs of differ
 
 Accuracy counts scored pairs only; pairs that failed (backend or perturber errors) are reported
 beside it as `failed`, so an arm whose perturber could not run never shows up as a drop.
+
+With repeated trials (`replay --trials K`), the accuracies, intervals, paired tests and per-case diffs
+are those of trial 0 (one answer per case, as without --trials: the tests assume independent cases);
+`trials` adds, per arm, the accuracy of every trial with their mean and spread, pass^k and pass@k.
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from toolquake.proxy.replay import families
-from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
+from toolquake.scorers.aggregate import (
+    mcnemar,
+    paired_drop_ci,
+    pass_at_k,
+    pass_hat_k,
+    ratio,
+    relative_drop,
+    spread,
+    wilson_ci,
+)
 from toolquake.scorers.taxonomy import TAXONOMY
 
 BASELINE = "off"
@@ -71,6 +84,8 @@ class Row:
     semantic_valid: bool | None
     #: index into Results.sources of the file the row was read from (for the per-case details)
     source: int = -1
+    #: the trial number (`replay --trials`; 0 without, and in files written before it)
+    trial: int = 0
 
 
 @dataclass
@@ -109,10 +124,15 @@ def _bool(v: Any) -> bool | None:
     return None if v is None else bool(v)
 
 
+def _trial_column(db: sqlite3.Connection) -> str:
+    """`trial` in files written since `--trials` (schema 2), the constant 0 in older ones."""
+    return "trial" if any(r[1] == "trial" for r in db.execute("PRAGMA table_info(results)")) else "0"
+
+
 def load(paths: list[str | Path]) -> Results:
     """Read and merge replay results (read-only; safe while a replay is still writing)."""
     res = Results()
-    seen: dict[tuple[str, str, str], int] = {}
+    seen: dict[tuple[str, str, str, int], int] = {}
     for path in result_files(paths):
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
@@ -121,10 +141,10 @@ def load(paths: list[str | Path]) -> Results:
             for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
                 res.arms.setdefault((model, profile), json.loads(spec))
             for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
-                                "fair_valid, semantic_valid FROM results ORDER BY rowid"):
+                                f"fair_valid, semantic_valid, {_trial_column(db)} FROM results ORDER BY rowid"):
                 row = Row(model, r[0], r[1], r[2], r[3], _bool(r[4]), r[5], r[6], r[7], _bool(r[8]), _bool(r[9]),
-                          source=len(res.sources))
-                key = (model, row.profile, row.case_id)
+                          source=len(res.sources), trial=int(r[10]))
+                key = (model, row.profile, row.case_id, row.trial)
                 if key in seen:
                     res.duplicates += 1
                     if res.rows[seen[key]].status != "scored" and row.status == "scored":
@@ -228,14 +248,18 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     baseline profile's accuracy (None without one).
     """
     by_arm: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    all_trials: dict[tuple[str, str], list[Row]] = defaultdict(list)
     for r in res.rows:
-        by_arm[(r.model, r.profile)].append(r)
+        all_trials[(r.model, r.profile)].append(r)
+        if r.trial == 0:
+            by_arm[(r.model, r.profile)].append(r)
     models: dict[str, dict[str, Any]] = {}
     for model in res.models:
         arms = {p: _arm_numbers(by_arm.get((model, p), [])) for p in res.profiles(model)}
         _with_drops(arms, baseline, {p: by_arm.get((model, p), []) for p in res.profiles(model)})
         for p, arm in arms.items():
             arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
+            arm["trials"] = trial_numbers(all_trials.get((model, p), []))
         models[model] = {"arms": arms}
     single = len(models) == 1
     flat = {(p if single else f"{p} [{m}]"): arm for m, data in models.items() for p, arm in data["arms"].items()}
@@ -246,19 +270,42 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     return summary
 
 
+def trial_numbers(rows: list[Row]) -> dict[str, Any] | None:
+    """Repeated trials of one arm (None with a single trial): each trial's accuracy, their mean and spread,
+    and pass^k / pass@k for k = 1..K over the cases (tau-bench's definitions, `scorers/aggregate.py`)."""
+    scored = [r for r in rows if r.status == "scored"]
+    k_max = max((r.trial for r in rows), default=0) + 1
+    if k_max < 2:
+        return None
+    per_trial = []
+    for t in range(k_max):
+        mine = [r for r in scored if r.trial == t]
+        per_trial.append({"trial": t, "n": len(mine), "accuracy": ratio(sum(1 for r in mine if r.valid), len(mine))})
+    by_case: dict[str, list[bool]] = defaultdict(list)
+    for r in scored:
+        by_case[r.case_id].append(bool(r.valid))
+    counts = [(len(v), sum(v)) for v in by_case.values()]
+    accs = [t["accuracy"] for t in per_trial if t["accuracy"] is not None]
+    return {"k": k_max, "cases": len(by_case), "complete_cases": sum(1 for n, _ in counts if n == k_max),
+            "per_trial": per_trial, "accuracy": spread(accs),
+            "pass_hat_k": {str(k): pass_hat_k(counts, k) for k in range(1, k_max + 1)},
+            "pass_at_k": {str(k): pass_at_k(counts, k) for k in range(1, k_max + 1)}}
+
+
 def flips(res: Results, baseline: str = BASELINE) -> list[dict[str, Any]]:
     """Every case whose verdict differs between an arm and the baseline (both scored), arm by arm.
 
     `direction` is valid_to_invalid (the perturbation broke it) or invalid_to_valid; `error_type` is the
     invalid side's (the arm's, or the baseline's for invalid_to_valid).
     """
-    by_key = {(r.model, r.profile, r.case_id): r for r in res.rows if r.status == "scored"}
+    first = [r for r in res.rows if r.trial == 0]
+    by_key = {(r.model, r.profile, r.case_id): r for r in first if r.status == "scored"}
     out = []
     for model in res.models:
         for p in res.profiles(model):
             if p == baseline:
                 continue
-            for r in res.rows:
+            for r in first:
                 if r.model != model or r.profile != p or r.status != "scored":
                     continue
                 base = by_key.get((model, baseline, r.case_id))
@@ -349,9 +396,10 @@ def case_details(res: Results, found: list[dict[str, Any]], baseline: str = BASE
     for src, pairs in wanted.items():
         db = sqlite3.connect(f"file:{res.sources[src]}?mode=ro", uri=True)
         try:
+            trial = _trial_column(db)
             for profile, case_id in sorted(pairs):
-                row = db.execute("SELECT answer, perturbers FROM results WHERE profile = ? AND case_id = ?",
-                                 (profile, case_id)).fetchone()
+                row = db.execute(f"SELECT answer, perturbers FROM results WHERE profile = ? AND case_id = ? "
+                                 f"AND {trial} = 0", (profile, case_id)).fetchone()
                 if row is not None:
                     stored[(src, profile, case_id)] = (
                         None if row[0] is None else json.loads(row[0]),
@@ -594,6 +642,28 @@ def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[st
              "paired cases", "valid→invalid", "invalid→valid", "McNemar p", f"drop ≠ 0 at {ALPHA}"], rows)
 
 
+def trials_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Repeated trials: per arm, the accuracy of each trial, mean ± standard deviation [min, max],
+    pass^k and pass@k for k = 1..K. No rows when no arm has more than one trial."""
+    entries = [(m, p, a["trials"]) for m, data in summary["models"].items() for p, a in data["arms"].items()
+               if a.get("trials")]
+    k_max = max((t["k"] for _, _, t in entries), default=0)
+    rows = []
+    for model, p, t in entries:
+        acc = t["accuracy"]
+        mean = "–" if acc["mean"] is None else (f"{acc['mean']:.3f}" + ("" if acc["std"] is None else
+                                                                          f" ± {acc['std']:.3f}"))
+        span = "" if acc["min"] is None else f"[{acc['min']:.3f}, {acc['max']:.3f}]"
+        rows.append([model, p, str(t["k"]), f"{t['complete_cases']}/{t['cases']}",
+                     " ".join(_acc(x["accuracy"]) for x in t["per_trial"]), mean, span,
+                     *(_acc(t["pass_hat_k"].get(str(k))) for k in range(1, k_max + 1)),
+                     *(_acc(t["pass_at_k"].get(str(k))) for k in range(2, k_max + 1))])
+    header = ["model", "profile", "trials", "cases with every trial", "accuracy per trial", "mean ± sd",
+              "[min, max]", *(f"pass^{k}" for k in range(1, k_max + 1)), *(f"pass@{k}" for k in range(2, k_max + 1))]
+    return ("Repeated trials: accuracy of each trial, its mean and spread; pass^k (all k of k trials right) and "
+            "pass@k (at least one right), tau-bench's estimators over the cases", header, rows)
+
+
 def headline(summary: dict[str, Any]) -> list[str]:
     """One sentence per model: the arm that hurt most, and whether that is distinguishable from noise."""
     out = []
@@ -739,6 +809,9 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
     title, header, rows = summary_table(summary)
     if rows:
         lines += [f"- {t}" for t in top] + [""]
+        lines += _md_table(title, header, rows)
+    title, header, rows = trials_table(summary)
+    if rows:
         lines += _md_table(title, header, rows)
     for title, header, rows in tables(summary):
         lines += _md_table(title, header, rows)
@@ -910,12 +983,21 @@ def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str,
 
 def extra_html_sections(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(id, name, html) of the sections between the summary and the tables (repeated trials)."""
-    return []
+    out = []
+    title, header, rows = trials_table(summary)
+    if rows:
+        out.append(("trials", "Repeated trials", f"<section id='trials'><h2>{html.escape(title)}</h2>"
+                    + _html_table(header, rows) + "</section>"))
+    return out
 
 
 #: the statistics columns `--csv-stats` appends to the BFCL-shaped CSV
 CSV_STATS_COLUMNS = ["Overall Acc CI Low", "Overall Acc CI High", "Drop vs Baseline", "Drop CI Low", "Drop CI High",
                      "Paired N", "Valid to Invalid", "Invalid to Valid", "McNemar p", "Significant"]
+
+
+#: with repeated trials, `--csv-stats` also appends these (k = the number of trials)
+CSV_TRIALS_COLUMNS = ["Trials", "Trial Acc Mean", "Trial Acc SD", "Pass^k", "Pass@k"]
 
 
 def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
@@ -928,8 +1010,10 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
     entries.sort(key=lambda e: -(e[2]["accuracy"] or 0.0))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
+    k_max = max((arm["trials"]["k"] for _, _, arm in entries if arm.get("trials")), default=0)
+    trial_cols = CSV_TRIALS_COLUMNS if stats and k_max else []
     w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories, *(CSV_STATS_COLUMNS if stats else ()),
-                *families.csv_columns(summary)])
+                *trial_cols, *families.csv_columns(summary)])
 
     def pct(x: float | None) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
@@ -943,6 +1027,12 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
             extra = [pct(ci[0]), pct(ci[1]), pct(arm.get("drop_vs_off")), pct(dci[0]), pct(dci[1]),
                      cmp.get("n", "N/A"), cmp.get("valid_to_invalid", "N/A"), cmp.get("invalid_to_valid", "N/A"),
                      "N/A" if not cmp else f"{cmp['p_value']:.6g}", "N/A" if not cmp else str(cmp["significant"])]
+            if trial_cols:
+                t = arm.get("trials") or {}
+                acc = t.get("accuracy") or {}
+                k = str(t.get("k", ""))
+                extra += [t.get("k", "N/A"), pct(acc.get("mean")), pct(acc.get("std")),
+                          pct((t.get("pass_hat_k") or {}).get(k)), pct((t.get("pass_at_k") or {}).get(k))]
         w.writerow(
             [
                 rank,

@@ -7,14 +7,20 @@ code as live scoring (`toolquake.proxy.live.grader.Grader`: BFCL's verdict, `fai
 `semantic`; a step whose `expected_answer` says "no call" turns the case into an irrelevance case; an
 answer a step decoded from text is graded on its strict and lenient decodes).
 
-Exactly-once: each finished pair is one SQLite transaction keyed by (case_id, profile). A rerun
+Exactly-once: each finished pair is one SQLite transaction keyed by (case_id, profile, trial). A rerun
 with the same `--out` skips scored pairs and retries failed ones; a pair in flight when the process
 was killed was never committed and is simply sent again.
+
+Repeated trials (`--trials K`): each (case, profile) is sent K times, trial t carrying the sampling
+seed `trial_seed(case_id, t)` — the same in every arm, so arms differ only by the perturbation, and
+the same on a rerun, so a resumed trial asks the same question. The perturbation's own seed does not
+depend on the trial: the K answers of an arm differ by the model's sampling only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 import time
@@ -51,6 +57,7 @@ class Options:
     proxy: str | None = None
     timeout: float = 600.0
     temperature: float | None = 0.0
+    trials: int = 1
     max_tokens: int | None = None
     api_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
@@ -69,6 +76,11 @@ class Summary:
     failed: int = 0
     aborted: str | None = None
     tallies: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def trial_seed(case_id: str, trial: int) -> int:
+    """The `seed` sent with trial `trial` of a case (with --trials > 1): a stable 31-bit hash of both."""
+    return int.from_bytes(hashlib.sha256(f"{case_id}\0{trial}".encode()).digest()[:4], "big") >> 1
 
 
 def _check_reachable(url: str, what: str, headers: dict[str, str]) -> httpx.Response:
@@ -130,7 +142,7 @@ def prepare(options: Options) -> tuple[Any, list[str], list[Any]]:
     return config, arms, cases
 
 
-async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str]], results: ResultsFile,
+async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
                     progress: Progress, model: str, in_process: InProcessProxy | None,
                     summary: Summary) -> None:
     from toolquake.bfcl.corpus import case_request
@@ -138,7 +150,7 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
 
     grader = Grader(semantic=options.semantic)
     headers = _auth(options)
-    queue: asyncio.Queue[tuple[Any, str]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Any, str, int]] = asyncio.Queue()
     for pair in pairs:
         queue.put_nowait(pair)
     state = {"unreachable": 0}
@@ -148,26 +160,28 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
 
-        async def multi_turn(case: Any, profile: str) -> Record:
+        def sampling(case_id: str, trial: int) -> dict[str, Any]:
+            """temperature, max_tokens, and with --trials > 1 the trial's seed (`trial_seed`)."""
+            seed = trial_seed(case_id, trial) if options.trials > 1 else None
+            return {k: v for k, v in (("temperature", options.temperature), ("max_tokens", options.max_tokens),
+                                      ("seed", seed)) if v is not None}
+
+        async def multi_turn(case: Any, profile: str, trial: int) -> Record:
             """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
             from toolquake.proxy.replay.multiturn import replay_fields
 
-            extra = {k: v for k, v in (("temperature", options.temperature), ("max_tokens", options.max_tokens))
-                     if v is not None}
+            extra = sampling(case.id, trial)
             fields = await replay_fields(case, f"{proxy_url}/p/{profile}/v1", model=model, client=client,
                                          headers=headers, extra_body=extra,
                                          take=in_process.take if in_process is not None else None)
-            return Record(case_id=case.id, profile=profile, category=case.category, **fields)
+            return Record(case_id=case.id, profile=profile, category=case.category, trial=trial, **fields)
 
-        async def one(case: Any, profile: str) -> Record:
+        async def one(case: Any, profile: str, trial: int) -> Record:
             if case.is_multi_turn:
-                return await multi_turn(case, profile)
+                return await multi_turn(case, profile, trial)
             body = case_request(case, model=model)
-            if options.temperature is not None:
-                body["temperature"] = options.temperature
-            if options.max_tokens is not None:
-                body["max_tokens"] = options.max_tokens
-            rec = Record(case_id=case.id, profile=profile, category=case.category, status="error")
+            body.update(sampling(case.id, trial))
+            rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
             t0 = time.perf_counter()
             try:
                 r = await client.post(f"{proxy_url}/p/{profile}/v1/chat/completions", json=body,
@@ -215,10 +229,10 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
         async def worker() -> None:
             while not stop.is_set():
                 try:
-                    case, profile = queue.get_nowait()
+                    case, profile, trial = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                rec = await one(case, profile)
+                rec = await one(case, profile, trial)
                 results.record(rec)
                 summary.sent += 1
                 if rec.status == "error":
@@ -242,6 +256,8 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if options.concurrency < 1:
         raise ReplayError("--concurrency must be at least 1")
+    if options.trials < 1:
+        raise ReplayError("--trials must be at least 1")
     if options.backend is None and options.proxy is None:
         raise ReplayError("give --backend URL (and optionally --proxy URL)")
     headers = _auth(options)
@@ -268,24 +284,31 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         results.register_arms(_profile_specs(config, arms))
         results.set_meta({"categories": ",".join(options.categories), "limit": str(options.limit or ""),
                           "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
+        trials = max(options.trials, int(results.meta().get("trials") or 1))
+        results.set_meta({"trials": str(trials)})
         done = results.scored_pairs()
-        pairs = [(c, p) for c in cases for p in arms if (c.id, p) not in done]
-        summary = Summary(path=results.path, model=model, arms=arms, skipped=len(cases) * len(arms) - len(pairs))
+        pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
+        summary = Summary(path=results.path, model=model, arms=arms,
+                          skipped=len(cases) * len(arms) * options.trials - len(pairs))
         if options.proxy and any(_changes_expectation(config, p) for p in arms):
             say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
                 "expected tool or rewrite the answer format are graded on the client's answer only")
         if options.proxy and any(_injects_failures(config, p) for p in arms):
             say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
                 "rows get no recovery verdicts")
-        say(f"replay: {len(cases)} cases × {len(arms)} profiles, model {model!r}; {summary.skipped} pairs already "
-            f"scored in {results.path}")
+        times = f" × {options.trials} trials" if options.trials > 1 else ""
+        say(f"replay: {len(cases)} cases × {len(arms)} profiles{times}, model {model!r}; {summary.skipped} pairs "
+            f"already scored in {results.path}")
+        if options.trials > 1 and not options.temperature:
+            say("replay: note: --trials with temperature 0 (or none) measures only the backend's own "
+                "nondeterminism; pass --temperature to sample")
         if pairs:
             in_process = None
             proxy_url = options.proxy.rstrip("/") if options.proxy else None
             if proxy_url is None:
                 in_process = InProcessProxy(config, fail_open=options.fail_open)
                 proxy_url = in_process.start()
-            totals = {a: len(cases) for a in arms}
+            totals = {a: len(cases) * options.trials for a in arms}
             tallies = results.tallies()
             try:
                 with Progress(arms, totals, tallies, enabled=options.progress) as progress:

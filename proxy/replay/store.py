@@ -1,7 +1,9 @@
-"""The results file of one replay (one shard): one SQLite row per (case, profile), committed exactly once.
+"""The results file of one replay (one shard): one SQLite row per (case, profile, trial), committed exactly once.
 
 A scored row is final; an error row is replaced by the next attempt (and `attempts` counts them).
 The verdict columns are the live results store's (`VERDICT_COLUMNS`), encoded the same way.
+`trial` is 0 without `--trials`; schema 1 files (keyed (case, profile), before `--trials`) are
+migrated in place when opened for writing (their rows become trial 0) and read as such by reports.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from toolquake.proxy.live.results import VERDICT_COLUMNS, sql_value
 from toolquake.proxy.replay.errors import ReplayError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Record:
     profile: str
     category: str
     status: str  # "scored" | "error"
+    trial: int = 0
     expected: str | None = None
     valid: bool | None = None
     error_type: str | None = None
@@ -46,25 +49,28 @@ class Record:
 
 
 #: the replay's own columns before and after the shared verdict columns
-_KEY_COLUMNS = ("case_id", "profile", "category", "status")
+_KEY_COLUMNS = ("case_id", "profile", "trial", "category", "status")
 _TAIL_COLUMNS = (("http_status", "INTEGER"), ("error_code", "TEXT"), ("error", "TEXT"), ("answer", "TEXT"),
                  ("perturbers", "TEXT"), ("request_id", "TEXT"), ("latency_ms", "REAL"), ("prompt_tokens", "INTEGER"),
                  ("completion_tokens", "INTEGER"))
 _COLUMNS = (*_KEY_COLUMNS, *(c for c, _ in VERDICT_COLUMNS), *(c for c, _ in _TAIL_COLUMNS))
 _JSON_COLUMNS = frozenset({"errors", "answer", "perturbers"})
 
-_SCHEMA = f"""
+_META = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS arms (profile TEXT PRIMARY KEY, spec TEXT NOT NULL);
+"""
+_RESULTS = f"""
 CREATE TABLE IF NOT EXISTS results (
     case_id TEXT NOT NULL,
     profile TEXT NOT NULL,
+    trial INTEGER NOT NULL DEFAULT 0,
     category TEXT NOT NULL,
     status TEXT NOT NULL CHECK (status IN ('scored', 'error')),
     {", ".join(f"{c} {kind}" for c, kind in (*VERDICT_COLUMNS, *_TAIL_COLUMNS))},
     attempts INTEGER NOT NULL DEFAULT 1,
     recorded_at REAL NOT NULL,
-    PRIMARY KEY (case_id, profile)
+    PRIMARY KEY (case_id, profile, trial)
 );
 """
 
@@ -79,12 +85,31 @@ class ResultsFile:
         self.db.execute("PRAGMA journal_mode=WAL")
         # a process crash never loses a committed row (only a power loss may lose the last ones)
         self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(_SCHEMA)
+        self.db.executescript(_META)
         version = self.meta().get("schema_version")
-        if version is not None and version != str(SCHEMA_VERSION):
+        if version == "1":
+            self._migrate_from_1()
+        elif version is not None and version != str(SCHEMA_VERSION):
             raise ReplayError(f"{path} has replay schema {version}; this toolquake writes {SCHEMA_VERSION}. "
-                              "Use a new --out directory.")
+                              "Use a new --out directory, or the toolquake that wrote it.")
+        self.db.executescript(_RESULTS)
         self.set_meta({"schema_version": str(SCHEMA_VERSION)})
+
+    def _migrate_from_1(self) -> None:
+        """Schema 1 → 2: the results key gains `trial`; every existing row is trial 0. One transaction."""
+        cols = [r[1] for r in self.db.execute("PRAGMA table_info(results)")]
+        keep = ", ".join(c for c in cols if c != "trial")
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("ALTER TABLE results RENAME TO results_v1")
+            self.db.execute(_RESULTS.strip().replace("CREATE TABLE IF NOT EXISTS", "CREATE TABLE"))  # one statement
+            self.db.execute(f"INSERT INTO results({keep}, trial) SELECT {keep}, 0 FROM results_v1")
+            self.db.execute("DROP TABLE results_v1")
+            self.db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
 
     def meta(self) -> dict[str, str]:
         return dict(self.db.execute("SELECT key, value FROM meta").fetchall())
@@ -117,8 +142,9 @@ class ResultsFile:
             self.db.executemany("INSERT OR IGNORE INTO arms(profile, spec) VALUES(?, ?)",
                                 [(n, json.dumps(s, sort_keys=True)) for n, s in specs.items()])
 
-    def scored_pairs(self) -> set[tuple[str, str]]:
-        return set(self.db.execute("SELECT case_id, profile FROM results WHERE status = 'scored'").fetchall())
+    def scored_pairs(self) -> set[tuple[str, str, int]]:
+        """(case_id, profile, trial) of every scored row."""
+        return set(self.db.execute("SELECT case_id, profile, trial FROM results WHERE status = 'scored'").fetchall())
 
     def tallies(self) -> dict[str, tuple[int, int]]:
         """profile → (scored, valid)."""
@@ -127,14 +153,14 @@ class ResultsFile:
         return {p: (n, int(v or 0)) for p, n, v in rows}
 
     def record(self, rec: Record) -> None:
-        """Commit one pair. A scored row is final; an error row is replaced by the next attempt."""
+        """Commit one (case, profile, trial). A scored row is final; an error row is replaced by the next attempt."""
         values = [sql_value(getattr(rec, c), c in _JSON_COLUMNS) for c in _COLUMNS]
         cols = ", ".join(_COLUMNS)
-        updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[2:])
+        updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[3:])
         with self.db:
             self.db.execute(
                 f"INSERT INTO results({cols}, recorded_at) VALUES({', '.join('?' * len(_COLUMNS))}, ?) "
-                f"ON CONFLICT(case_id, profile) DO UPDATE SET {updates}, attempts = results.attempts + 1, "
+                f"ON CONFLICT(case_id, profile, trial) DO UPDATE SET {updates}, attempts = results.attempts + 1, "
                 "recorded_at = excluded.recorded_at WHERE results.status = 'error'",
                 [*values, time.time()])
 
