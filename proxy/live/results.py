@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from toolquake.proxy.server.config import NOISE_PROFILE
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
 #: the schema version this code writes; older files are migrated on open, newer ones refused
@@ -237,6 +238,9 @@ def summarize(path: str | Path) -> dict[str, Any]:
     latest verdict of each: {"n", "both_valid", "valid_to_invalid", "invalid_to_valid", "both_invalid",
     "p_value" (McNemar exact), "significant" (p < 0.05), "drop", "drop_ci"}; null for `off` or without
     it), and "consistency_ci": {profile: {"rate_exact": [lo, hi], "rate_semantic": [lo, hi]}}.
+    The perturbed twins only: the unperturbed noise twins (`noise_rate`, arm "noise") are in "noise" and
+    "noise_ci", the same shape, per profile they were sampled from plus "<noise>" for all of them pooled
+    (the model's own nondeterminism, the floor under every profile's disagreement).
     """
     rows = read_rows(path)
     arms: dict[str, dict[str, Any]] = {}
@@ -281,21 +285,33 @@ def summarize(path: str | Path) -> dict[str, Any]:
             cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
             cmp = (_paired(latest.get("off", {}), latest.get(name_, {}), name) if b and name_ != "off" else None)
             cat["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
-    consistency: dict[str, dict[str, Any]] = {}
+    consistency, consistency_ci = _agreement([r for r in rows if r["arm"] != "noise"])
+    noise, noise_ci = _agreement([r for r in rows if r["arm"] == "noise"])
+    if noise:
+        pooled, pooled_ci = _agreement([{**r, "profile": NOISE_PROFILE} for r in rows if r["arm"] == "noise"])
+        noise.update(pooled)
+        noise_ci.update(pooled_ci)
+    return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
+            "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci}
+
+
+def _agreement(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Twins' agreement with the original per profile: counts and rates, and their Wilson intervals."""
+    out: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["agree"] is None:
             continue
-        c = consistency.setdefault(r["profile"], {"n": 0, "exact": 0, "semantic": 0, "disagree": 0})
+        c = out.setdefault(r["profile"], {"n": 0, "exact": 0, "semantic": 0, "disagree": 0})
         c["n"] += 1
         c[{"true": "exact", "semantic": "semantic"}.get(r["agree"], "disagree")] += 1
-    for c in consistency.values():
+    for c in out.values():
         c["rate_exact"] = ratio(c["exact"], c["n"])
         c["rate_semantic"] = ratio(c["exact"] + c["semantic"], c["n"])
-    consistency_ci = {p: {"rate_exact": wilson_ci(c["exact"], c["n"]),
-                          "rate_semantic": wilson_ci(c["exact"] + c["semantic"], c["n"])}
-                      for p, c in sorted(consistency.items())}
-    return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
-            "consistency": dict(sorted(consistency.items())), "consistency_ci": consistency_ci}
+        c["rate_disagree"] = ratio(c["disagree"], c["n"])
+    cis = {p: {"rate_exact": wilson_ci(c["exact"], c["n"]), "rate_semantic": wilson_ci(c["exact"] + c["semantic"],
+                                                                                          c["n"]),
+               "rate_disagree": wilson_ci(c["disagree"], c["n"])} for p, c in sorted(out.items())}
+    return dict(sorted(out.items())), cis
 
 
 def _paired(base: dict[str, tuple[str, bool]], arm: dict[str, tuple[str, bool]],
@@ -362,12 +378,26 @@ def format_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append("No scored answers with a known case.")
     if summary["consistency"]:
+        floor = (summary.get("noise") or {}).get(NOISE_PROFILE)
         lines += ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent | "
-                  "consistent 95 % CI | exact 95 % CI |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "consistent 95 % CI | exact 95 % CI | disagree rate | noise floor (all noise twins) | net of noise |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         cis = summary.get("consistency_ci") or {}
         for name, c in summary["consistency"].items():
             ci = cis.get(name) or {}
+            net = "–" if floor is None else f"{(c['rate_disagree'] - floor['rate_disagree']) * 100:+.1f}%"
             lines.append(f"| {name} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
                          f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
-                         f"{_pct_ci(ci.get('rate_exact'))} |")
+                         f"{_pct_ci(ci.get('rate_exact'))} | {_pct(c['rate_disagree'])} "
+                         f"{_pct_ci(ci.get('rate_disagree'))} | "
+                         f"{'–' if floor is None else _pct(floor['rate_disagree'])} | {net} |")
+    if summary.get("noise"):
+        lines += ["", "## Noise floor (unperturbed twins: the model disagreeing with itself)", "",
+                  "| sampled from | n | exact | semantic | disagree | disagree rate | disagree 95 % CI |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, c in summary["noise"].items():
+            ci = (summary.get("noise_ci") or {}).get(name) or {}
+            lines.append(f"| {'all (' + name + ')' if name == NOISE_PROFILE else name} | {c['n']} | {c['exact']} | "
+                         f"{c['semantic']} | {c['disagree']} | {_pct(c['rate_disagree'])} | "
+                         f"{_pct_ci(ci.get('rate_disagree'))} |")
     return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ from toolquake.proxy.live.metrics import ScoringMetrics
 from toolquake.proxy.live.resolver import scorable_categories
 from toolquake.proxy.live.results import ResultsStore, Row
 from toolquake.proxy.live.shadow import ShadowRunner, Twin
-from toolquake.proxy.server.config import ScoringConfig
+from toolquake.proxy.server.config import NOISE_PROFILE, ScoringConfig
 from toolquake.scorers import consistency
 
 if TYPE_CHECKING:
@@ -162,7 +162,8 @@ class LiveScorer:
             return
         applied = list(twin.outcome.applied) if twin.outcome else []
         restorers = list(twin.outcome.restorers) if twin.outcome else []
-        self._enqueue(Job(Origin.of(ex), ex.profile_name, "twin", twin.answer, self._kept(twin.sent), applied,
+        # a noise twin (unperturbed) is stored under its profile with arm "noise", counted under `<noise>`
+        self._enqueue(Job(Origin.of(ex), ex.profile_name, twin.kind, twin.answer, self._kept(twin.sent), applied,
                           restorers, twin.status, twin.upstream_s, None, original=ex.response))
 
     def _kept(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -220,13 +221,14 @@ class LiveScorer:
         ex, m = job.ex, self.metrics
         model = self.st.metrics.model_label(ex.model)
         agreement = None
-        if job.arm == "twin":
+        if job.arm in ("twin", "noise"):
             agreement = consistency.compare_answers(job.original, job.answer, tools=ex.request.get("tools"),
                                                     strings=self.strings)
-            m.consistency.labels(job.profile, model, agreement.agree).inc()
+            m.consistency.labels(NOISE_PROFILE if job.arm == "noise" else job.profile, model, agreement.agree).inc()
         grade, skip = None, None
         case = ex.case
-        if case is not None:
+        # a noise twin is compared only: its verdict would count an unperturbed answer under the profile
+        if case is not None and job.arm != "noise":
             if case.category not in scorable_categories():
                 skip = "unsupported_category"
             elif is_followup(case, ex.request):
@@ -267,7 +269,7 @@ class LiveScorer:
             else None,
             request_body=job.sent if keep_text else None, response_body=job.answer if keep_text else None,
             agree=agreement.agree if agreement else None,
-            shadow_of=ex.request_id if job.arm == "twin" else None, route=ex.route,
+            shadow_of=ex.request_id if job.arm in ("twin", "noise") else None, route=ex.route,
             injected_calls=list(ex.injected_calls) if ex.injected_calls and job.arm == "live" else None,
         )
         if grade is not None:

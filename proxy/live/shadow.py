@@ -7,6 +7,12 @@ profile's perturbers run over the original body, the result goes to the same ups
 when a perturber rewrote its shape — is handed on to be compared with the original answer. At most
 `max_concurrent` twins per profile are in flight; a twin over that limit is skipped and counted,
 never queued, so shadowing can never build up load or delay anybody.
+
+The noise floor: for a share `noise_rate` of requests (decided from the seed, independently of
+`sample_rate`), a second twin goes out *unperturbed* — the client's own request again. How often it
+disagrees with the original answer is the model's own nondeterminism; it is counted under the
+profile label `<noise>` (`NOISE_PROFILE`), never in the profile's own consistency. Noise twins share
+the profile's `max_concurrent`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import structlog
 
 from toolquake.perturbers import ChatRequest
 from toolquake.proxy.server.apis import CHAT
+from toolquake.proxy.server.config import NOISE_PROFILE
 from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
 
 if TYPE_CHECKING:
@@ -43,12 +50,16 @@ class Twin:
     upstream_s: float = 0.0
     error: str | None = None
     restore_failed: list[str] = field(default_factory=list)
+    #: "twin" (perturbed) or "noise" (unperturbed: the model's own nondeterminism)
+    kind: str = "twin"
 
 
-def sampled(seed: int, rate: float) -> bool:
+def sampled(seed: int, rate: float, salt: str = "shadow") -> bool:
     if rate >= 1.0:
         return True
-    return random.Random(f"{seed}:shadow").random() < rate
+    if rate <= 0.0:
+        return False
+    return random.Random(f"{seed}:{salt}").random() < rate
 
 
 def twin_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -70,46 +81,57 @@ class ShadowRunner:
         self.tasks: set[asyncio.Task] = set()
 
     def launch(self, ex: RequestContext) -> bool:
-        """Start the twin of `ex` if it is sampled and the profile has room; never waits."""
+        """Start the twin of `ex` (and its noise twin) if sampled and the profile has room; never waits."""
         profile = self.st.profiles.get(ex.profile_name)
         if profile is None or profile.mode != "shadow" or ex.status != 200 or ex.response is None:
             return False
         spec = profile.spec
-        if not sampled(ex.seed, spec.sample_rate):
-            self.requests.labels(ex.profile_name, "sampled_out").inc()
+        if spec.noise_rate > 0:
+            self._start(ex, profile, "noise", sampled(ex.seed, spec.noise_rate, "noise"))
+        return self._start(ex, profile, "twin", sampled(ex.seed, spec.sample_rate))
+
+    def _start(self, ex: RequestContext, profile: Any, kind: str, chosen: bool) -> bool:
+        label = NOISE_PROFILE if kind == "noise" else ex.profile_name
+        if not chosen:
+            self.requests.labels(label, "sampled_out").inc()
             return False
-        if self.in_flight.get(ex.profile_name, 0) >= spec.max_concurrent:
-            self.requests.labels(ex.profile_name, "busy").inc()
+        if self.in_flight.get(ex.profile_name, 0) >= profile.spec.max_concurrent:
+            self.requests.labels(label, "busy").inc()
             return False
         self.in_flight[ex.profile_name] = self.in_flight.get(ex.profile_name, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._run(ex, profile))
+        task = asyncio.get_running_loop().create_task(self._run(ex, profile, kind))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
 
-    async def _run(self, ex: RequestContext, profile: Any) -> None:
+    async def _run(self, ex: RequestContext, profile: Any, kind: str = "twin") -> None:
         try:
-            twin = await self._twin(ex, profile)
+            twin = await self._twin(ex, profile, perturb=kind == "twin")
         finally:
             self.in_flight[ex.profile_name] -= 1
-        self.requests.labels(ex.profile_name, "answered" if twin.error is None else "failed").inc()
+        twin.kind = kind
+        label = NOISE_PROFILE if kind == "noise" else ex.profile_name
+        self.requests.labels(label, "answered" if twin.error is None else "failed").inc()
         try:
             self.done(ex, twin)
         except Exception as exc:  # fail-open: a broken consumer never takes the runner down
             log.warning("shadow_consumer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
-    async def _twin(self, ex: RequestContext, profile: Any) -> Twin:
+    async def _twin(self, ex: RequestContext, profile: Any, perturb: bool = True) -> Twin:
         st, m = self.st, self.st.metrics
-        try:
-            outcome = await run_profile(profile, ChatRequest(ex.request or {}), ex.seed, st.services, ex.case)
-        except Exception as exc:  # strict profiles raise; the client was served already
-            return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
-        m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
-        body = twin_body(outcome.request.body)
-        twin = Twin(outcome, body)
+        outcome = None
+        request = ex.request or {}
+        if perturb:
+            try:
+                outcome = await run_profile(profile, ChatRequest(request), ex.seed, st.services, ex.case)
+            except Exception as exc:  # strict profiles raise; the client was served already
+                return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
+            m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
+            request = outcome.request.body
+        twin = Twin(outcome, twin_body(request))
         api = ex.api or CHAT
         # the twin speaks the client's API (a Responses request's twin is a Responses request)
-        wire = twin_body(api.to_wire(outcome.request.body, ex.wire_request or {}, ex.conversion))
+        wire = twin_body(api.to_wire(request, ex.wire_request or {}, ex.conversion))
         t0 = time.perf_counter()
         try:
             resp = await st.upstream.send("POST", st.upstream.api_url(api.path), ex.forward_headers,
@@ -135,7 +157,7 @@ class ShadowRunner:
             twin.error = "upstream answer is not a JSON object"
             return twin
         answer = api.answer_to_internal(answer)
-        if outcome.rewrites_response:
+        if outcome is not None and outcome.rewrites_response:
             answer, twin.restore_failed = restore(outcome, answer)
             m.count_restore_failures(twin.restore_failed)
         twin.answer = answer

@@ -17,6 +17,10 @@ import msgspec
 PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "profiles.toml"
 
 
+#: the `profile` label of the unperturbed (noise) twins' metrics: never a profile's name
+NOISE_PROFILE = "<noise>"
+
+
 class ConfigError(ValueError):
     """A configuration file, environment variable or admin payload that cannot be used."""
 
@@ -38,6 +42,9 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     #: shadow mode: fraction of requests that get a perturbed twin, and how many twins at once
     sample_rate: float = 1.0
     max_concurrent: int = 4
+    #: shadow mode: fraction of requests that also get an unperturbed twin (the noise floor: how often the
+    #: model disagrees with itself), counted under the profile label NOISE_PROFILE; 0 = none
+    noise_rate: float = 0.0
     #: replay may ask for strict: a perturber failure fails the request instead of serving unperturbed
     strict: bool = False
     #: a call to a tool the proxy added (toolkit expansion, catalog padding): "answer" — the proxy tells the
@@ -47,6 +54,8 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be between 0 and 1, got {self.sample_rate}")
+        if not 0.0 <= self.noise_rate <= 1.0:
+            raise ValueError(f"noise_rate must be between 0 and 1, got {self.noise_rate}")
         if self.max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1")
 
@@ -203,7 +212,7 @@ def validate_profiles(profiles: dict[str, ProfileSpec]) -> None:
     from toolquake.perturbers import build
 
     for name, spec in profiles.items():
-        if not name or "/" in name:
+        if not name or "/" in name or name == NOISE_PROFILE:
             raise ConfigError(f"invalid profile name {name!r}")
         if name == "off" and spec.perturbers:
             raise ConfigError("profile 'off' is reserved and has no perturbers")

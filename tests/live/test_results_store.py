@@ -181,6 +181,7 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
         "disagree": 1,
         "rate_exact": 0.5,
         "rate_semantic": 0.75,
+        "rate_disagree": 0.25,
     }
     text = results.format_summary(s)
     assert "| expanded | 4 | 25.0% (-67%) | 0 |" in text
