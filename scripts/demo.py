@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sqlite3
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -23,30 +23,49 @@ sys.path.insert(0, str(ROOT))
 ARMS = "off,shuffled,expanded"
 
 
-def accuracies(db_path: Path) -> dict[str, tuple[float, int]]:
-    db = sqlite3.connect(db_path)
-    try:
-        rows = db.execute("SELECT profile, AVG(valid), COUNT(*) FROM results WHERE status = 'scored' "
-                          "GROUP BY profile").fetchall()
-    finally:
-        db.close()
-    return {p: (float(acc or 0.0), n) for p, acc, n in rows}
+def leaderboard(summary: dict[str, Any]) -> str:
+    """The arms, best first: accuracy with its 95 % Wilson interval, the drop against `off` with its interval,
+    the paired flips and McNemar's exact p (from `toolquake report`'s JSON summary)."""
+    from toolquake.proxy.replay.report import ALPHA, drop_ci, p_text, pct_ci
+
+    arms = sorted(summary["arms"].items(), key=lambda kv: -(kv[1]["accuracy"] or 0.0))
+    head = ("arm", "n", "accuracy [95 % CI]", "drop vs off [95 % CI]", "valid→invalid", "invalid→valid",
+            "McNemar p", f"drop ≠ 0 at {ALPHA}")
+    rows = []
+    for name, arm in arms:
+        cmp = arm.get("paired")
+        rows.append((name, str(arm["n"]), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
+                     "(baseline)" if name == summary["baseline"] else drop_ci(arm["drop_vs_off"],
+                                                                              arm["drop_vs_off_ci"]),
+                     *((str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
+                        "yes" if cmp["significant"] else "no") if cmp else ("–", "–", "–", "–"))))
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in (head, *rows))
 
 
-def meaning(acc: dict[str, tuple[float, int]]) -> str:
-    """One paragraph: what the changes against `off` say."""
-    if "off" not in acc or not acc["off"][0]:
+def meaning(summary: dict[str, Any]) -> str:
+    """One paragraph: what the changes against `off` say, read through the paired test."""
+    from toolquake.proxy.replay.report import ALPHA, drop_ci, p_text
+
+    base = summary["arms"].get(summary["baseline"])
+    if base is None or not base["accuracy"]:
         return "No `off` arm with a non-zero accuracy: nothing to compare the perturbed arms with."
-    base, n = acc["off"]
+    n = base["n"]
     parts = []
-    for arm, (a, _) in acc.items():
-        if arm == "off":
+    for arm, a in summary["arms"].items():
+        cmp = a.get("paired")
+        if arm == summary["baseline"] or not cmp:
             continue
-        change = (a - base) / base
-        within = abs(a - base) * n < 1.5  # one case either way is noise on this sample
-        parts.append(f"`{arm}` {a:.3f} ({change:+.0%}{', within one case: no measurable change' if within else ''})")
-    return (f"What it shows: on the same {n} BFCL `multiple` cases the unperturbed arm (`off`) scores {base:.3f}; "
-            + "; ".join(parts) + ". Every arm asks for the same calls; only the request around them changed — the "
+        verdict = ("a drop distinguishable from zero" if cmp["significant"] and (a["drop_vs_off"] or 0) < 0 else
+                   "a change distinguishable from zero" if cmp["significant"] else
+                   "not distinguishable from no change on this sample")
+        parts.append(f"`{arm}` {a['accuracy']:.3f} ({drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}; "
+                     f"{cmp['valid_to_invalid']} cases lost, {cmp['invalid_to_valid']} gained, McNemar p = "
+                     f"{p_text(cmp['p_value'])}: {verdict} at {ALPHA})")
+    return (f"What it shows: on the same {n} BFCL `multiple` cases the unperturbed arm (`off`) scores "
+            f"{base['accuracy']:.3f}; " + "; ".join(parts) + ". Every arm asks for the same calls; only the request "
+            "around them changed — the "
             "order of the tools (`shuffled`), or three related but wrong tools added next to the right ones "
             "(`expanded`) — so a drop is the model's brittleness, not a harder task, and the relative drop is the "
             "number seed 001's Table 2 reports; the error table says how it fails (a `wrong_function` share that "
@@ -101,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         backend.stop()
         print("demo: backend stopped", flush=True)
 
-    from toolquake.proxy.replay.report import build
+    from toolquake.proxy.replay.report import build, load, summarize
 
     text, _ = build([out / "results"], "md", None, plots=False)
     print()
     print(text)
-    print(meaning(accuracies(Path(summary.path))))
+    numbers = summarize(load([out / "results"]))
+    print("Leaderboard (95 % Wilson intervals; paired against `off` on the same cases, McNemar's exact test):")
+    print(leaderboard(numbers))
+    print()
+    print(meaning(numbers))
     print()
     html, _ = build([out / "results"], "html", None)
     (out / "report.html").write_text(html)

@@ -16,35 +16,17 @@ import pytest
 
 from tests.conftest import recorded
 from tests.fake_upstream import FLAKY_TEXT
-from tests.live.test_shadow import MESSAGES, TOOLS, client, metric, wait_for
+from tests.live.test_shadow import MESSAGES, TOOLS, client, config, metric, wait_for
 from toolquake.proxy.live import results
 from toolquake.scorers.consistency import AGREE_EXACT, DISAGREE
 
 NOISE = "<noise>"
 
 
-def config(db, *, noise_rate: float, sample_rate: float = 1.0) -> str:
-    return f"""
-[server]
-model_allowlist = ["fake-model"]
-
-[profiles.shadow-reversed]
-mode = "shadow"
-sample_rate = {sample_rate}
-noise_rate = {noise_rate}
-max_concurrent = 64
-perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
-
-[scoring]
-store = "{db}"
-store_contents = true
-"""
-
-
 def test_deterministic_model_has_a_zero_noise_floor_and_the_profile_keeps_its_own_count(proxy_factory, fake_upstream,
                                                                                           tmp_path):
     db = tmp_path / "noise.sqlite"
-    proxy = proxy_factory(config(db, noise_rate=1.0))
+    proxy = proxy_factory(config(db, noise_rate=1.0, max_concurrent=64, store_contents=True))
     tag = uuid.uuid4().hex
     n = 6
     c = client(proxy)
@@ -80,7 +62,7 @@ def test_deterministic_model_has_a_zero_noise_floor_and_the_profile_keeps_its_ow
 def test_nondeterministic_model_noise_is_measured_per_twin_and_never_mixed_in(proxy_factory, fake_upstream, tmp_path):
     stats = pytest.importorskip("scipy.stats")
     db = tmp_path / "noise.sqlite"
-    proxy = proxy_factory(config(db, noise_rate=0.6))
+    proxy = proxy_factory(config(db, noise_rate=0.6, max_concurrent=64, store_contents=True))
     tag = uuid.uuid4().hex
     n = 40
     c = client(proxy)

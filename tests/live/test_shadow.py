@@ -62,7 +62,8 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def config(db, *, sample_rate: float = 1.0, max_concurrent: int = 4) -> str:
+def config(db, *, sample_rate: float = 1.0, max_concurrent: int = 4, noise_rate: float = 0.0,
+           store_contents: bool = False) -> str:
     return f"""
 [server]
 model_allowlist = ["fake-model"]
@@ -71,10 +72,12 @@ model_allowlist = ["fake-model"]
 mode = "shadow"
 sample_rate = {sample_rate}
 max_concurrent = {max_concurrent}
+noise_rate = {noise_rate}
 perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
 
 [scoring]
 store = "{db}"
+store_contents = {str(store_contents).lower()}
 """
 
 
