@@ -673,6 +673,11 @@ def headline(summary: dict[str, Any]) -> list[str]:
             continue
         p, a = min(arms, key=lambda pa: pa[1]["drop_vs_off"])
         sig = [q for q, b in arms if b["paired"]["significant"] and b["drop_vs_off"] < 0]
+        if a["drop_vs_off"] >= 0:
+            out.append(f"{model}: no arm scored below `{summary['baseline']}` (the lowest, `{p}`: "
+                       f"{drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}, McNemar p = "
+                       f"{p_text(a['paired']['p_value'])}).")
+            continue
         out.append(f"{model}: `{p}` hurt most ({drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}, McNemar p = "
                    f"{p_text(a['paired']['p_value'])}); {len(sig)} of {len(arms)} arms lower accuracy "
                    f"distinguishably from zero at {ALPHA}" + (f" ({', '.join(sig)})" if sig else "") + ".")
@@ -841,7 +846,7 @@ _CSS = (
     "body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:110em}"
     "table{border-collapse:collapse;margin:1em 0}"
     "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th:first-child,td:first-child,"
-    "td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+    "th:nth-child(2),td:nth-child(2){text-align:left}th{background:#f3f3f3}img{max-width:100%}"
     "nav{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;display:inline-block}nav a{margin-right:1em}"
     "details{margin:.4em 0}summary{cursor:pointer}td code{white-space:pre-wrap;word-break:break-word;"
     "font-size:85%}table.cases td{text-align:left;vertical-align:top;max-width:26em}"

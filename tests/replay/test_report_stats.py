@@ -386,3 +386,36 @@ def test_html_report_in_headless_chromium(replay_dir, tmp_path):
     keep = ROOT / ".pytest_cache" / "report-screenshot.png"  # for a person to look at
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)
+
+
+def test_html_report_with_hundreds_of_flipped_cases_stays_one_filterable_page(tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    n = 600
+    f = ResultsFile(tmp_path / "big" / "replay.sqlite")
+    f.claim("m1", "http://backend/v1")
+    f.register_arms({p: PROFILES[p] for p in ("off", "shuffled")})
+    lost = set()
+    for i in range(n):
+        cid = f"multiple_{i}"
+        f.record(Record(cid, "off", "multiple", "scored", valid=True, answer=_answer(f"call_off_{i}")))
+        broke = i % 3 != 0  # the perturbation breaks two cases in three: 400 flipped
+        if broke:
+            lost.add(cid)
+        f.record(Record(cid, "shuffled", "multiple", "scored", valid=not broke, taxonomy="wrong_function" if broke
+                        else None, answer=_answer(f"call_shuffled_{i}"),
+                        perturbers={"applied": [{"name": "tool_order", "params": {"mode": "shuffle"},
+                                                 "report": REPORTS["tool_order"](i)}], "skipped": [], "failed": []}))
+    f.close()
+    page = tmp_path / "big.html"
+    report(str(tmp_path / "big"), "--format", "html", "--out", str(page))
+    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert _console(r.stderr) == [] and requests == []
+    assert f"{len(lost)} of {len(lost)} flipped cases shown" in r.stdout
+    assert r.stdout.count("data-direction=\"valid_to_invalid\"") == len(lost) == 400
+    assert "<details class=\"arm\">" in r.stdout  # collapsed until asked
+    # filtering by a case id finds exactly that case (multiple_5 also matches multiple_50..59, 500..599)
+    r, _ = _open(browser, tmp_path, page.as_uri() + "#q=multiple_5", "--dump-dom")
+    want = sum(1 for c in lost if c.startswith("multiple_5"))
+    assert f"{want} of {len(lost)} flipped cases shown" in r.stdout

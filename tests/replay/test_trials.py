@@ -119,6 +119,9 @@ def test_trials_send_each_pair_k_times_with_the_trial_seed_and_report_pass_k(ora
     md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--no-plots"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300, check=True).stdout
     assert "## Repeated trials" in md and "| pass^3 |" in md
+    page = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "html", "--no-plots"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "<section id='trials'>" in page and page.index("id='summary'") < page.index("id='trials'")
 
     # a second run with more trials sends only the new ones
     httpx.delete(f"{fake.url}/_fake/requests")
