@@ -257,7 +257,7 @@ class LiveScorer:
         keep_text = self.settings.store_contents
         row = Row(
             request_id=ex.request_id, profile=job.profile, mode=ex.mode, arm=job.arm, model=ex.model,
-            stream=ex.stream and job.arm != "twin", status=job.status,
+            stream=ex.stream and job.arm not in ("twin", "noise"), status=job.status,
             case_id=case.id if case is not None else None,
             category=case.category if case is not None else None,
             resolved_by=None if case is None else ("header" if ex.case_header else "content"),
