@@ -44,6 +44,12 @@ def leaderboard(summary: dict[str, Any]) -> str:
                      for r in (head, *rows))
 
 
+def any_significant(summary: dict[str, Any]) -> bool:
+    """Whether some arm's accuracy fell against the baseline distinguishably from zero (paired test)."""
+    return any((a.get("paired") or {}).get("significant") and (a.get("drop_vs_off") or 0) < 0
+               for a in summary["arms"].values())
+
+
 def meaning(summary: dict[str, Any]) -> str:
     """One paragraph: what the changes against `off` say, read through the paired test."""
     from toolquake.proxy.replay.report import ALPHA, drop_ci, p_text
@@ -70,8 +76,11 @@ def meaning(summary: dict[str, Any]) -> str:
             "(`expanded`) — so a drop is the model's brittleness, not a harder task, and the relative drop is the "
             "number seed 001's Table 2 reports; the error table says how it fails (a `wrong_function` share that "
             "grows under `expanded` means the model called a look-alike instead of the right tool). "
-            f"SmolLM2-135M on a small sample (a case is 1/{n} of the score) shows the pipeline measuring a real "
-            "effect; run more cases (--cases) or a real backend for numbers to quote.")
+            + (f"SmolLM2-135M on a small sample (a case is 1/{n} of the score): "
+               + ("at least one drop is distinguishable from zero here. " if any_significant(summary) else
+                  "the arms differ, but no drop is distinguishable from zero on this sample — the paired test "
+                  "is what tells a real effect from a few cases flipping either way. ")
+               + "Run more cases (--cases) or a real backend for numbers to quote."))
 
 
 def main(argv: list[str] | None = None) -> int:
