@@ -73,9 +73,12 @@ def start_fake_upstream(*extra: str) -> Proc:
 
 def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str, str] | None = None,
                 *extra: str) -> Proc:
-    """Start `toolquake serve` against `upstream_url` (the fake's root URL; /v1 is appended)."""
+    """Start `toolquake serve` against `upstream_url` (the fake's root URL; /v1 is appended); one worker
+    process unless `extra` says `--workers N`."""
     port = free_port()
     args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port)]
+    if "--workers" not in extra:
+        args += ["--workers", "1"]
     if config_text is not None:
         cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
         cfg.write_text(config_text)

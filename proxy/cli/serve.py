@@ -12,28 +12,52 @@ import msgspec
 from toolquake.proxy.cli.common import config_from_args
 from toolquake.proxy.server.config import Config
 
+#: seconds a worker gives its in-flight requests and streams to finish after SIGTERM
+GRACEFUL_S = 5
+
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from toolquake.proxy import live
-    from toolquake.proxy.server import logs
+    from toolquake.proxy.server import logs, workers
     from toolquake.proxy.server.app import create_app
 
     config = config_from_args(args, upstream=args.upstream, host=args.host, port=args.port,
-                              default_profile=args.default_profile, token_counter=args.token_counter)
+                              default_profile=args.default_profile, token_counter=args.token_counter,
+                              workers=args.workers)
     config = apply_cli(config, corpus=args.corpus, no_scoring=args.no_scoring, results_db=args.results_db,
                        store_contents=args.store_contents, no_content_match=args.no_content_match)
     server = config.server
-    logs.configure(server.log_level)
+    n = server.workers or workers.default_workers()
+    logs.configure(server.log_level, worker_pid=n > 1)
     if server.default_profile != "off" and server.default_profile not in config.profiles:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
-    app = create_app(config, admin_token=os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None, extensions=[live.attach])
-    uvicorn.run(app, host=server.host, port=server.port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, timeout_graceful_shutdown=5, server_header=False,
-                timeout_keep_alive=int(server.keep_alive_timeout), proxy_headers=False)
-    return 0
+    admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
+
+    def uvicorn_config(app: Any) -> uvicorn.Config:
+        return uvicorn.Config(app, host=server.host, port=server.port, loop="uvloop", http="httptools",
+                              log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
+                              server_header=False, timeout_keep_alive=int(server.keep_alive_timeout),
+                              proxy_headers=False)
+
+    if n == 1:
+        app = create_app(config, admin_token=admin_token, extensions=[live.attach])
+        uvicorn.Server(uvicorn_config(app)).run()
+        return 0
+    try:
+        sock = workers.listen(server.host, server.port)
+    except OSError as exc:
+        sys.exit(f"toolquake: cannot listen on {server.host}:{server.port}: {exc}")
+    runtime = workers.Runtime.create()
+    workers.use_multiprocess_metrics(runtime.metrics)
+
+    def run_worker() -> None:  # in each forked worker: its own app, event loop and upstream pool
+        app = create_app(config, admin_token=admin_token, extensions=[live.attach], shared=runtime.root)
+        uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+
+    return workers.supervise(n, sock, run_worker, runtime, grace_s=GRACEFUL_S + 5)
 
 
 def apply_cli(config: Config, *, corpus: str | None = None, no_scoring: bool = False, results_db: str | None = None,
@@ -61,6 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "(env TOOLQUAKE_UPSTREAM; default from the config file)")
     serve.add_argument("--host", help="address to listen on (env TOOLQUAKE_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (env TOOLQUAKE_PORT; default 8080)")
+    serve.add_argument("--workers", type=int, metavar="N", help="worker processes sharing the port (env "
+                       "TOOLQUAKE_WORKERS, [server] workers; default: one per CPU this process may use). Metrics "
+                       "are summed over the workers and admin-API profile changes reach all of them; "
+                       "1 for a sidecar")
     serve.add_argument("--config", help="TOML config file with [server] and [profiles.*] (env TOOLQUAKE_CONFIG; "
                        "default: the packaged example profiles)")
     serve.add_argument("--default-profile", help="profile for requests that name none (env "

@@ -20,7 +20,8 @@ class ScoringMetrics:
         self.consistency = Counter("toolquake_consistency", "Shadow twins compared with the original answer: "
                                    "agree = true (same calls), semantic (equivalent arguments), false.",
                                    ["profile", "model", "agree"], registry=r)
-        self.queue_depth = Gauge("toolquake_scoring_queue_depth", "Jobs waiting in the scoring queue.", registry=r)
+        self.queue_depth = Gauge("toolquake_scoring_queue_depth", "Jobs waiting in the scoring queue.", registry=r,
+                                 multiprocess_mode="livesum")
         self.dropped = Counter("toolquake_scoring_dropped", "Jobs dropped because the scoring queue was full.",
                                ["profile"], registry=r)
         self.skipped = Counter("toolquake_scoring_skipped", "Answers not scored, by reason (unlabeled, followup, "
@@ -36,4 +37,5 @@ class ScoringMetrics:
         self.store_errors = Counter("toolquake_results_store_errors", "Rows the results store could not write.",
                                     registry=r)
         self.corpus_cases = Gauge("toolquake_corpus_cases", "BFCL cases available for content matching "
-                                  "(0 until the index is loaded).", registry=r)
+                                  "(0 until the index is loaded).", registry=r,
+                                  multiprocess_mode="max")  # every worker loads the same index

@@ -117,7 +117,7 @@ class LiveScorer:
         #: the semantic scorer's string equivalence (normal forms; embeddings when the extra is installed)
         self.strings = _semantic_strings() if settings.semantic else None
         self.queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=settings.queue_size)
-        self.metrics.queue_depth.set_function(self.queue.qsize)
+        st.metrics.add_refresher(lambda: self.metrics.queue_depth.set(self.queue.qsize()))
         self.shadow = ShadowRunner(st, self.metrics.shadow, self._twin_done)
         self.workers: list[asyncio.Task] = []
 

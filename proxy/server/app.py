@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import structlog
@@ -21,9 +22,10 @@ from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
 from toolquake.proxy.server.config import Config
 from toolquake.proxy.server.errors import error_body
-from toolquake.proxy.server.metrics import Metrics
+from toolquake.proxy.server.lean import LeanPath
+from toolquake.proxy.server.metrics import REFRESH_S, Metrics
 from toolquake.proxy.server.passthrough import Passthrough
-from toolquake.proxy.server.profiles import Profile, ProfileStore
+from toolquake.proxy.server.profiles import Profile, ProfileStore, SharedProfiles
 from toolquake.proxy.server.state import ProxyState
 from toolquake.proxy.server.upstream import UpstreamError, make_upstream
 
@@ -58,18 +60,19 @@ def _loop_tasks() -> int:
 
 
 def create_app(config: Config, *, admin_token: str | None = None, services: Services | None = None,
-               extensions: Iterable[Extension] = ()) -> Litestar:
+               extensions: Iterable[Extension] = (), shared: Path | None = None) -> Litestar:
     """Build the Litestar app; each extension (e.g. `toolquake.proxy.live.attach`) is called with the new
-    app and its state, in order, before the app is returned."""
+    app and its state, in order, before the app is returned. `shared`: the directory the workers of one
+    server share (`workers.Runtime`), None for a single process."""
     from toolquake.perturbers.helpers.tokens import make_counter
 
     server = config.server
     st = ProxyState(
         config=config,
-        profiles=ProfileStore(config.profiles),
+        profiles=ProfileStore(config.profiles, SharedProfiles(shared / "profiles") if shared else None),
         upstream=make_upstream(server.upstream, client=server.upstream_client, connect_timeout=server.connect_timeout,
                                read_timeout=server.read_timeout, max_connections=server.max_connections),
-        metrics=Metrics(server.model_allowlist),
+        metrics=Metrics(server.model_allowlist, multiprocess=shared is not None),
         services=services or Services(token_counter=make_counter(server.token_counter, server.upstream)),
         admin_token=admin_token,
     )
@@ -146,23 +149,33 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         return Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
                                            "internal_error"), status_code=500, media_type=JSON)
 
-    warmers: set[asyncio.Task] = set()
+    background: set[asyncio.Task] = set()
 
     def warm(profiles: list[Profile]) -> None:
         """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
         if not server.warm_up:
             return
         task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles))
-        warmers.add(task)
-        task.add_done_callback(warmers.discard)
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     st.warm = warm
+    st.profiles.on_new = warm
+
+    async def refresh_gauges() -> None:  # several workers: each keeps its share of the process gauges current
+        while True:
+            st.metrics.refresh()
+            await asyncio.sleep(REFRESH_S)
 
     async def startup() -> None:
         warm([st.profiles.get(n) for n in st.profiles.names()])
+        if st.metrics.multiprocess:
+            task = asyncio.get_running_loop().create_task(refresh_gauges())
+            background.add(task)
+            task.add_done_callback(background.discard)
 
     async def shutdown() -> None:
-        for task in list(warmers):
+        for task in list(background):
             task.cancel()
         await st.upstream.aclose()
 
@@ -180,4 +193,8 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     app.state.proxy = st
     for extension in extensions:
         extension(app, st)
+    # requests nothing perturbs or observes skip the framework (proxy/server/lean.py)
+    if server.lean_path:
+        app.asgi_handler = LeanPath(st, {f"/v1/{CHAT.path}": chat_handler, f"/v1/{RESPONSES.path}": responses_handler},
+                                    app.asgi_handler)
     return app

@@ -9,9 +9,9 @@ chat-shaped form and back.
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 import structlog
@@ -20,7 +20,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from toolquake.perturbers import ChatRequest
-from toolquake.proxy.server import responses, streaming
+from toolquake.proxy.server import logs, responses, streaming
 from toolquake.proxy.server.apis import CHAT, Api
 from toolquake.proxy.server.errors import ProxyError, error_body
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
@@ -35,11 +35,18 @@ MAX_INJECTED_ROUNDS = 3
 UNAVAILABLE = ("Error: the tool {name!r} is not available. Do not call it again; use the other tools, "
                "or answer without it.")
 _decode = msgspec.json.decode
+#: valid JSON whose top level is an object (values checked, not built)
+_check_object = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.encode
 
 
 def client_headers(request: Request) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+
+
+def new_request_id() -> str:
+    """16 hex digits, unique enough to find one request in the logs (not a secret)."""
+    return f"{random.getrandbits(64):016x}"
 
 
 def header(headers: list[tuple[str, str]], name: str) -> str | None:
@@ -101,13 +108,17 @@ class ChatHandler:
         self.api = api
 
     async def __call__(self, request: Request, profile_name: str | None) -> Response:
+        return await self.handle(client_headers(request), request.body, profile_name)
+
+    async def handle(self, headers: list[tuple[str, str]], read_body: Callable[[], Awaitable[bytes]],
+                     profile_name: str | None) -> Response:
+        """Serve one request (its headers, and how to read its body); the framework's or the lean path's."""
         st = self.st
-        ctx = RequestContext(request_id=uuid.uuid4().hex[:16], t0=time.perf_counter(), api=self.api)
-        headers = client_headers(request)
+        ctx = RequestContext(request_id=new_request_id(), t0=time.perf_counter(), api=self.api)
         st.metrics.in_flight.inc()
         streamed = False  # a streamed answer finishes (and leaves in_flight) in its background task
         try:
-            raw = await request.body()
+            raw = await read_body()
             try:
                 req = self.api.decoder.decode(raw)
             except msgspec.ValidationError as exc:
@@ -153,8 +164,9 @@ class ChatHandler:
                     ctx.case = st.case_resolver(ctx.case_header, chat)
                 except Exception as exc:  # fail-open: an unknown case never breaks the request
                     log.warning("case_resolution_failed", error_type=type(exc).__name__)
-        ctx.seed = seed_for(header(headers, "x-toolquake-seed"), raw,
-                            conversation=header(headers, "x-toolquake-conversation"), request=chat)
+        if perturbing or ctx.observed:  # nobody else reads the seed
+            ctx.seed = seed_for(header(headers, "x-toolquake-seed"), raw,
+                                conversation=header(headers, "x-toolquake-conversation"), request=chat)
         if perturbing and chat is not None:
             try:
                 ctx.outcome = await run_profile(profile, chat, ctx.seed, st.services, ctx.case)
@@ -429,16 +441,20 @@ class ChatHandler:
         ctx.status = upstream.status_code
         resp_headers = response_headers(upstream.headers)
         if 200 <= ctx.status < 300:
-            # a 2xx answer to a model request is a JSON object; anything else is the backend's bug, said as one
+            # a 2xx answer to a model request is a JSON object; anything else is the backend's bug, said as one.
+            # When nobody reads the answer it is only checked (its values validated, not built)
+            reads = ctx.observed or self._rewrites(ctx) or (ctx.outcome is not None and ctx.outcome.injected)
             try:
-                parsed = _decode(data)
+                parsed = _decode(data) if reads else _check_object(data)
+            except msgspec.ValidationError:
+                parsed = None
             except msgspec.DecodeError:
                 st.metrics.upstream_errors.labels("invalid_response").inc()
                 raise bad_upstream_answer("a body that is not JSON" if data.strip() else "an empty body") from None
             if not isinstance(parsed, dict):
                 st.metrics.upstream_errors.labels("invalid_response").inc()
                 raise bad_upstream_answer("JSON that is not an object")
-            if ctx.observed or self._rewrites(ctx) or (ctx.outcome is not None and ctx.outcome.injected):
+            if reads:
                 sent = await self._finish_answer(ctx, parsed)
                 if sent is not parsed:
                     data = _encode(sent)
@@ -578,7 +594,7 @@ class ChatHandler:
         if st.config.server.log_contents and ctx.request is not None:
             event["messages"] = ctx.request.get("messages")
             event["answer"] = ctx.response
-        log.info("request", **event)
+        logs.info(log, "request", event)
         if observe and ctx.observed and ctx.request is not None:
             for observer in st.observers:
                 try:

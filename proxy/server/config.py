@@ -88,12 +88,19 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: extra modules to import at start-up; they register their own perturbers with @register
     plugins: list[str] = []
+    #: serve requests that nothing perturbs or observes ahead of the framework (proxy/server/lean.py);
+    #: false sends every request through the framework (kept for comparison, see docs/benchmarks.md)
+    lean_path: bool = True
+    #: worker processes sharing the port (`toolquake serve --workers`); 0 = one per CPU this process may use
+    workers: int = 0
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
             raise ValueError(f"upstream must be an http(s) URL, got {self.upstream!r}")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
+        if self.workers < 0:
+            raise ValueError("workers must be 0 (one per CPU) or more")
 
 
 class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -141,6 +148,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_PLUGINS": ("plugins", list),
     "TOOLQUAKE_WARM_UP": ("warm_up", bool),
     "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
+    "TOOLQUAKE_WORKERS": ("workers", int),
 }
 
 

@@ -1,9 +1,17 @@
-"""Structured JSON logs (structlog): one line per request, never a secret."""
+"""Structured JSON logs (structlog): one line per request, never a secret.
+
+`info(logger, event, fields)` writes the per-request line: once `configure` ran, it renders the line
+itself (the same keys, order and redaction as the structlog chain, at a fraction of the cost); before,
+it goes through structlog.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from datetime import datetime, timezone
+from typing import Any
 
 import msgspec
 import structlog
@@ -24,9 +32,41 @@ def _dumps(event: dict, **_: object) -> str:
     return msgspec.json.encode(event, enc_hook=str).decode()
 
 
-def configure(level: str = "info", stream=None) -> None:
+_direct: dict[str, Any] = {}  # set by configure(): the stream, whether info is on, whether to name the worker
+_encoder = msgspec.json.Encoder(enc_hook=str)
+
+
+def info(logger: Any, event: str, fields: dict[str, Any]) -> None:
+    """One info line; `fields` is consumed."""
+    if not _direct:
+        logger.info(event, **fields)
+        return
+    if not _direct["info"]:
+        return
+    fields["event"] = event
+    if _direct["worker"]:
+        fields["worker"] = os.getpid()
+    fields["level"] = "info"
+    fields["timestamp"] = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    if not SECRET_KEYS.isdisjoint(k.lower() for k in fields):
+        _redact(None, None, fields)
+    stream = _direct["stream"]
+    stream.write(_encoder.encode(fields).decode() + "\n")
+    stream.flush()
+
+
+def _worker(_logger, _name, event: dict) -> dict:
+    event["worker"] = os.getpid()
+    return event
+
+
+def configure(level: str = "info", stream=None, *, worker_pid: bool = False) -> None:
+    """`worker_pid`: every line names the process that wrote it (`"worker": pid`; several workers)."""
+    _direct.update(stream=stream or sys.stderr, info=logging.INFO >= getattr(logging, level.upper()),
+                   worker=worker_pid)
     structlog.configure(
         processors=[
+            *([_worker] if worker_pid else []),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _redact,

@@ -1,11 +1,19 @@
-"""Prometheus metrics. Names are prefixed `toolquake_`; labels stay low-cardinality."""
+"""Prometheus metrics. Names are prefixed `toolquake_`; labels stay low-cardinality.
+
+With several workers (`multiprocess=True`) every value lives in prometheus-client's per-process files
+and `/metrics` on any worker reports all of them: counters and histograms summed, gauges by their
+`multiprocess_mode` (`livesum`: the sum over the workers alive now; `max` where every worker holds
+the same number). Gauges read from the process (upstream pool, event-loop tasks, the scoring queue)
+are set by `refresh()`: at each scrape, and with several workers every `REFRESH_S` in each worker.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.pipeline import Outcome
@@ -16,6 +24,9 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025,
                     0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 # tokens a perturber added to a request (budgets of the lengthening perturbers go to 120K)
+#: seconds between refreshes of the process gauges in each worker (several workers only)
+REFRESH_S = 0.25
+log = structlog.get_logger("toolquake.proxy")
 TOKEN_BUCKETS = (0, 10, 100, 1000, 5000, 10000, 20000, 40000, 80000, 120000, 250000)
 
 
@@ -24,8 +35,10 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_allowlist: list[str] | None = None) -> None:
+    def __init__(self, model_allowlist: list[str] | None = None, *, multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.multiprocess = multiprocess
+        self._refreshers: list[Callable[[], None]] = []
         self.models = frozenset(model_allowlist or [])
         r = self.registry
         self.requests = Counter("toolquake_requests",
@@ -55,14 +68,37 @@ class Metrics:
         self.injected_calls = Counter("toolquake_injected_tool_calls",
                                       "Calls the model made to tools the proxy added (not the client's), by profile "
                                       "and the perturber that added the tool.", ["profile", "perturber"], registry=r)
-        self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r)
+        self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r,
+                               multiprocess_mode="livesum")
+        self.upstream_connections = Gauge("toolquake_upstream_connections", "Connections in the upstream pool, by "
+                                          "state (active = serving a request).", ["state"], registry=r,
+                                          multiprocess_mode="livesum")
+        self.loop_tasks = Gauge("toolquake_event_loop_tasks", "asyncio tasks alive in the proxy's event loop(s).",
+                                registry=r, multiprocess_mode="livesum")
         self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
                                       "(non-negative reports only), by the token counter that measured them.",
                                       ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
 
     def watch_runtime(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
-        """Gauges read at scrape time: upstream pool connections by state, and event-loop tasks."""
-        self.registry.register(_RuntimeCollector(pool_states, tasks))
+        """Gauges read from the process: upstream pool connections by state, and event-loop tasks."""
+
+        def refresh() -> None:
+            for state, n in pool_states().items():
+                self.upstream_connections.labels(state).set(n)
+            self.loop_tasks.set(tasks())
+
+        self.add_refresher(refresh)
+
+    def add_refresher(self, fn: Callable[[], None]) -> None:
+        """`fn` sets gauges from the process's state; called by `refresh()`."""
+        self._refreshers.append(fn)
+
+    def refresh(self) -> None:
+        for fn in self._refreshers:
+            try:
+                fn()
+            except Exception as exc:  # a gauge left stale never breaks a scrape
+                log.warning("metrics_refresh_failed", error_type=type(exc).__name__)
 
     def count_outcome(self, outcome: Outcome, counter: str) -> None:
         """The one place perturbation metrics are counted: steps applied (with the tokens each added, as
@@ -85,23 +121,10 @@ class Metrics:
         return model if model in self.models else "other"
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        self.refresh()
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker)
+        return generate_latest(every_worker)
 
-
-class _RuntimeCollector:
-    def __init__(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
-        self.pool_states = pool_states
-        self.tasks = tasks
-
-    def collect(self):
-        conns = GaugeMetricFamily("toolquake_upstream_connections",
-                                  "Connections in the upstream pool, by state (active = serving a request).",
-                                  labels=["state"])
-        for state, n in self.pool_states().items():
-            conns.add_metric([state], n)
-        yield conns
-        yield GaugeMetricFamily("toolquake_event_loop_tasks", "asyncio tasks alive in the proxy's event loop.",
-                                value=self.tasks())
-
-    def describe(self):
-        return []

@@ -1,8 +1,14 @@
-"""Proxy overhead, side by side in one run: direct to the fake upstream vs through toolquake vs
-through the LiteLLM proxy (installed in its own virtualenv under the cache dir, one worker, same
-fake upstream).
+"""Proxy overhead, side by side in one run: direct to the fake upstream vs through toolquake with one
+worker and with N (`--workers`, default: the CPUs this process may use) vs through the LiteLLM proxy
+(installed in its own virtualenv under the cache dir, one worker, same fake upstream).
 
-    python -m tests.bench.proxy_overhead [--seconds 5] [--rounds 3] [--no-litellm] [--out bench-results]
+    python -m tests.bench.proxy_overhead [--seconds 5] [--rounds 3] [--workers N] [--no-litellm] [--out bench-results]
+
+CPU time per request is read from the proxy's own counters (/proc/<pid>/stat utime + stime of the
+supervisor and every worker, before and after a load round, divided by the requests wrk completed),
+for passthrough, streaming and a perturbing profile (`shuffled`). The goals of issue #21 are checked
+at the end; where one is missed, and py-spy is installed, a sampled profile of the one-worker proxy
+under passthrough load says which packages the CPU time went to.
 
 Non-stream ~1 KB chat-completions requests at concurrency 1, 64 and 256, measured with `wrk --latency`
 (C, HDR histogram: real percentiles) when it is installed (Debian package `wrk`), else with the
@@ -25,6 +31,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +61,12 @@ LITELLM_KEY = "sk-bench-master-key"
 AUTH = {"authorization": f"Bearer {LITELLM_KEY}"}
 
 
-def run_wrk(url: str, conns: int, seconds: float) -> dict:
+def run_wrk(url: str, conns: int, seconds: float, path: str = "/v1/chat/completions",
+            payload: bytes = PAYLOAD) -> dict:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "{AUTH["authorization"]}"\n'
-                      f"wrk.body = [[{PAYLOAD.decode()}]]\n")
+                      f"wrk.body = [[{payload.decode()}]]\n")
     out = subprocess.run(
         [
             "wrk",
@@ -73,7 +81,7 @@ def run_wrk(url: str, conns: int, seconds: float) -> dict:
             "--latency",
             "-s",
             str(script),
-            f"{url}/v1/chat/completions",
+            f"{url}{path}",
         ],
         capture_output=True,
         text=True,
@@ -85,8 +93,10 @@ def run_wrk(url: str, conns: int, seconds: float) -> dict:
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     socket_errors = re.search(r"Socket errors: (.*)", out)
+    done = re.search(r"(\d+) requests in", out)
     return {
         "rps": rps,
+        "requests": int(done.group(1)) if done else 0,
         "p50_ms": pct["50"],
         "p99_ms": pct["99"],
         "non2xx": int(errors.group(1)) if errors else 0,
@@ -94,7 +104,8 @@ def run_wrk(url: str, conns: int, seconds: float) -> dict:
     }
 
 
-def run_asyncio(url: str, conns: int, seconds: float) -> dict:
+def run_asyncio(url: str, conns: int, seconds: float, path: str = "/v1/chat/completions",
+                payload: bytes = PAYLOAD) -> dict:
     async def main() -> dict:
         lat: list[float] = []
         bad = 0
@@ -107,8 +118,8 @@ def run_asyncio(url: str, conns: int, seconds: float) -> dict:
                 while time.perf_counter() < end:
                     t = time.perf_counter()
                     r = await client.post(
-                        f"{url}/v1/chat/completions",
-                        content=PAYLOAD,
+                        f"{url}{path}",
+                        content=payload,
                         headers={"content-type": "application/json", **AUTH},
                     )
                     lat.append((time.perf_counter() - t) * 1000)
@@ -118,7 +129,8 @@ def run_asyncio(url: str, conns: int, seconds: float) -> dict:
             await asyncio.gather(*(worker() for _ in range(conns)))
             elapsed = time.perf_counter() - t0
         q = statistics.quantiles(lat, n=100)
-        return {"rps": len(lat) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "non2xx": bad, "socket_errors": ""}
+        return {"rps": len(lat) / elapsed, "requests": len(lat), "p50_ms": q[49], "p99_ms": q[98], "non2xx": bad,
+                "socket_errors": ""}
 
     return asyncio.run(main())
 
@@ -184,6 +196,68 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def proc_tree(pid: int) -> list[int]:
+    """The proxy's supervisor and its workers (one level of children is all `toolquake serve` has)."""
+    pids = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        pass
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of these processes, from their own /proc counters."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(url: str, pids: list[int], conns: int, seconds: float, load, **kw) -> dict:
+    """One load round; the proxy's CPU time per completed request, in ms."""
+    c0 = cpu_seconds(pids)
+    r = load(url, conns, seconds, **kw)
+    used = cpu_seconds(pids) - c0
+    r["cpu_ms_per_request"] = used / r["requests"] * 1000 if r["requests"] else float("nan")
+    return r
+
+
+OURS = ("proxy", "perturbers", "scorers", "bfcl", "toolquake")
+
+
+def where_time_goes(pid: int, url: str, conns: int, seconds: float, load) -> dict[str, float] | None:
+    """py-spy samples of `pid` under passthrough load: the share of CPU samples by package (leaf frame)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return None
+    out = Path(tempfile.mkstemp(suffix=".txt")[1])
+    rec = subprocess.Popen([spy, "record", "-p", str(pid), "-o", str(out), "-f", "raw", "-r", "250",
+                            "-d", str(max(1, round(seconds))), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    load(url, conns, seconds)
+    rec.wait(60)
+    shares: dict[str, int] = {}
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        leaf = re.search(r"\((.*?):\d+\)$", stack.split(";")[-1])
+        # py-spy names files relative to their sys.path entry: "aiohttp/client.py", "proxy/server/chat.py"
+        where = leaf.group(1).split("site-packages/")[-1] if leaf else "?"
+        top = where.split("/")[0].removesuffix(".py")
+        key = f"toolquake {where}" if top in OURS else top
+        shares[key] = shares.get(key, 0) + int(n)
+        total += int(n)
+    return {k: v / total for k, v in sorted(shares.items(), key=lambda kv: -kv[1])} if total else None
+
+
 def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
     """LiteLLM's proxy in its own virtualenv (created once under the cache dir), one worker."""
     from tests.conftest import free_port
@@ -247,25 +321,42 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=100, help="sequential streams per arm (default 100)")
     ap.add_argument("--concurrent-streams", type=int, default=1000, help="streams opened at once (default 1000)")
     ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
+    ap.add_argument("--workers", type=int, default=0, help="workers of the N-worker toolquake arm (default: the "
+                    "CPUs this process may use)")
     ap.add_argument("--tool", choices=["auto", "wrk", "asyncio"], default="auto")
     ap.add_argument("--out", default="bench-results", help="directory for JSON + Markdown results")
     args = ap.parse_args()
     tool = args.tool if args.tool != "auto" else ("wrk" if shutil.which("wrk") else "asyncio")
     load = run_wrk if tool == "wrk" else run_asyncio
 
+    from toolquake.proxy.server.workers import default_workers
+
+    n_workers = args.workers or default_workers()
     fake = start_fake_upstream()
-    proxy = start_proxy(fake.url, "[scoring]\nenabled = false\n")
-    arms = {"direct": fake.url, "toolquake": proxy.url}
+    config = ("[scoring]\nenabled = false\n[profiles.shuffled]\nmode = 'perturb'\n"
+              "perturbers = [{ name = 'tool_order' }]\n")
+    proxy = start_proxy(fake.url, config)
+    proxy_n = start_proxy(fake.url, config, None, "--workers", str(n_workers))
+    many = f"toolquake x{n_workers}"
+    arms = {"direct": fake.url, "toolquake": proxy.url, many: proxy_n.url}
+    pids = {"toolquake": proc_tree(proxy.popen.pid), many: proc_tree(proxy_n.popen.pid)}
     litellm = None if args.no_litellm else start_litellm(fake.url)
     if litellm:
         arms["litellm"] = litellm[1]
     results: dict = {
         "tool": tool,
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "load_average_at_start": os.getloadavg(),
         "arms": list(arms),
+        "workers": n_workers,
         "load": {},
+        "cpu": {},
         "streams": {},
     }
+    stream_payload = json.dumps({**BODY, "stream": True}).encode()
+    workloads = {"passthrough": ("/v1/chat/completions", PAYLOAD),
+                 "streaming": ("/v1/chat/completions", stream_payload),
+                 "perturbing (shuffled)": ("/p/shuffled/v1/chat/completions", PAYLOAD)}
     try:
         for url in arms.values():  # warm every arm
             run_asyncio(url, 4, 1.0)
@@ -273,7 +364,10 @@ def main() -> None:
             rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
             for _ in range(args.rounds):
                 for arm, url in arms.items():
-                    rounds[arm].append(load(url, conns, args.seconds))
+                    if arm in pids:
+                        rounds[arm].append(cpu_per_request(url, pids[arm], conns, args.seconds, load))
+                    else:
+                        rounds[arm].append(load(url, conns, args.seconds))
             med = {
                 arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
                 for arm, rs in rounds.items()
@@ -295,9 +389,24 @@ def main() -> None:
                     med["toolquake"]["rps"] / med["litellm"]["rps"] if med["litellm"]["rps"] else float("inf")
                 )
             results["load"][conns] = entry
+        for name, (path, payload) in workloads.items():  # CPU per request at 64 connections
+            results["cpu"][name] = {}
+            for arm in pids:
+                rs = [cpu_per_request(arms[arm], pids[arm], 64, args.seconds, load, path=path, payload=payload)
+                      for _ in range(args.rounds)]
+                results["cpu"][name][arm] = {
+                    "cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in rs),
+                    "rps": statistics.median(r["rps"] for r in rs),
+                    "non2xx": sum(r["non2xx"] for r in rs),
+                }
         for arm, url in arms.items():
             results["streams"][arm] = stream_timings(url, args.streams, 5)
         results["rss_mb"] = {"toolquake_passthrough": rss_mb(proxy.popen.pid)}
+        for i, pid in enumerate(pids[many][1:]):
+            results["rss_mb"][f"{many} worker {i + 1}"] = rss_mb(pid)
+        cpu_pass = results["cpu"]["passthrough"]["toolquake"]["cpu_ms_per_request"]
+        if cpu_pass > 0.2:
+            results["where_time_goes"] = where_time_goes(proxy.popen.pid, proxy.url, 64, args.seconds, load)
         if litellm:
             results["rss_mb"]["litellm"] = rss_mb(litellm[0].pid)
         results["concurrent_streams"] = concurrent_streams(proxy.url, args.concurrent_streams)
@@ -309,6 +418,7 @@ def main() -> None:
         )
     finally:
         proxy.stop()
+        proxy_n.stop()
         if litellm:
             litellm[0].terminate()
             litellm[0].wait(20)
@@ -356,6 +466,11 @@ def main() -> None:
     ]
     for arm, s in results["streams"].items():
         lines.append(f"| {arm} | {s['ttfb_p50_ms']:.2f} ms | {s['ttfb_p99_ms']:.2f} ms | {s['gap_median_ms']:.2f} ms |")
+    lines += ["", f"| proxy CPU per request (64 connections, medians of {args.rounds} rounds) | "
+              + " | ".join(pids) + " |", "|---|" + "---:|" * len(pids)]
+    for name, by_arm in results["cpu"].items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{v['cpu_ms_per_request']:.3f} ms ({v['rps']:.0f} req/s)" for v in by_arm.values()) + " |")
     cs = results["concurrent_streams"]
     lines += [
         "",
@@ -364,12 +479,50 @@ def main() -> None:
         "",
         "RSS: " + ", ".join(f"{k} {v:.0f} MB" if v else f"{k} n/a" for k, v in results["rss_mb"].items()) + ".",
     ]
+    lines += ["", *goals(results, many)]
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "proxy_overhead.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "proxy_overhead.md").write_text(text + "\n")
+
+
+def goals(results: dict, many: str) -> list[str]:
+    """Issue #21's goals, each met or missed, with what the time went to where one is missed."""
+    load, cpu, streams, rss = results["load"], results["cpu"], results["streams"], results["rss_mb"]
+    out = [f"Goals (issue #21; load average {results['load_average_at_start'][0]:.1f} at the start: "
+           "on a shared machine compare ratios, not absolute figures):", ""]
+
+    def say(ok: bool, text: str) -> None:
+        out.append(f"* {'met' if ok else 'MISSED'}: {text}")
+
+    c = cpu["passthrough"]["toolquake"]["cpu_ms_per_request"]
+    say(c <= 0.2, f"passthrough CPU per request {c:.3f} ms (goal <= 0.2 ms)")
+    if 1 in load and "toolquake" in load[1]:
+        a = load[1]["toolquake"]["added_p50_ms"]
+        say(a <= 0.5, f"added p50 at one connection {a:+.3f} ms (goal <= 0.5 ms)")
+    if 64 in load and "toolquake" in load[64]:
+        r = load[64]["toolquake"]["throughput_vs_direct"]
+        say(r >= 0.3, f"one worker at 64 connections: {r:.2f} of direct (goal >= 0.30)")
+        grow = load[64]["median"][many]["rps"] / load[64]["median"]["toolquake"]["rps"]
+        say(grow > 1.0, f"{many} / one worker at 64 connections: {grow:.2f}x (goal: grows with workers where "
+            "cores allow; the load tool and the upstream share the same cores here)")
+    ttfb = streams["toolquake"]["ttfb_p50_ms"] - streams["direct"]["ttfb_p50_ms"]
+    say(ttfb <= 1.0, f"stream time to first byte {ttfb:+.2f} ms over direct (goal <= +1 ms)")
+    gap = streams["toolquake"]["gap_median_ms"] - streams["direct"]["gap_median_ms"]
+    say(abs(gap) <= 0.5, f"median inter-chunk gap {gap:+.2f} ms vs direct (goal: unchanged)")
+    per_worker = [v for k, v in rss.items() if k == "toolquake_passthrough" or k.startswith(f"{many} worker")]
+    say(max(per_worker) <= 120, f"RSS per worker after the load: {', '.join(f'{v:.0f}' for v in per_worker)} MB "
+        "(goal <= 120 MB)")
+    if results.get("where_time_goes"):
+        out += ["", "Where the passthrough CPU time went (py-spy samples of the one-worker proxy at 64 "
+                "connections, by the package of the innermost frame):", ""]
+        for pkg, share in list(results["where_time_goes"].items())[:12]:
+            out.append(f"* {share * 100:5.1f} %  {pkg}")
+    elif c > 0.2:
+        out.append("(install py-spy to see where the CPU time went)")
+    return out
 
 
 if __name__ == "__main__":

@@ -328,6 +328,23 @@ def test_sidecar_is_a_native_sidecar_that_the_agent_reaches_on_loopback() -> Non
     assert ("ConfigMap", "toolquake-profiles") in objects
 
 
+def test_worker_processes_are_set_for_the_sidecar_and_the_shared_proxy() -> None:
+    """`toolquake serve` defaults to one worker per CPU, which in a pod without a CPU limit is the node's
+    count: the sidecar runs one (its cost is paid on every pod), the shared proxy a fixed number."""
+    from toolquake.proxy.server.config import load_config
+
+    sidecar_spec = pod_spec(objects_by_key(K8S / "overlays" / "sidecar")["Deployment", "agent"])
+    (sidecar,) = [c for c in sidecar_spec["initContainers"] if c["name"] == "toolquake"]
+    (shared,) = pod_spec(objects_by_key(K8S / "base")["Deployment", "toolquake"])["containers"]
+    for container, expected in ((sidecar, 1), (shared, None)):
+        env = env_of(container)
+        assert "TOOLQUAKE_WORKERS" in env, container["name"]
+        workers = load_config(None, env={"TOOLQUAKE_WORKERS": env["TOOLQUAKE_WORKERS"]}).server.workers
+        assert workers >= 1
+        if expected is not None:
+            assert workers == expected
+
+
 def test_podmonitor_scrapes_the_sidecar_metrics_port() -> None:
     objects = objects_by_key(K8S / "overlays" / "sidecar")
     monitor = objects["PodMonitor", "toolquake"]

@@ -135,11 +135,12 @@ def raw_bodies(draw) -> bytes:
     return data
 
 
-@pytest.fixture(scope="module")
-def fuzz_proxy(fake_upstream):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
+def fuzz_proxy(fake_upstream, request):
     from tests.conftest import start_proxy
 
-    proc = start_proxy(fake_upstream.url, None, {"TOOLQUAKE_MAX_BODY_BYTES": str(4 * 1024 * 1024)})
+    proc = start_proxy(fake_upstream.url, None, {"TOOLQUAKE_MAX_BODY_BYTES": str(4 * 1024 * 1024)},
+                       "--workers", str(request.param))
     yield proc
     proc.stop()
 

@@ -15,13 +15,16 @@ from tests.server.test_proxy_core import body, metric_value
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
 
-@pytest.fixture(scope="module", params=["aiohttp", "httpx"])
+@pytest.fixture(scope="module", params=[("aiohttp", 1), ("httpx", 1), ("aiohttp", 2)],
+                ids=["aiohttp", "httpx", "aiohttp-2workers"])
 def proxy_1s(fake_upstream, request):
-    """The fault matrix runs against both upstream clients (`[server] upstream_client`)."""
+    """The fault matrix runs against both upstream clients (`[server] upstream_client`), and against two
+    worker processes sharing the port (`--workers 2`)."""
     from tests.conftest import start_proxy
 
-    config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{request.param}"\n')
-    proc = start_proxy(fake_upstream.url, config)
+    client, workers = request.param
+    config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{client}"\n')
+    proc = start_proxy(fake_upstream.url, config, None, "--workers", str(workers))
     yield proc
     proc.stop()
 

@@ -1,0 +1,173 @@
+"""The lean path: model requests that nothing perturbs or observes, served ahead of the framework.
+
+A `POST /v1/chat/completions` or `/v1/responses` (or `/p/<profile>/v1/...`) whose profile perturbs
+nothing (`off`, `shadow`, or no steps), on a server with no observers (live scoring off), does not need
+the framework's routing, parameter parsing or response classes. `LeanPath` sits in front of the app:
+it reads the body itself and hands it to the same `ChatHandler.handle` the framework route calls (the
+same decoding, errors, forwarding, stream relay, metrics and log line), then writes the answer with
+raw ASGI messages. Everything else goes to the framework unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import structlog
+from litestar import Response
+from litestar.response import Stream
+
+from toolquake.proxy.server.errors import error_body
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.chat import ChatHandler
+    from toolquake.proxy.server.state import ProxyState
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+log = structlog.get_logger("toolquake.proxy")
+_PROFILE_HEADER = b"x-toolquake-profile"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class LeanPath:
+    """ASGI app: the lean path for the model routes it can serve, `next_app` for everything else."""
+
+    def __init__(self, st: ProxyState, handlers: dict[str, ChatHandler], next_app: ASGIApp) -> None:
+        self.st = st
+        #: path suffix after the optional /p/<profile> → handler
+        self.handlers = handlers
+        self.next_app = next_app
+        self.max_body = st.config.server.max_body_bytes
+
+    def _route(self, scope: dict) -> tuple[ChatHandler, str | None] | None:
+        """The handler and the profile named in the path, when the lean path may serve this request."""
+        if scope["type"] != "http" or scope["method"] != "POST" or self.st.observers:
+            return None
+        path: str = scope["path"]
+        named = None
+        if path.startswith("/p/"):
+            named, _, rest = path[3:].partition("/")
+            path = "/" + rest
+            if not named:
+                return None
+        handler = self.handlers.get(path)
+        if handler is None:
+            return None
+        name = named
+        if name is None:
+            for k, v in scope["headers"]:
+                if k == _PROFILE_HEADER:
+                    name = v.decode("latin-1")
+                    break
+        profile = self.st.profiles.get(name or self.st.config.server.default_profile)
+        if profile is None or (profile.mode == "perturb" and profile.steps):
+            return None  # unknown profiles (404) and perturbing ones: the framework's route
+        return handler, named
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        routed = self._route(scope)
+        if routed is None:
+            await self.next_app(scope, receive, send)
+            return
+        handler, named = routed
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+
+        async def read_body() -> bytes:
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Disconnected
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise _TooLarge
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            response = await handler.handle(headers, read_body, named)
+            if isinstance(response, Stream):
+                await _send_stream(response, tracked_send, receive)
+            else:
+                await _send_plain(response, tracked_send)
+        except _Disconnected:
+            return
+        except _TooLarge:
+            message = f"Request body is larger than {self.max_body} bytes; raise [server] max_body_bytes if needed."
+            await _send_plain(Response(content=error_body(message, "invalid_request_error", "request_too_large"),
+                                       status_code=413, media_type="application/json"), send)
+        except Exception as exc:  # the framework's last-resort handler, as on every other route
+            log.error("internal_error", error_type=type(exc).__name__, error=str(exc)[:300])
+            if started:
+                raise
+            await _send_plain(Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
+                                                          "internal_error"), status_code=500,
+                                       media_type="application/json"), send)
+
+
+def _head(response: Response, length: int | None) -> dict[str, Any]:
+    headers = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in response.headers.items()]
+    if not any(k == b"content-type" for k, _ in headers) and response.media_type:
+        media = str(response.media_type)
+        if media.startswith("text/") and "charset" not in media:
+            media += "; charset=utf-8"
+        headers.append((b"content-type", media.encode("latin-1")))
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    return {"type": "http.response.start", "status": response.status_code, "headers": headers}
+
+
+async def _send_plain(response: Response, send: Callable[[dict], Awaitable[None]]) -> None:
+    body = response.content if isinstance(response.content, bytes) else b""
+    await send(_head(response, len(body)))
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+    if response.background is not None:
+        await response.background()
+
+
+async def _send_stream(response: Stream, send: Callable[[dict], Awaitable[None]],
+                       receive: Callable[[], Awaitable[dict]]) -> None:
+    """Relay the stream; stop (and let its generator release the upstream) when the client goes away."""
+
+    async def relay() -> None:
+        await send(_head(response, None))
+        async for chunk in response.iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    sender = asyncio.ensure_future(relay())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((sender, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sender, watcher):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(sender, watcher, return_exceptions=True)
+        if response.background is not None:
+            await response.background()
+    if sender.done() and not sender.cancelled() and sender.exception() is not None:
+        raise sender.exception()

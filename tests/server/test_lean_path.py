@@ -1,0 +1,115 @@
+"""The lean path (proxy/server/lean.py) answers exactly as the framework route does: the same statuses,
+bodies, headers to the client and to the upstream, metrics and log lines — for answers, streams, the
+Responses API, and every error a client can cause."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import recorded, start_proxy
+from tests.server.test_proxy_core import body, metric_samples, tag
+
+SECRET = "sk-lean-secret-123"
+CASES = [
+    ("answer", "/v1/chat/completions", body(), {}),
+    ("stream", "/v1/chat/completions", body(stream=True), {}),
+    ("profile path", "/p/off/v1/chat/completions", body(), {}),
+    ("profile header", "/v1/chat/completions", body(), {"x-toolquake-profile": "off"}),
+    ("responses", "/v1/responses", {"model": "fake-model", "input": "hi"}, {}),
+    ("responses stream", "/v1/responses", {"model": "fake-model", "input": "hi", "stream": True}, {}),
+    ("invalid type", "/v1/chat/completions", {"model": "m", "messages": 3}, {}),
+    ("invalid json", "/v1/chat/completions", b"{not json", {}),
+    ("upstream 500", "/v1/chat/completions", body(), {"x-fake-fault": "status:500"}),
+    ("upstream invalid json", "/v1/chat/completions", body(), {"x-fake-fault": "invalid-json"}),
+    ("cut stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "cut-stream"}),
+    ("too large", "/v1/chat/completions", b"{" + b" " * 5000 + b"}", {}),
+    ("unknown profile", "/p/nope/v1/chat/completions", body(), {}),
+]
+VOLATILE = ("date", "x-toolquake-request-id", "x-toolquake-overhead-ms", "content-length")  # ids differ in length
+
+
+def _normal(data: bytes) -> bytes:
+    """The answer without what differs between two calls (ids, timestamps)."""
+    import re
+
+    return re.sub(rb'"(id|created|created_at|response_id|item_id)":\s*("[^"]*"|\d+)', b"", data)
+
+
+@pytest.fixture(scope="module")
+def pair(fake_upstream):
+    config = "[server]\nmax_body_bytes = 4096\nlean_path = {}\n[scoring]\nenabled = false\n"
+    lean = start_proxy(fake_upstream.url, config.format("true"))
+    framework = start_proxy(fake_upstream.url, config.format("false"))
+    yield lean, framework
+    lean.stop()
+    framework.stop()
+
+
+def _send(url: str, path: str, payload, headers: dict) -> tuple[int, dict, bytes, str]:
+    t = tag()
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    h = {"content-type": "application/json", "authorization": f"Bearer {SECRET}", "x-test-tag": t,
+         "x-toolquake-seed": "7", **headers}
+    with httpx.stream("POST", url + path, content=content, headers=h, timeout=20) as r:
+        data = b"".join(r.iter_raw())
+        head = {k: v for k, v in r.headers.items() if k not in VOLATILE}
+        return r.status_code, head, data, t
+
+
+@pytest.mark.parametrize("name, path, payload, headers", CASES, ids=[c[0] for c in CASES])
+def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path, payload, headers):
+    lean, framework = pair
+    before = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
+    got = [_send(p.url, path, payload, headers) for p in pair]
+    (s1, h1, d1, t1), (s2, h2, d2, t2) = got
+    assert s1 == s2, (name, d1[:200], d2[:200])
+    assert h1 == h2
+    assert _normal(d1) == _normal(d2)
+    if s1 >= 400 and not d1.startswith(b"data:"):
+        assert json.loads(d1)["error"]["message"]
+    # what reached the upstream: the same headers (no X-Toolquake-*, the client's Authorization) and body
+    up1, up2 = recorded(fake_upstream, t1), recorded(fake_upstream, t2)
+    assert len(up1) == len(up2)
+    for a, b in zip(up1, up2):
+        ha = {k.lower(): v for k, v in a["headers"]} if isinstance(a["headers"], list) else a["headers"]
+        hb = {k.lower(): v for k, v in b["headers"]} if isinstance(b["headers"], list) else b["headers"]
+        assert not [k for k in ha if k.lower().startswith("x-toolquake-")]
+        assert {k: v for k, v in ha.items() if k not in ("x-test-tag", "host")} == \
+            {k: v for k, v in hb.items() if k not in ("x-test-tag", "host")}
+        assert a["body"] == b["body"]
+    # the same metrics moved, by the same amounts (durations aside)
+    time.sleep(0.2)  # a stream is counted after its last byte
+    after = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
+    moved = []
+    for b, a in zip(before, after):
+        moved.append({k: v - b.get(k, 0.0) for k, v in a.items()
+                      if v != b.get(k, 0.0) and not k[0].endswith(("_sum", "_bucket", "_created"))
+                      and k[0] not in ("toolquake_event_loop_tasks", "toolquake_upstream_connections")})
+    assert moved[0] == moved[1]
+    # one log line each, with the same keys, and never the secret
+    for proc in pair:
+        assert SECRET not in proc.output()
+    lines = []
+    for proc, (_, h, _, _) in zip(pair, got):
+        events = [json.loads(x) for x in proc.output().splitlines() if x.startswith("{")]
+        lines.append([sorted(e) for e in events if e.get("event") == "request"][-1:] if s1 != 413 else [])
+    assert lines[0] == lines[1]
+
+
+def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(fake_upstream):
+    """A perturbing profile is left to the framework's route, and still perturbs."""
+    proc = start_proxy(fake_upstream.url, "[scoring]\nenabled = false\n[profiles.rev]\nmode = 'perturb'\n"
+                       "perturbers = [{ name = 'tool_order', params = { mode = 'reverse' } }]\n")
+    try:
+        t = tag()
+        r = httpx.post(f"{proc.url}/p/rev/v1/chat/completions", json=body(), headers={"x-test-tag": t})
+        assert r.status_code == 200
+        (seen,) = recorded(fake_upstream, t)
+        names = [x["function"]["name"] for x in json.loads(seen["body"])["tools"]]
+        assert names == [x["function"]["name"] for x in body()["tools"]][::-1]
+    finally:
+        proc.stop()
