@@ -461,7 +461,7 @@ class ChatHandler:
         total = time.perf_counter() - ctx.t0
         resp_headers["X-Toolquake-Overhead-Ms"] = f"{(total - ctx.upstream_s) * 1000:.3f}"
         resp_headers["X-Toolquake-Request-Id"] = ctx.request_id
-        st.metrics.ttfb.labels(ctx.profile_name, "false").observe(total)
+        st.metrics.child(st.metrics.ttfb, ctx.profile_name, "false").observe(total)
         self._finish(ctx)
         return Response(content=data, status_code=ctx.status, headers=resp_headers,
                         media_type=upstream.header("content-type", JSON))
@@ -487,7 +487,7 @@ class ChatHandler:
                 async for chunk in upstream.aiter_raw():
                     if state["first"] is None:
                         state["first"] = time.perf_counter()
-                        m.ttfb.labels(ctx.profile_name, "true").observe(state["first"] - ctx.t0)
+                        m.child(m.ttfb, ctx.profile_name, "true").observe(state["first"] - ctx.t0)
                     if capture:
                         parts.append(chunk)
                     if not state["ended"]:
@@ -575,11 +575,11 @@ class ChatHandler:
         ctx.total_s = time.perf_counter() - ctx.t0
         s = "true" if ctx.stream else "false"
         route = ctx.route
-        m.requests.labels(ctx.profile_name, route, f"{ctx.status // 100}xx", s, m.model_label(ctx.model)).inc()
-        m.duration.labels(ctx.profile_name, route, s).observe(ctx.total_s)
+        m.child(m.requests, ctx.profile_name, route, f"{ctx.status // 100}xx", s, m.model_label(ctx.model)).inc()
+        m.child(m.duration, ctx.profile_name, route, s).observe(ctx.total_s)
         if ctx.upstream_s is not None:
-            m.upstream_duration.labels(route, s).observe(ctx.upstream_s)
-            m.overhead.labels(route, s).observe(max(ctx.total_s - ctx.upstream_s, 0.0))
+            m.child(m.upstream_duration, route, s).observe(ctx.upstream_s)
+            m.child(m.overhead, route, s).observe(max(ctx.total_s - ctx.upstream_s, 0.0))
         outcome = ctx.outcome
         event: dict[str, Any] = dict(request_id=ctx.request_id, route=route, profile=ctx.profile_name,
                                      stream=ctx.stream, status=ctx.status,

@@ -9,7 +9,7 @@ are set by `refresh()`: at each scrape, and with several workers every `REFRESH_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -39,6 +39,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
         self._refreshers: list[Callable[[], None]] = []
+        self._children: dict[tuple, Any] = {}
         self.models = frozenset(model_allowlist or [])
         r = self.registry
         self.requests = Counter("toolquake_requests",
@@ -88,6 +89,14 @@ class Metrics:
             self.loop_tasks.set(tasks())
 
         self.add_refresher(refresh)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: the per-request counters skip prometheus-client's label checks."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def add_refresher(self, fn: Callable[[], None]) -> None:
         """`fn` sets gauges from the process's state; called by `refresh()`."""
