@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,13 +14,17 @@ from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
 from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder, tool_name
+from toolquake.perturbers.helpers.twins import twin_flags
 
 if TYPE_CHECKING:
     import numpy as np
 
     from toolquake.bfcl.embeddings import Embedder
 
-SOURCES = ("retrieval", "generate")
+SOURCES = ("retrieval", "generate", "auto")
+#: where `generator_url` / `generator_model` come from when a profile leaves them empty
+ENV_GENERATOR_URL = "TOOLQUAKE_GENERATOR_URL"
+ENV_GENERATOR_MODEL = "TOOLQUAKE_GENERATOR_MODEL"
 # bump when a prompt or the request parameters change: cached generations are keyed by it
 PROMPT_VERSION = "seed001-7.2/v1"
 
@@ -60,18 +66,23 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
 @register
 class ToolkitExpansion(Perturber):
     """Adds `k` tools that are related but not equivalent to the request's tools, at random positions:
-    retrieved from the tool pool (`source="retrieval"`) or written by a generator model
-    (`source="generate"`, seed 001's two-step pipeline, cached by request). A candidate whose signature
-    has cosine ≥ `max_similarity` to an original tool, or whose name is already present, is skipped."""
+    retrieved from the tool pool (`source="retrieval"`: drawn from the `band` of relatedness) or written by
+    a generator model (`source="generate"`, seed 001's two-step pipeline, cached by request); `"auto"`
+    generates when a generator is configured (`generator_url` or $TOOLQUAKE_GENERATOR_URL) and retrieves
+    otherwise. A candidate whose signature has cosine ≥ `max_similarity` to an original tool, that does
+    the same job as one (helpers/twins.py), or whose name is already present, is skipped."""
 
     name = "toolkit_expansion"
     blocking: ClassVar[bool] = True  # embeddings on CPU, and the generator's HTTP calls
     k: int = 3
     source: str = "retrieval"
     max_similarity: float = 0.8
-    #: source="generate": the generator's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1
+    #: retrieval: the cosine (to the nearest original's signature) of the tools drawn, [low, high)
+    band: tuple[float, float] = (0.5, 0.75)
+    #: source="generate": the generator's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1;
+    #: empty: $TOOLQUAKE_GENERATOR_URL
     generator_url: str = ""
-    #: the generator's model name; empty: the model the request names
+    #: the generator's model name; empty: $TOOLQUAKE_GENERATOR_MODEL, else the model the request names
     generator_model: str = ""
     #: the cache of generated tools (share it between replicas); empty: $TOOLQUAKE_CACHE/generated_tools
     cache_dir: str = ""
@@ -81,15 +92,22 @@ class ToolkitExpansion(Perturber):
     api_key_env: str = "TOOLQUAKE_GENERATOR_API_KEY"
 
     def __post_init__(self) -> None:
+        # resolved when the profile is built, so that the arm's recorded parameters say what was used
+        self.generator_url = self.generator_url or os.environ.get(ENV_GENERATOR_URL, "")
+        self.generator_model = self.generator_model or os.environ.get(ENV_GENERATOR_MODEL, "")
+        if self.source == "auto":
+            self.source = "generate" if self.generator_url else "retrieval"
         if self.k < 1:
             raise ValueError("k must be at least 1")
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}")
         if not 0.0 < self.max_similarity <= 1.0:
             raise ValueError("max_similarity must be in (0, 1]")
+        if len(self.band) != 2 or not 0.0 <= self.band[0] < self.band[1] <= self.max_similarity:
+            raise ValueError("band must be [low, high] with 0 <= low < high <= max_similarity")
         if self.source == "generate" and not self.generator_url.startswith(("http://", "https://")):
-            raise ValueError("source='generate' needs generator_url, the generator's OpenAI API base URL "
-                             "(e.g. http://127.0.0.1:8000/v1)")
+            raise ValueError("source='generate' needs generator_url (or $TOOLQUAKE_GENERATOR_URL), the "
+                             "generator's OpenAI API base URL (e.g. http://127.0.0.1:8000/v1)")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
 
@@ -132,26 +150,41 @@ class ToolkitExpansion(Perturber):
 
     def _retrieve(self, originals: list[dict[str, Any]], user: str, ctx: PerturbContext,
                   embedder: Embedder) -> tuple[list[dict[str, Any]], list[float]]:
-        """The pool tools nearest to the originals and the user's request (mean of the two cosines),
-        skipping equivalents of the originals, names already present and near-copies of one another."""
+        """Pool tools drawn at random from the band of relatedness (cosine to the nearest original's
+        signature in `band`), then, when the band runs short, the nearest ones below it; never an
+        equivalent or a twin of an original, a name already present, or a near-copy of one already chosen.
+        The draw is seeded by the request's tools and user message: the same request gets the same tools."""
         import numpy as np
 
         pool = get_pool(ctx.services)
-        query = (user,) if user.strip() else ()
-        vecs = pool.embed_tools(originals, embedder, query)
-        orig = vecs[: len(originals)]
+        orig = pool.embed_tools(originals, embedder)
         to_orig = (pool.embeddings @ orig.T).max(axis=1)
-        score = 0.5 * to_orig + 0.5 * (pool.embeddings @ vecs[-1]) if query else to_orig.copy()
         excluded = pool.excluded(originals, orig, self.max_similarity)
-        score[excluded] = -np.inf
-        ranked = np.argsort(-score, kind="stable")
+        low, high = self.band
+        in_band = np.flatnonzero(~excluded & (to_orig >= low) & (to_orig < high))
+        below = np.flatnonzero(~excluded & (to_orig < low))
+        draw = random.Random(request_key(originals, user))
+        order = [int(j) for j in in_band]
+        draw.shuffle(order)
+        order += [int(j) for j in below[np.argsort(-to_orig[below], kind="stable")]]
         chosen: list[int] = []
-        for j in ranked:
-            if len(chosen) == self.k or not np.isfinite(score[j]):
+        twins = 0
+        for start in range(0, len(order), 4 * self.k):  # twins are judged in small batches, as far as needed
+            batch = order[start:start + 4 * self.k]
+            flags = twin_flags([pool.tools[j] for j in batch], originals, embedder)
+            for j, twin in zip(batch, flags):
+                if len(chosen) == self.k:
+                    break
+                if twin:
+                    twins += 1
+                    continue
+                if chosen and float((pool.embeddings[chosen] @ pool.embeddings[j]).max()) >= self.max_similarity:
+                    continue
+                chosen.append(j)
+            if len(chosen) == self.k:
                 break
-            if chosen and float((pool.embeddings[chosen] @ pool.embeddings[j]).max()) >= self.max_similarity:
-                continue
-            chosen.append(int(j))
+        ctx.report.update({"band": [low, high], "band_candidates": int(in_band.size), "twins_skipped": twins,
+                           "below_band": sum(1 for j in chosen if to_orig[j] < low)})
         return [pool.tools[j] for j in chosen], [float(to_orig[j]) for j in chosen]
 
     # -- generation ------------------------------------------------------------------------------
@@ -188,21 +221,23 @@ class ToolkitExpansion(Perturber):
                 if tool is None:
                     continue
                 candidates.append({"request": variant, "tool": tool})
-                if len(self._select(candidates, orig, present, embedder)[0]) == self.k:
+                if len(self._select(candidates, originals, orig, present, embedder)[0]) == self.k:
                     break
             entry = {"version": PROMPT_VERSION, "model": model, "original": user, "candidates": candidates}
             cache.put(key, entry)
-        return self._select(entry["candidates"], orig, present, embedder)
+        return self._select(entry["candidates"], originals, orig, present, embedder)
 
-    def _select(self, candidates: list[dict[str, Any]], orig: np.ndarray, present: set[str],
-                embedder: Embedder) -> tuple[list[dict[str, Any]], list[float]]:
-        """The first `k` candidates that are neither equivalent to an original nor named like a present tool."""
+    def _select(self, candidates: list[dict[str, Any]], originals: list[dict[str, Any]], orig: np.ndarray,
+                present: set[str], embedder: Embedder) -> tuple[list[dict[str, Any]], list[float]]:
+        """The first `k` candidates that are neither equivalent to an original (signature cosine or twin) nor
+        named like a present tool."""
         chosen: list[dict[str, Any]] = []
         sims: list[float] = []
         names = set(present)
-        for cand in candidates:
-            tool = cand["tool"]
-            if len(chosen) == self.k or tool_name(tool) in names:
+        tools = [c["tool"] for c in candidates]
+        twins = twin_flags(tools, originals, embedder)
+        for tool, twin in zip(tools, twins):
+            if len(chosen) == self.k or twin or tool_name(tool) in names:
                 continue
             sim = float((orig @ embedder.embed([signature(tool)])[0]).max())
             if sim >= self.max_similarity:
@@ -211,6 +246,13 @@ class ToolkitExpansion(Perturber):
             sims.append(sim)
             names.add(tool_name(tool))
         return chosen, sims
+
+
+def request_key(originals: list[dict[str, Any]], user: str) -> int:
+    """A seed from the request's tool names and user message (not the request seed): every arm and every
+    model that sends this request gets the same tools."""
+    text = json.dumps([sorted(tool_name(t) for t in originals), user])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def variant_prompt(user: str, earlier: list[str]) -> list[dict[str, str]]:

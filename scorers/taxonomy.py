@@ -49,3 +49,19 @@ def classify(error_type: str | None) -> str | None:
     if error_type.startswith("toolquake:"):
         return INPUT_ERROR
     return None
+
+#: seed 001 Table 2's four error classes, from our nine: a missing call (relevance_miss) and a call where none
+#: was expected (irrelevance_violation) are a wrong number of functions; every parameter error is a wrong
+#: parameter assignment
+PAPER_CLASSES = ("syntax", "function", "number of functions", "parameter assignment")
+PAPER_CLASS = {
+    WRONG_SYNTAX: "syntax",
+    WRONG_FUNCTION: "function",
+    WRONG_COUNT: "number of functions",
+    RELEVANCE_MISS: "number of functions",
+    IRRELEVANCE_VIOLATION: "number of functions",
+    WRONG_PARAM_VALUE: "parameter assignment",
+    MISSING_PARAM: "parameter assignment",
+    UNEXPECTED_PARAM: "parameter assignment",
+    WRONG_TYPE: "parameter assignment",
+}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolquake.proxy.replay import families
+from toolquake.proxy.replay import families, paper_tables
 from toolquake.scorers.aggregate import (
     mcnemar,
     paired_drop_ci,
@@ -267,6 +267,7 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
                "duplicates": res.duplicates,
                "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
     summary.update(families=families.family_numbers(summary), recovery=families.recovery_numbers(res))
+    summary.update(paper_tables.sections(res, baseline))
     return summary
 
 
@@ -773,7 +774,7 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             rows.append([p, *cells])
         out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
                     ["profile", *categories], rows))
-    return out + families.tables(summary)
+    return out + families.tables(summary) + paper_tables.tables(summary)
 
 
 _DIRECTION = {"valid_to_invalid": "valid → invalid", "invalid_to_valid": "invalid → valid"}

@@ -78,9 +78,42 @@ def assert_subsequence(original: list[str], perturbed: list[str]) -> None:
 
 # --- toolkit_expansion (retrieval) ------------------------------------------------------------------
 
+_BFCL_NOTE = " Note that the provided function is in "
+_NUMERIC = {"integer", "number", "float"}
+
+
+def _required_types(tool: dict[str, Any]) -> list[str]:
+    """Sorted JSON types of a tool's required parameters (all of them when none is), numbers as one type."""
+    params = tool["function"].get("parameters") or {}
+    props = params.get("properties") or {}
+    names = [r for r in params.get("required") or [] if r in props] or list(props)
+    return sorted("number" if props[n].get("type") in _NUMERIC else str(props[n].get("type")) for n in names)
+
+
+def _name_words(tool: dict[str, Any]) -> set[str]:
+    import re
+
+    return {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", tool["function"]["name"])}
+
+
+def equivalent_pairs(added: list[dict[str, Any]], truth: list[dict[str, Any]], embedder) -> list[tuple[str, str]]:
+    """The (added, ground-truth) pairs that do the same job, judged here apart from the perturber's own filter:
+    the same types of required parameters (the ground-truth call fits either tool) and either the same
+    name words or descriptions (BFCL's language note cut) with cosine >= 0.7."""
+    def description(t: dict[str, Any]) -> str:
+        return (t["function"].get("description") or "").split(_BFCL_NOTE)[0]
+
+    if not added or not truth:
+        return []
+    cos = embedder.embed([description(t) for t in added]) @ embedder.embed([description(t) for t in truth]).T
+    return [(a["function"]["name"], g["function"]["name"]) for i, a in enumerate(added) for j, g in enumerate(truth)
+            if _required_types(a) == _required_types(g)
+            and (_name_words(a) == _name_words(g) or float(cos[i, j]) >= 0.7)]
+
+
 @needs_pool
 @pytest.mark.slow
-def test_expansion_on_bfcl_multiple_matches_seed_001() -> None:
+def test_expansion_on_bfcl_multiple_matches_seed_001_and_adds_no_twin_of_the_right_function() -> None:
     import numpy as np
 
     from toolquake.bfcl.corpus import case_request, load_category
@@ -89,7 +122,7 @@ def test_expansion_on_bfcl_multiple_matches_seed_001() -> None:
 
     pool = get_pool(SERVICES)  # its rows are the tools' signature embeddings (checked in test_tool_pool)
     embedder = _embedder()
-    before, after, worst = [], [], 0.0
+    before, after, cosines, twins, worst = [], [], [], [], 0.0
     for i, case in enumerate(load_category("multiple")):
         body = case_request(case, model="fake-model")
         out, report = apply("toolkit_expansion", {"k": 3}, body, seed=i)
@@ -104,10 +137,21 @@ def test_expansion_on_bfcl_multiple_matches_seed_001() -> None:
         # an original may differ from the pool's tool of the same name: its own signature counts
         o = embedder.embed([signature(t) for t in body["tools"]])
         worst = max(worst, float((a @ o.T).max()))
+        cosines.extend((a @ o.T).max(axis=1).tolist())
+        truth_names = {next(iter(g)).replace(".", "_") for g in case.ground_truth}
+        truth = [t for t in body["tools"] if t["function"]["name"] in truth_names]
+        assert truth, case.id
+        twins += [(case.id, *pair) for pair in
+                  equivalent_pairs([t for t in out["tools"] if t["function"]["name"] in added], truth, embedder)]
     assert len(before) == 200
     assert np.mean(before) == pytest.approx(2.79, abs=0.01)
     assert 5.6 <= np.mean(after) <= 5.8  # seed 001: 2.7 -> 5.6 tools per case
     assert worst < 0.8
+    assert twins == []  # no added tool does the ground-truth function's job
+    # drawn from the band of relatedness, not from its top: related (random pool tools sit near 0.2)
+    # yet well below the 0.8 cut-off
+    assert 0.5 <= float(np.median(cosines)) < 0.65
+    assert float(np.mean(np.asarray(cosines) >= 0.75)) < 0.05
 
 
 @needs_pool
@@ -203,6 +247,7 @@ def test_padding_and_expansion_parameters_are_validated() -> None:
     for name, params in [("catalog_padding", {"position": 1.5}), ("catalog_padding", {"budget_tokens": 0}),
                          ("toolkit_expansion", {"source": "dream"}), ("toolkit_expansion", {"k": 0}),
                          ("toolkit_expansion", {"source": "generate"}), ("tool_removal", {"which": ""}),
+                         ("toolkit_expansion", {"band": [0.7, 0.5]}), ("toolkit_expansion", {"band": [0.5, 0.9]}),
                          ("catalog_padding", {"budget": 5})]:
         with pytest.raises(ValueError):
             build(name, params)
@@ -463,3 +508,20 @@ def test_perturb_command_pads_a_case_and_names_the_token_counter() -> None:
     [applied] = summary["applied"]
     assert applied["name"] == "catalog_padding" and applied["tools_after"] == len(body["tools"]) > 100
     assert abs(EstimateCounter().count_request(body) - 32768) <= 0.02 * 32768
+
+
+def test_the_expanded_profile_generates_when_a_generator_is_configured_and_records_which(monkeypatch) -> None:
+    from toolquake.proxy.replay.run import _profile_specs
+    from toolquake.proxy.server.config import load_config
+
+    monkeypatch.delenv("TOOLQUAKE_GENERATOR_URL", raising=False)
+    monkeypatch.delenv("TOOLQUAKE_GENERATOR_MODEL", raising=False)
+    recorded = _profile_specs(load_config(), ["expanded"])["expanded"]["perturbers"][0]["params"]
+    assert recorded["source"] == "retrieval"
+    monkeypatch.setenv("TOOLQUAKE_GENERATOR_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("TOOLQUAKE_GENERATOR_MODEL", "fixed-generator")
+    recorded = _profile_specs(load_config(), ["expanded"])["expanded"]["perturbers"][0]["params"]
+    assert (recorded["source"], recorded["generator_url"], recorded["generator_model"]) == (
+        "generate", "http://127.0.0.1:9/v1", "fixed-generator")
+    # an explicit source is kept whatever the environment says
+    assert build("toolkit_expansion", {"source": "retrieval"}).params()["source"] == "retrieval"

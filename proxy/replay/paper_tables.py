@@ -1,0 +1,132 @@
+"""Seed papers' own measures from replay results, beside the main report (proxy/replay/report.py):
+
+- seed 001 Table 2 (right): the error breakdown over the failures the perturbation *caused* — cases valid
+  in the baseline and invalid in the arm — in the paper's four classes, with our nine beside them;
+- toolkit expansion: the source that wrote the added tools, and the distribution of their cosine to the
+  nearest original (what "related but not equivalent" measured in this run).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
+
+from toolquake.scorers.aggregate import ratio
+from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
+
+if TYPE_CHECKING:
+    from toolquake.proxy.replay.report import Results
+
+
+def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"n", "classes": {class: share}, "fine": {type: share}, "counts", "fine_counts"}}} over
+    the cases scored in both the baseline and the arm, valid in the baseline and invalid in the arm."""
+    base = {(r.model, r.case_id): r for r in res.rows if r.profile == baseline and r.status == "scored"}
+    counts: dict[tuple[str, str], tuple[Counter[str], Counter[str]]] = defaultdict(lambda: (Counter(), Counter()))
+    for r in res.rows:
+        if r.profile == baseline or r.status != "scored" or r.valid:
+            continue
+        b = base.get((r.model, r.case_id))
+        if b is None or not b.valid:
+            continue
+        fine = r.taxonomy or "unclassified"
+        classes, fines = counts[(r.model, r.profile)]
+        classes[PAPER_CLASS.get(fine, "unclassified")] += 1
+        fines[fine] += 1
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model in res.models:
+        for p in res.profiles(model):
+            if p == baseline or (model, p) not in counts:
+                continue
+            classes, fines = counts[(model, p)]
+            n = sum(classes.values())
+            extra = sorted(set(classes) - set(PAPER_CLASSES))
+            out.setdefault(model, {})[p] = {
+                "n": n, "counts": dict(classes), "fine_counts": dict(fines),
+                "classes": {c: ratio(classes.get(c, 0), n) for c in (*PAPER_CLASSES, *extra)},
+                "fine": {t: ratio(fines.get(t, 0), n) for t in (*TAXONOMY, *sorted(set(fines) - set(TAXONOMY)))},
+            }
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"requests", "sources": {source: n}, "tools_added", "cosine": {min, p25, median, p75,
+    max}, "twins_skipped", "below_band"}}} from what toolkit_expansion reported on each scored pair."""
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in res.sources:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
+            for profile, text in db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' "
+                                            "AND perturbers LIKE '%toolkit_expansion%'"):
+                applied = (json.loads(text) or {}).get("applied")
+                for step in applied if isinstance(applied, list) else []:
+                    if step.get("name") != "toolkit_expansion":
+                        continue
+                    report = step.get("report") or {}
+                    a = acc.setdefault((model, profile), {"requests": 0, "sources": Counter(), "cosines": [],
+                                                          "twins_skipped": 0, "below_band": 0})
+                    a["requests"] += 1
+                    a["sources"][str(report.get("source", "unknown"))] += 1
+                    a["cosines"] += [float(x) for x in report.get("max_cosine_to_original") or []]
+                    a["twins_skipped"] += int(report.get("twins_skipped") or 0)
+                    a["below_band"] += int(report.get("below_band") or 0)
+        except sqlite3.DatabaseError:
+            continue
+        finally:
+            db.close()
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (model, profile), a in acc.items():
+        cos = a.pop("cosines")
+        a["sources"] = dict(a["sources"])
+        a["tools_added"] = len(cos)
+        a["cosine"] = ({k: round(_quantile(cos, q), 4) for k, q in
+                        (("min", 0.0), ("p25", 0.25), ("median", 0.5), ("p75", 0.75), ("max", 1.0))} if cos else None)
+        out.setdefault(model, {})[profile] = a
+    return out
+
+
+def sections(res: Results, baseline: str) -> dict[str, Any]:
+    """The summary's keys for these measures (`toolquake report --format json`)."""
+    return {"caused_errors": caused_failures(res, baseline), "expansion": expansion_stats(res)}
+
+
+def _share(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of the tables these measures add to the report."""
+    out = []
+    caused = summary.get("caused_errors") or {}
+    fine_cols = [t for t in TAXONOMY if any(arm["fine_counts"].get(t) for m in caused.values() for arm in m.values())]
+    rows = [[model, p, str(arm["n"]), *(_share(arm["classes"].get(c)) for c in PAPER_CLASSES),
+             *(_share(arm["fine"].get(t)) for t in fine_cols)]
+            for model, arms in caused.items() for p, arm in arms.items()]
+    if rows:
+        out.append((f"Seed 001 Table 2 (right): failures the perturbation caused (valid in `{summary['baseline']}`, "
+                    "invalid in the arm), share of each of the paper's four classes, our nine types beside",
+                    ["model", "profile", "caused failures", *(f"wrong {c}" for c in PAPER_CLASSES), *fine_cols], rows))
+    rows = []
+    for model, arms in (summary.get("expansion") or {}).items():
+        for p, a in arms.items():
+            cos = a["cosine"] or {}
+            rows.append([model, p, ", ".join(f"{s} {n}" for s, n in a["sources"].items()), str(a["requests"]),
+                         str(a["tools_added"]), *(f"{cos[k]:.3f}" if k in cos else "" for k in
+                                                  ("min", "p25", "median", "p75", "max")),
+                         str(a["twins_skipped"]), str(a["below_band"])])
+    if rows:
+        out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
+                    ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
+                     "twins skipped", "below band"], rows))
+    return out
