@@ -22,6 +22,10 @@ import msgspec
 
 #: `Perturber.expected_answer`: the right answer to the case is now no tool call at all
 NO_CALL = "no_call"
+#: report key: this step left the request as it was on purpose (e.g. a rephrasing rejected by the value check),
+#: with the reason as value; a pair on which every applied step says so is "not perturbed": reports count it
+#: apart and keep it out of the arm's accuracy
+NOT_PERTURBED = "not_perturbed"
 
 
 class ChatRequest(msgspec.Struct, frozen=True):

@@ -6,7 +6,7 @@ import os
 from typing import ClassVar
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber
 from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
 from toolquake.perturbers.helpers.protected import added_numbers, missing_from
 
@@ -22,6 +22,11 @@ EXAMPLE_REQUEST = ("Can I find the dimensions and properties of a triangle, if i
 EXAMPLE_REPHRASING = "What are the dimensions and properties of a triangle whose three sides are 5, 4 and 3 units long?"
 # bump when the prompt or the request parameters change: cached answers are keyed by it
 PROMPT_VERSION = "seed001-7.1/v1"
+#: the rephraser when a profile names none: $TOOLQUAKE_GENERATOR_URL / $TOOLQUAKE_GENERATOR_MODEL (a fixed
+#: model, the same text for every model compared), else the default upstream and the request's own model
+ENV_GENERATOR_URL = "TOOLQUAKE_GENERATOR_URL"
+ENV_GENERATOR_MODEL = "TOOLQUAKE_GENERATOR_MODEL"
+DEFAULT_GENERATOR_URL = "http://127.0.0.1:8000/v1"
 
 
 def prompt(text: str) -> list[dict[str, str]]:
@@ -43,13 +48,14 @@ def clean(answer: str, original: str) -> str:
 
 @register
 class Paraphrase(Perturber):
-    """Rephrase the last user message with seed 001's prompt at temperature 0 (cached on disk)."""
+    """Rephrase the last user message with seed 001's prompt at temperature 0 (cached on disk); a rephrasing
+    that loses or adds a value is rejected and the request reported as not perturbed."""
 
     name = "paraphrase"
     blocking: ClassVar[bool] = True
-    #: the generator's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1
-    generator_url: str
-    #: the generator's model name; empty: the model the request names
+    #: the generator's OpenAI API base URL; empty: $TOOLQUAKE_GENERATOR_URL, else http://127.0.0.1:8000/v1
+    generator_url: str = ""
+    #: the generator's model name; empty: $TOOLQUAKE_GENERATOR_MODEL, else the model the request names
     generator_model: str = ""
     #: the cache directory (share it between replicas); empty: $TOOLQUAKE_CACHE/paraphrase
     cache_dir: str = ""
@@ -58,6 +64,9 @@ class Paraphrase(Perturber):
     api_key_env: str = "TOOLQUAKE_GENERATOR_API_KEY"
 
     def __post_init__(self) -> None:
+        # resolved when the profile is built: the arm's recorded parameters name the rephraser used
+        self.generator_url = self.generator_url or os.environ.get(ENV_GENERATOR_URL) or DEFAULT_GENERATOR_URL
+        self.generator_model = self.generator_model or os.environ.get(ENV_GENERATOR_MODEL, "")
         if not self.generator_url.startswith(("http://", "https://")):
             raise ValueError(f"generator_url must be an http(s) URL, got {self.generator_url!r}")
         if self.timeout_s <= 0:
@@ -68,6 +77,7 @@ class Paraphrase(Perturber):
         original = request.messages[index].get("content") if index is not None else None
         if not isinstance(original, str) or not original.strip():
             ctx.report.update(paraphrase="skipped", reason="no text in the last user message")
+            ctx.report[NOT_PERTURBED] = "no text to rephrase"
             return request
         model = self.generator_model or request.model
         if not model:
@@ -86,9 +96,11 @@ class Paraphrase(Perturber):
         lost = missing_from(original, rewritten) + [f"new {n}" for n in added_numbers(original, rewritten)]
         if not rewritten or lost:
             ctx.report.update(paraphrase="rejected", rejected_for=lost or ["empty answer"], tokens_added=0)
+            ctx.report[NOT_PERTURBED] = "rephrasing rejected"
             return request
         if rewritten == original.strip():
             ctx.report.update(paraphrase="unchanged", tokens_added=0)
+            ctx.report[NOT_PERTURBED] = "rephrasing identical to the original"
             return request
         counter = ctx.services.token_counter
         ctx.report.update(paraphrase="accepted")

@@ -3,7 +3,9 @@
 - seed 001 Table 2 (right): the error breakdown over the failures the perturbation *caused* — cases valid
   in the baseline and invalid in the arm — in the paper's four classes, with our nine beside them;
 - toolkit expansion: the source that wrote the added tools, and the distribution of their cosine to the
-  nearest original (what "related but not equivalent" measured in this run).
+  nearest original (what "related but not equivalent" measured in this run);
+- pairs not perturbed: a scored pair on which every applied step reported `not_perturbed` (a rephrasing
+  rejected by the value check) gets the status `not_perturbed` here: counted apart, out of the accuracy.
 """
 
 from __future__ import annotations
@@ -13,11 +15,32 @@ import sqlite3
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.scorers.aggregate import ratio
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
 if TYPE_CHECKING:
     from toolquake.proxy.replay.report import Results
+
+
+def row_status(status: str, perturbers: str | None) -> str:
+    """`not_perturbed` for a scored pair that every applied step left unperturbed on purpose, else `status`."""
+    if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
+        return status
+    try:
+        applied = (json.loads(perturbers) or {}).get("applied")
+    except (ValueError, AttributeError):
+        return status
+    if isinstance(applied, list) and applied and all(NOT_PERTURBED in (a.get("report") or {}) for a in applied):
+        return NOT_PERTURBED
+    return status
+
+
+def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
+    """An arm's pairs left unperturbed on purpose, and the share of its answered pairs that were perturbed."""
+    scored = sum(1 for r in rows if r.status == "scored")
+    kept = sum(1 for r in rows if r.status == NOT_PERTURBED)
+    return {"not_perturbed": kept, "perturbed_share": ratio(scored, scored + kept)}
 
 
 def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -117,6 +140,13 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append((f"Seed 001 Table 2 (right): failures the perturbation caused (valid in `{summary['baseline']}`, "
                     "invalid in the arm), share of each of the paper's four classes, our nine types beside",
                     ["model", "profile", "caused failures", *(f"wrong {c}" for c in PAPER_CLASSES), *fine_cols], rows))
+    rows = [[model, p, str(arm["n"]), str(arm["not_perturbed"]), f"{arm['perturbed_share']:.3f}"]
+            for model, data in summary["models"].items() for p, arm in data["arms"].items()
+            if arm.get("not_perturbed")]
+    if rows:
+        out.append(("Pairs not perturbed (e.g. rephrasings rejected by the value check): served unchanged, left out "
+                    "of the arm's accuracy", ["model", "profile", "scored (perturbed)", "not perturbed",
+                                               "share perturbed"], rows))
     rows = []
     for model, arms in (summary.get("expansion") or {}).items():
         for p, a in arms.items():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.replay import families, paper_tables
 from toolquake.scorers.aggregate import (
     mcnemar,
@@ -141,9 +142,10 @@ def load(paths: list[str | Path]) -> Results:
             for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
                 res.arms.setdefault((model, profile), json.loads(spec))
             for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
-                                f"fair_valid, semantic_valid, {_trial_column(db)} FROM results ORDER BY rowid"):
-                row = Row(model, r[0], r[1], r[2], r[3], _bool(r[4]), r[5], r[6], r[7], _bool(r[8]), _bool(r[9]),
-                          source=len(res.sources), trial=int(r[10]))
+                                f"fair_valid, semantic_valid, {_trial_column(db)}, perturbers FROM results "
+                                "ORDER BY rowid"):
+                row = Row(model, r[0], r[1], r[2], paper_tables.row_status(r[3], r[11]), _bool(r[4]), r[5], r[6],
+                          r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]))
                 key = (model, row.profile, row.case_id, row.trial)
                 if key in seen:
                     res.duplicates += 1
@@ -175,7 +177,7 @@ def _arm_numbers(rows: list[Row]) -> dict[str, Any]:
     for r in scored:
         by_cat[r.category].append(r)
     errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
-    failed = Counter(r.error_code or "unknown" for r in rows if r.status != "scored")
+    failed = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
     fair = [r for r in scored if r.fair_valid is not None]
     fair_valid = sum(1 for r in fair if r.fair_valid)
     has_semantic = any(r.semantic_valid is not None for r in scored)
@@ -192,6 +194,7 @@ def _arm_numbers(rows: list[Row]) -> dict[str, Any]:
         # Wilson interval of each error type's share among the arm's failures
         "errors_ci": {k: wilson_ci(v, failures) for k, v in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))},
         "failed": sum(failed.values()),
+        **paper_tables.perturbed_counts(rows),
         "failed_codes": dict(sorted(failed.items())),
         "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
         "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,

@@ -24,7 +24,9 @@ GOOD = (
 )
 GOOD_REPHRASED = "Determine the value of a $200,000 asset which loses 3% of its worth each year, after 5 years."
 LOSES_NUMBER = "Find the area of a triangle with a base of 10 units and height of 5 units."
-LOSES_NUMBER_REPHRASED = "What is the area of a triangle whose base is ten units and height is five units?"
+LOSES_NUMBER_REPHRASED = "What is the area of a triangle whose base is ten units and height is six units?"
+IN_WORDS = "What will my $2,000 deposit be worth after 5 years at 3% a year?"
+IN_WORDS_REPHRASED = "After five years at three percent per year, what is a two thousand dollar deposit worth?"
 LOSES_QUOTE = 'Search my files for the phrase "quarterly report" in the docs folder.'
 LOSES_QUOTE_REPHRASED = "Look through the docs folder for files mentioning the quarterly results."
 QUOTED_ANSWER = "Which game had the highest number of points scored by one NBA player?"
@@ -40,6 +42,7 @@ def generator(tmp_path_factory) -> Iterator[Proc]:
     entries = [
         (GOOD, GOOD_REPHRASED),
         (LOSES_NUMBER, LOSES_NUMBER_REPHRASED),
+        (IN_WORDS, IN_WORDS_REPHRASED),
         (LOSES_QUOTE, LOSES_QUOTE_REPHRASED),
         (QUOTED_QUERY, f'"{QUOTED_ANSWER}"'),
         (ANSWERED, ANSWERED_INSTEAD),
@@ -103,12 +106,19 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
 
 
 @pytest.mark.parametrize(
-    "text,lost", [(LOSES_NUMBER, ["10", "5"]), (LOSES_QUOTE, ['"quarterly report"']), (ANSWERED, ["new 2"])]
+    "text,lost", [(LOSES_NUMBER, ["5"]), (LOSES_QUOTE, ['"quarterly report"']), (ANSWERED, ["new 2"])]
 )
 def test_paraphrase_losing_a_value_is_rejected_and_counted(generator, tmp_path, text: str, lost: list[str]) -> None:
     out, report = run(f"{generator.url}/v1", text, tmp_path)
     assert out == request(text)
     assert report["paraphrase"] == "rejected" and report["rejected_for"] == lost
+    assert report["not_perturbed"] == "rephrasing rejected"  # the pair is counted apart, not scored in the arm
+
+
+def test_numbers_spelled_out_in_the_rephrasing_are_kept_values(generator, tmp_path) -> None:
+    out, report = run(f"{generator.url}/v1", IN_WORDS, tmp_path)
+    assert report["paraphrase"] == "accepted" and "not_perturbed" not in report
+    assert out["messages"][-1]["content"] == IN_WORDS_REPHRASED
 
 
 def test_quotes_wrapping_the_whole_answer_are_removed(generator, tmp_path) -> None:
@@ -125,16 +135,27 @@ def test_unreachable_generator_raises_so_the_pipeline_serves_unperturbed(tmp_pat
 
 def test_value_checks() -> None:
     assert missing_from("Pay $1,200 on 2024-05-01", "On 2024-05-01, pay 1200 dollars") == []
-    assert missing_from("Pay $1,200 now", "Pay twelve hundred now") == ["1200"]
+    assert missing_from("Pay $1,200 now", "Pay twelve hundred now") == []  # seed 001 §2.1: numbers in words
+    assert missing_from("for 5 years", "for five years") == []
+    assert missing_from("sides 5, 4 and 3", "sides five, four and three") == []
+    assert missing_from("sides 5, 4 and 3", "sides five, four and two") == ["3"]
+    assert missing_from("250 dollars", "two hundred and fifty dollars") == []
+    assert added_numbers("for five years", "for 5 years") == []
     assert missing_from("rate of -2.5 per 'unit'", "a -2.5 rate per item") == ['"unit"']
     assert missing_from("Find 'Miami, FL' weather", "Weather for 'Miami, FL'") == []
     assert added_numbers("Book 3 rooms for 2024-05-01", "Reserve 3 rooms on 2024-05-01") == []
-    assert added_numbers("Book three rooms", "Book 3 rooms at 10:30") == ["3", "10", "30"]
+    assert added_numbers("Book three rooms", "Book 3 rooms at 10:30") == ["10", "30"]  # three = 3
 
 
-def test_parameters_are_checked() -> None:
-    with pytest.raises(ValueError):
-        build("paraphrase", {})
+def test_parameters_are_checked(monkeypatch) -> None:
+    monkeypatch.delenv("TOOLQUAKE_GENERATOR_URL", raising=False)
+    monkeypatch.delenv("TOOLQUAKE_GENERATOR_MODEL", raising=False)
+    assert build("paraphrase", {}).params()["generator_url"] == "http://127.0.0.1:8000/v1"  # the default upstream
+    monkeypatch.setenv("TOOLQUAKE_GENERATOR_URL", "http://rephraser:8000/v1")
+    monkeypatch.setenv("TOOLQUAKE_GENERATOR_MODEL", "fixed")
+    params = build("paraphrase", {}).params()  # a fixed rephraser, recorded in the arm's parameters
+    assert (params["generator_url"], params["generator_model"]) == ("http://rephraser:8000/v1", "fixed")
+    assert build("paraphrase", {"generator_url": "http://x/v1"}).params()["generator_url"] == "http://x/v1"
     with pytest.raises(ValueError):
         build("paraphrase", {"generator_url": "localhost:8000"})
     with pytest.raises(ValueError):

@@ -1,0 +1,133 @@
+"""The `rephrased` arm of `@seed001` end to end: `toolquake replay` as a process, the real proxy in it, one fake
+upstream as the model under test (an oracle) and a second one as the fixed rephraser.
+
+What must hold (issue #17, item 3): a rephrasing that keeps its numbers in words is accepted; one that loses a
+value is rejected, the request is sent unchanged, and the pair is counted as not perturbed and kept out of the
+arm's accuracy; the rephrasings are cached, so a second model replayed later sees the same text without the
+rephraser being asked again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, start_fake_upstream
+
+pytestmark = pytest.mark.needs_corpus
+N = 6
+PREFIX = "Kindly tell me this: "
+
+
+def _corpus_present() -> bool:
+    from toolquake.bfcl import corpus
+
+    return corpus.is_present()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    if not _corpus_present():
+        pytest.skip("needs the BFCL corpus: toolquake corpus pull")
+    from toolquake.bfcl.convert import openai_name
+    from toolquake.bfcl.corpus import load_category
+    from toolquake.scorers.mutations import ground_truth_calls
+
+    root = tmp_path_factory.mktemp("rephrased")
+    cases = load_category("multiple")[:N]
+    text = {c.id: c.turns[0][-1]["content"] for c in cases}
+    # the rephraser: seed 001's own example (numbers in words) for multiple_0, a rephrasing that loses the
+    # numbers for multiple_1, a polite prefix for the others
+    rephrasing = {c.id: PREFIX + text[c.id] for c in cases}
+    rephrasing["multiple_0"] = ("What are the dimensions and properties of a triangle whose three sides are five, "
+                                "four and three units long?")
+    rephrasing["multiple_1"] = "Calculate the area of a triangle from the lengths of its sides."
+    gen_script = root / "rephraser.jsonl"
+    gen_script.write_text("".join(json.dumps({"match": text[c.id], "answer": {"text": rephrasing[c.id]}}) + "\n"
+                                  for c in cases))
+    # the model under test answers every original and every rephrasing right, except multiple_2's rephrasing
+    lines = []
+    for c in cases:
+        calls = [{"name": openai_name(g["name"]), "arguments": g["arguments"]} for g in ground_truth_calls(c)]
+        lines.append({"match": text[c.id], "answer": {"calls": calls}})
+        if c.id == "multiple_2":
+            other = next(openai_name(f["name"]) for f in c.functions if openai_name(f["name"]) != calls[0]["name"])
+            calls = [{"name": other, "arguments": calls[0]["arguments"]}]
+        lines.append({"match": rephrasing[c.id], "answer": {"calls": calls}})
+    lines.sort(key=lambda e: -len(e["match"]))  # a rephrasing that contains its original is matched first
+    model_script = root / "model.jsonl"
+    model_script.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = root / "config.toml"
+    config.write_text(f'[profiles.rephrased]\nmode = "perturb"\nperturbers = [{{ name = "paraphrase", params = '
+                      f'{{ cache_dir = "{root / "shared-cache"}" }} }}]\n')
+    gen = start_fake_upstream("--script", str(gen_script))
+    model = start_fake_upstream("--script", str(model_script))
+    yield root, config, gen, model, cases, text, rephrasing
+    gen.stop()
+    model.stop()
+
+
+def replay(out: Path, config: Path, backend: str, gen_url: str, model: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_GENERATOR_URL": gen_url,
+           "TOOLQUAKE_GENERATOR_MODEL": "fixed-rephraser"}
+    done = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", backend,
+                           "--profiles", "off,rephrased", "--config", str(config), "--categories", "multiple",
+                           "--limit", str(N), "--out", str(out), "--model", model, "--concurrency", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def chat_requests(proc) -> list[dict]:
+    return [json.loads(r["body"]) for r in httpx.get(f"{proc.url}/_fake/requests").json()
+            if r["path"].endswith("/chat/completions")]
+
+
+def last_user(body: dict) -> str:
+    return next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+
+
+def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(setup) -> None:
+    root, config, gen, model, cases, text, rephrasing = setup
+    httpx.delete(f"{gen.url}/_fake/requests")
+    httpx.delete(f"{model.url}/_fake/requests")
+    replay(root / "a", config, f"{model.url}/v1", f"{gen.url}/v1", "model-a")
+
+    # what the model under test was sent in the rephrased arm: the perturbed requests themselves
+    sent = [last_user(b) for b in chat_requests(model)]
+    originals, rephrased = set(text.values()), set(rephrasing.values())
+    rephrased_sent = [s for s in sent if s in rephrased and s not in originals]
+    unchanged_ids = [c.id for c in cases if rephrasing[c.id] not in sent]  # the arm sent the original instead
+    assert unchanged_ids == ["multiple_1"]  # lost its numbers: rejected
+    assert rephrasing["multiple_0"] in rephrased_sent  # "5 units" → "five": accepted
+    # every rephraser call asked the fixed model
+    assert {b["model"] for b in chat_requests(gen)} == {"fixed-rephraser"}
+
+    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "a"), "--format", "json"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    arm = json.loads(out)["arms"]["rephrased"]
+    # expected numbers from what was sent: the rephrased requests the oracle answers right, over those sent
+    right = [s for s in rephrased_sent if s != rephrasing["multiple_2"]]
+    assert arm["not_perturbed"] == len(unchanged_ids)
+    assert arm["n"] == len(rephrased_sent)
+    assert arm["accuracy"] == pytest.approx(len(right) / len(rephrased_sent))
+    assert arm["perturbed_share"] == pytest.approx(len(rephrased_sent) / N)
+    assert arm["failed"] == 0
+    assert json.loads(out)["arms"]["off"]["accuracy"] == 1.0
+
+
+def test_a_second_model_sees_the_same_rephrasings_from_the_shared_cache(setup) -> None:
+    root, config, gen, model, cases, text, rephrasing = setup
+    if not (root / "shared-cache").exists():
+        replay(root / "a", config, f"{model.url}/v1", f"{gen.url}/v1", "model-a")
+    httpx.delete(f"{gen.url}/_fake/requests")
+    httpx.delete(f"{model.url}/_fake/requests")
+    replay(root / "b", config, f"{model.url}/v1", f"{gen.url}/v1", "model-b")
+    assert chat_requests(gen) == []  # every rephrasing came from the cache
+    sent = {last_user(b) for b in chat_requests(model) if b["model"] == "model-b"}
+    assert {rephrasing[c.id] for c in cases if c.id != "multiple_1"} <= sent
