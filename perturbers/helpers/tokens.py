@@ -7,7 +7,10 @@
   `{model, messages, tools}` (its chat template applied), falling back to llama.cpp's
   `POST /extras/tokenize/count` with the request rendered as text;
 - `tokenizer:/path/tokenizer.json`: a local Hugging Face `tokenizer.json` through the `tokenizers`
-  library (embeddings extra), applied to the request rendered as text.
+  library (embeddings extra), applied to the request rendered as text;
+- `auto`: `upstream` when the backend answers a probe count (vLLM, llama.cpp, the embedded backend), else
+  `estimate` with a warning logged and `fallback` set on the counter saying why (replay's default: seed
+  003's budgets are meant in the model's own tokens).
 
 Every counter says which source it is (`source`) so runs and metrics can report it, and carries a
 `key` that names it exactly (used to cache counts of pool tools). `count_tool` is the cost of one
@@ -89,6 +92,8 @@ class EstimateCounter:
 
     source = "estimate"
     key = "estimate"
+    #: why this estimate stands in for the backend's tokenizer (token_counter 'auto'), else None
+    fallback: str | None = None
 
     def count_text(self, text: str) -> int:
         total = 0
@@ -225,15 +230,39 @@ class UpstreamCounter:
         self._client.close()
 
 
+def auto_counter(upstream: str) -> TokenCounter:
+    """The backend's tokenizer when it answers a probe count, else the estimate, loudly: a warning is logged
+    and the returned counter's `fallback` says why (callers print it; reports name `source`)."""
+    counter = UpstreamCounter(upstream)
+    try:
+        counter.count_text("probe")
+        return counter
+    except TokenCountError as exc:
+        counter.close()
+        import logging
+
+        estimate = EstimateCounter()
+        estimate.fallback = (f"the backend at {upstream} offers no tokenizer ({exc}); token budgets are counted "
+                             "with the estimate, which over-counts real tokens 1.17-1.5x")
+        logging.getLogger("toolquake.tokens").warning("token_counter auto: %s", estimate.fallback)
+        return estimate
+
+
 def make_counter(spec: str, upstream: str | None = None) -> TokenCounter:
     """The counter named by `[server] token_counter`: 'estimate', 'upstream' (needs `upstream`, the
-    backend's API base URL) or 'tokenizer:/path/tokenizer.json'."""
+    backend's API base URL), 'auto' (upstream when the backend can count, else the estimate) or
+    'tokenizer:/path/tokenizer.json'."""
     if spec == "estimate":
         return EstimateCounter()
+    if spec == "auto":
+        if not upstream:
+            raise ValueError("token_counter 'auto' needs the upstream URL ([server] upstream)")
+        return auto_counter(upstream)
     if spec == "upstream":
         if not upstream:
             raise ValueError("token_counter 'upstream' needs the upstream URL ([server] upstream)")
         return UpstreamCounter(upstream)
     if spec.startswith("tokenizer:"):
         return TokenizerCounter(spec[len("tokenizer:"):])
-    raise ValueError(f"unknown token_counter {spec!r} (use 'estimate', 'upstream' or 'tokenizer:/path/tokenizer.json')")
+    raise ValueError(f"unknown token_counter {spec!r} (use 'estimate', 'upstream', 'auto' or "
+                     "'tokenizer:/path/tokenizer.json')")

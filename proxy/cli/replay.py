@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
-            progress=not args.no_progress)
+            progress=not args.no_progress, token_counter=args.token_counter)
         summary = run(options)
     except ReplayError as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
@@ -98,5 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fail-open", action="store_true",
                    help="serve a pair unperturbed when a perturber fails (default: strict — the pair is recorded "
                         "as failed and retried on the next run, so no arm silently mixes in unperturbed answers)")
+    p.add_argument("--token-counter", default="auto",
+                   help="how the in-process proxy counts tokens for budgets (pad-*, long_*): 'auto' (default: the "
+                        "backend's own tokenizer via /tokenize when it offers one, else the estimate with a warning), "
+                        "'upstream', 'estimate' or 'tokenizer:/path/tokenizer.json'; the source used is recorded in "
+                        "the results file")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)

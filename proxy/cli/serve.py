@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "default: the packaged example profiles)")
     serve.add_argument("--default-profile", help="profile for requests that name none (env "
                        "TOOLQUAKE_DEFAULT_PROFILE; default 'off')")
-    serve.add_argument("--token-counter", help="'estimate', 'upstream' or 'tokenizer:/path/tokenizer.json' "
+    serve.add_argument("--token-counter", help="'estimate', 'upstream', 'auto' or 'tokenizer:/path/tokenizer.json' "
                        "(env TOOLQUAKE_TOKEN_COUNTER)")
     serve.add_argument("--corpus", metavar="DIR", help="where the BFCL corpus is: a toolquake cache dir or the "
                        "data dir `toolquake corpus path` prints ([scoring] corpus; default: the pull cache)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.scorers.aggregate import ratio
@@ -82,46 +82,81 @@ def _quantile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
-    """{model: {profile: {"requests", "sources": {source: n}, "tools_added", "cosine": {min, p25, median, p75,
-    max}, "twins_skipped", "below_band"}}} from what toolkit_expansion reported on each scored pair."""
-    acc: dict[tuple[str, str], dict[str, Any]] = {}
+def step_reports(res: Results, perturber: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(model, profile, report) of every step of `perturber` applied to a scored pair, read from the files."""
     for path in res.sources:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
-            for profile, text in db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' "
-                                            "AND perturbers LIKE '%toolkit_expansion%'"):
-                applied = (json.loads(text) or {}).get("applied")
-                for step in applied if isinstance(applied, list) else []:
-                    if step.get("name") != "toolkit_expansion":
-                        continue
-                    report = step.get("report") or {}
-                    a = acc.setdefault((model, profile), {"requests": 0, "sources": Counter(), "cosines": [],
-                                                          "twins_skipped": 0, "below_band": 0})
-                    a["requests"] += 1
-                    a["sources"][str(report.get("source", "unknown"))] += 1
-                    a["cosines"] += [float(x) for x in report.get("max_cosine_to_original") or []]
-                    a["twins_skipped"] += int(report.get("twins_skipped") or 0)
-                    a["below_band"] += int(report.get("below_band") or 0)
+            rows = db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' AND perturbers LIKE ?",
+                              (f"%{perturber}%",)).fetchall()
         except sqlite3.DatabaseError:
             continue
         finally:
             db.close()
+        for profile, text in rows:
+            applied = (json.loads(text) or {}).get("applied")
+            for step in applied if isinstance(applied, list) else []:
+                if step.get("name") == perturber:
+                    yield model, profile, step.get("report") or {}
+
+
+def _spread(values: list[float], digits: int = 4) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {k: round(_quantile(values, q), digits) for k, q in
+            (("min", 0.0), ("p25", 0.25), ("median", 0.5), ("p75", 0.75), ("max", 1.0))}
+
+
+def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"requests", "sources": {source: n}, "tools_added", "cosine": {min, p25, median, p75,
+    max}, "twins_skipped", "below_band"}}} from what toolkit_expansion reported on each scored pair."""
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    for model, profile, report in step_reports(res, "toolkit_expansion"):
+        a = acc.setdefault((model, profile), {"requests": 0, "sources": Counter(), "cosines": [],
+                                              "twins_skipped": 0, "below_band": 0})
+        a["requests"] += 1
+        a["sources"][str(report.get("source", "unknown"))] += 1
+        a["cosines"] += [float(x) for x in report.get("max_cosine_to_original") or []]
+        a["twins_skipped"] += int(report.get("twins_skipped") or 0)
+        a["below_band"] += int(report.get("below_band") or 0)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), a in acc.items():
         cos = a.pop("cosines")
         a["sources"] = dict(a["sources"])
         a["tools_added"] = len(cos)
-        a["cosine"] = ({k: round(_quantile(cos, q), 4) for k, q in
-                        (("min", 0.0), ("p25", 0.25), ("median", 0.5), ("p75", 0.75), ("max", 1.0))} if cos else None)
+        a["cosine"] = _spread(cos)
         out.setdefault(model, {})[profile] = a
+    return out
+
+
+def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"requests", "budget_tokens", "token_counter": {source: n}, "tokens_after": spread,
+    "tools_after": spread}}}: the tokens each catalog_padding arm actually reached, by the counter it used."""
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    for model, profile, report in step_reports(res, "catalog_padding"):
+        a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [], "tools": []})
+        a["requests"] += 1
+        a["token_counter"][str(report.get("token_counter", "unknown"))] += 1
+        if isinstance(report.get("tokens_after"), int):
+            a["tokens"].append(float(report["tokens_after"]))
+        if isinstance(report.get("tools_after"), int):
+            a["tools"].append(float(report["tools_after"]))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (model, profile), a in acc.items():
+        spec = res.arms.get((model, profile), {}).get("perturbers") or []
+        budget = next((p.get("params", {}).get("budget_tokens") for p in spec if p.get("name") == "catalog_padding"),
+                      None)
+        out.setdefault(model, {})[profile] = {
+            "requests": a["requests"], "budget_tokens": budget, "token_counter": dict(a["token_counter"]),
+            "tokens_after": _spread(a["tokens"], 0), "tools_after": _spread(a["tools"], 1)}
     return out
 
 
 def sections(res: Results, baseline: str) -> dict[str, Any]:
     """The summary's keys for these measures (`toolquake report --format json`)."""
-    return {"caused_errors": caused_failures(res, baseline), "expansion": expansion_stats(res)}
+    return {"caused_errors": caused_failures(res, baseline), "expansion": expansion_stats(res),
+            "padding": padding_stats(res)}
 
 
 def _share(x: float | None) -> str:
@@ -159,4 +194,17 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
                     ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
                      "twins skipped", "below band"], rows))
+    rows = []
+    for model, arms in (summary.get("padding") or {}).items():
+        for p, a in arms.items():
+            tok, tools = a["tokens_after"] or {}, a["tools_after"] or {}
+            counters = ", ".join(f"{s} {n}" for s, n in a["token_counter"].items())
+            rows.append([model, p, str(a["budget_tokens"] or ""), counters,
+                         str(a["requests"]), *(f"{tok[k]:.0f}" if k in tok else "" for k in ("min", "median", "max")),
+                         f"{tools['median']:.0f}" if tools else ""])
+    if rows:
+        out.append(("Catalog padding: the tokens each arm reached (by the counter used; `estimate` over-counts real "
+                    "tokens, so its budgets are smaller in the model's tokens) and the tools in the catalog",
+                    ["model", "profile", "budget", "token counter", "requests", "tokens min", "tokens median",
+                     "tokens max", "tools median"], rows))
     return out

@@ -64,6 +64,9 @@ class Options:
     semantic: bool = False
     fail_open: bool = False
     progress: bool = True
+    #: the in-process proxy's token counter: 'auto' (the backend's tokenizer when it has one, else the
+    #: estimate with a warning), or any `[server] token_counter` value; None: the config's
+    token_counter: str | None = "auto"
 
 
 @dataclass
@@ -130,7 +133,8 @@ def prepare(options: Options) -> tuple[Any, list[str], list[Any]]:
 
     try:
         config = load_config(options.config or os.environ.get("TOOLQUAKE_CONFIG") or None,
-                             overrides={"upstream": options.backend, "read_timeout": options.timeout})
+                             overrides={"upstream": options.backend, "read_timeout": options.timeout,
+                                        "token_counter": options.token_counter})
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
     known = ["off", *config.profiles]
@@ -286,6 +290,8 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
                           "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
         trials = max(options.trials, int(results.meta().get("trials") or 1))
         results.set_meta({"trials": str(trials)})
+        if not options.proxy:
+            results.set_meta({"token_counter": _token_counter(config, say)})
         done = results.scored_pairs()
         pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
         summary = Summary(path=results.path, model=model, arms=arms,
@@ -320,6 +326,24 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         return summary
     finally:
         results.close()
+
+
+def _token_counter(config: Any, say: Callable[[str], None]) -> str:
+    """The source the in-process proxy counts tokens with (what budgets mean in this run); a warning when
+    `auto` found no tokenizer at the backend."""
+    from toolquake.perturbers.helpers.tokens import make_counter
+
+    try:
+        counter = make_counter(config.server.token_counter, config.server.upstream)
+    except (ValueError, OSError) as exc:
+        raise ReplayError(f"token counter: {exc}") from None
+    fallback = getattr(counter, "fallback", None)
+    if fallback:
+        say(f"replay: WARNING: {fallback}. Token budgets (pad-*, long_*) are then smaller in the model's own "
+            "tokens than their names say; the report gives the tokens each arm reached.")
+    if hasattr(counter, "close"):
+        counter.close()
+    return counter.source
 
 
 def _changes_expectation(config: Any, profile: str) -> bool:

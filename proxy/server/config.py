@@ -81,7 +81,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     warm_up: bool = False
     #: models that get their own `model` label in metrics; anything else is counted as "other"
     model_allowlist: list[str] = []
-    #: "estimate" | "upstream" | "tokenizer:/path/tokenizer.json"
+    #: "estimate" | "upstream" | "auto" (upstream when the backend can count, else estimate, loudly) |
+    #: "tokenizer:/path/tokenizer.json"
     token_counter: str = "estimate"
     #: log message contents (debug only; never Authorization or keys)
     log_contents: bool = False

