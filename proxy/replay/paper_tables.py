@@ -46,12 +46,13 @@ def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
 def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"n", "classes": {class: share}, "fine": {type: share}, "counts", "fine_counts"}}} over
     the cases scored in both the baseline and the arm, valid in the baseline and invalid in the arm."""
-    base = {(r.model, r.case_id): r for r in res.rows if r.profile == baseline and r.status == "scored"}
+    base = {(r.model, r.case_id, getattr(r, "trial", 0)): r for r in res.rows
+            if r.profile == baseline and r.status == "scored"}
     counts: dict[tuple[str, str], tuple[Counter[str], Counter[str]]] = defaultdict(lambda: (Counter(), Counter()))
     for r in res.rows:
         if r.profile == baseline or r.status != "scored" or r.valid:
             continue
-        b = base.get((r.model, r.case_id))
+        b = base.get((r.model, r.case_id, getattr(r, "trial", 0)))
         if b is None or not b.valid:
             continue
         fine = r.taxonomy or "unclassified"
