@@ -73,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--categories", default="multiple",
                    help="comma-separated BFCL categories: single-turn ones, or multi-turn ones (multi_turn_base, "
                         "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context: whole conversations "
-                        "against the API simulators, see docs/multiturn.md) (default: multiple)")
+                        "against the API simulators, see docs/multiturn.md), or format_sensitivity (BFCL V4's 200-case "
+                        "format-sensitivity selection, for @seed002) (default: multiple)")
     p.add_argument("--limit", type=int, default=None, help="only the first N cases of each category (file order)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--model", help="model name to send (default: the first model the backend lists)")

@@ -154,10 +154,50 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def sections(res: Results, baseline: str) -> dict[str, Any]:
+def _arms_with(data: dict[str, Any], perturber: str) -> dict[str, dict[str, Any]]:
+    return {p: arm for p, arm in data["arms"].items()
+            if any(s.get("name") == perturber for s in arm.get("perturbers") or [])}
+
+
+def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """BFCL's per-model statistics over the format configurations (arms with format_rewrite): `max_delta` =
+    (max − min) accuracy in points, `std` = sample standard deviation in points, `variance` in points²,
+    rounded to 2 decimals as BFCL prints them (bfcl-spec §4.6)."""
+    import statistics
+
+    out = {}
+    for model, data in summary["models"].items():
+        accs = [a["accuracy"] for a in _arms_with(data, "format_rewrite").values() if a["accuracy"] is not None]
+        if len(accs) < 2:
+            continue
+        out[model] = {"configs": len(accs), "max_delta": round((max(accs) - min(accs)) * 100, 2),
+                      "std": round(statistics.stdev(accs) * 100, 2),
+                      "variance": round(statistics.variance(accs) * 10000, 2)}
+    return out
+
+
+def padding_extremes(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 003 Table 1: per model and category, the best (Max) and worst (Min) accuracy over the catalog-padding
+    arms (budgets × positions), the arms that gave them, and `deg` = (Max − Min) in points."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model, data in summary["models"].items():
+        per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        for p, arm in _arms_with(data, "catalog_padding").items():
+            for cat, numbers in arm["by_category"].items():
+                if numbers["accuracy"] is not None:
+                    per_cat[cat].append((numbers["accuracy"], p))
+        for cat, values in sorted(per_cat.items()):
+            hi, lo = max(values), min(values)
+            out.setdefault(model, {})[cat] = {"max": hi[0], "max_arm": hi[1], "min": lo[0], "min_arm": lo[1],
+                                              "deg": round((hi[0] - lo[0]) * 100, 2), "arms": len(values)}
+    return out
+
+
+def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, Any]:
     """The summary's keys for these measures (`toolquake report --format json`)."""
     return {"caused_errors": caused_failures(res, baseline), "expansion": expansion_stats(res),
-            "padding": padding_stats(res)}
+            "padding": padding_stats(res), "padding_extremes": padding_extremes(summary),
+            "format_sensitivity": format_sensitivity(summary)}
 
 
 def _share(x: float | None) -> str:
@@ -195,6 +235,18 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
                     ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
                      "twins skipped", "below band"], rows))
+    rows = [[model, cat, f"{e['max']:.3f}", e["max_arm"], f"{e['min']:.3f}", e["min_arm"], f"{e['deg']:.2f}",
+             str(e["arms"])]
+            for model, cats in (summary.get("padding_extremes") or {}).items() for cat, e in cats.items()]
+    if rows:
+        out.append(("Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per category, and the "
+                    "degradation (Max − Min, in points)",
+                    ["model", "category", "Max", "Max arm", "Min", "Min arm", "% Deg.", "arms"], rows))
+    rows = [[model, str(f["configs"]), f"{f['max_delta']:.2f}", f"{f['std']:.2f}", f"{f['variance']:.2f}"]
+            for model, f in (summary.get("format_sensitivity") or {}).items()]
+    if rows:
+        out.append(("Format sensitivity (BFCL V4 / seed 002): spread of accuracy over the format configurations",
+                    ["model", "configurations", "max delta (points)", "std (points)", "variance"], rows))
     rows = []
     for model, arms in (summary.get("padding") or {}).items():
         for p, a in arms.items():

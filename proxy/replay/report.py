@@ -270,7 +270,7 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
                "duplicates": res.duplicates,
                "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
     summary.update(families=families.family_numbers(summary), recovery=families.recovery_numbers(res))
-    summary.update(paper_tables.sections(res, baseline))
+    summary.update(paper_tables.sections(res, baseline, summary))
     return summary
 
 

@@ -14,7 +14,7 @@ PRESETS: dict[str, list[str]] = {
     "seed001": ["off", "rephrased", "expanded"],
     # seed 003 challenge 1: catalog padded to 5 budgets × 5 positions of the original tools
     "seed003": ["off", "pad-*"],
-    # seed 002: the 26 format configurations of BFCL V4 format sensitivity
+    # seed 002: the 26 format configurations of BFCL V4 format sensitivity (run it on `format_sensitivity`)
     "seed002": ["fmt-*"],
     "tool_order": ["off", "shuffled", "reversed"],
     "tool_removal": ["off", "no-target-tool", "random-tool-removed"],
@@ -73,17 +73,34 @@ def _match(pattern: str, known: list[str], asked: str) -> list[str]:
     return [pattern]
 
 
+#: BFCL V4's format-sensitivity selection (seed 002's case mix): its 200 original cases, as BFCL selects them
+FORMAT_SENSITIVITY = "format_sensitivity"
+
+
+def format_sensitivity_cases() -> list[Any]:
+    """The 200 cases of `BFCL_v4_format_sensitivity.json` in BFCL's order: its categories in key order, each
+    category's listed entries in file order (not list order)."""
+    from toolquake.bfcl.corpus import format_sensitivity_ids, load_category
+
+    out: list[Any] = []
+    for category, ids in format_sensitivity_ids().items():
+        wanted = set(ids)
+        out.extend(c for c in load_category(category) if c.id in wanted)
+    return out
+
+
 def select_cases(categories: list[str], limit: int | None, shard: tuple[int, int] | None) -> list[Any]:
-    """The first `limit` cases of each category (file order), then every N-th from index I for a shard."""
+    """The first `limit` cases of each category (file order), then every N-th from index I for a shard.
+    `format_sensitivity` stands for BFCL's 200-case format-sensitivity selection (original ids and categories)."""
     from toolquake.bfcl.corpus import MULTI_TURN_CATEGORIES, load_category
     from toolquake.proxy.live.resolver import scorable_categories
 
-    allowed = scorable_categories() + MULTI_TURN_CATEGORIES  # multi-turn: proxy/multiturn.py
+    allowed = scorable_categories() + MULTI_TURN_CATEGORIES + (FORMAT_SENSITIVITY,)  # multi-turn: proxy/multiturn.py
     cases: list[Any] = []
     for name in categories:
         if name not in allowed:
             raise ReplayError(f"category {name!r} cannot be replayed (categories: {', '.join(allowed)})")
-        items = load_category(name)
+        items = format_sensitivity_cases() if name == FORMAT_SENSITIVITY else load_category(name)
         cases.extend(items if limit is None else items[:limit])
     if shard is not None:
         index, count = shard

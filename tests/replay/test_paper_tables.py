@@ -34,6 +34,15 @@ def report_json(path) -> dict:
     return json.loads(out)
 
 
+def write(path, arms: dict, records: list[Record]) -> None:
+    f = ResultsFile(path)
+    f.claim("m1", "http://backend/v1")
+    f.register_arms(arms)
+    for rec in records:
+        f.record(rec)
+    f.close()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """120 cases × 3 arms with random verdicts; each expanded pair records what toolkit_expansion reported."""
@@ -55,12 +64,7 @@ def run(tmp_path_factory):
                 perturbers = {"applied": [{"name": "toolkit_expansion", "params": {"k": 3}, "report": report}]}
             records.append(Record(case, p, "multiple", "scored", valid=valid,
                                   taxonomy=None if valid else rng.choice(NINE), perturbers=perturbers))
-    f = ResultsFile(path)
-    f.claim("m1", "http://backend/v1")
-    f.register_arms(ARMS)
-    for rec in records:
-        f.record(rec)
-    f.close()
+    write(path, ARMS, records)
     return path, records
 
 
@@ -110,3 +114,61 @@ def test_expansion_distribution_is_read_from_what_each_request_reported(run) -> 
     assert got["cosine"]["p25"] == pytest.approx(statistics.quantiles(cosines, n=4, method="inclusive")[0], abs=1e-4)
     assert got["twins_skipped"] == sum(rep["twins_skipped"] for rep in reports)
     assert got["below_band"] == sum(rep["below_band"] for rep in reports)
+
+
+def _pad(budget: int, position: float) -> dict:
+    return {"mode": "perturb", "perturbers": [{"name": "catalog_padding", "params": {"budget_tokens": budget,
+                                                                                     "position": position},
+                                               "probability": 1.0}]}
+
+
+def _fmt(ret: str) -> dict:
+    return {"mode": "perturb", "perturbers": [{"name": "format_rewrite", "params": {"return_format": ret},
+                                               "probability": 1.0}]}
+
+
+def test_seed_003_extremes_and_bfcl_format_statistics_are_recomputed_from_the_verdicts(tmp_path) -> None:
+    rng = random.Random(5)
+    arms = {"off": {"mode": "off", "perturbers": []}, "pad-8k-p10": _pad(8192, 0.1), "pad-8k-p90": _pad(8192, 0.9),
+            "pad-32k-p50": _pad(32768, 0.5), "fmt-a": _fmt("python"), "fmt-b": _fmt("json"),
+            "fmt-c": _fmt("verbose_xml")}
+    records = [Record(f"{cat}_{i}", p, cat, "scored", valid=rng.random() < 0.3 + 0.1 * j,
+                      taxonomy=None)
+               for cat in ("simple_python", "multiple") for i in range(25) for j, p in enumerate(arms)]
+    for r in records:
+        r.taxonomy = None if r.valid else "wrong_function"
+    path = tmp_path / "replay.sqlite"
+    write(path, arms, records)
+    got = report_json(path)
+
+    def acc(profile: str, cat: str | None = None) -> float:
+        mine = [r.valid for r in records if r.profile == profile and (cat is None or r.category == cat)]
+        return sum(mine) / len(mine)
+
+    pads = [p for p in arms if p.startswith("pad-")]
+    for cat in ("simple_python", "multiple"):
+        values = {p: acc(p, cat) for p in pads}
+        e = got["padding_extremes"]["m1"][cat]
+        assert e["max"] == pytest.approx(max(values.values())) and e["min"] == pytest.approx(min(values.values()))
+        assert values[e["max_arm"]] == pytest.approx(e["max"]) and values[e["min_arm"]] == pytest.approx(e["min"])
+        assert e["deg"] == pytest.approx(round((max(values.values()) - min(values.values())) * 100, 2))
+    fmts = [acc(p) for p in ("fmt-a", "fmt-b", "fmt-c")]
+    fs = got["format_sensitivity"]["m1"]
+    assert fs["configs"] == 3
+    assert fs["max_delta"] == pytest.approx(round((max(fmts) - min(fmts)) * 100, 2))
+    assert fs["std"] == pytest.approx(round(statistics.stdev(fmts) * 100, 2))
+
+
+@pytest.mark.needs_corpus
+def test_format_sensitivity_selects_bfcls_200_cases_in_bfcls_order() -> None:
+    from toolquake.bfcl import corpus
+    from toolquake.proxy.replay.selection import select_cases
+
+    if not corpus.is_present():
+        pytest.skip("needs the BFCL corpus: toolquake corpus pull")
+    listed = json.loads((corpus.data_dir() / "BFCL_v4_format_sensitivity.json").read_text())
+    cases = select_cases(["format_sensitivity"], None, None)
+    assert len(cases) == sum(len(v) for v in listed.values()) == 200
+    expected = [c.id for cat, ids in listed.items() for c in corpus.load_category(cat) if c.id in set(ids)]
+    assert [c.id for c in cases] == expected  # key order, then file order within a category
+    assert [c.id for c in select_cases(["format_sensitivity"], None, (1, 4))] == expected[1::4]
