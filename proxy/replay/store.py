@@ -147,10 +147,16 @@ class ResultsFile:
         return set(self.db.execute("SELECT case_id, profile, trial FROM results WHERE status = 'scored'").fetchall())
 
     def tallies(self) -> dict[str, tuple[int, int]]:
-        """profile → (scored, valid)."""
-        rows = self.db.execute("SELECT profile, COUNT(*), SUM(valid) FROM results WHERE status = 'scored' "
-                               "GROUP BY profile").fetchall()
-        return {p: (n, int(v or 0)) for p, n, v in rows}
+        """profile → (scored, valid), pairs left unperturbed on purpose not counted (as in the report)."""
+        from toolquake.proxy.replay.paper_tables import row_status
+
+        out: dict[str, tuple[int, int]] = {}
+        for p, valid, perturbers in self.db.execute("SELECT profile, valid, perturbers FROM results "
+                                                    "WHERE status = 'scored'"):
+            if row_status("scored", perturbers) == "scored":
+                n, v = out.get(p, (0, 0))
+                out[p] = (n + 1, v + int(bool(valid)))
+        return out
 
     def record(self, rec: Record) -> None:
         """Commit one (case, profile, trial). A scored row is final; an error row is replaced by the next attempt."""

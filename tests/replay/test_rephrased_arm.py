@@ -73,7 +73,8 @@ def setup(tmp_path_factory):
     model.stop()
 
 
-def replay(out: Path, config: Path, backend: str, gen_url: str, model: str) -> None:
+def replay(out: Path, config: Path, backend: str, gen_url: str, model: str) -> dict[str, int]:
+    """Run the replay; returns the scored pairs per arm from the table it prints."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_GENERATOR_URL": gen_url,
            "TOOLQUAKE_GENERATOR_MODEL": "fixed-rephraser"}
     done = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", backend,
@@ -81,6 +82,7 @@ def replay(out: Path, config: Path, backend: str, gen_url: str, model: str) -> N
                            "--limit", str(N), "--out", str(out), "--model", model, "--concurrency", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    return {line.split()[0]: int(line.split()[1]) for line in done.stdout.splitlines()[1:] if line.strip()}
 
 
 def chat_requests(proc) -> list[dict]:
@@ -96,7 +98,7 @@ def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(set
     root, config, gen, model, cases, text, rephrasing = setup
     httpx.delete(f"{gen.url}/_fake/requests")
     httpx.delete(f"{model.url}/_fake/requests")
-    replay(root / "a", config, f"{model.url}/v1", f"{gen.url}/v1", "model-a")
+    printed = replay(root / "a", config, f"{model.url}/v1", f"{gen.url}/v1", "model-a")
 
     # what the model under test was sent in the rephrased arm: the perturbed requests themselves
     sent = [last_user(b) for b in chat_requests(model)]
@@ -118,6 +120,7 @@ def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(set
     assert arm["accuracy"] == pytest.approx(len(right) / len(rephrased_sent))
     assert arm["perturbed_share"] == pytest.approx(len(rephrased_sent) / N)
     assert arm["failed"] == 0
+    assert printed == {"off": N, "rephrased": len(rephrased_sent)}  # the replay's own table agrees
     assert json.loads(out)["arms"]["off"]["accuracy"] == 1.0
     # the in-process proxy counted tokens with the backend's tokenizer (the fake serves /tokenize), and says so
     import sqlite3
