@@ -35,6 +35,20 @@ Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (n
 one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200 with an event-stream
 content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its final event).
 
+Broken tool-call shapes (`X-Fake-Broken: a,b`, for the conformance checker; docs/conformance.md names the
+rule each one breaks): `no-index` (stream deltas without `index`), `no-id`, `no-type`, `no-name` (the
+first delta, or the call, lacks it; streamed, the name comes in the second delta), `repeat-id-name`
+(every argument delta sends id and name again), `same-index` (parallel calls all at index 0),
+`args-invalid` (arguments cut short), `args-object` (arguments as a JSON object), `empty-args` (arguments
+""), `finish-stop` (calls with `finish_reason: "stop"`), `finish-tool-calls` (text with
+`finish_reason: "tool_calls"`), `bad-chunk` (a data payload that is not JSON). Responses: `no-id` (no
+`call_id`), `no-name`, `args-invalid`, `empty-args`, `bad-chunk`, `done-mismatch` (`arguments.done` and
+the final response disagree with the deltas), `unknown-item` (argument deltas for an output_index and
+item_id never opened). A call left in the text needs no knob: `X-Fake-Answer: {"text": "<tool_call>…"}`.
+
+`X-Fake-Seq: N` makes the ids and timestamps of the answer N instead of a counter and the clock, so two
+requests with the same headers get the same bytes (direct and through the proxy, to compare them).
+
 Introspection for tests: every request is recorded (last 2,000); `GET /_fake/requests` returns
 them (`?tag=X` filters on the `X-Test-Tag` header); `DELETE /_fake/requests` clears.
 """
@@ -205,8 +219,8 @@ def choose_answer(
     return {"text": "Hello from the fake upstream."}
 
 
-def completion(answer: dict[str, Any], model: str) -> dict[str, Any]:
-    n = next(_ids)
+def completion(answer: dict[str, Any], model: str, seq: str | None = None) -> dict[str, Any]:
+    n = int(seq) if seq else next(_ids)
     message: dict[str, Any] = {"role": "assistant", "content": answer.get("text")}
     finish = "stop"
     if answer.get("calls"):
@@ -225,7 +239,7 @@ def completion(answer: dict[str, Any], model: str) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-fake-{n}",
         "object": "chat.completion",
-        "created": int(time.time()),
+        "created": n if seq else int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
@@ -263,6 +277,115 @@ def stream_frames(resp: dict[str, Any], piece: int = 8) -> list[bytes]:
             out.append(frame({"tool_calls": [{"index": n, "function": {"arguments": args[i : i + piece]}}]}))
     out.append(frame({}, resp["choices"][0]["finish_reason"]))
     out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def break_completion(resp: dict[str, Any], shapes: set[str], stream: bool) -> dict[str, Any]:
+    """The answer with the broken shapes a complete chat answer can have (`X-Fake-Broken`); a stream's late
+    name is `broken_stream_frames`' work."""
+    choice = resp["choices"][0]
+    for tc in choice["message"].get("tool_calls") or []:
+        if "no-id" in shapes:
+            tc.pop("id")
+        if "no-type" in shapes:
+            tc.pop("type")
+        if "no-name" in shapes and not stream:
+            tc["function"].pop("name")
+        if "args-invalid" in shapes:
+            tc["function"]["arguments"] = tc["function"]["arguments"][:-1]
+        if "empty-args" in shapes:
+            tc["function"]["arguments"] = ""
+        if "args-object" in shapes:
+            tc["function"]["arguments"] = _dec(tc["function"]["arguments"] or "{}")
+    if "finish-stop" in shapes:
+        choice["finish_reason"] = "stop"
+    if "finish-tool-calls" in shapes:
+        choice["finish_reason"] = "tool_calls"
+    return resp
+
+
+def broken_stream_frames(resp: dict[str, Any], shapes: set[str], piece: int = 8) -> list[bytes]:
+    """`stream_frames` with the broken shapes of `X-Fake-Broken` (the answer already broken by break_completion,
+    except the stream-only shapes)."""
+    base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"], "model": resp["model"]}
+    msg = resp["choices"][0]["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    text = msg.get("content") or ""
+    deltas += [{"content": text[i : i + piece]} for i in range(0, len(text), piece)]
+    for n, tc in enumerate(msg.get("tool_calls") or []):
+        index = 0 if "same-index" in shapes else n
+        fn = tc["function"]
+        first = {"index": index, "id": tc.get("id"), "type": tc.get("type"),
+                 "function": {"name": fn["name"], "arguments": ""}}
+        for key in ("id", "type"):
+            if first[key] is None:
+                first.pop(key)
+        later: list[dict[str, Any]] = []
+        if "no-name" in shapes:  # the name comes late, in the second delta
+            first["function"].pop("name")
+            later.append({"index": index, "function": {"name": fn["name"]}})
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            for i in range(0, len(args), piece):
+                later.append({"index": index, "function": {"arguments": args[i : i + piece]}})
+        else:
+            first["function"]["arguments"] = args
+        if "repeat-id-name" in shapes:
+            for d in later:
+                d["id"] = tc.get("id")
+                d["function"]["name"] = fn.get("name")
+        deltas += [{"tool_calls": [d]} for d in [first, *later]]
+    if "no-index" in shapes:
+        for d in deltas:
+            for tc in d.get("tool_calls") or []:
+                tc.pop("index", None)
+
+    def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return b"data: " + _enc({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+    out = [frame(d) for d in deltas]
+    if "bad-chunk" in shapes:
+        out.insert(1, b"data: {not json\n\n")
+    out.append(frame({}, resp["choices"][0]["finish_reason"]))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def break_response(resp: dict[str, Any], shapes: set[str]) -> dict[str, Any]:
+    """A Responses object with the broken shapes of `X-Fake-Broken` (its calls)."""
+    for item in resp["output"]:
+        if item["type"] != "function_call":
+            continue
+        if "no-id" in shapes:
+            item.pop("call_id")
+        if "no-name" in shapes:
+            item.pop("name")
+        if "args-invalid" in shapes:
+            item["arguments"] = item["arguments"][:-1]
+        if "empty-args" in shapes:
+            item["arguments"] = ""
+    return resp
+
+
+def broken_response_events(resp: dict[str, Any], shapes: set[str]) -> list[bytes]:
+    """`response_events` with the stream-only broken shapes of `X-Fake-Broken`."""
+    frames = response_events(resp)
+    out = []
+    for f in frames:
+        head, _, data = f.partition(b"data: ")
+        event = _dec(data)
+        kind = event["type"]
+        if "unknown-item" in shapes and kind.startswith("response.function_call_arguments."):
+            event.update(output_index=99, item_id="fc_never_opened")
+        if "done-mismatch" in shapes and kind == "response.function_call_arguments.done":
+            event["arguments"] = event["arguments"] + " "
+        if "done-mismatch" in shapes and kind == "response.completed":
+            for item in event["response"]["output"]:
+                if item.get("type") == "function_call":
+                    item["arguments"] = " " + item["arguments"]
+        out.append(head + b"data: " + _enc(event) + b"\n\n")
+    if "bad-chunk" in shapes:
+        out.insert(1, b"event: response.in_progress\ndata: {not json\n\n")
     return out
 
 
@@ -387,9 +510,13 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
             headers.get("x-fake-agent"),
         ), body, headers.get("x-fake-flaky")),
         body.get("model") or MODEL,
+        headers.get("x-fake-seq"),
     )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
+    shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
+    if shapes:
+        resp = break_completion(resp, shapes, bool(body.get("stream")))
     if not body.get("stream"):
         data = _enc(resp)
         if kind == "cut-stream":  # the body stops halfway and the connection drops
@@ -415,7 +542,7 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
                 await asyncio.sleep(float(arg) / 1000)
             return await send({"type": "http.response.body", "body": b""})
         return await _send(send, 200, data)
-    frames = stream_frames(resp)
+    frames = broken_stream_frames(resp, shapes) if shapes else stream_frames(resp)
     if kind == "no-done":
         frames = frames[:-1]
     elif kind == "empty-stream":
@@ -467,8 +594,8 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     return {"messages": messages, "tools": tools, "tool_choice": choice}
 
 
-def response_object(answer: dict[str, Any], model: str) -> dict[str, Any]:
-    n = next(_ids)
+def response_object(answer: dict[str, Any], model: str, seq: str | None = None) -> dict[str, Any]:
+    n = int(seq) if seq else next(_ids)
     output: list[dict[str, Any]] = []
     if answer.get("text"):
         output.append(
@@ -495,7 +622,7 @@ def response_object(answer: dict[str, Any], model: str) -> dict[str, Any]:
     return {
         "id": f"resp_fake_{n}",
         "object": "response",
-        "created_at": int(time.time()),
+        "created_at": n if seq else int(time.time()),
         "model": model,
         "status": "completed",
         "output": output,
@@ -566,12 +693,16 @@ async def _responses(raw: bytes, headers: dict[str, str], kind: str, arg: str, s
             headers.get("x-fake-agent"),
         ), chat, headers.get("x-fake-flaky")),
         body.get("model") or MODEL,
+        headers.get("x-fake-seq"),
     )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "resp_broken", "output": [')
+    shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
+    if shapes:
+        resp = break_response(resp, shapes)
     if not body.get("stream"):
         return await _send(send, 200, _enc(resp))
-    frames = response_events(resp, final=kind != "no-done")
+    frames = broken_response_events(resp, shapes) if shapes else response_events(resp, final=kind != "no-done")
     state = {"complete": False}
     watcher = asyncio.ensure_future(_watch_disconnect(receive, headers, state))
     try:

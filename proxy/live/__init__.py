@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 
 from toolquake.proxy.live.resolver import CaseResolver, use_corpus_dir
-from toolquake.proxy.live.results import ResultsStore, StoreError, default_path
+from toolquake.proxy.live.results import ConformanceRow, ResultsStore, StoreError, default_path
 from toolquake.proxy.live.scorer import LiveScorer
 from toolquake.proxy.server.config import ScoringConfig
 
 if TYPE_CHECKING:
     from litestar import Litestar
 
-    from toolquake.proxy.server.state import ProxyState
+    from toolquake.proxy.server.state import ProxyState, RequestContext
 
 log = structlog.get_logger("toolquake.scoring")
 
@@ -53,6 +53,8 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
                 log.warning("results_store_unavailable", path=str(path), error=str(exc)[:300])
         scorer = LiveScorer(st, settings, store)
         st.observers.append(scorer.observe)
+        if store is not None:
+            st.conformance_sinks.append(_store_violations(store, scorer))
 
     async def startup() -> None:
         if scorer is not None:
@@ -67,6 +69,24 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
     app.on_startup.append(startup)
     app.on_shutdown.insert(0, shutdown)  # before the upstream client closes: twins still use it
     return scorer
+
+
+def _store_violations(store: ResultsStore, scorer: LiveScorer) -> Callable[[RequestContext, list[Any]], None]:
+    """A conformance sink: the violations of one answer written to the results store, off the event loop."""
+
+    def write(rows: list[ConformanceRow]) -> None:
+        try:
+            store.append_violations(rows)
+        except Exception as exc:  # a store that cannot write is counted, never raised into serving
+            scorer.metrics.store_errors.inc()
+            log.warning("conformance_store_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+    def sink(ctx: RequestContext, violations: list[Any]) -> None:
+        rows = [ConformanceRow(ctx.request_id, ctx.profile_name, ctx.model, ctx.route, ctx.stream, v.rule, v.detail,
+                               v.call, v.excerpt) for v in violations]
+        asyncio.get_running_loop().run_in_executor(None, write, rows)
+
+    return sink
 
 
 async def _load_index(resolver: CaseResolver, scorer: LiveScorer | None) -> None:

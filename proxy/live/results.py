@@ -20,7 +20,7 @@ from toolquake.proxy.server.config import NOISE_PROFILE
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
 #: the schema version this code writes; older files are migrated on open, newer ones refused
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_S = 60.0
 
 
@@ -71,8 +71,27 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE results ADD COLUMN injected_calls TEXT")
 
 
+def _v4(db: sqlite3.Connection) -> None:
+    # backend conformance: one row per broken rule (docs/conformance.md); excerpt only with store_contents
+    db.execute("""
+        CREATE TABLE conformance (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            request_id TEXT NOT NULL,
+            ts REAL NOT NULL,
+            profile TEXT NOT NULL,
+            model TEXT,
+            route TEXT NOT NULL,
+            stream INTEGER NOT NULL,
+            rule TEXT NOT NULL,
+            call_index INTEGER,
+            detail TEXT NOT NULL,
+            excerpt TEXT
+        )""")
+    db.execute("CREATE INDEX conformance_rule ON conformance (model, rule)")
+
+
 #: MIGRATIONS[i] takes a database at version i to version i + 1
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3, _v4)
 
 COLUMNS = ("request_id", "ts", "profile", "mode", "arm", "model", "stream", "status", "case_id", "category",
            "resolved_by", "expected", "perturbers", "valid", "error_type", "taxonomy", "errors", "fair_valid",
@@ -203,9 +222,43 @@ class ResultsStore:
         with self._lock:
             self._db.execute(self._sql, values)
 
+    def append_violations(self, rows: list[ConformanceRow]) -> None:
+        """Conformance violations of one answer; their excerpts only with store_contents."""
+        values = [(r.request_id, r.ts, r.profile, r.model, r.route, int(r.stream), r.rule, r.call_index, r.detail,
+                   r.excerpt if self.store_contents else None) for r in rows]
+        with self._lock:
+            self._db.executemany("INSERT INTO conformance (request_id, ts, profile, model, route, stream, rule, "
+                                 "call_index, detail, excerpt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+@dataclass
+class ConformanceRow:
+    """One rule a backend's answer broke (`detail` never holds message contents; `excerpt` may)."""
+
+    request_id: str
+    profile: str
+    model: str | None
+    route: str
+    stream: bool
+    rule: str
+    detail: str
+    call_index: int | None = None
+    excerpt: str | None = None
+    ts: float = field(default_factory=time.time)
+
+
+def read_violations(path: str | Path) -> list[dict[str, Any]]:
+    """Every conformance row of a results file, oldest first."""
+    db = connect(path, readonly=True)
+    try:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM conformance ORDER BY id")]
+    finally:
+        db.close()
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from toolquake.perturbers import ChatRequest
-from toolquake.proxy.server import logs, responses, streaming
+from toolquake.proxy.server import conformance, logs, responses, streaming
 from toolquake.proxy.server.apis import CHAT, Api
 from toolquake.proxy.server.errors import ProxyError, error_body
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
@@ -177,6 +177,7 @@ class ChatHandler:
             if ctx.outcome.changed:
                 send_raw = _encode(api.to_wire(ctx.outcome.request.body, ctx.wire_request or {}, ctx.conversion))
         ctx.forward_headers = request_headers(headers)
+        ctx.sent_raw = send_raw
         ctx.t_upstream = time.perf_counter()
         upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), ctx.forward_headers, send_raw)
         if ctx.stream and 200 <= upstream.status_code < 300 and "text/event-stream" in upstream.header("content-type"):
@@ -193,6 +194,8 @@ class ChatHandler:
     def _rewrites(ctx: RequestContext) -> bool:
         """The answer must be read whole before the client gets it: a step rewrites it, or calls to tools
         the proxy added are answered by the proxy."""
+        if ctx.profile is not None and ctx.profile.spec.repair:
+            return True
         outcome = ctx.outcome
         if outcome is None:
             return False
@@ -252,7 +255,7 @@ class ChatHandler:
                         yield out
                 for payload in parser.flush():
                     asm.add_payload(payload)
-                whole = b"".join(raw)
+                whole = state["whole"] = b"".join(raw)
                 if not any(x in whole for x in self.api.end_markers):
                     ctx.status = 502
                     yield self._stream_error("invalid_response", "The upstream model server sent "
@@ -296,6 +299,8 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
+            if ctx.status == 200:
+                await self._check(ctx, state.get("whole"))
             self._finish(ctx)
             m.in_flight.dec()
 
@@ -326,7 +331,7 @@ class ChatHandler:
                     if out:
                         first_byte()
                         yield out
-                whole = b"".join(raw)
+                whole = state["whole"] = b"".join(raw)
                 native = api.assemble(whole)
                 if native is None or not any(x in whole for x in api.end_markers):
                     ctx.status = 502
@@ -354,6 +359,8 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
+            if ctx.status == 200:
+                await self._check(ctx, state.get("whole"))
             self._finish(ctx)
             m.in_flight.dec()
 
@@ -365,6 +372,12 @@ class ChatHandler:
         st, api = self.st, self.api
         internal = api.answer_to_internal(wire)
         changed = False
+        if ctx.profile is not None and ctx.profile.spec.repair:
+            internal, ctx.repaired = conformance.repair_answer(internal, self._offered(ctx))
+            if ctx.repaired is not None:
+                st.metrics.conformance_repairs.labels(st.metrics.model_label(ctx.model), api.route,
+                                                      "true" if ctx.stream else "false", ctx.repaired).inc()
+                changed = True
         if ctx.outcome is not None and ctx.outcome.rewrites_response:
             internal, failed = restore(ctx.outcome, internal)
             st.metrics.count_restore_failures(failed)
@@ -440,6 +453,7 @@ class ChatHandler:
         ctx.upstream_s = time.perf_counter() - (ctx.t_upstream or ctx.t0)
         ctx.status = upstream.status_code
         resp_headers = response_headers(upstream.headers)
+        relayed = data
         if 200 <= ctx.status < 300:
             # a 2xx answer to a model request is a JSON object; anything else is the backend's bug, said as one.
             # When nobody reads the answer it is only checked (its values validated, not built)
@@ -463,8 +477,9 @@ class ChatHandler:
         resp_headers["X-Toolquake-Request-Id"] = ctx.request_id
         st.metrics.child(st.metrics.ttfb, ctx.profile_name, "false").observe(total)
         self._finish(ctx)
+        check = BackgroundTask(self._check, ctx, relayed) if 200 <= ctx.status < 300 else None
         return Response(content=data, status_code=ctx.status, headers=resp_headers,
-                        media_type=upstream.header("content-type", JSON))
+                        media_type=upstream.header("content-type", JSON), background=check)
 
     def _stream_error(self, kind: str, message: str, code: str) -> bytes:
         self.st.metrics.upstream_errors.labels(kind).inc()
@@ -480,7 +495,8 @@ class ChatHandler:
         markers = self.api.end_markers
         keep = max(len(x) for x in markers) if markers else 0
         # a copy of the stream is kept for observers, and to count calls to tools the proxy added
-        capture = ctx.observed or bool(ctx.outcome is not None and ctx.outcome.injected)
+        capture = ctx.observed or bool(ctx.outcome is not None and ctx.outcome.injected) \
+            or self.st.config.server.conformance
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -515,8 +531,11 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
-            if capture and parts:
-                native = self.api.assemble(b"".join(parts))
+            whole = b"".join(parts) if capture and parts else b""
+            if whole and ctx.status == 200:
+                await self._check(ctx, whole)
+            if whole and (ctx.observed or (ctx.outcome is not None and bool(ctx.outcome.injected))):
+                native = self.api.assemble(whole)
                 ctx.response = self.api.answer_to_internal(native) if native else None
                 if ctx.response is not None and ctx.outcome is not None and ctx.outcome.injected:
                     ctx.response, _ = await self._injected(ctx, ctx.response)  # counted; "pass" changes nothing
@@ -545,7 +564,7 @@ class ChatHandler:
         ctx.upstream_s = time.perf_counter() - (ctx.t_upstream or ctx.t0)
         ctx.status = 200
         wire = await self._finish_answer(ctx, native)
-        frames = list(self.api.emit(wire))
+        frames = [data] if wire is native else list(self.api.emit(wire))  # unchanged: the bytes as they came
         first: dict[str, float | None] = {"t": None}
 
         async def emit() -> AsyncIterator[bytes]:
@@ -556,11 +575,51 @@ class ChatHandler:
                 yield frame
 
         async def cleanup() -> None:
+            await self._check(ctx, data)
             self._finish(ctx)
             m.in_flight.dec()
 
         return Stream(emit(), status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
+
+    def _offered(self, ctx: RequestContext) -> conformance.Offered:
+        """The tools the backend was offered (the request as sent upstream)."""
+        sent = ctx.outcome.request.body if ctx.outcome is not None else None
+        if sent is None and ctx.sent_raw:
+            try:
+                sent = _decode(ctx.sent_raw)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                sent = None
+        return conformance.Offered.from_request(sent)
+
+    async def _check(self, ctx: RequestContext, relayed: bytes | None) -> None:
+        """Check the answer the backend sent (`relayed`: its bytes, after the client got them) against the
+        conformance rules; count, log and hand on what it broke. Fail-open: a checker that raises is counted."""
+        st, m = self.st, self.st.metrics
+        if not st.config.server.conformance or not relayed:
+            return
+        route, s = self.api.route, "true" if ctx.stream else "false"
+        try:
+            answer: bytes | Any = relayed if ctx.stream else _decode(relayed)
+            found = conformance.check(route, ctx.stream, answer, self._offered(ctx))
+        except Exception as exc:  # fail-open: the client has its answer; the check counts its own failure
+            m.conformance_failures.labels(route).inc()
+            log.warning("conformance_check_failed", request_id=ctx.request_id, error_type=type(exc).__name__)
+            return
+        if not found:
+            return
+        ctx.violations = found
+        model = m.model_label(ctx.model)
+        for v in found:
+            m.conformance_violations.labels(model, route, s, v.rule).inc()
+        contents = st.config.server.log_contents
+        log.warning("conformance_violations", request_id=ctx.request_id, route=route, stream=ctx.stream,
+                    model=ctx.model, violations=[v.as_dict(contents) for v in found])
+        for sink in st.conformance_sinks:
+            try:
+                sink(ctx, found)
+            except Exception as exc:  # fail-open
+                log.warning("conformance_sink_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
     @staticmethod
     def _stream_headers(upstream: UpstreamResponse, ctx: RequestContext) -> dict[str, str]:

@@ -50,6 +50,9 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     #: a call to a tool the proxy added (toolkit expansion, catalog padding): "answer" — the proxy tells the
     #: model the tool is unavailable and asks again, so the client only sees its own tools — or "pass"
     injected_calls: Literal["answer", "pass"] = "answer"
+    #: turn a call the backend left in the answer's text (Hermes tags, Python-style list, JSON naming an offered
+    #: tool) into proper tool_calls; a streamed answer is then read whole before it is sent (docs/conformance.md)
+    repair: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:
@@ -87,6 +90,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: log message contents (debug only; never Authorization or keys)
     log_contents: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: check every answer relayed on a model route against the tool-call conformance rules (docs/conformance.md)
+    conformance: bool = True
     #: extra modules to import at start-up; they register their own perturbers with @register
     plugins: list[str] = []
     #: serve requests that nothing perturbs or observes ahead of the framework (proxy/server/lean.py);

@@ -69,6 +69,16 @@ class Metrics:
         self.injected_calls = Counter("toolquake_injected_tool_calls",
                                       "Calls the model made to tools the proxy added (not the client's), by profile "
                                       "and the perturber that added the tool.", ["profile", "perturber"], registry=r)
+        self.conformance_violations = Counter(
+            "toolquake_conformance_violations", "Tool-call conformance rules the backend's answers broke "
+            "(docs/conformance.md), by model, route, stream and rule.", ["model", "route", "stream", "rule"],
+            registry=r)
+        self.conformance_repairs = Counter(
+            "toolquake_conformance_repairs", "Calls left in an answer's text that a profile's `repair` step turned "
+            "into tool_calls, by the rule repaired.", ["model", "route", "stream", "rule"], registry=r)
+        self.conformance_failures = Counter(
+            "toolquake_conformance_check_failures", "Conformance checks that raised; the answer was served as relayed.",
+            ["route"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r,
                                multiprocess_mode="livesum")
         self.upstream_connections = Gauge("toolquake_upstream_connections", "Connections in the upstream pool, by "

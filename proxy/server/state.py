@@ -54,6 +54,11 @@ class RequestContext:
     upstream_s: float | None = None
     #: names of the tools the proxy added that the model called (before `injected_calls` handled them)
     injected_calls: list[str] = field(default_factory=list)
+    #: the body sent upstream (its tools are what the backend's answer is checked against)
+    sent_raw: bytes = field(default=b"", repr=False)
+    #: conformance rules the backend's answer broke (conformance.Violation), and the rule a `repair` fixed
+    violations: list[Any] = field(default_factory=list)
+    repaired: str | None = None
 
     @property
     def route(self) -> str:
@@ -85,5 +90,8 @@ class ProxyState:
     observers: list[Callable[[RequestContext], None]] = field(default_factory=list)
     #: (X-Toolquake-Case header, request) -> case or None; set by an extension that knows a corpus
     case_resolver: Callable[[str | None, ChatRequest], Any] | None = None
+    #: called with a finished RequestContext and its conformance violations (only when there are some);
+    #: must return quickly
+    conformance_sinks: list[Callable[[RequestContext, list[Any]], None]] = field(default_factory=list)
     #: schedules perturbers' setup() for new profiles, in the background (set by create_app)
     warm: Callable[[list[Profile]], None] | None = None

@@ -1,0 +1,134 @@
+"""A call's arguments against the tool it names: a JSON object, never empty, matching the parameter schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
+
+_decode = msgspec.json.decode
+
+
+class Offered:
+    """What the request offered: its function tools' parameter schemas by name, and its tool_choice."""
+
+    def __init__(self, tools: dict[str, dict[str, Any]], tool_choice: Any = None) -> None:
+        self.tools = tools
+        self.tool_choice = tool_choice
+
+    @classmethod
+    def from_request(cls, body: Any) -> Offered:
+        """From a chat-completions or Responses request body (function tools of either shape)."""
+        tools: dict[str, dict[str, Any]] = {}
+        if not isinstance(body, dict):
+            return cls(tools)
+        for tool in body.get("tools") or []:
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+                continue
+            fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+            name = fn.get("name")
+            if isinstance(name, str):
+                params = fn.get("parameters")
+                tools[name] = params if isinstance(params, dict) else {}
+        return cls(tools, body.get("tool_choice"))
+
+    @property
+    def calls_allowed(self) -> bool:
+        """The request lets the model call a tool (offered some, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def check_arguments(arguments: Any, name: Any, offered: Offered, call: int) -> list[Violation]:
+    """The rules on one call's complete arguments (`arguments_*`, `call_unknown_tool`)."""
+    label = f"call {call} ({short(name)})"
+    out: list[Violation] = []
+    if offered.tools and isinstance(name, str) and name and name not in offered.tools:
+        out.append(Violation("call_unknown_tool", f"{label}: names a tool the request did not offer", short(name),
+                             call))
+    if arguments is None or arguments == "":
+        return [*out, Violation("arguments_empty", f"{label}: arguments are empty (a call without parameters "
+                                "sends {})", "", call)]
+    if not isinstance(arguments, str):
+        return [*out, Violation("arguments_not_string", f"{label}: arguments are a JSON {type(arguments).__name__}, "
+                                "not a string", excerpt(arguments), call)]
+    try:
+        value = _decode(arguments)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        return [*out, Violation("arguments_invalid_json", f"{label}: arguments are not JSON ({str(exc)[:80]})",
+                                excerpt(arguments), call)]
+    if not isinstance(value, dict):
+        return [*out, Violation("arguments_invalid_json", f"{label}: arguments are JSON but not an object",
+                                excerpt(arguments), call)]
+    schema = offered.tools.get(name) if isinstance(name, str) else None
+    if schema:
+        problem = schema_problem(value, schema, "")
+        if problem:
+            out.append(Violation("arguments_schema", f"{label}: {problem}", excerpt(arguments), call))
+    return out
+
+
+_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "boolean": (bool,), "object": (dict,), "array": (list,),
+                                       "null": (type(None),)}
+
+
+def _is(value: Any, kind: str) -> bool | None:
+    """Whether `value` is of JSON-schema type `kind`; None for a type name this check does not know."""
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = _TYPES.get(kind)
+    return None if kinds is None else isinstance(value, kinds)
+
+
+def schema_problem(value: Any, schema: Any, path: str) -> str | None:
+    """The first way `value` breaks `schema` (required properties, types, enums, nested objects and arrays),
+    or None. Keywords it does not know are not checked."""
+    if not isinstance(schema, dict):
+        return None
+    where = path or "arguments"
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            if all(schema_problem(value, o, path) for o in options):
+                return f"{where} matches none of {key}"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []
+    verdicts = [_is(value, k) for k in kinds]
+    if verdicts and None not in verdicts and not any(verdicts):
+        return f"{where} should be {' or '.join(kinds)}, got {_json_type(value)}"
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum) \
+            and value not in enum:
+        return f"{where} is not one of the enum values"
+    if isinstance(value, dict):
+        required = schema.get("required")
+        for key in required if isinstance(required, list) else []:
+            if key not in value:
+                return f"required parameter {short(key)!r} is missing" + (f" in {path}" if path else "")
+        props = schema.get("properties")
+        if isinstance(props, dict):
+            for key, sub in props.items():
+                if key in value:
+                    problem = schema_problem(value[key], sub, f"{path}.{key}" if path else str(key))
+                    if problem:
+                        return problem
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            problem = schema_problem(item, schema["items"], f"{where}[{i}]")
+            if problem:
+                return problem
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", dict: "object", list: "array"}.get(type(value), type(value).__name__)

@@ -1,0 +1,230 @@
+"""The conformance checker on the relay path: the fake upstream (its own process) breaks the tool-call format
+on request (`X-Fake-Broken`), the proxy relays it to the client byte for byte, and counts and stores the
+rule each shape breaks — and nothing on well-formed answers."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Proc
+
+MODEL = "conf-model"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+NESTED = {"type": "object", "properties": {
+    "event": {"type": "object", "properties": {"title": {"type": "string"},
+                                               "attendees": {"type": "array", "items": {"type": "string"}}},
+              "required": ["title"]}}, "required": ["event"]}
+TOOLS = {"get_weather": WEATHER, "ping": {"type": "object", "properties": {}}, "create_event": NESTED}
+CHAT_TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in TOOLS.items()]
+RESP_TOOLS = [{"type": "function", "name": n, "parameters": p} for n, p in TOOLS.items()]
+TWO_CALLS = json.dumps({"calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                                  {"name": "create_event", "arguments": {"event": {"title": "x",
+                                                                                   "attendees": ["a"]}}}]})
+PING = json.dumps({"calls": [{"name": "ping", "arguments": {}}]})
+HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def text(t: str) -> str:
+    return json.dumps({"text": t})
+
+
+def config(db: Path, *, contents: bool = False) -> str:
+    return f"""
+[server]
+model_allowlist = ["{MODEL}"]
+
+[profiles.fixed]
+mode = "off"
+repair = true
+
+[scoring]
+store = "{db}"
+store_contents = {str(contents).lower()}
+match_content = false
+"""
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("conformance") / "results.sqlite"
+
+
+@pytest.fixture(scope="module")
+def checked(fake_upstream: Proc, db: Path):
+    from tests.conftest import start_proxy
+
+    proc = start_proxy(fake_upstream.url, config(db))
+    yield proc
+    proc.stop()
+
+
+def body(route: str, stream: bool) -> dict:
+    if route == "responses":
+        return {"model": MODEL, "input": "weather in Paris?", "tools": RESP_TOOLS, "stream": stream}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": CHAT_TOOLS,
+            "stream": stream}
+
+
+def send(base: str, route: str, stream: bool, headers: dict[str, str], prefix: str = "") -> httpx.Response:
+    path = "/v1/responses" if route == "responses" else "/v1/chat/completions"
+    with httpx.Client(timeout=30) as client:
+        return client.post(base + prefix + path, json=body(route, stream), headers=headers)
+
+
+def violations(rule_counts: str, route: str, stream: bool) -> dict[str, float]:
+    """toolquake_conformance_violations_total of the test model on one route and stream, by rule."""
+    out = {}
+    for m in re.finditer(r"^toolquake_conformance_violations_total\{(.*)\} (\S+)$", rule_counts, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if (labels["model"], labels["route"], labels["stream"]) == (MODEL, route, str(stream).lower()):
+            out[labels["rule"]] = float(m.group(2))
+    return out
+
+
+def stored(db: Path, request_id: str, want: int) -> list[dict]:
+    """The conformance rows of one request (written off the event loop: wait for them)."""
+    from toolquake.proxy.live.results import read_violations
+
+    deadline = time.monotonic() + 10
+    rows: list[dict] = []
+    while time.monotonic() < deadline:
+        rows = [r for r in read_violations(db) if r["request_id"] == request_id] if db.exists() else []
+        if len(rows) >= want:
+            break
+        time.sleep(0.05)
+    return rows
+
+
+def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def counted(proxy: Proc, route: str, stream: bool, before: dict[str, float], want: set[str]) -> dict[str, float]:
+    """The rules counted since `before` (the count is taken after the client's last byte: wait for it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = diff(before, violations(httpx.get(proxy.url + "/metrics").text, route, stream))
+        if set(now) >= want or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+# (route, stream, X-Fake-Broken, X-Fake-Answer, the rules that must fire — and no other)
+BROKEN = [
+    ("chat_completions", True, "no-index", None, {"delta_missing_index"}),
+    ("chat_completions", True, "no-id", None, {"call_missing_id"}),
+    ("chat_completions", True, "no-type", None, {"call_missing_type"}),
+    ("chat_completions", True, "no-name", None, {"call_missing_name"}),
+    ("chat_completions", True, "repeat-id-name", None, {"delta_not_append"}),
+    ("chat_completions", True, "same-index", TWO_CALLS, {"delta_not_append", "arguments_invalid_json"}),
+    ("chat_completions", True, "args-invalid", None, {"arguments_invalid_json"}),
+    ("chat_completions", True, "args-object", None, {"arguments_not_string"}),
+    ("chat_completions", True, "empty-args", PING, {"arguments_empty"}),
+    ("chat_completions", True, "finish-stop", None, {"finish_reason_not_tool_calls"}),
+    ("chat_completions", True, "finish-tool-calls", text("Sunny."), {"finish_reason_without_calls"}),
+    ("chat_completions", True, "bad-chunk", None, {"chunk_invalid_json"}),
+    ("chat_completions", True, None, json.dumps({"calls": [{"name": "get_weather", "arguments": {"days": "2"}}]}),
+     {"arguments_schema"}),
+    ("chat_completions", True, None, json.dumps({"calls": [{"name": "get_wether", "arguments": {"city": "x"}}]}),
+     {"call_unknown_tool"}),
+    ("chat_completions", True, None, text(HERMES), {"call_in_content_hermes"}),
+    ("chat_completions", True, None, text('[get_weather(city="Paris")]'), {"call_in_content_pythonic"}),
+    ("chat_completions", True, None, text('I will call {"name": "get_weather", "arguments": {"city": "Paris"}}'),
+     {"call_in_content_json"}),
+    ("chat_completions", False, "no-id", None, {"call_missing_id"}),
+    ("chat_completions", False, "no-type", None, {"call_missing_type"}),
+    ("chat_completions", False, "no-name", None, {"call_missing_name"}),
+    ("chat_completions", False, "args-invalid", None, {"arguments_invalid_json"}),
+    ("chat_completions", False, "args-object", None, {"arguments_not_string"}),
+    ("chat_completions", False, "empty-args", PING, {"arguments_empty"}),
+    ("chat_completions", False, "finish-stop", None, {"finish_reason_not_tool_calls"}),
+    ("chat_completions", False, None, json.dumps({"calls": [{"name": "create_event", "arguments": {
+        "event": {"title": "x", "attendees": [1]}}}]}), {"arguments_schema"}),
+    ("chat_completions", False, None, text(HERMES), {"call_in_content_hermes"}),
+    ("responses", True, "no-id", None, {"call_missing_id"}),
+    ("responses", True, "no-name", None, {"call_missing_name"}),
+    ("responses", True, "unknown-item", None, {"delta_missing_index", "done_mismatch"}),
+    ("responses", True, "done-mismatch", None, {"done_mismatch"}),
+    ("responses", True, "args-invalid", None, {"arguments_invalid_json"}),
+    ("responses", True, "empty-args", PING, {"arguments_empty"}),
+    ("responses", True, "bad-chunk", None, {"chunk_invalid_json"}),
+    ("responses", True, None, text('[get_weather(city="Paris")]'), {"call_in_content_pythonic"}),
+    ("responses", False, "no-id", None, {"call_missing_id"}),
+    ("responses", False, "no-name", None, {"call_missing_name"}),
+    ("responses", False, "args-invalid", None, {"arguments_invalid_json"}),
+    ("responses", False, "empty-args", PING, {"arguments_empty"}),
+    ("responses", False, None, json.dumps({"calls": [{"name": "get_weather", "arguments": {}}]}),
+     {"arguments_schema"}),
+    ("responses", False, None, text(HERMES), {"call_in_content_hermes"}),
+]
+
+
+def test_every_rule_has_a_broken_shape_here() -> None:
+    from toolquake.proxy.server.conformance import RULES
+
+    assert {r for *_, rules in BROKEN for r in rules} == set(RULES)
+
+
+@pytest.mark.parametrize("route,stream,broken,answer,rules", BROKEN,
+                         ids=[f"{r}-{'stream' if s else 'plain'}-{b or 'answer'}-{'+'.join(sorted(w))}"
+                              for r, s, b, _, w in BROKEN])
+def test_each_broken_shape_fires_its_rule_and_reaches_the_client_untouched(checked, fake_upstream, db, route, stream,
+                                                                          broken, answer, rules):
+    headers = {"X-Fake-Seq": "7"}
+    if broken:
+        headers["X-Fake-Broken"] = broken
+    if answer:
+        headers["X-Fake-Answer"] = answer
+    before = violations(httpx.get(checked.url + "/metrics").text, route, stream)
+    direct = send(fake_upstream.url, route, stream, headers)
+    proxied = send(checked.url, route, stream, headers)
+    assert proxied.status_code == direct.status_code == 200
+    assert proxied.content == direct.content  # the checker reads; it never alters
+    assert set(counted(checked, route, stream, before, rules)) == rules
+    rows = stored(db, proxied.headers["x-toolquake-request-id"], len(rules))
+    assert {r["rule"] for r in rows} >= rules
+    for r in rows:
+        assert r["model"] == MODEL and r["route"] == route and r["stream"] == int(stream)
+        assert r["detail"] and r["excerpt"] is None  # no contents without store_contents
+
+
+WELL_FORMED = [None, TWO_CALLS, PING, text("Sunny, 21 degrees."),
+               text("Use get_weather when you need it; arrays look like [1, 2] and objects like {\"a\": 1}.")]
+
+
+@pytest.mark.parametrize("route", ["chat_completions", "responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_well_formed_answers_break_no_rule(checked, route, stream):
+    before = violations(httpx.get(checked.url + "/metrics").text, route, stream)
+    for answer in WELL_FORMED:
+        headers = {"X-Fake-Answer": answer} if answer else {}
+        assert send(checked.url, route, stream, headers).status_code == 200
+    # a broken answer last: once it is counted, the well-formed ones before it were checked too
+    assert send(checked.url, route, stream, {"X-Fake-Broken": "no-id"}).status_code == 200
+    assert counted(checked, route, stream, before, {"call_missing_id"}) == {"call_missing_id": 1.0}
+
+
+def test_excerpts_are_stored_only_with_store_contents(proxy_factory, tmp_path):
+    db = tmp_path / "c.sqlite"
+    proxy = proxy_factory(config(db, contents=True))
+    r = send(proxy.url, "chat_completions", False, {"X-Fake-Answer": text(HERMES)})
+    rows = stored(db, r.headers["x-toolquake-request-id"], 1)
+    assert [row["rule"] for row in rows] == ["call_in_content_hermes"]
+    assert "<tool_call>" in rows[0]["excerpt"] and "Paris" in rows[0]["excerpt"]
+    assert "Paris" not in rows[0]["detail"]
+
+
+def test_conformance_off_counts_nothing(proxy_factory, tmp_path):
+    proxy = proxy_factory(config(tmp_path / "o.sqlite").replace("[server]", "[server]\nconformance = false"))
+    assert send(proxy.url, "chat_completions", True, {"X-Fake-Broken": "no-id"}).status_code == 200
+    assert send(proxy.url, "chat_completions", False, {"X-Fake-Broken": "no-id"}).status_code == 200
+    time.sleep(0.3)
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert not violations(metrics, "chat_completions", True) and not violations(metrics, "chat_completions", False)
