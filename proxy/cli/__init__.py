@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "toolquake.proxy.cli.replay",
     "toolquake.proxy.cli.report",
     "toolquake.proxy.cli.backend",
+    "toolquake.proxy.cli.conformance",
 )
 
 

@@ -228,3 +228,57 @@ def test_conformance_off_counts_nothing(proxy_factory, tmp_path):
     time.sleep(0.3)
     metrics = httpx.get(proxy.url + "/metrics").text
     assert not violations(metrics, "chat_completions", True) and not violations(metrics, "chat_completions", False)
+
+
+def repairs(proxy: Proc) -> dict[tuple[str, str, str], float]:
+    out = {}
+    for m in re.finditer(r"^toolquake_conformance_repairs_total\{(.*)\} (\S+)$", httpx.get(proxy.url + "/metrics").text,
+                         re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[(labels["route"], labels["stream"], labels["rule"])] = float(m.group(2))
+    return out
+
+
+@pytest.mark.parametrize("answer,rule", [(HERMES, "call_in_content_hermes"),
+                                         ('[get_weather(city="Paris")]', "call_in_content_pythonic"),
+                                         ('{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                          "call_in_content_json")])
+def test_repair_turns_a_call_left_in_the_text_into_tool_calls_for_the_sdk(checked, answer, rule):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=checked.url + "/p/fixed/v1", api_key="none", max_retries=0,
+                    default_headers={"X-Fake-Answer": text(answer)})
+    before = repairs(checked)
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, tools=CHAT_TOOLS)
+    assert plain.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in plain.choices[0].message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    with client.chat.completions.stream(model=MODEL, messages=msgs, tools=CHAT_TOOLS) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+    resp = client.responses.create(model=MODEL, input="weather in Paris?", tools=RESP_TOOLS)
+    assert [(i.type, i.name, i.arguments) for i in resp.output] == [("function_call", "get_weather",
+                                                                       '{"city": "Paris"}')]
+    with client.responses.stream(model=MODEL, input="weather in Paris?", tools=RESP_TOOLS) as s:
+        streamed = s.get_final_response()
+    assert [(i.type, i.name) for i in streamed.output] == [("function_call", "get_weather")]
+    after = repairs(checked)
+    for key in [("chat_completions", "false", rule), ("chat_completions", "true", rule),
+                ("responses", "false", rule), ("responses", "true", rule)]:
+        assert after.get(key, 0) - before.get(key, 0) == 1, key
+
+
+@pytest.mark.parametrize("route", ["chat_completions", "responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_repair_leaves_answers_without_a_call_in_the_text_byte_for_byte(checked, fake_upstream, route, stream):
+    for answer in (text("Sunny, 21 degrees."), TWO_CALLS):
+        headers = {"X-Fake-Seq": "9", "X-Fake-Answer": answer}
+        direct = send(fake_upstream.url, route, stream, headers)
+        repaired = send(checked.url, route, stream, headers, prefix="/p/fixed")
+        assert repaired.status_code == 200 and repaired.content == direct.content
+    headers = {"X-Fake-Seq": "9", "X-Fake-Answer": text(HERMES)}
+    assert send(checked.url, route, stream, headers, prefix="/p/fixed").content != \
+        send(fake_upstream.url, route, stream, headers).content
