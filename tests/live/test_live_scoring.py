@@ -460,6 +460,7 @@ def test_dashboard_queries_name_only_metrics_the_proxy_exports(proxy_factory, tm
         "toolquake_semantic_flips_total",
         "toolquake_consistency_total",
         "toolquake_proxy_overhead_seconds_bucket",
+        "toolquake_conformance_violations_total",
     ):
         assert contract in used
 
