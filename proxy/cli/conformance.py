@@ -35,10 +35,12 @@ PROBES: dict[str, tuple[str, list[str], str, bool]] = {
 }
 
 
-def requests(model: str, max_tokens: int) -> list[tuple[str, str, bool, dict[str, Any]]]:
-    """(probe, route, stream, body) for every probe, route and stream setting."""
+def requests(model: str, max_tokens: int, only: list[str] | None = None) -> list[tuple[str, str, bool, dict[str, Any]]]:
+    """(probe, route, stream, body) for every probe (or those in `only`), route and stream setting."""
     out = []
     for name, (question, tools, choice, parallel) in PROBES.items():
+        if only and name not in only:
+            continue
         for route in ("chat_completions", "responses"):
             for stream in (False, True):
                 if route == "chat_completions":
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                 print(f"toolquake: {base}/models named no model; pass --model", file=sys.stderr)
                 return 2
-        for probe, route, stream, body in requests(model, args.max_tokens):
+        for probe, route, stream, body in requests(model, args.max_tokens, args.probe):
             path = "/chat/completions" if route == "chat_completions" else "/responses"
             try:
                 r = client.post(base + path, json=body)
@@ -142,6 +144,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="sent as a Bearer token (never printed)")
     p.add_argument("--header", action="append", default=[], metavar="NAME: VALUE",
                    help="an extra header for every request (repeatable), e.g. a gateway's routing header")
+    p.add_argument("--probe", action="append", choices=list(PROBES), default=None,
+                   help="run only this probe (repeatable; default: all four)")
     p.add_argument("--max-tokens", type=int, default=256, help="token limit per answer (default 256)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default 120)")
     p.set_defaults(func=run)
