@@ -282,3 +282,27 @@ def test_repair_leaves_answers_without_a_call_in_the_text_byte_for_byte(checked,
     headers = {"X-Fake-Seq": "9", "X-Fake-Answer": text(HERMES)}
     assert send(checked.url, route, stream, headers, prefix="/p/fixed").content != \
         send(fake_upstream.url, route, stream, headers).content
+
+
+def test_a_checker_that_raises_is_counted_and_the_client_still_gets_the_backend_bytes(proxy_factory, fake_upstream,
+                                                                                       tmp_path):
+    cfg = config(tmp_path / "r.sqlite").replace("[server]", '[server]\nplugins = ["tests.plugins.raising_checker"]')
+    proxy = proxy_factory(cfg)
+    for stream in (False, True):
+        headers = {"X-Fake-Seq": "5", "X-Fake-Broken": "no-id"}
+        direct = send(fake_upstream.url, "chat_completions", stream, headers)
+        proxied = send(proxy.url, "chat_completions", stream, headers)
+        assert proxied.status_code == 200 and proxied.content == direct.content
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(proxy.url + "/metrics").text
+        failed = re.search(r'^toolquake_conformance_check_failures_total\{route="chat_completions"\} (\S+)$', metrics,
+                           re.M)
+        if (failed and float(failed.group(1)) >= 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert failed and float(failed.group(1)) == 2
+    assert not violations(metrics, "chat_completions", False) and not violations(metrics, "chat_completions", True)
+    # the Responses checker is another module: it still counts
+    assert send(proxy.url, "responses", False, {"X-Fake-Broken": "no-id"}).status_code == 200
+    assert counted(proxy, "responses", False, {}, {"call_missing_id"}) == {"call_missing_id": 1.0}
