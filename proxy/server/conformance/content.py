@@ -29,11 +29,14 @@ class Found:
     end: int = 0
 
 
-def _as_call(obj: Any, tools: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """{"name": ..., "arguments" | "parameters": {...} or a JSON string}, or {"function": {...}} of that shape."""
+def _as_call(obj: Any, tools: dict[str, Any], need_args: bool = False) -> tuple[str, dict[str, Any]] | None:
+    """{"name": ..., "arguments" | "parameters": {...} or a JSON string}, or {"function": {...}} of that shape
+    (without `need_args`, the arguments may be left out)."""
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict) and "name" not in obj:
         obj = obj["function"]
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if need_args and "arguments" not in obj and "parameters" not in obj:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -122,7 +125,7 @@ def json_objects(text: str, tools: dict[str, Any]) -> Found | None:
         except ValueError:
             pos = start + 1
             continue
-        calls = [c for c in (_as_call(o, tools) for o in (obj if isinstance(obj, list) else [obj])) if c]
+        calls = [c for c in (_as_call(o, tools, True) for o in (obj if isinstance(obj, list) else [obj])) if c]
         if calls and tools:
             return Found("call_in_content_json", calls, start, end)
         pos = start + 1
