@@ -293,7 +293,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
     it), and "consistency_ci": {profile: {"rate_exact": [lo, hi], "rate_semantic": [lo, hi]}}.
     The perturbed twins only: the unperturbed noise twins (`noise_rate`, arm "noise") are in "noise" and
     "noise_ci", the same shape, per profile they were sampled from plus "<noise>" for all of them pooled
-    (the model's own nondeterminism, the floor under every profile's disagreement).
+    (the model's own nondeterminism, the floor under every profile's disagreement). "conformance":
+    {model: {rule: violations}} from the conformance table.
     """
     rows = read_rows(path)
     arms: dict[str, dict[str, Any]] = {}
@@ -344,8 +345,14 @@ def summarize(path: str | Path) -> dict[str, Any]:
         pooled, pooled_ci = _agreement([{**r, "profile": NOISE_PROFILE} for r in rows if r["arm"] == "noise"])
         noise.update(pooled)
         noise_ci.update(pooled_ci)
+    conformance: dict[str, dict[str, int]] = {}
+    for v in read_violations(path):
+        by_rule = conformance.setdefault(v["model"] or "none", {})
+        by_rule[v["rule"]] = by_rule.get(v["rule"], 0) + 1
     return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
-            "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci}
+            "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci,
+            "conformance": {m: dict(sorted(r.items(), key=lambda kv: (-kv[1], kv[0])))
+                            for m, r in sorted(conformance.items())}}
 
 
 def _agreement(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -453,4 +460,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"| {'all (' + name + ')' if name == NOISE_PROFILE else name} | {c['n']} | {c['exact']} | "
                          f"{c['semantic']} | {c['disagree']} | {_pct(c['rate_disagree'])} | "
                          f"{_pct_ci(ci.get('rate_disagree'))} |")
+    if summary.get("conformance"):
+        lines += ["", "## Backend conformance (tool-call format rules broken; docs/conformance.md)", "",
+                  "| model | rule | violations |", "|---|---|---:|"]
+        for model, by_rule in summary["conformance"].items():
+            lines += [f"| {model} | {rule} | {n} |" for rule, n in by_rule.items()]
     return "\n".join(lines) + "\n"

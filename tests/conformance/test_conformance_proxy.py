@@ -306,3 +306,23 @@ def test_a_checker_that_raises_is_counted_and_the_client_still_gets_the_backend_
     # the Responses checker is another module: it still counts
     assert send(proxy.url, "responses", False, {"X-Fake-Broken": "no-id"}).status_code == 200
     assert counted(proxy, "responses", False, {}, {"call_missing_id"}) == {"call_missing_id": 1.0}
+
+
+def test_report_db_lists_the_violations_by_model_and_rule(proxy_factory, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    db = tmp_path / "rep.sqlite"
+    proxy = proxy_factory(config(db))
+    ids = [send(proxy.url, "chat_completions", stream, {"X-Fake-Broken": "no-id,finish-stop"})
+           .headers["x-toolquake-request-id"] for stream in (False, True)]
+    for rid in ids:
+        assert {r["rule"] for r in stored(db, rid, 2)} == {"call_missing_id", "finish_reason_not_tool_calls"}
+    out = subprocess.run([sys.executable, "-m", "toolquake", "report", "--db", str(db)], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "## Backend conformance" in out.stdout
+    assert f"| {MODEL} | call_missing_id | 2 |" in out.stdout
+    assert f"| {MODEL} | finish_reason_not_tool_calls | 2 |" in out.stdout
