@@ -299,10 +299,10 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
-            if ctx.status == 200:
-                await self._check(ctx, state.get("whole"))
             self._finish(ctx)
             m.in_flight.dec()
+            if ctx.status == 200:  # after the request is counted: the check is no part of its duration
+                await self._check(ctx, state.get("whole"))
 
         return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
@@ -359,10 +359,10 @@ class ChatHandler:
             await gen.aclose()
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
-            if ctx.status == 200:
-                await self._check(ctx, state.get("whole"))
             self._finish(ctx)
             m.in_flight.dec()
+            if ctx.status == 200:  # after the request is counted: the check is no part of its duration
+                await self._check(ctx, state.get("whole"))
 
         return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
@@ -532,8 +532,6 @@ class ChatHandler:
             await upstream.aclose()
             ctx.upstream_s = (state["end"] or time.perf_counter()) - (ctx.t_upstream or ctx.t0)
             whole = b"".join(parts) if capture and parts else b""
-            if whole and ctx.status == 200:
-                await self._check(ctx, whole)
             if whole and (ctx.observed or (ctx.outcome is not None and bool(ctx.outcome.injected))):
                 native = self.api.assemble(whole)
                 ctx.response = self.api.answer_to_internal(native) if native else None
@@ -541,6 +539,8 @@ class ChatHandler:
                     ctx.response, _ = await self._injected(ctx, ctx.response)  # counted; "pass" changes nothing
             self._finish(ctx)
             m.in_flight.dec()
+            if whole and ctx.status == 200:  # after the request is counted: the check is no part of its duration
+                await self._check(ctx, whole)
 
         return Stream(gen, status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
@@ -575,9 +575,9 @@ class ChatHandler:
                 yield frame
 
         async def cleanup() -> None:
-            await self._check(ctx, data)
             self._finish(ctx)
             m.in_flight.dec()
+            await self._check(ctx, data)
 
         return Stream(emit(), status_code=200, headers=self._stream_headers(upstream, ctx),
                       media_type="text/event-stream", background=BackgroundTask(cleanup))
@@ -606,12 +606,13 @@ class ChatHandler:
             m.conformance_failures.labels(route).inc()
             log.warning("conformance_check_failed", request_id=ctx.request_id, error_type=type(exc).__name__)
             return
-        if not found:
-            return
-        ctx.violations = found
         model = m.model_label(ctx.model)
         for v in found:
             m.conformance_violations.labels(model, route, s, v.rule).inc()
+        m.conformance_checks.labels(model, route, s).inc()  # after its violations: a reader sees both
+        if not found:
+            return
+        ctx.violations = found
         contents = st.config.server.log_contents
         log.warning("conformance_violations", request_id=ctx.request_id, route=route, stream=ctx.stream,
                     model=ctx.model, violations=[v.as_dict(contents) for v in found])

@@ -73,6 +73,9 @@ class Metrics:
             "toolquake_conformance_violations", "Tool-call conformance rules the backend's answers broke "
             "(docs/conformance.md), by model, route, stream and rule.", ["model", "route", "stream", "rule"],
             registry=r)
+        self.conformance_checks = Counter(
+            "toolquake_conformance_checks", "Answers checked against the tool-call conformance rules, by model, route "
+            "and stream (the denominator of violation rates).", ["model", "route", "stream"], registry=r)
         self.conformance_repairs = Counter(
             "toolquake_conformance_repairs", "Calls left in an answer's text that a profile's `repair` step turned "
             "into tool_calls, by the rule repaired.", ["model", "route", "stream", "rule"], registry=r)

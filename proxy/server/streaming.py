@@ -95,10 +95,13 @@ class StreamAssembler:
                 if tc.get("type"):
                     slot["type"] = tc["type"]
                 fn = tc.get("function") or {}
-                if fn.get("name"):
+                if fn.get("name") and isinstance(fn["name"], str):
                     slot["function"]["name"] += fn["name"]
-                if fn.get("arguments"):
-                    slot["function"]["arguments"] += fn["arguments"]
+                args = fn.get("arguments")
+                if args and isinstance(args, str):
+                    slot["function"]["arguments"] += args
+                elif args is not None and not isinstance(args, str):  # a backend that sends an object (a bug)
+                    slot["function"]["arguments"] += _encode(args).decode()
             if choice.get("finish_reason"):
                 acc["finish_reason"] = choice["finish_reason"]
 
