@@ -24,15 +24,16 @@ def finish_rules(calls: int, finish: Any, choice: int) -> list[Violation]:
     return []
 
 
-def content_rules(text: Any, offered: Offered) -> list[Violation]:
-    """A call left in the text of an answer without calls."""
+def content_rules(text: Any, offered: Offered, finish: Any = None) -> list[Violation]:
+    """A call left in the text of an answer without calls (`finish`: its finish_reason, for the detail)."""
     if not offered.calls_allowed:
         return []
     found = find_calls(text, offered.tools)
     if found is None:
         return []
     names = ", ".join(sorted({short(n) for n, _ in found.calls})) or "no offered tool parsed"
-    return [Violation(found.rule, f"text holds {len(found.calls)} call(s) ({names}) and no tool_calls",
+    ended = f", finish_reason {short(finish)}" if finish is not None else ""
+    return [Violation(found.rule, f"text holds {len(found.calls)} call(s) ({names}) and no tool_calls{ended}",
                       excerpt(text[found.start:found.end]))]
 
 
@@ -59,7 +60,7 @@ def check_answer(answer: Any, offered: Offered) -> list[Violation]:
             out += check_arguments(fn.get("arguments"), fn.get("name"), offered, n)
         out += finish_rules(len(calls), choice.get("finish_reason"), int(choice.get("index") or 0))
         if not calls:
-            out += content_rules(message.get("content"), offered)
+            out += content_rules(message.get("content"), offered, choice.get("finish_reason"))
     return out
 
 
@@ -117,7 +118,7 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
             out += check_arguments(args, call.name, offered, n)
         out += finish_rules(len(made), finish.get(idx), idx)
         if not made:
-            out += content_rules(text.get(idx), offered)
+            out += content_rules(text.get(idx), offered, finish.get(idx))
     return out
 
 
