@@ -252,9 +252,11 @@ class ConformanceRow:
 
 
 def read_violations(path: str | Path) -> list[dict[str, Any]]:
-    """Every conformance row of a results file, oldest first."""
+    """Every conformance row of a results file, oldest first (none in a file older than schema 4)."""
     db = connect(path, readonly=True)
     try:
+        if schema_version(db) < 4:
+            return []
         db.row_factory = sqlite3.Row
         return [dict(r) for r in db.execute("SELECT * FROM conformance ORDER BY id")]
     finally:
