@@ -347,3 +347,18 @@ def test_report_db_lists_the_violations_by_model_and_rule(proxy_factory, tmp_pat
     assert "## Backend conformance" in out.stdout
     assert f"| {MODEL} | call_missing_id | 2 |" in out.stdout
     assert f"| {MODEL} | finish_reason_not_tool_calls | 2 |" in out.stdout
+
+
+def test_the_lean_path_checks_and_repairs_too(proxy_factory, fake_upstream, tmp_path):
+    """Without live scoring, requests nothing perturbs take the lean path (proxy/server/lean.py): same checks."""
+    proxy = proxy_factory(config(tmp_path / "lean.sqlite").replace("[scoring]", "[scoring]\nenabled = false"))
+    for route, stream, broken, rule in (("chat_completions", True, "no-id", "call_missing_id"),
+                                        ("responses", False, "no-name", "call_missing_name")):
+        headers = {"X-Fake-Seq": "3", "X-Fake-Broken": broken}
+        before = violations(httpx.get(proxy.url + "/metrics").text, route, stream)
+        direct = send(fake_upstream.url, route, stream, headers)
+        proxied = send(proxy.url, route, stream, headers)
+        assert proxied.status_code == 200 and proxied.content == direct.content
+        assert counted(proxy, route, stream, before, {rule}) == {rule: 1.0}
+    repaired = send(proxy.url, "chat_completions", True, {"X-Fake-Answer": text(HERMES)}, prefix="/p/fixed")
+    assert b'"tool_calls":[{' in repaired.content and b'"finish_reason":"tool_calls"' in repaired.content
