@@ -546,9 +546,10 @@ def _parallel_matching(expected: list[_Expected], calls: list[dict[str, Any]], c
     return None
 
 
-_SIMPLE, _MULTIPLE, _PARALLEL = 0, 1, 2
+_SIMPLE, _MULTIPLE, _PARALLEL, _ORDERED = 0, 1, 2, 3
 _WRONG_COUNT = tuple(f"{checker}:wrong_count" for checker in (
-    "simple_function_checker", "multiple_function_checker", "parallel_function_checker_no_order"))
+    "simple_function_checker", "multiple_function_checker", "parallel_function_checker_no_order",
+    "ordered_function_checker"))
 
 
 class _Compiled:
@@ -561,7 +562,10 @@ class _Compiled:
                  language: str, u2d: bool):
         self.functions = functions
         self.ground_truth = ground_truth
-        if "parallel" in dispatch:
+        if dispatch == "ordered":  # several calls in the listed order (user cases with `order: fixed`)
+            self.kind = _ORDERED
+            docs = [_find_doc(functions, next(iter(g))) for g in ground_truth]
+        elif "parallel" in dispatch:
             self.kind = _PARALLEL
             docs = [_find_doc(functions, next(iter(g))) for g in ground_truth]
         elif "multiple" in dispatch:
@@ -573,7 +577,7 @@ class _Compiled:
         self.expected = [_Expected(doc, g, language, u2d) for doc, g in zip(docs, ground_truth)]
         self.first = self.expected[0] if self.expected else None
         self.count = 1 if self.kind == _SIMPLE else len(ground_truth)
-        self.single = self.count == 1 and self.kind != _PARALLEL
+        self.single = self.count == 1 and self.kind not in (_PARALLEL, _ORDERED)
         self.bfcl_ctx = _BFCL_CTX.get(language) if self.expected else None
         self.owner: Any = None
 
@@ -581,6 +585,12 @@ class _Compiled:
         """None when the (well-formed) calls pass, else the failure (BFCL's dispatch by category)."""
         if len(calls) != self.count:
             return (_WRONG_COUNT[self.kind], "%s calls, expected %s", (len(calls), self.count))
+        if self.kind == _ORDERED:
+            for exp, call in zip(self.expected, calls):
+                failure = _check_call(exp, call["name"], call["arguments"], ctx)
+                if failure is not None:
+                    return failure
+            return None
         if self.kind != _PARALLEL:
             return _check_call(self.expected[0], calls[0]["name"], calls[0]["arguments"], ctx)
         if mode == "bfcl":
@@ -696,8 +706,13 @@ _NOT_AST = frozenset(MULTI_TURN_CATEGORIES + AGENTIC_CATEGORIES)
 _CASES: dict[int, _Compiled] = {}
 
 
+def _grading_category(case: Any) -> str:
+    """The category whose rules grade a case: its own, or `extra["grade_as"]` (user cases, proxy/live/usercases.py)."""
+    return case.extra.get("grade_as") or case.category
+
+
 def _case_entry(case: Any) -> _Compiled:
-    category = case.category
+    category = _grading_category(case)
     if category in _NOT_AST:
         raise ValueError(f"{case.id}: {category} is not scored by the AST checker")
     plan = _plan(category)
@@ -736,5 +751,5 @@ def check(case: Any, calls: Any, mode: str = "bfcl", *, underscore_to_dot: bool 
         except Exception as exc:  # noqa: BLE001 — as in check_calls
             return _crashed(exc)
     dispatch = case.extra.get("original_id") if case.category == "format_sensitivity" else None
-    return check_calls(case.functions, case.ground_truth, case.category, calls, mode, dispatch=dispatch,
+    return check_calls(case.functions, case.ground_truth, _grading_category(case), calls, mode, dispatch=dispatch,
                        underscore_to_dot=underscore_to_dot, equivalence=equivalence)

@@ -89,3 +89,11 @@ def test_every_package_folder_is_listed_for_setuptools() -> None:
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([package, *rel.parts]) if rel.parts else package)
     assert found == listed
+
+
+def test_the_case_schema_ships_with_the_install(installed: Path, tmp_path: Path) -> None:
+    r = _run(installed, "-c", "from toolquake.proxy.live.usercases import SCHEMA_PATH, schema; "
+             "print(SCHEMA_PATH); print(schema()['title'])", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    path, title = r.stdout.splitlines()
+    assert path.startswith(str(installed)) and "user case" in title

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolquake.perturbers import NO_CALL
+from toolquake.proxy.live.usercases import grade_as as grading_category
 from toolquake.scorers import consistency
 
 if TYPE_CHECKING:
@@ -62,10 +63,11 @@ class Grader:
         from toolquake.bfcl.decode import calls_from_message
         from toolquake.scorers.ast_checker import check, check_calls
 
+        kind = grading_category(case)
         expected = "ground_truth"
-        if "irrelevance" in case.category:
+        if "irrelevance" in kind:
             expected = "irrelevance"
-        elif case.category == "live_relevance":
+        elif kind == "live_relevance":
             expected = "relevance"
         elif expects_no_call(case, applied):
             expected = "irrelevance"
@@ -77,7 +79,7 @@ class Grader:
             # the answer came back as text: BFCL's verdict is on the strict decode, `fair` on the lenient one
             strict, lenient = strict_lenient
             calls, lenient_calls = as_calls(strict), as_calls(lenient)
-        if expected == "irrelevance" and "irrelevance" not in case.category:
+        if expected == "irrelevance" and "irrelevance" not in kind:
             # the expected tool was taken away: scored as BFCL scores irrelevance (valid iff no call)
             v = check_calls(case.functions, None, "irrelevance", calls)
             return Grade(expected, v.valid, v.error_type, v.taxonomy, list(v.errors), v.valid, None)
