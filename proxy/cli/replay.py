@@ -1,4 +1,5 @@
-"""`toolquake replay`: BFCL cases × profiles through the proxy, verdicts in DIR (see proxy/replay/run.py)."""
+"""`toolquake replay`: BFCL cases and your own (`--cases`) × profiles through the proxy, verdicts in DIR
+(see proxy/replay/run.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def _header(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
+def _categories(text: str | None, cases: list[str] | None) -> list[str]:
+    """--categories as given; without it, `multiple` — or no BFCL category at all when --cases is given."""
+    if text is None:
+        return [] if cases else ["multiple"]
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
 def run(args: argparse.Namespace) -> int:
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.run import Options, iter_tallies, run
@@ -25,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = Options(
             backend=args.backend, profiles=args.profiles, out=Path(args.out), config=args.config,
-            categories=[c.strip() for c in args.categories.split(",") if c.strip()], limit=args.limit,
+            categories=_categories(args.categories, args.cases), cases=list(args.cases or []), limit=args.limit,
             concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard), proxy=args.proxy,
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
@@ -52,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "replay", help="replay BFCL cases through the proxy, one arm per profile",
+        "replay", help="replay BFCL cases and your own through the proxy, one arm per profile",
         description="Send every (case, profile) pair through the proxy (started in this process, or --proxy) "
                     "with the X-Toolquake-Case header, grade the answers with the BFCL-compatible scorer and "
                     "record them in a SQLite file in --out. Rerunning the same command resumes: scored pairs are "
@@ -70,12 +78,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
     p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "
                    "profiles)")
-    p.add_argument("--categories", default="multiple",
+    p.add_argument("--categories", default=None,
                    help="comma-separated BFCL categories: single-turn ones, or multi-turn ones (multi_turn_base, "
                         "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context: whole conversations "
-                        "against the API simulators, see docs/multiturn.md), or format_sensitivity (BFCL V4's 200-case "
-                        "format-sensitivity selection, for @seed002) (default: multiple)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N cases of each category (file order)")
+                        "against the API simulators, see docs/multiturn.md), or format_sensitivity (BFCL V4's "
+                        "200-case format-sensitivity selection, for @seed002) (default: multiple, or none when "
+                        "--cases is given)")
+    p.add_argument("--cases", action="append", metavar="FILE",
+                   help="a file of your own cases (JSON lines, docs/own-cases.md), repeatable; alone or with "
+                        "--categories. Each case is reported under its `category` (default: the file's stem); "
+                        "bad lines are reported and skipped (`toolquake cases validate FILE`)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N cases of each BFCL category (file order; --cases files are replayed whole)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--model", help="model name to send (default: the first model the backend lists)")
     p.add_argument("--shard", help="I/N: only cases whose position in the selection is I modulo N (0-based); "

@@ -16,6 +16,7 @@ import structlog
 from toolquake.proxy.live.resolver import CaseResolver, use_corpus_dir
 from toolquake.proxy.live.results import ConformanceRow, ResultsStore, StoreError, default_path
 from toolquake.proxy.live.scorer import LiveScorer
+from toolquake.proxy.live.usercases import UserCases, load_files
 from toolquake.proxy.server.config import ScoringConfig
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
     path = store_path(settings)
     if settings.corpus:
         use_corpus_dir(settings.corpus)
-    resolver = CaseResolver(settings.match_content)
+    resolver = CaseResolver(settings.match_content, _user_cases(settings.cases))
     st.case_resolver = resolver
     scorer = None
     if settings.enabled:
@@ -87,6 +88,19 @@ def _store_violations(store: ResultsStore, scorer: LiveScorer) -> Callable[[Requ
         asyncio.get_running_loop().run_in_executor(None, write, rows)
 
     return sink
+
+
+def _user_cases(paths: list[str]) -> UserCases | None:
+    """The cases of `[scoring] cases` / `--cases`; bad lines are logged and left out, a missing file stops."""
+    if not paths:
+        return None
+    loaded = load_files(paths)
+    for problem in loaded.problems:
+        if problem.line == 0:
+            raise SystemExit(f"toolquake: [scoring] cases: {problem}")
+        log.warning("bad_case_line", problem=str(problem)[:300])
+    log.info("user_cases_loaded", cases=len(loaded.cases), bad_lines=len(loaded.problems))
+    return UserCases(loaded.cases)
 
 
 async def _load_index(resolver: CaseResolver, scorer: LiveScorer | None) -> None:

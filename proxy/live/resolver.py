@@ -1,5 +1,6 @@
-"""Tying a live request to a BFCL case: by the `X-Toolquake-Case` header, or by the content hash of its
-first user message with the same tool names. Runs on the request path, so it only looks things up."""
+"""Tying a live request to a case: by the `X-Toolquake-Case` header, or by content — a user case (`--cases`)
+by the hash of its whole conversation and tool names, a BFCL case by the hash of its first user message
+with the same tool names. Runs on the request path, so it only looks things up."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def use_corpus_dir(path: str) -> None:
 class CaseResolver:
     """(X-Toolquake-Case header, request) → the BFCL case, or None ("unlabeled"). Runs on the hot path."""
 
-    def __init__(self, match_content: bool = True) -> None:
+    def __init__(self, match_content: bool = True, user_cases: Any = None) -> None:
         self.match_content = match_content
+        #: the user cases (`usercases.UserCases`) looked up before the BFCL corpus
+        self.user_cases = user_cases
         self.index: Any = None
         self._names: dict[str, frozenset[str]] = {}
 
@@ -62,13 +65,22 @@ class CaseResolver:
     def __call__(self, header: str | None, request: ChatRequest) -> Any:
         from toolquake.bfcl.corpus import load_case
 
+        user = self.user_cases
         if header:
+            if user is not None and header.strip() in user.by_id:
+                return user.by_id[header.strip()]
             try:
                 return self._by_id(header.strip())
             except (LookupError, FileNotFoundError) as exc:
                 log.warning("unknown_case", case=header[:100], error=str(exc)[:200])
                 return None
-        if not self.match_content or self.index is None:
+        if not self.match_content:
+            return None
+        if user is not None:
+            case = user.match(request.messages, request.tools)
+            if case is not None:
+                return case
+        if self.index is None:
             return None
         ids = self.index.lookup(request.messages)
         if not ids:

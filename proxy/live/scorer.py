@@ -5,9 +5,10 @@ dropped and counted) and returns. Workers grade in a thread (proxy/live/grader.p
 Prometheus counters and append a row to the results store. Shadow profiles launch a perturbed twin
 (proxy/live/shadow.py) whose answer is compared with the original (scorers/consistency.py).
 
-Which answers are scored against ground truth: those of requests tied to a single-turn BFCL case
-whose messages are the case's own turn — a follow-up request of the same conversation (with the
-assistant's calls and tool results appended) is not the case any more and is skipped.
+Which answers are scored against ground truth: those of requests tied to a single-turn BFCL case or a
+user case (`--cases`) whose messages are the case's own turn — a follow-up request of the same
+conversation (with the assistant's calls and tool results appended) is not the case any more and is
+skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from toolquake.proxy.live.metrics import ScoringMetrics
 from toolquake.proxy.live.resolver import scorable_categories
 from toolquake.proxy.live.results import ResultsStore, Row
 from toolquake.proxy.live.shadow import ShadowRunner, Twin
+from toolquake.proxy.live.usercases import is_user_case
 from toolquake.proxy.server.config import NOISE_PROFILE, ScoringConfig
 from toolquake.scorers import consistency
 
@@ -229,7 +231,7 @@ class LiveScorer:
         case = ex.case
         # a noise twin is compared only: its verdict would count an unperturbed answer under the profile
         if case is not None and job.arm != "noise":
-            if case.category not in scorable_categories():
+            if case.category not in scorable_categories() and not is_user_case(case):
                 skip = "unsupported_category"
             elif is_followup(case, ex.request):
                 skip = "followup"

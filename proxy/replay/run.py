@@ -1,5 +1,8 @@
 """Replay: cases × profiles sent through the proxy, verdicts recorded in SQLite, resumable.
 
+Cases are BFCL's (`--categories`) and your own (`--cases FILE`, proxy/live/usercases.py): a user case is
+sent with its own tools, as written, and graded by the same checker under its `grade_as` category.
+
 Every (case, profile) pair is one chat-completions request to `/p/<profile>/v1` with the header
 `X-Toolquake-Case: <id>`, sent over real HTTP to the proxy — one started in this process on a free
 loopback port (the default), or an external one (`--proxy URL`). The answer is graded by the same
@@ -50,6 +53,8 @@ class Options:
     out: Path
     config: str | None = None
     categories: list[str] = field(default_factory=lambda: ["multiple"])
+    #: files of user cases (docs/own-cases.md), replayed beside the categories
+    cases: list[str] = field(default_factory=list)
     limit: int | None = None
     concurrency: int = 4
     model: str | None = None
@@ -127,7 +132,7 @@ def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def prepare(options: Options) -> tuple[Any, list[str], list[Any]]:
+def prepare(options: Options, say: Callable[[str], None] = print) -> tuple[Any, list[str], list[Any]]:
     """Load the config, expand the profiles, select the cases: everything that can fail before sending."""
     from toolquake.proxy.server.config import ConfigError, load_config
 
@@ -139,11 +144,28 @@ def prepare(options: Options) -> tuple[Any, list[str], list[Any]]:
         raise ReplayError(str(exc)) from None
     known = ["off", *config.profiles]
     arms = expand_profiles(options.profiles, known)
+    user = load_user_cases(options.cases, say)
+    if options.cases:
+        # the proxy must know the user cases too: perturbers such as tool_removal read the case it resolves
+        scoring = msgspec.structs.replace(config.scoring, cases=[*config.scoring.cases, *options.cases])
+        config = msgspec.structs.replace(config, scoring=scoring)
     try:
-        cases = select_cases(options.categories, options.limit, options.shard)
+        cases = select_cases(options.categories, options.limit, options.shard, user)
     except FileNotFoundError as exc:
         raise ReplayError(str(exc)) from None
     return config, arms, cases
+
+
+def load_user_cases(paths: list[str], say: Callable[[str], None]) -> list[Any]:
+    """The good cases of the files; each bad line is reported and left out; an unreadable file stops."""
+    from toolquake.proxy.live.usercases import load_files
+
+    loaded = load_files(paths)
+    for problem in loaded.problems:
+        if problem.line == 0:
+            raise ReplayError(str(problem))
+        say(f"replay: skipped {problem}")
+    return loaded.cases
 
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
@@ -151,6 +173,7 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
                     summary: Summary) -> None:
     from toolquake.bfcl.corpus import case_request
     from toolquake.proxy.live.grader import Grader
+    from toolquake.proxy.live.usercases import is_user_case, request_body
 
     grader = Grader(semantic=options.semantic)
     headers = _auth(options)
@@ -183,7 +206,7 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
         async def one(case: Any, profile: str, trial: int) -> Record:
             if case.is_multi_turn:
                 return await multi_turn(case, profile, trial)
-            body = case_request(case, model=model)
+            body = request_body(case, model) if is_user_case(case) else case_request(case, model=model)
             body.update(sampling(case.id, trial))
             rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
             t0 = time.perf_counter()
@@ -278,7 +301,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         else:  # any HTTP answer will do: the backend is up
             _check_reachable(f"{options.backend.rstrip('/')}/models", "backend", headers)
     model = model or "default"
-    config, arms, cases = prepare(options)
+    config, arms, cases = prepare(options, say)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
     out = Path(options.out)
@@ -286,7 +309,8 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     try:
         results.claim(model, options.backend or options.proxy or "")
         results.register_arms(_profile_specs(config, arms))
-        results.set_meta({"categories": ",".join(options.categories), "limit": str(options.limit or ""),
+        results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
+                          "limit": str(options.limit or ""),
                           "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
         trials = max(options.trials, int(results.meta().get("trials") or 1))
         results.set_meta({"trials": str(trials)})

@@ -89,9 +89,11 @@ def format_sensitivity_cases() -> list[Any]:
     return out
 
 
-def select_cases(categories: list[str], limit: int | None, shard: tuple[int, int] | None) -> list[Any]:
-    """The first `limit` cases of each category (file order), then every N-th from index I for a shard.
-    `format_sensitivity` stands for BFCL's 200-case format-sensitivity selection (original ids and categories)."""
+def select_cases(categories: list[str], limit: int | None, shard: tuple[int, int] | None,
+                 user_cases: list[Any] | None = None) -> list[Any]:
+    """The first `limit` cases of each BFCL category (file order), then the user cases (all of them: a file of
+    one's own cases is chosen case by case), then every N-th from index I for a shard. `format_sensitivity`
+    stands for BFCL's 200-case format-sensitivity selection (original ids and categories)."""
     from toolquake.bfcl.corpus import MULTI_TURN_CATEGORIES, load_category
     from toolquake.proxy.live.resolver import scorable_categories
 
@@ -102,6 +104,7 @@ def select_cases(categories: list[str], limit: int | None, shard: tuple[int, int
             raise ReplayError(f"category {name!r} cannot be replayed (categories: {', '.join(allowed)})")
         items = format_sensitivity_cases() if name == FORMAT_SENSITIVITY else load_category(name)
         cases.extend(items if limit is None else items[:limit])
+    cases.extend(user_cases or [])
     if shard is not None:
         index, count = shard
         cases = cases[index::count]

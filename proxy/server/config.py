@@ -7,6 +7,7 @@ environment (`TOOLQUAKE_*`), environment over the file, the file over the defaul
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -126,6 +127,8 @@ class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     store: str = ""
     #: keep request and answer bodies in the store (off by default)
     store_contents: bool = False
+    #: files of your own cases (JSON lines, docs/own-cases.md), tied to requests by X-Toolquake-Case or content
+    cases: list[str] = []
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
@@ -134,10 +137,56 @@ class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
             raise ValueError("workers must be at least 1")
 
 
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MB", "1GiB"."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {value!r}: give bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class RecordConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Recording (`[record]`): unperturbed exchanges appended to a JSON-lines file (proxy/live/recording.py)."""
+
+    #: the recording file; "" = no recording (`toolquake serve --record PATH`)
+    path: str = ""
+    #: fraction of the recordable exchanges that are recorded
+    sample_rate: float = 1.0
+    #: profiles (names or shell patterns) whose exchanges are recorded; empty = every profile
+    profiles: list[str] = []
+    #: the file never grows past this (bytes, or "512MB", "1GiB"); then recording stops and drops are counted
+    max_size: int | str = "1GiB"
+    #: exchanges waiting to be written; when full, new ones are dropped and counted
+    queue_size: int = 1024
+    #: regular expressions whose matches in message contents and call arguments are replaced by [redacted]
+    redact: list[str] = []
+    #: fsync after each record (a power loss then loses at most the record being written)
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be between 0 and 1, got {self.sample_rate}")
+        if parse_size(self.max_size) < 1:
+            raise ValueError("max_size must be positive")
+        if self.queue_size < 1:
+            raise ValueError("queue_size must be at least 1")
+        for pattern in self.redact:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"redact pattern {pattern!r}: {exc}") from None
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     profiles: dict[str, ProfileSpec] = {}
     scoring: ScoringConfig = msgspec.field(default_factory=ScoringConfig)
+    record: RecordConfig = msgspec.field(default_factory=RecordConfig)
 
 
 # environment variable -> (server field, type)
