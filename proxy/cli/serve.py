@@ -1,4 +1,4 @@
-"""`toolquake serve`: run the proxy, with live scoring attached."""
+"""`toolquake serve`: run the proxy, with live scoring and the recorder attached."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from toolquake.proxy import live
+    from toolquake.proxy.live import recording
     from toolquake.proxy.server import logs, workers
     from toolquake.proxy.server.app import create_app
 
@@ -27,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
                               default_profile=args.default_profile, token_counter=args.token_counter,
                               workers=args.workers)
     config = apply_cli(config, corpus=args.corpus, no_scoring=args.no_scoring, results_db=args.results_db,
-                       store_contents=args.store_contents, no_content_match=args.no_content_match)
+                       store_contents=args.store_contents, no_content_match=args.no_content_match,
+                       cases=args.cases, record=args.record)
     server = config.server
     n = server.workers or workers.default_workers()
     logs.configure(server.log_level, worker_pid=n > 1)
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                               proxy_headers=False)
 
     if n == 1:
-        app = create_app(config, admin_token=admin_token, extensions=[live.attach])
+        app = create_app(config, admin_token=admin_token, extensions=[live.attach, recording.attach])
         uvicorn.Server(uvicorn_config(app)).run()
         return 0
     try:
@@ -54,17 +56,23 @@ def run(args: argparse.Namespace) -> int:
     workers.use_multiprocess_metrics(runtime.metrics)
 
     def run_worker() -> None:  # in each forked worker: its own app, event loop and upstream pool
-        app = create_app(config, admin_token=admin_token, extensions=[live.attach], shared=runtime.root)
+        app = create_app(config, admin_token=admin_token, extensions=[live.attach, recording.attach],
+                         shared=runtime.root)
         uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
     return workers.supervise(n, sock, run_worker, runtime, grace_s=GRACEFUL_S + 5)
 
 
 def apply_cli(config: Config, *, corpus: str | None = None, no_scoring: bool = False, results_db: str | None = None,
-              store_contents: bool = False, no_content_match: bool = False) -> Config:
-    """`toolquake serve` flags over the `[scoring]` section."""
+              store_contents: bool = False, no_content_match: bool = False, cases: list[str] | None = None,
+              record: str | None = None) -> Config:
+    """`toolquake serve` flags over the `[scoring]` and `[record]` sections."""
+    if record:
+        config = msgspec.structs.replace(config, record=msgspec.structs.replace(config.record, path=record))
     s = config.scoring
     changes: dict[str, Any] = {}
+    if cases:
+        changes["cases"] = [*s.cases, *cases]
     if corpus:
         changes["corpus"] = corpus
     if no_scoring:
@@ -106,4 +114,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "default: results.sqlite in the cache dir)")
     serve.add_argument("--store-contents", action="store_true", help="also keep request and answer bodies in "
                        "the results store ([scoring] store_contents; off by default)")
+    serve.add_argument("--cases", action="append", metavar="FILE", help="a file of your own cases (JSON lines, "
+                       "docs/own-cases.md), repeatable: requests are tied to them by X-Toolquake-Case or by the hash "
+                       "of their conversation, and scored like BFCL cases ([scoring] cases)")
+    serve.add_argument("--record", metavar="PATH", help="append each unperturbed exchange (request and final "
+                       "answer) to this JSON-lines recording, off the request path ([record] path; the [record] "
+                       "section sets the sample rate, profiles, size cap and redaction; docs/own-cases.md)")
     serve.set_defaults(func=run)

@@ -149,7 +149,8 @@ def _graded(entry, calls):
 
 def test_user_cases_are_graded_with_bfcls_possible_answer_rules():
     one = case(expected=[{"name": "get_weather", "arguments": {
-        "city": ["Paris", "Paris, France"], "unit": ["celsius", ""], "days": [3, ""], "options": [{"alerts": True}, ""]}}])
+        "city": ["Paris", "Paris, France"], "unit": ["celsius", ""], "days": [3, ""],
+        "options": [{"alerts": True}, ""]}}])
     # optional arguments may be left out; strings compare as BFCL normalises them; ints stand for floats
     assert _graded(one, [{"name": "get_weather", "arguments": {"city": "paris"}}]).valid
     assert _graded(one, [{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 3.0,

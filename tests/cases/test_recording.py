@@ -1,0 +1,263 @@
+"""`toolquake serve --record`: a real `openai` SDK agent loop through the proxy against the fake upstream.
+The recording holds exactly the exchanges made (chat and Responses, streamed and not), no secret, nothing
+torn after a SIGKILL; `toolquake cases from-recording` turns it into cases that replay as right answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+from tests.conftest import ROOT, start_proxy
+from tests.replay.test_replay import replay, rows
+
+API_KEY = "sk-test-SECRETKEY0123456789abcdef"
+SEED_SECRET = "seed-secret-5f2a91"
+MARKED = "TOKEN-4711-ZQX"  # a value the [record] redact pattern removes from message contents
+PLAN = "get_weather,get_time"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone.", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+]
+CONFIG = """
+[record]
+redact = ["TOKEN-[0-9]+-[A-Z]+"]
+
+[profiles.reversed]
+perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]
+"""
+
+
+def toolquake(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolquake", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+
+
+def client(proxy_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{proxy_url}/v1", api_key=API_KEY, max_retries=0,
+                  default_headers={"X-Fake-Agent": PLAN, "X-Toolquake-Seed": SEED_SECRET,
+                                   "X-Toolquake-Conversation": SEED_SECRET})
+
+
+def _streamed(stream) -> tuple[str | None, list[dict]]:
+    content, calls = None, {}
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for tc in delta.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            slot["id"] = tc.id or slot["id"]
+            if tc.function and tc.function.name:
+                slot["function"]["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                slot["function"]["arguments"] += tc.function.arguments
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def chat_agent(sdk: OpenAI, question: str, stream: bool, exchanges: list) -> None:
+    """The agent loop: ask, run the tools the model calls, ask again, until a text answer."""
+    messages = [{"role": "system", "content": "You are a travel agent."}, {"role": "user", "content": question}]
+    for _ in range(5):
+        sent = json.loads(json.dumps(messages))
+        if stream:
+            content, calls = _streamed(sdk.chat.completions.create(model="fake-model", messages=messages,
+                                                                   tools=TOOLS, stream=True))
+        else:
+            msg = sdk.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS).choices[0].message
+            content = msg.content
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                    "arguments": c.function.arguments}}
+                     for c in msg.tool_calls or []]
+        exchanges.append({"api": "chat_completions", "stream": stream, "messages": sent, "content": content,
+                          "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]})
+        if not calls:
+            return
+        messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        for c in calls:
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": f"result of {c['function']['name']}"})
+
+
+def responses_agent(sdk: OpenAI, question: str, stream: bool, exchanges: list) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    items: list = [{"role": "user", "content": question}]
+    for _ in range(5):
+        if stream:
+            events = sdk.responses.create(model="fake-model", input=items, tools=tools, stream=True)
+            resp = next(e.response for e in events if e.type == "response.completed")
+        else:
+            resp = sdk.responses.create(model="fake-model", input=items, tools=tools)
+        calls = [o for o in resp.output if o.type == "function_call"]
+        exchanges.append({"api": "responses", "stream": stream, "question": question,
+                          "content": resp.output_text or None,
+                          "calls": [(c.name, json.loads(c.arguments)) for c in calls]})
+        if not calls:
+            return
+        for c in calls:
+            items.append({"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments})
+            items.append({"type": "function_call_output", "call_id": c.call_id, "output": f"result of {c.name}"})
+
+
+def read(path: Path) -> list[dict]:
+    from toolquake.proxy.live.recording import read_recording
+
+    rec = read_recording(path)
+    assert rec.problems == [] and rec.torn == 0, (rec.problems, rec.torn)
+    return rec.records
+
+
+def metric(proxy_url: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{proxy_url}/metrics").text.splitlines():
+        if line.startswith(name):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_an_agent_loop_is_recorded_exactly_and_becomes_cases_that_replay(fake_upstream, tmp_path):
+    recording = tmp_path / "staging.jsonl"
+    proxy = start_proxy(fake_upstream.url, CONFIG, None, "--record", str(recording))
+    exchanges: list[dict] = []
+    try:
+        sdk = client(proxy.url)
+        chat_agent(sdk, "Weather and time in Paris?", False, exchanges)
+        chat_agent(sdk, "Weather and time in Rome?", True, exchanges)
+        chat_agent(sdk, "Weather and time in Paris?", False, exchanges)  # the same conversation again
+        chat_agent(sdk, f"My booking code is {MARKED}, key {API_KEY}: weather in Oslo?", False, exchanges)
+        responses_agent(sdk, "Weather and time in Lima?", False, exchanges)
+        responses_agent(sdk, "Weather and time in Quito?", True, exchanges)
+        # a perturbed exchange is not recorded
+        perturbed = client(proxy.url).with_options(base_url=f"{proxy.url}/p/reversed/v1")
+        chat_agent(perturbed, "Weather in Bern, reversed?", False, [])
+        deadline = time.monotonic() + 10
+        while len(recording.read_text().splitlines()) < len(exchanges) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        recorded_total = metric(proxy.url, "toolquake_recorded_total")
+    finally:
+        proxy.stop()
+    assert len(exchanges) == 6 * 3  # each loop: call, call, final text
+    records = read(recording)
+    assert len(records) == len(exchanges)
+    assert recorded_total == {'toolquake_recorded_total{route="chat_completions"}': 12.0,
+                              'toolquake_recorded_total{route="responses"}': 6.0}
+    for rec, ex in zip(records, exchanges):
+        assert rec["route"] == ex["api"] and rec["stream"] == ex["stream"] and rec["profile"] == "off"
+        message = rec["answer"]["message"]
+        got_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in message.get("tool_calls") or []]
+        assert got_calls == ex["calls"]
+        assert (message.get("content") or None) == ex["content"]
+        assert rec["request"]["tools"] == TOOLS
+        if ex["api"] == "chat_completions" and MARKED not in json.dumps(ex["messages"]):
+            assert rec["request"]["messages"] == ex["messages"]
+        if ex["api"] == "responses":
+            assert [m["role"] for m in rec["request"]["messages"]][0] == "user"
+            assert rec["request"]["messages"][0]["content"] == ex["question"]
+    text = recording.read_text()
+    for secret in (API_KEY, SEED_SECRET, MARKED, "Bearer", "authorization", "x-toolquake", "fake-agent"):
+        assert secret.lower() not in text.lower(), secret
+    assert text.count("[redacted]") >= 2 * 3  # the booking code and the key, in each of that loop's requests
+
+    cases = tmp_path / "cases.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases), "--category", "travel")
+    assert r.returncode == 0, r.stderr
+    made = [json.loads(line) for line in cases.read_text().splitlines()]
+    assert len(made) == len(exchanges) - 3  # the repeated Paris loop adds nothing
+    assert "3 duplicate(s)" in r.stderr
+    assert sum(c["expected"] == "no call" for c in made) == 5
+    for c in made:
+        assert c["category"] == "travel"
+        if c["expected"] != "no call":
+            assert [e["name"] for e in c["expected"]] in (["get_weather"], ["get_time"])
+            assert "call" in c["tags"] and f"tool:{c['expected'][0]['name']}" in c["tags"]
+    assert toolquake("cases", "validate", str(cases)).returncode == 0
+    only = tmp_path / "weather.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(only), "--tools", "get_weather",
+                  "--loosen-strings")
+    assert r.returncode == 0, r.stderr
+    weather = [json.loads(line) for line in only.read_text().splitlines()]
+    assert len(weather) == 5 and all(c["expected"][0]["name"] == "get_weather" for c in weather)
+    assert all("category" not in c for c in weather)  # no --category: the cases file's stem
+    assert set(weather[0]["expected"][0]["arguments"]["city"]) == {"example", "EXAMPLE", "Example"}
+
+    # the same agent (the same answers) replayed against its own cases: every answer is right
+    out = tmp_path / "replay"
+    r = replay("--backend", f"{fake_upstream.url}/v1", "--profiles", "off", "--cases", str(cases), "--out", str(out),
+               "--header", f"X-Fake-Agent: {PLAN}")
+    assert r.returncode == 0, r.stderr
+    got = rows(out)
+    assert len(got) == len(made) and all(x["status"] == "scored" and x["valid"] == 1 for x in got), got
+
+
+def test_sigkill_mid_run_leaves_no_torn_record_and_the_cap_is_kept(fake_upstream, tmp_path):
+    recording = tmp_path / "killed.jsonl"
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    big = "x" * 200_000  # large records: a kill is likely to land while one is being written
+    stop = threading.Event()
+    sent = [0]
+
+    def hammer() -> None:
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                try:
+                    http.post(f"{proxy.url}/v1/chat/completions", json={
+                        "model": "m", "messages": [{"role": "user", "content": f"{sent[0]} {big}"}], "tools": TOOLS})
+                    sent[0] += 1
+                except httpx.HTTPError:
+                    return
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while (not recording.exists() or recording.stat().st_size < 3_000_000) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proxy.popen.send_signal(signal.SIGKILL)
+    proxy.popen.wait(10)
+    stop.set()
+    for t in threads:
+        t.join(15)
+    from toolquake.proxy.live.recording import read_recording
+
+    after_kill = read_recording(recording)
+    assert after_kill.problems == [] and after_kill.torn <= 1
+    assert 10 <= len(after_kill.records) <= sent[0] + 4
+    assert all(len(r["request"]["messages"][0]["content"]) > 200_000 for r in after_kill.records)
+    # a torn tail (as a kill during a write leaves it) is cut when the proxy opens the recording again
+    whole = len(recording.read_bytes())
+    with open(recording, "ab") as f:
+        f.write(b'{"v":1,"ts":1.0,"request":{"messages":[{"role":"us')
+    cap = whole + 3 * 1024
+    proxy = start_proxy(fake_upstream.url, f'[record]\nmax_size = {cap}\n', None, "--record", str(recording))
+    try:
+        for i in range(40):
+            httpx.post(f"{proxy.url}/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": f"small {i}"}], "tools": TOOLS}, timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = metric(proxy.url, "toolquake_record")
+            if sum(v for k, v in m.items() if k.startswith(("toolquake_recorded_total", "toolquake_record_dropped_"
+                                                             "total"))) >= 40:
+                break
+            time.sleep(0.05)
+    finally:
+        proxy.stop()
+    final = read(recording)  # no torn line left, nothing unreadable
+    assert recording.stat().st_size <= cap
+    recorded = sum(v for k, v in m.items() if k.startswith("toolquake_recorded_total"))
+    dropped = m.get('toolquake_record_dropped_total{reason="size_cap"}', 0)
+    assert recorded + dropped == 40 and dropped > 0 and recorded > 0
+    assert len(final) == len(after_kill.records) + recorded
