@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from tests.conftest import ROOT, start_proxy
@@ -261,3 +262,23 @@ def test_sigkill_mid_run_leaves_no_torn_record_and_the_cap_is_kept(fake_upstream
     dropped = m.get('toolquake_record_dropped_total{reason="size_cap"}', 0)
     assert recorded + dropped == 40 and dropped > 0 and recorded > 0
     assert len(final) == len(after_kill.records) + recorded
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to make every write fail")
+def test_a_recording_that_cannot_be_written_never_breaks_a_request(fake_upstream):
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", "/dev/full")  # every write: ENOSPC
+    try:
+        sdk = client(proxy.url)
+        for i in range(3):
+            answer = sdk.chat.completions.create(model="fake-model", tools=TOOLS,
+                                                 messages=[{"role": "user", "content": f"question {i}"}])
+            assert answer.choices[0].message.tool_calls
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not metric(proxy.url, "toolquake_record_dropped_total"):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert metric(proxy.url, "toolquake_record_dropped_total") == {
+            'toolquake_record_dropped_total{reason="write_error"}': 3.0}
+        assert metric(proxy.url, "toolquake_recorded_total") == {}
+    finally:
+        proxy.stop()

@@ -186,3 +186,27 @@ def test_user_cases_mix_with_bfcl_categories_and_split_into_shards(setup, tmp_pa
     assert {x["category"] for part in found for x in part} == {"multiple", "agent", "smalltalk"}
     assert all(x["status"] == "scored" for part in found for x in part)
     _check({(x["case_id"], "off"): x for part in found for x in part if x["category"] != "multiple"}, truth, "off")
+
+
+@pytest.mark.needs_corpus
+def test_conversation_lengthening_pads_user_cases_and_keeps_their_verdicts(setup, tmp_path):
+    """Earlier turns from corpus cases go before the user case's last user message; the answer (scripted on
+    that message) and so the verdict stay the ones `off` gets."""
+    fake, d, truth = setup
+    config = tmp_path / "long.toml"
+    config.write_text('[profiles.long]\nperturbers = [{ name = "conversation_lengthening", params = '
+                      '{ budget_tokens = 3000, setting = "structured" } }]\n')
+    out = tmp_path / "long"
+    httpx.delete(f"{fake.url}/_fake/requests")
+    r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,long", "--config", str(config), "--cases",
+               str(d / "agent.jsonl"), "--out", str(out), "--header", "X-Test-Tag: long")
+    assert r.returncode == 0, r.stderr
+    got = {(x["case_id"], x["profile"]): x for x in rows(out)}
+    _check(got, {k: v for k, v in truth.items() if v[0] == "call"}, "long")
+    for (cid, profile), x in got.items():
+        if profile == "long":
+            assert json.loads(x["perturbers"])["applied"][0]["report"]["turns_added"] > 0
+    seen = [json.loads(s["body"]) for s in httpx.get(f"{fake.url}/_fake/requests", params={"tag": "long"}).json()
+            if s["path"] == "/v1/chat/completions"]
+    lengths = sorted(len(b["messages"]) for b in seen)
+    assert lengths[:len(CALLS)] == [2] * len(CALLS) and min(lengths[len(CALLS):]) > 2
