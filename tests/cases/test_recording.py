@@ -282,3 +282,23 @@ def test_a_recording_that_cannot_be_written_never_breaks_a_request(fake_upstream
         assert metric(proxy.url, "toolquake_recorded_total") == {}
     finally:
         proxy.stop()
+
+
+def test_only_the_configured_profiles_are_recorded(fake_upstream, tmp_path):
+    recording = tmp_path / "quiet.jsonl"
+    config = '[profiles.quiet]\nmode = "off"\n\n[record]\nprofiles = ["qu*"]\n'
+    proxy = start_proxy(fake_upstream.url, config, None, "--record", str(recording))
+    try:
+        for base in ("/v1", "/p/quiet/v1", "/v1", "/p/quiet/v1"):
+            r = httpx.post(f"{proxy.url}{base}/chat/completions", timeout=10, json={
+                "model": "m", "messages": [{"role": "user", "content": f"via {base}"}], "tools": TOOLS})
+            assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(recording.read_text().splitlines()) < 2:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        proxy.stop()
+    records = read(recording)
+    assert [(r["profile"], r["request"]["messages"][0]["content"]) for r in records] == [
+        ("quiet", "via /p/quiet/v1")] * 2
