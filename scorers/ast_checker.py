@@ -730,7 +730,7 @@ def _case_entry(case: Any) -> _Compiled:
 
 def check(case: Any, calls: Any, mode: str = "bfcl", *, underscore_to_dot: bool = False,
           equivalence: Equivalence | None = None) -> Verdict:
-    """The verdict for a corpus case (single-turn categories and format-sensitivity ids)."""
+    """The verdict for a corpus case (single-turn categories and format-sensitivity ids) or a user case."""
     compiled = _CASES.get(id(case))
     if compiled is None or compiled.owner is not case:
         compiled = _case_entry(case)
