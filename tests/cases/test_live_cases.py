@@ -53,13 +53,16 @@ def test_user_cases_are_scored_live_by_content_hash_and_header(served):
     proxy, db = served
     sdk = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0)
     by_id = {c["id"]: c for c in CASES}
+    request_ids: list[str] = []
     for case_id, text, answer, by_header, _ in SENT:
         case = by_id[case_id]
         headers = {"X-Fake-Answer": json.dumps(answer)}
         if by_header:
             headers["X-Toolquake-Case"] = case_id
-        sdk.chat.completions.create(model="fake-model", messages=[SYSTEM, {"role": "user", "content": text}],
-                                    tools=case["tools"], extra_headers=headers)
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="fake-model", messages=[SYSTEM, {"role": "user", "content": text}], tools=case["tools"],
+            extra_headers=headers)
+        request_ids.append(raw.headers["x-toolquake-request-id"])
     # a request of no case: counted as unlabeled, not scored
     sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Weather in Paris?"}],
                                 tools=[WEATHER, TIME])
@@ -73,7 +76,8 @@ def test_user_cases_are_scored_live_by_content_hash_and_header(served):
         assert metric(proxy, "toolquake_scored_total", category=category, verdict=verdict) == n, (category, verdict)
     assert metric(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 1
     assert metric(proxy, "toolquake_errors_total", error_type="wrong_function") == 1
-    rows = results.read_rows(db)
+    stored = {r["request_id"]: r for r in results.read_rows(db)}  # two workers: rows may land in any order
+    rows = [stored[i] for i in request_ids]
     assert [(r["case_id"], bool(r["valid"]), r["taxonomy"]) for r in rows] == [
         (case_id, valid, taxonomy) for case_id, _, _, _, (valid, taxonomy) in SENT]
     assert [r["resolved_by"] for r in rows] == ["header" if h else "content" for *_, h, _ in SENT]
