@@ -249,11 +249,13 @@ class Recorder:
 
 
 def attach(app: Litestar, st: ProxyState) -> Recorder | None:
-    """Record the server's unperturbed exchanges when `[record] path` is set."""
+    """Record the server's unperturbed exchanges when `[record] path` is set. The metrics are exported either
+    way (at zero without a recording), so dashboards and alerts find them."""
     settings = st.config.record
+    metrics = RecordMetrics(st.metrics.registry)
     if not settings.path:
         return None
-    recorder = Recorder(settings, RecordMetrics(st.metrics.registry))
+    recorder = Recorder(settings, metrics)
     try:
         recorder.open()
     except OSError as exc:
