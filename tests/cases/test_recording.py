@@ -302,3 +302,21 @@ def test_only_the_configured_profiles_are_recorded(fake_upstream, tmp_path):
     records = read(recording)
     assert [(r["profile"], r["request"]["messages"][0]["content"]) for r in records] == [
         ("quiet", "via /p/quiet/v1")] * 2
+
+
+def test_a_sample_rate_of_zero_records_nothing_and_counts_every_exchange(fake_upstream, tmp_path):
+    recording = tmp_path / "sampled.jsonl"
+    proxy = start_proxy(fake_upstream.url, "[record]\nsample_rate = 0.0\n", None, "--record", str(recording))
+    try:
+        for i in range(5):
+            r = httpx.post(f"{proxy.url}/v1/chat/completions", timeout=10, json={
+                "model": "m", "messages": [{"role": "user", "content": f"sampled {i}"}], "tools": TOOLS})
+            assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(metric(proxy.url, "toolquake_record_dropped_total").values()) < 5:
+            time.sleep(0.05)
+        assert metric(proxy.url, "toolquake_record_dropped_total") == {
+            'toolquake_record_dropped_total{reason="sampled_out"}': 5.0}
+    finally:
+        proxy.stop()
+    assert recording.read_text() == ""
