@@ -133,6 +133,7 @@ class ResultsFile:
     def register_arms(self, specs: dict[str, dict[str, Any]]) -> None:
         """Record each profile's definition; a profile whose definition changed since is refused."""
         stored = {p: json.loads(s) for p, s in self.db.execute("SELECT profile, spec FROM arms")}
+        specs = {n: json.loads(json.dumps(s)) for n, s in specs.items()}  # as stored: tuples are lists in JSON
         for name, spec in specs.items():
             if name in stored and stored[name] != spec:
                 raise ReplayError(f"profile {name!r} is defined differently from the one in {self.path} "
