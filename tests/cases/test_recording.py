@@ -82,7 +82,8 @@ def chat_agent(sdk: OpenAI, question: str, stream: bool, exchanges: list) -> Non
             calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                     "arguments": c.function.arguments}}
                      for c in msg.tool_calls or []]
-        exchanges.append({"api": "chat_completions", "stream": stream, "messages": sent, "content": content,
+        exchanges.append({"api": "chat_completions", "stream": stream, "messages": sent, "step": len(sent),
+                          "question": question, "content": content,
                           "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]})
         if not calls:
             return
@@ -101,7 +102,7 @@ def responses_agent(sdk: OpenAI, question: str, stream: bool, exchanges: list) -
         else:
             resp = sdk.responses.create(model="fake-model", input=items, tools=tools)
         calls = [o for o in resp.output if o.type == "function_call"]
-        exchanges.append({"api": "responses", "stream": stream, "question": question,
+        exchanges.append({"api": "responses", "stream": stream, "question": question, "step": len(items),
                           "content": resp.output_text or None,
                           "calls": [(c.name, json.loads(c.arguments)) for c in calls]})
         if not calls:
@@ -155,6 +156,15 @@ def test_an_agent_loop_is_recorded_exactly_and_becomes_cases_that_replay(fake_up
     assert len(records) == len(exchanges)
     assert recorded_total == {'toolquake_recorded_total{route="chat_completions"}': 12.0,
                               'toolquake_recorded_total{route="responses"}': 6.0}
+    # the workers of `serve` (one per CPU) append in the order they finish: match records by what they hold
+    def user_text(rec: dict) -> str:
+        return next(m["content"] for m in rec["request"]["messages"] if m["role"] == "user")
+
+    def step(rec: dict) -> int:
+        return len(rec["request"]["messages"]) - (1 if rec["route"] == "chat_completions" else 0)
+
+    records = sorted(records, key=lambda r: (r["route"], user_text(r), step(r)))
+    exchanges = sorted(exchanges, key=lambda e: (e["api"], e["question"], e["step"] - (e["api"] == "chat_completions")))
     for rec, ex in zip(records, exchanges):
         assert rec["route"] == ex["api"] and rec["stream"] == ex["stream"] and rec["profile"] == "off"
         message = rec["answer"]["message"]
