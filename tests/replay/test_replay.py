@@ -226,34 +226,8 @@ def test_sigkill_at_random_moments_then_resume_records_every_pair_exactly_once(o
     total = 2 * N_CASES
     rng = random.Random(8)
 
-    def count() -> int:
-        if not db_path.exists():
-            return 0
-        try:
-            db = sqlite3.connect(db_path, timeout=5)
-            try:
-                return db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
-            finally:
-                db.close()
-        except sqlite3.OperationalError:
-            return 0
-
-    kills = 0
-    for _ in range(4):
-        before = count()
-        if before >= total - 2:
-            break
-        # a random point: after a random number of newly recorded pairs (0 = during start-up)
-        target = before + rng.randint(0, min(8, total - before - 2))
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while count() < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.05))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait(30)
+    count = row_counter(db_path)
+    kills = kill_at_random_points(args, env, count, total, rng, rounds=4, max_step=8)
     assert kills >= 2
     partial = count()
     assert partial < total
@@ -323,3 +297,43 @@ def test_replay_through_an_external_proxy(oracle, tmp_path):
         assert log.count('"profile":"shuffled"') + log.count('"profile": "shuffled"') == 6
     finally:
         proxy.stop()
+
+
+def row_counter(db_path: Path):
+    """A function counting the results rows recorded so far (0 while the store does not exist or is locked)."""
+
+    def count() -> int:
+        if not db_path.exists():
+            return 0
+        try:
+            db = sqlite3.connect(db_path, timeout=5)
+            try:
+                return db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+            finally:
+                db.close()
+        except sqlite3.OperationalError:
+            return 0
+
+    return count
+
+
+def kill_at_random_points(args: list[str], env: dict[str, str], count, total: int, rng: random.Random, *,
+                          rounds: int, max_step: int) -> int:
+    """Start the replay `rounds` times and SIGKILL it each time at a random point (after a random number of
+    newly recorded rows, 0 = during start-up), stopping while fewer than 2 rows are left; the number of kills."""
+    kills = 0
+    for _ in range(rounds):
+        before = count()
+        if before >= total - 2:
+            break
+        target = before + rng.randint(0, min(max_step, total - before - 2))
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while count() < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.05))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(30)
+    return kills

@@ -12,19 +12,24 @@ import itertools
 import json
 import os
 import random
-import signal
 import sqlite3
 import statistics
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import ROOT
 from tests.fake_upstream import flaky_hit
-from tests.replay.test_replay import N_CASES, oracle, replay, rows  # noqa: F401  (oracle: the fixture)
+from tests.replay.test_replay import (  # noqa: F401  (oracle: the fixture)
+    N_CASES,
+    kill_at_random_points,
+    oracle,
+    replay,
+    row_counter,
+    rows,
+)
 from toolquake.proxy.replay.run import trial_seed
 from toolquake.scorers.aggregate import pass_at_k, pass_hat_k, spread
 
@@ -147,34 +152,8 @@ def test_sigkill_at_random_moments_then_resume_records_every_trial_exactly_once(
     total = 2 * N_CASES * TRIALS
     rng = random.Random(18)
 
-    def count() -> int:
-        if not db_path.exists():
-            return 0
-        try:
-            db = sqlite3.connect(db_path, timeout=5)
-            try:
-                return db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
-            finally:
-                db.close()
-        except sqlite3.OperationalError:
-            return 0
-
-    kills = 0
-    for _ in range(5):
-        before = count()
-        if before >= total - 2:
-            break
-        # a random point: after a random number of newly recorded rows (0 = during start-up)
-        target = before + rng.randint(0, min(20, total - before - 2))
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while count() < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.05))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait(30)
+    count = row_counter(db_path)
+    kills = kill_at_random_points(args, env, count, total, rng, rounds=5, max_step=20)
     assert kills >= 2
     assert count() < total
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
