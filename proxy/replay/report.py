@@ -370,8 +370,9 @@ def perturbation_text(perturbers: Any, spec: dict[str, Any] | None = None) -> st
     steps = perturbation_steps(perturbers, spec)
     if not steps:
         return "none"
-    text = "; ".join(f"{a['name']}({_compact(a['params'])})" + (f" → {_compact(a['report'])}" if a["report"] else "")
-                     for a in steps)
+    # parameters left empty (no generator URL, no cache dir, ...) say nothing about what was applied
+    text = "; ".join(f"{a['name']}({_compact({k: v for k, v in a['params'].items() if v not in ('', None)})})"
+                     + (f" → {_compact(a['report'])}" if a["report"] else "") for a in steps)
     recorded = isinstance(applied, list) and bool(applied)
     return _short(text + ("" if recorded or perturbers is None else " (defined; none recorded as applied)"))
 

@@ -419,3 +419,14 @@ def test_html_report_with_hundreds_of_flipped_cases_stays_one_filterable_page(tm
     r, _ = _open(browser, tmp_path, page.as_uri() + "#q=multiple_5", "--dump-dom")
     want = sum(1 for c in lost if c.startswith("multiple_5"))
     assert f"{want} of {len(lost)} flipped cases shown" in r.stdout
+
+
+def test_perturbation_text_leaves_out_empty_parameters_but_keeps_zero_and_false() -> None:
+    from toolquake.proxy.replay.report import perturbation_text
+
+    stored = {"applied": [{"name": "toolkit_expansion", "params": {"k": 3, "generator_url": "", "cache_dir": None,
+                                                                      "band": [0.5, 0.75], "seed": 0, "strict": False},
+                           "report": {"added": ["a"]}}]}
+    text = perturbation_text(stored)
+    assert text == ('toolkit_expansion({"k": 3, "band": [0.5, 0.75], "seed": 0, "strict": false}) '
+                    '→ {"added": ["a"]}')
