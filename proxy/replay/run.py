@@ -326,6 +326,10 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         if options.proxy and any(_injects_failures(config, p) for p in arms):
             say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
                 "rows get no recovery verdicts")
+        if any(_injects_failures(config, p) for p in arms) and not any(_has_tool_results(c) for c in cases):
+            say("replay: note: no selected case is multi-turn or holds a tool result, so the tool_failure arms "
+                "(fail-*) change nothing here; select multi_turn categories (e.g. --categories multi_turn_base) "
+                "or cases with tool results")
         times = f" × {options.trials} trials" if options.trials > 1 else ""
         say(f"replay: {len(cases)} cases × {len(arms)} profiles{times}, model {model!r}; {summary.skipped} pairs "
             f"already scored in {results.path}")
@@ -377,6 +381,12 @@ def _changes_expectation(config: Any, profile: str) -> bool:
     spec = config.profiles.get(profile)
     known = registry()
     return spec is not None and any(p.name in known and known[p.name].affects_grading() for p in spec.perturbers)
+
+
+def _has_tool_results(case: Any) -> bool:
+    """A multi-turn case (the simulators answer its calls), or one whose messages already hold a tool result."""
+    return case.is_multi_turn or any(isinstance(m, dict) and m.get("role") == "tool"
+                                     for turn in case.turns for m in turn)
 
 
 def _injects_failures(config: Any, profile: str) -> bool:

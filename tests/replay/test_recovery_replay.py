@@ -74,6 +74,7 @@ def replayed(backends: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
         done = replay("--backend", f"{fake.url}/v1", "--profiles", ",".join(("off", *PROFILES)), "--out", str(out),
                       "--categories", "multi_turn_base", "--limit", str(len(CASES)), "--header", f"X-Test-Tag: {TAG}")
         assert done.returncode == 0, done.stderr
+        assert "change nothing here" not in done.stderr  # multi-turn cases: the failures are injected
         yield out, expected, recorded(fake, TAG)
     finally:
         fake.stop()
@@ -155,3 +156,16 @@ def replay_report(out: Path, fmt: str) -> str:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def test_fail_arms_on_single_turn_cases_are_named_as_changing_nothing(tmp_path: Path) -> None:
+    fake = start_fake_upstream()
+    try:
+        done = replay("--backend", f"{fake.url}/v1", "--profiles", "off,fail-timeout", "--out", str(tmp_path / "o"),
+                      "--categories", "simple_python", "--limit", "2")
+    finally:
+        fake.stop()
+    assert done.returncode == 0, done.stderr
+    assert "tool_failure arms (fail-*) change nothing here" in done.stderr, done.stderr
+    sent = {r["profile"]: r for r in rows(tmp_path / "o")}
+    assert set(sent) == {"off", "fail-timeout"}
