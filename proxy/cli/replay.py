@@ -16,10 +16,14 @@ def _header(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def _categories(text: str | None, cases: list[str] | None) -> list[str]:
-    """--categories as given; without it, `multiple` — or no BFCL category at all when --cases is given."""
+def _categories(text: str | None, cases: list[str] | None, profiles: str = "") -> list[str]:
+    """--categories as given; without it, `multiple` (or the categories of the presets asked for, when every
+    --profiles item is such a preset, e.g. multi-turn for `@seed003-responses`) — or no BFCL category at all
+    when --cases is given."""
     if text is None:
-        return [] if cases else ["multiple"]
+        from toolquake.proxy.replay.selection import default_categories
+
+        return [] if cases else (default_categories(profiles) or ["multiple"])
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
@@ -33,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = Options(
             backend=args.backend, profiles=args.profiles, out=Path(args.out), config=args.config,
-            categories=_categories(args.categories, args.cases), cases=list(args.cases or []), limit=args.limit,
+            categories=_categories(args.categories, args.cases, args.profiles), cases=list(args.cases or []),
+            limit=args.limit,
             concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard), proxy=args.proxy,
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,

@@ -22,6 +22,22 @@ PRESETS: dict[str, list[str]] = {
     "faults": ["off", "fail-*"],
     "metadata": ["off", "meta-*"],
 }
+#: presets whose protocol needs a history to perturb: the BFCL categories replayed when --categories is not given
+PRESET_CATEGORIES: dict[str, list[str]] = {}
+
+
+def default_categories(profiles_spec: str) -> list[str] | None:
+    """The categories a run of only such presets defaults to (`@seed003-responses` → multi-turn), else None."""
+    items = [s.strip() for s in profiles_spec.split(",") if s.strip()]
+    wanted = [PRESET_CATEGORIES.get(i[1:]) for i in items if i.startswith("@")]
+    if not wanted or len(wanted) != len(items) or any(w is None for w in wanted):
+        return None
+    out: list[str] = []
+    for group in wanted:
+        out.extend(c for c in group or [] if c not in out)
+    return out
+
+
 #: this many connection failures in a row means the backend (or proxy) is down: stop, resume later
 
 
