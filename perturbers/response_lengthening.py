@@ -1,33 +1,53 @@
-"""response_lengthening: pads tool responses with look-alike records until the request reaches a token budget."""
+"""response_lengthening: pads tool responses with look-alike or real records of the same endpoint up to a budget."""
 
 from __future__ import annotations
 
 import json
+import random
 from itertools import cycle
 from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot
-from toolquake.perturbers.helpers.records import RecordSource, separators_of
+from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.helpers import record_bank
+from toolquake.perturbers.helpers.budget import _ESTIMATE, check_position, fit, learned_ratio, slot, text_cost
+from toolquake.perturbers.helpers.records import RecordSource, find_main_array, render_array, separators_of
 
 _TOOL_ROLES = ("tool", "function")
+#: a stream of padding records ends after this many rejected in a row (every candidate holds a needle)
+_MAX_REJECTED_IN_A_ROW = 2000
 
 
 class _Target:
-    """One tool message being padded: its records (JSON) or prose blocks (plain text)."""
+    """One tool message being padded: its records (JSON) or prose blocks (plain text).
 
-    def __init__(self, index: int, content: str, ctx: PerturbContext, words: str) -> None:
+    `bank` (records "endpoint"/"auto"): the real records of the message's function to pad with, then
+    look-alikes once they run out; `needles` rejects records that could change the answer."""
+
+    def __init__(self, index: int, content: str, ctx: PerturbContext, words: str,
+                 bank: list[Any] | None = None, needles: record_bank.Needles | None = None,
+                 rng: random.Random | None = None) -> None:
         self.index = index
         self.source: RecordSource | None = None
         self.prose: list[tuple[str, int]] = []
+        self.rng = rng or ctx.rng
+        self.bank, self.needles = bank, needles
+        self.value: Any = None
         try:
             value = json.loads(content)
         except ValueError:
             value = None
-        if isinstance(value, (dict, list)):
+        found = find_main_array(value) if isinstance(value, (dict, list)) else None
+        if bank is not None and found is None:
+            raise LookupError("no array of records (plain text, or JSON without one): no record of the endpoint fits")
+        if bank is not None and found is not None:  # real records first; the look-alike source only when needed
+            self.value, (self.path, records) = value, found
+            self.separators = separators_of(content)
+            self.originals = [json.dumps(r, ensure_ascii=False, separators=self.separators) for r in records]
+            self.records, self.words = records, words
+        elif isinstance(value, (dict, list)):
             # LookupError when there is no array of records
-            self.source = RecordSource(value, ctx.rng, separators_of(content), words=words)
+            self.source = RecordSource(value, self.rng, separators_of(content), words=words)
             self.originals = self.source.original_texts()
         else:
             from toolquake.perturbers.helpers.filler import filler_pool
@@ -35,27 +55,97 @@ class _Target:
             self.prose = filler_pool(ctx.services).prose
             self.originals = [content]
         self.units: list[str] = []
+        #: per drawn unit: (where it came from: "bank" | "lookalike" | "prose", records rejected before it)
+        self.kinds: list[tuple[str, int]] = []
 
     def stream(self, rng: Any) -> Iterator[tuple[str, int]]:
+        if self.value is not None:
+            return self._endpoint()
         if self.source is not None:
-            return self.source.records()
+            return self._tagged(self.source.records(), "lookalike")
         order = list(range(len(self.prose)))
         rng.shuffle(order)
-        return (self.prose[i] for i in cycle(order))
+        return self._tagged((self.prose[i] for i in cycle(order)), "prose")
+
+    def _tagged(self, units: Iterator[tuple[str, int]], kind: str) -> Iterator[tuple[str, int]]:
+        for unit in units:
+            self.kinds.append((kind, 0))
+            yield unit
+
+    def _endpoint(self) -> Iterator[tuple[str, int]]:
+        """The bank's records (in an order seeded per case and function; none of another shape), then look-alikes
+        of the originals; every one passes the needle check."""
+        sep = text_cost(self.separators[0].strip() or ",")
+        shapes = {record_bank.shape_of(r) for r in self.records}
+        order = list(self.bank or [])
+        self.rng.shuffle(order)
+        rejected = 0
+        for record in order:
+            if record_bank.shape_of(record) not in shapes:
+                continue
+            if self.needles is not None and self.needles.rejects(record):
+                rejected += 1
+                continue
+            text = json.dumps(record, ensure_ascii=False, separators=self.separators)
+            self.kinds.append(("bank", rejected))
+            yield text, text_cost(text) + sep
+        try:
+            source = RecordSource(self.value, self.rng, self.separators, words=self.words)
+        except LookupError:
+            return
+        in_a_row = 0
+        for text, cost in source.records():
+            if self.needles is not None and self.needles.rejects(json.loads(text)):
+                rejected += 1
+                in_a_row += 1
+                if in_a_row >= _MAX_REJECTED_IN_A_ROW:
+                    return
+                continue
+            in_a_row = 0
+            self.kinds.append(("lookalike", rejected))
+            yield text, cost
 
     def render(self, position: int | float, n: int) -> tuple[str, int]:
         """The content with the first n units drawn, the original(s) after `slot` of them."""
         units = self.units[:n]
         before = slot(position, n)
         ordered = units[:before] + self.originals + units[before:]
+        if self.value is not None:
+            return render_array(self.value, self.path, self.separators, ordered), before + 1
         if self.source is not None:
             return self.source.render(ordered), before + 1
         return "\n\n".join(ordered), before + 1
 
+    def response_cost(self, text: str) -> int:
+        """A unit's cost in the tool message's own text (budget_scope "response"), with its separator."""
+        if self.value is None and self.source is None:
+            return _ESTIMATE.count_text(text)  # prose blocks are joined by whitespace, which costs nothing
+        sep = self.separators if self.value is not None else self.source.separators  # type: ignore[union-attr]
+        return _ESTIMATE.count_text(text) + _ESTIMATE.count_text(sep[0])
+
+    def sources(self, n: int) -> dict[str, Any]:
+        """Where the first n units came from."""
+        kinds = self.kinds[:n]
+        bank = sum(1 for k, _ in kinds if k == "bank")
+        lookalike = sum(1 for k, _ in kinds if k == "lookalike")
+        if self.value is None:
+            source = "lookalike" if self.source is not None else "prose"
+        elif bank or (self.bank and not lookalike):
+            source = "endpoint+lookalike" if lookalike else "endpoint"
+        else:
+            source = "lookalike"
+        out: dict[str, Any] = {"message": self.index, "records_source": source,
+                               "records_bank": bank, "records_lookalike": lookalike}
+        if self.value is not None:
+            out["records_rejected"] = kinds[-1][1] if kinds else 0
+            out["bank_size"] = len(self.bank or [])
+        return out
+
 
 @register
 class ResponseLengthening(Perturber):
-    """Tool responses padded to `budget_tokens` (whole request), the original record(s) first at `position`."""
+    """Tool responses padded to `budget_tokens` (of the whole request, or of the padded responses), the original
+    record(s) first at `position`; padding records invented (look-alikes) or real ones of the same endpoint."""
 
     name = "response_lengthening"
     blocking: ClassVar[bool] = True
@@ -64,6 +154,11 @@ class ResponseLengthening(Perturber):
     position: int | float = 1
     #: "last": the last tool message; "all": every tool message (the padding is shared evenly)
     target: str = "last"
+    #: "request": the budget counts the whole request; "response": only the padded tool message(s)' content
+    budget_scope: str = "request"
+    #: "lookalike": invented records; "endpoint": real records of the same function (record_bank); "auto": endpoint
+    #: when the bank holds records of that function, else look-alikes
+    records: str = "lookalike"
 
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
@@ -71,11 +166,57 @@ class ResponseLengthening(Perturber):
         check_position(self.position)
         if self.target not in ("last", "all"):
             raise ValueError("target must be 'last' or 'all'")
+        if self.budget_scope not in ("request", "response"):
+            raise ValueError("budget_scope must be 'request' or 'response'")
+        if self.records not in ("lookalike", "endpoint", "auto"):
+            raise ValueError("records must be 'lookalike', 'endpoint' or 'auto'")
 
     def setup(self, services: Services) -> None:
         from toolquake.perturbers.helpers.filler import filler_pool
 
         filler_pool(services)  # prose blocks for non-JSON responses, loaded once per process
+
+    def _targets(self, messages: list[dict[str, Any]], wanted: list[int], ctx: PerturbContext, words: str
+                 ) -> tuple[list[_Target], list[dict[str, Any]]]:
+        targets, skipped = [], []
+        real = self.records != "lookalike"
+        if real:
+            live = ctx.services.get("record_bank:live", record_bank.LiveBank)
+            live.observe(messages)
+            names = record_bank.tool_names(messages)
+            truth = record_bank.truth_values(ctx.case, messages)
+            ctx.report["answer_check"] = ("ground truth" if truth is not None
+                                          else "none: no case with ground truth (live traffic)")
+        for i in wanted:
+            content = messages[i]["content"]
+            try:
+                if not real:
+                    targets.append(_Target(i, content, ctx, words))
+                    continue
+                tool = names.get(str(messages[i].get("tool_call_id")), "")
+                corpus = ctx.services.get("record_bank:corpus", record_bank.CorpusBank.load) if tool else None
+                bank = (corpus.get(tool) if corpus is not None else []) or (live.get(tool) if tool else [])
+                records = record_bank.main_records(content)
+                own = {record_bank.canonical(r) for r in records or ()}
+                bank = [r for r in bank if record_bank.canonical(r) not in own]  # never a response's own records
+                if not bank and self.records == "endpoint":
+                    raise LookupError(f"the record bank holds no records of {tool or 'an unnamed tool'!r}")
+                if corpus is not None and corpus.info.get("error"):
+                    ctx.report["corpus_bank"] = corpus.info["error"]
+                needles = None
+                if truth is not None:
+                    try:
+                        response = json.loads(content)
+                    except ValueError:
+                        response = content
+                    needles = record_bank.Needles(truth, response, records or [])
+                    ctx.report["needles"] = ctx.report.get("needles", 0) + len(needles.values)
+                # the padding stream depends on the case (or request) and the function, never on the budget
+                rng = random.Random(f"{getattr(ctx.case, 'id', None) or ctx.seed}:{tool}:response_lengthening")
+                targets.append(_Target(i, content, ctx, words, bank=bank, needles=needles, rng=rng))
+            except (LookupError, OSError, RuntimeError) as exc:  # no array of records; prose without a corpus
+                skipped.append({"message": i, "reason": str(exc)[:200]})
+        return targets, skipped
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         counter = ctx.services.token_counter
@@ -83,54 +224,67 @@ class ResponseLengthening(Perturber):
         wanted = [
             i for i, m in enumerate(messages) if m.get("role") in _TOOL_ROLES and isinstance(m.get("content"), str)
         ]
+        if self.records != "lookalike":  # the responses the next answer is about: none the assistant answered already
+            answered = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"
+                            and not m.get("tool_calls")), default=-1)
+            wanted = [i for i in wanted if i > answered]
         if self.target == "last":
             wanted = wanted[-1:]
-        targets, skipped = [], []
         # words for look-alike names: the conversation's own prose
         words = " ".join(
             m["content"] for m in messages if isinstance(m.get("content"), str) and m.get("role") not in _TOOL_ROLES
         )
-        for i in wanted:
-            try:
-                targets.append(_Target(i, messages[i]["content"], ctx, words))
-            except (LookupError, OSError, RuntimeError) as exc:  # no array of records; prose without a corpus
-                skipped.append({"message": i, "reason": str(exc)[:200]})
+        targets, skipped = self._targets(messages, wanted, ctx, words)
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
+        if self.budget_scope != "request" or self.records != "lookalike":
+            ctx.report.update(budget_scope=self.budget_scope, records=self.records)
         if not targets:
             ctx.report.update(
                 tokens_added=0, reason="no tool message with records or text to pad", skipped_messages=skipped
             )
+            if self.records != "lookalike":
+                ctx.report[NOT_PERTURBED] = "no tool message with records or text to pad"
             return request
+        #: which target each drawn unit belongs to (round-robin over the streams that have not run dry)
+        owners: list[int] = []
+        dry: set[int] = set()
 
         def build(n: int) -> tuple[ChatRequest, list[int]]:
             new = list(messages)
             positions = []
             for k, t in enumerate(targets):
-                share = n // len(targets) + (1 if k < n % len(targets) else 0)
-                content, pos = t.render(self.position, share)
+                content, pos = t.render(self.position, owners[:n].count(k))
                 new[t.index] = {**messages[t.index], "content": content}
                 positions.append(pos)
             return request.replace(messages=new), positions
 
-        base_request, _ = build(0)
-        base = counter.count_request(base_request.body)
+        response_scope = self.budget_scope == "response"
+
+        def measure(n: int) -> int:
+            req = build(n)[0]
+            if not response_scope:
+                return counter.count_request(req.body)
+            return sum(counter.count_text(req.messages[t.index]["content"]) for t in targets)
+
+        base = measure(0)
 
         def costs() -> Iterator[float]:
-            streams = [t.stream(ctx.rng) for t in targets]
-            while True:  # round-robin: the padding is shared evenly between the targets
-                for t, s in zip(targets, streams):
-                    text, cost = next(s)
+            streams = {k: t.stream(t.rng) for k, t in enumerate(targets)}
+            while streams:  # round-robin: the padding is shared evenly between the targets
+                for k in list(streams):
+                    t = targets[k]
+                    try:
+                        text, cost = next(streams[k])
+                    except StopIteration:  # a bank with too few records and nothing to vary
+                        del streams[k]
+                        dry.add(k)
+                        continue
                     t.units.append(text)
-                    yield cost
+                    owners.append(k)
+                    yield t.response_cost(text) if response_scope else cost
 
-        result = fit(
-            counter,
-            self.budget_tokens,
-            base,
-            costs(),
-            lambda n: counter.count_request(build(n)[0].body),
-            learned=learned_ratio(ctx.services, counter),
-        )
+        result = fit(counter, self.budget_tokens, base, costs(), measure, learned=learned_ratio(ctx.services, counter)
+                     if not response_scope else ctx.services.get(f"response_ratio:{counter.source}", dict))
         perturbed, positions = build(result.units)
         ctx.report.update(
             tokens_added=result.total - base,
@@ -140,9 +294,25 @@ class ResponseLengthening(Perturber):
             targets=len(targets),
             counts=result.counts,
         )
+        if self.records != "lookalike":
+            detail = [t.sources(owners[:result.units].count(k)) for k, t in enumerate(targets)]
+            kinds = {d["records_source"] for d in detail}
+            if result.total < self.budget_tokens * 0.98:  # fit stops short only when every stream ran dry
+                ctx.report["budget_reached"] = False
+                ctx.report["short_reason"] = (
+                    "the records ran out: the bank's are all used, and look-alikes cannot be made or were all rejected"
+                    if len(dry) == len(targets) else "the counter's counts did not come within 2 % of the budget")
+            ctx.report.update(records_source=kinds.pop() if len(kinds) == 1 else "mixed",
+                              records_bank=sum(d["records_bank"] for d in detail),
+                              records_lookalike=sum(d["records_lookalike"] for d in detail),
+                              records_rejected=sum(d.get("records_rejected", 0) for d in detail),
+                              records_detail=detail)
         if skipped:
             ctx.report["skipped_messages"] = skipped
         if result.units == 0:
             ctx.report["reason"] = "the request is already at or over the budget"
+            if self.records != "lookalike":
+                ctx.report[NOT_PERTURBED] = ctx.report["reason"] if not response_scope else \
+                    "the response is already at or over the budget, or nothing could pad it"
             return request
         return perturbed

@@ -334,12 +334,17 @@ class RecordSource:
 
     def render(self, records: list[str]) -> str:
         """The whole JSON value as text, its main array holding `records` (already serialised)."""
-        marker = _HOLE.format("array")
-        text = json.dumps(_set_path(self.value, self.path, marker), ensure_ascii=False, separators=self.separators)
-        return text.replace(json.dumps(marker, ensure_ascii=False), "[" + self.separators[0].join(records) + "]", 1)
+        return render_array(self.value, self.path, self.separators, records)
 
     def original_texts(self) -> list[str]:
         return [json.dumps(r, ensure_ascii=False, separators=self.separators) for r in self.originals]
+
+
+def render_array(value: Any, path: list[Any], separators: tuple[str, str], records: list[str]) -> str:
+    """`value` as JSON text, the array at `path` holding `records` (already serialised)."""
+    marker = _HOLE.format("array")
+    text = json.dumps(_set_path(value, path, marker), ensure_ascii=False, separators=separators)
+    return text.replace(json.dumps(marker, ensure_ascii=False), "[" + separators[0].join(records) + "]", 1)
 
 
 def _all_leaves(v: Any) -> set[Any]:
