@@ -77,7 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profiles", required=True,
                    help="comma-separated profiles, one arm each: names from the config ('off' always exists), "
                         "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded), '@seed003' "
-                        "(off, pad-*: budgets × positions), '@seed002' (fmt-*: the 26 format configurations), "
+                        "(off, pad-*: budgets × positions), '@seed003-responses' (off, resp-*: the last tool response "
+                        "grown with real records to 10K-80K tokens and, at 80K, the originals in block 1-8; "
+                        "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations), "
                         "'@tool_order', '@tool_removal'")
     p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
                    "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")

@@ -24,6 +24,7 @@ import httpx
 from toolquake.bfcl.convert import to_openai_tools, with_language_hints
 from toolquake.bfcl.decode import DecodeFailure, calls_from_message
 from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live import recovery
 from toolquake.scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
 
@@ -207,12 +208,18 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
     applied: dict[str, int] = {}
     failed: dict[str, int] = {}
     recoveries: list[dict[str, Any]] = []
+    perturbed_steps, unperturbed = 0, {}  # steps a perturber changed; why the others were left as they were
     for t, turn in enumerate(result.turns):
         for n, step in enumerate(turn):
             ex = take(step.request_id) if take is not None else None
             outcome = getattr(ex, "outcome", None)
             for a in getattr(outcome, "applied", None) or ():
                 applied[a.name] = applied.get(a.name, 0) + 1
+                kept = (a.report or {}).get(NOT_PERTURBED)
+                if kept is None:
+                    perturbed_steps += 1
+                else:
+                    unperturbed.setdefault(str(kept), 0)
             for name in getattr(outcome, "failed", None) or ():
                 failed[str(name)] = failed.get(str(name), 0) + 1
             if outcome is not None:
@@ -220,10 +227,12 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
                     recoveries += [{"turn": t, "step": n, **v.as_dict()} for v in _recoveries(ex)]
                 except Exception as exc:  # a scorer bug loses this verdict, never the pair's BFCL verdict
                     recoveries.append({"turn": t, "step": n, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    # a case no step of which the profile perturbed (every applied step said why not) is "not perturbed"
+    kept = {NOT_PERTURBED: "; ".join(unperturbed)[:300]} if applied and not perturbed_steps and unperturbed else {}
     fields: dict[str, Any] = {
         "answer": _summary(result),
         "perturbers": {"steps": len(steps), "applied": applied, "failed": failed,
-                       **({"recovery": recoveries} if recoveries else {})},
+                       **({"recovery": recoveries} if recoveries else {}), **kept},
         "request_id": steps[0].request_id if steps else None,
         "latency_ms": sum(s.latency_ms or 0.0 for s in steps) or None,
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,

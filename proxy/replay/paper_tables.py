@@ -28,9 +28,12 @@ def row_status(status: str, perturbers: str | None) -> str:
     if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
         return status
     try:
-        applied = (json.loads(perturbers) or {}).get("applied")
+        data = json.loads(perturbers) or {}
+        applied = data.get("applied")
     except (ValueError, AttributeError):
         return status
+    if isinstance(applied, dict) and data.get(NOT_PERTURBED):  # a multi-turn case: no step was perturbed
+        return NOT_PERTURBED
     if isinstance(applied, list) and applied and all(NOT_PERTURBED in (a.get("report") or {}) for a in applied):
         return NOT_PERTURBED
     return status

@@ -21,9 +21,14 @@ PRESETS: dict[str, list[str]] = {
     # issue #19: failed tool results (tool_failure) and rewritten tool descriptions (tool_metadata)
     "faults": ["off", "fail-*"],
     "metadata": ["off", "meta-*"],
+    # seed 003 challenge 2 (Fig. 4a/4b, Table 7): the last tool response grown with real records to 10K-80K tokens
+    # (p1), and at 80K the original records in block p of 8; run on multi-turn cases (docs/replay.md)
+    "seed003-responses": ["off", "resp-*"],
 }
 #: presets whose protocol needs a history to perturb: the BFCL categories replayed when --categories is not given
-PRESET_CATEGORIES: dict[str, list[str]] = {}
+PRESET_CATEGORIES: dict[str, list[str]] = {
+    "seed003-responses": ["multi_turn_base"],
+}
 
 
 def default_categories(profiles_spec: str) -> list[str] | None:
