@@ -10,10 +10,12 @@ from typing import Any, ClassVar, Iterator
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers import record_bank
-from toolquake.perturbers.helpers.budget import _ESTIMATE, check_position, fit, learned_ratio, slot, text_cost
+from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot, text_cost
 from toolquake.perturbers.helpers.records import RecordSource, find_main_array, render_array, separators_of
+from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 _TOOL_ROLES = ("tool", "function")
+_ESTIMATE = EstimateCounter()
 #: a stream of padding records ends after this many rejected in a row (every candidate holds a needle)
 _MAX_REJECTED_IN_A_ROW = 2000
 
@@ -209,8 +211,9 @@ class ResponseLengthening(Perturber):
                         response = json.loads(content)
                     except ValueError:
                         response = content
-                    needles = record_bank.Needles(truth, response, records or [])
-                    ctx.report["needles"] = ctx.report.get("needles", 0) + len(needles.values)
+                    found = record_bank.Needles(truth, response, records or [])
+                    ctx.report["needles"] = ctx.report.get("needles", 0) + len(found.values)
+                    needles = found if found.values or found.bounds else None  # nothing to check: no check
                 # the padding stream depends on the case (or request) and the function, never on the budget
                 rng = random.Random(f"{getattr(ctx.case, 'id', None) or ctx.seed}:{tool}:response_lengthening")
                 targets.append(_Target(i, content, ctx, words, bank=bank, needles=needles, rng=rng))
