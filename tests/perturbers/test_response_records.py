@@ -234,6 +234,20 @@ def test_an_extreme_value_the_answer_uses_stays_extreme() -> None:
     assert min(r["pricing_info"]["base_price"] for r in records_of(plain)[2:]) < 99.1
 
 
+def test_target_all_counts_every_padded_response_together() -> None:
+    weather = json.dumps({"forecast": [{"day": "Mon", "high_c": 24, "sky": "sunny"},
+                                       {"day": "Tue", "high_c": 21, "sky": "cloudy"}]})
+    body = tool_request(extra_tool=weather)
+    out, report = perturb({**RESP, "target": "all", "budget_tokens": 8_000}, body)
+    counter = EstimateCounter()
+    sizes = [counter.count_text(out["messages"][i]["content"]) for i in (3, 4)]
+    assert abs(sum(sizes) - 8_000) <= TOLERANCE * 8_000, sizes
+    assert report["tokens_total"] == sum(sizes) and report["targets"] == 2
+    added = [len(records_of(out, i)) - 2 for i in (3, 4)]
+    assert min(added) > 20 and abs(added[0] - added[1]) <= 1, "the records are shared evenly between the responses"
+    assert [d["records_lookalike"] for d in report["records_detail"]] == added
+
+
 def test_without_ground_truth_the_report_says_the_answer_was_not_checked() -> None:
     _, report = perturb({**RESP, "budget_tokens": 5_000}, tool_request())
     assert report["answer_check"].startswith("none")
