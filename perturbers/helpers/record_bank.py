@@ -105,9 +105,9 @@ class CorpusBank:
 def build_corpus_bank() -> tuple[dict[str, list[Any]], dict[str, Any]]:
     """Execute the ground truth of every multi_turn_* case once; collect per function its responses' records."""
     from toolquake.bfcl.corpus import CORPUS_VERSION, MULTI_TURN_CATEGORIES, load_category
-    from toolquake.bfcl.simulators import Backends, ensure_installed, parse_call
+    from toolquake.bfcl.simulators import Backends, backends_root, parse_call
 
-    ensure_installed()
+    backends_root()  # installed (`toolquake corpus pull --with-backends`), else BackendsMissing: never a download here
     t0 = time.perf_counter()
     seen: dict[str, dict[str, Any]] = {}
     cases = calls = 0
