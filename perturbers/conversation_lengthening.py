@@ -1,4 +1,7 @@
-"""conversation_lengthening: earlier turns from other corpus cases until the request reaches a token budget."""
+"""conversation_lengthening: earlier turns from other corpus cases until the request reaches a token budget.
+
+With `fact` = "user_turn" / "tool_response" (seed 003 challenge 3, settings 1 and 2) the filler goes right after
+the earlier message that holds what the answer needs, so the model must recall it across the filler."""
 
 from __future__ import annotations
 
@@ -6,8 +9,9 @@ import string
 from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot
+from toolquake.perturbers.helpers.facts import FACT_KINDS, Fact, filler_text, locate
 from toolquake.perturbers.helpers.filler import SETTINGS, FillerItem, filler_pool
 
 _LEADING = ("system", "developer")
@@ -25,13 +29,20 @@ class ConversationLengthening(Perturber):
     #: where the request's own earlier turns (the informative ones) sit among the filler turns:
     #: 1-based index, or a fraction (0.0 = first, 1.0 = just before the last user message)
     position: int | float = 1
+    #: "any": the history kept together at `position`; "user_turn" / "tool_response": the filler right after the
+    #: earlier user message / tool response that holds a value of the expected calls (seed 003 settings 1 / 2)
+    fact: str = "any"
 
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
             raise ValueError("budget_tokens must be positive")
         if self.setting not in SETTINGS:
             raise ValueError(f"setting must be one of {', '.join(SETTINGS)}")
+        if self.fact not in FACT_KINDS:
+            raise ValueError(f"fact must be one of {', '.join(FACT_KINDS)}")
         check_position(self.position)
+        if self.fact != "any" and self.position != 1:
+            raise ValueError("position applies to fact 'any' only: with a fact the filler follows the fact message")
 
     def setup(self, services: Services) -> None:
         filler_pool(services)  # corpus filler turns, loaded once per process
@@ -41,18 +52,43 @@ class ConversationLengthening(Perturber):
         messages = request.messages
         last_user = request.last_user_index()
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens, setting=self.setting)
+        if self.fact != "any":
+            ctx.report["fact_kind"] = self.fact
         if last_user is None:
             ctx.report.update(tokens_added=0, reason="no user message")
+            if self.fact != "any":
+                ctx.report[NOT_PERTURBED] = "no user message"
             return request
+        fact: Fact | None = None
+        if self.fact != "any":
+            found = locate(self.fact, ctx.case, messages, last_user)
+            if isinstance(found, str):
+                ctx.report.update(tokens_added=0, reason=found)
+                ctx.report[NOT_PERTURBED] = found
+                return request
+            fact = found
+            ctx.report.update(fact_located=fact.located, fact_message=fact.index)
+            if fact.located == "ground_truth":
+                ctx.report["needles_found"] = [str(v)[:80] for v in fact.found[:5]]
+            if fact.turn is not None:
+                ctx.report["turn"] = fact.turn
         lead = 0
         while lead < last_user and messages[lead].get("role") in _LEADING:
             lead += 1
         head, history, tail = messages[:lead], messages[lead:last_user], messages[last_user:]
+        if fact is not None:  # everything up to the fact (and the rest of its tool results), then the filler
+            cut = fact.index + 1
+            grouped = messages[fact.index].get("role") == "tool"  # a tool call's results stay together
+            while grouped and cut < last_user and messages[cut].get("role") == "tool":
+                cut += 1
+            head, history = messages[:cut], messages[cut:last_user]
 
         pool = filler_pool(ctx.services)
         final_query = messages[last_user].get("content")
         case_id = getattr(ctx.case, "id", None)
         items = [it for it in pool.items if it.query != final_query and it.case_id != case_id]
+        if fact is not None and fact.needles:  # no filler turn may hold what the answer needs
+            items = [it for it in items if not fact.needles.found_in(filler_text(it))]
         tag = _id_tag(ctx, messages)
         units: list[FillerItem] = []
         setting_index = SETTINGS.index(self.setting)
@@ -71,7 +107,7 @@ class ConversationLengthening(Perturber):
                 ids = [f"call_{tag}{serial + j:06d}" for j in range(len(item.calls))]
                 serial += len(item.calls)
                 turns.append(item.messages(self.setting, ids))
-            before = slot(self.position, n) if history else n
+            before = slot(self.position, n) if history and fact is None else n
             out = list(head)
             for turn in turns[:before]:
                 out += turn
@@ -86,11 +122,14 @@ class ConversationLengthening(Perturber):
                      learned=learned_ratio(ctx.services, counter))
         ctx.report.update(tokens_added=result.total - base, tokens_total=result.total, turns_added=result.units,
                           counts=result.counts,
-                          position=(slot(self.position, result.units) + 1) if history else None)
+                          position=(slot(self.position, result.units) + 1) if history and fact is None else None)
+        out = request.replace(messages=render(result.units)) if result.units else request
+        if fact is not None:  # the final query sits as far after the fact as the filler and the rest of the history
+            between = out.messages[fact.index + 1: len(out.messages) - len(tail)]
+            ctx.report["tokens_between"] = counter.count_request({"messages": between}) if between else 0
         if result.units == 0:
             ctx.report["reason"] = "the request is already at or over the budget"
-            return request
-        return request.replace(messages=render(result.units))
+        return out
 
 
 def _id_tag(ctx: PerturbContext, messages: list[dict[str, Any]]) -> str:
