@@ -80,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(off, pad-*: budgets × positions), '@seed003-responses' (off, resp-*: the last tool response "
                         "grown with real records to 10K-80K tokens and, at 80K, the originals in block 1-8; "
                         "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations), "
-                        "'@tool_order', '@tool_removal'")
+                        "'@seed003-conversations' (off, conv-*: 10K-80K conversations × fact in a user turn / a tool "
+                        "response; multi_turn_base unless --categories), '@tool_order', '@tool_removal'")
     p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
                    "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
     p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "

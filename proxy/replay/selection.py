@@ -24,10 +24,13 @@ PRESETS: dict[str, list[str]] = {
     # seed 003 challenge 2 (Fig. 4a/4b, Table 7): the last tool response grown with real records to 10K-80K tokens
     # (p1), and at 80K the original records in block p of 8; run on multi-turn cases (docs/replay.md)
     "seed003-responses": ["off", "resp-*"],
+    # seed 003 challenge 3 (Table 2): 4 conversation sizes × 2 settings (fact in a user turn / a tool response)
+    "seed003-conversations": ["off", "conv-*"],
 }
 #: presets whose protocol needs a history to perturb: the BFCL categories replayed when --categories is not given
 PRESET_CATEGORIES: dict[str, list[str]] = {
     "seed003-responses": ["multi_turn_base"],
+    "seed003-conversations": ["multi_turn_base"],
 }
 
 
