@@ -283,3 +283,42 @@ def test_without_a_case_the_report_says_first_of_kind(fact: str, first: int) -> 
     no_tool = {"model": "m", "messages": [m for m in live_request() if m["role"] in ("system", "user")]}
     same, report = perturb({"budget_tokens": 10_000, "fact": "tool_response"}, no_tool, None)
     assert same == no_tool and report["not_perturbed"] == "no earlier tool message"
+
+
+@pytest.mark.needs_corpus
+def test_the_turn_of_a_miss_func_step_counts_the_turn_that_reveals_functions(backends) -> None:
+    from toolquake.bfcl.corpus import load_category
+    from toolquake.perturbers.helpers.facts import turn_of
+    from toolquake.proxy.replay.multiturn import ADDITIONAL_FUNCTIONS_PROMPT
+
+    cases = list(load_category("multi_turn_miss_func"))[:4]
+    revealed = 0
+    for case in cases:
+        held = {int(t) for t in case.extra["missed_function"]}
+        for body in step_requests([case], backends)[case.id]:
+            msgs = body["messages"]
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            turn = turn_of(case, msgs, users[-1])
+            assert turn == len(users) - 1  # one user message per turn, the revealing turn's included
+            if msgs[users[-1]]["content"] == ADDITIONAL_FUNCTIONS_PROMPT:
+                assert turn in held and not case.turns[turn]
+                revealed += 1
+    assert revealed > 0
+
+
+@pytest.mark.needs_corpus
+def test_a_single_turn_case_with_a_history_finds_its_value_in_the_earlier_user_turn() -> None:
+    from toolquake.bfcl.corpus import load_case
+
+    case = load_case("simple_python_0")  # calculate_triangle_area(base=10, height=5, unit="units")
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "Remember this: my triangle has a base of 10 and a height of 5."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "A square has a side of 3."},
+        {"role": "assistant", "content": "Noted too."},
+        {"role": "user", "content": "Now find the area of my triangle."}]}
+    out, report = perturb({"budget_tokens": 10_000, "fact": "user_turn"}, body, case)
+    assert report["fact_located"] == "ground_truth" and report["fact_message"] == 0
+    assert set(report["needles_found"]) == {"10.0", "5.0"}
+    k, added = inserted(body, out)
+    assert k == 1 and added and out["messages"][-1] == body["messages"][-1]
