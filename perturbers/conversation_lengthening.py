@@ -19,7 +19,8 @@ _LEADING = ("system", "developer")
 
 @register
 class ConversationLengthening(Perturber):
-    """Filler turns before the last user message; the conversation's own history starts at `position`."""
+    """Filler turns before the last user message; the conversation's own history starts at `position`, or with
+    `fact`, the filler follows the earlier user turn / tool response that holds what the answer needs."""
 
     name = "conversation_lengthening"
     blocking: ClassVar[bool] = True
