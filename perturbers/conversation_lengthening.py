@@ -1,7 +1,7 @@
 """conversation_lengthening: earlier turns from other corpus cases until the request reaches a token budget.
 
-With `fact` = "user_turn" / "tool_response" (seed 003 challenge 3, settings 1 and 2) the filler goes right after
-the earlier message that holds what the answer needs, so the model must recall it across the filler."""
+With `fact` = "user_turn" / "tool_response" (seed 003 challenge 3, settings 1 and 2) the filler goes after the
+turn of the earlier message that holds what the answer needs, so the model must recall it across the filler."""
 
 from __future__ import annotations
 
@@ -77,10 +77,10 @@ class ConversationLengthening(Perturber):
         while lead < last_user and messages[lead].get("role") in _LEADING:
             lead += 1
         head, history, tail = messages[:lead], messages[lead:last_user], messages[last_user:]
-        if fact is not None:  # everything up to the fact (and the rest of its tool results), then the filler
+        if fact is not None:  # the fact's whole turn (its replies, calls and results) first, then the filler:
+            # the filler starts at the next user message, so roles keep alternating as in the original
             cut = fact.index + 1
-            grouped = messages[fact.index].get("role") == "tool"  # a tool call's results stay together
-            while grouped and cut < last_user and messages[cut].get("role") == "tool":
+            while cut < last_user and messages[cut].get("role") != "user":
                 cut += 1
             head, history = messages[:cut], messages[cut:last_user]
 

@@ -87,6 +87,12 @@ def inserted(body: dict[str, Any], out: dict[str, Any]) -> tuple[int, list[dict[
     return k, b[k:k + extra]
 
 
+def repeats(messages: list[dict[str, Any]]) -> int:
+    """How many user or assistant messages directly follow one of their own role."""
+    roles = [m["role"] for m in messages]
+    return sum(a == b and a in ("user", "assistant") for a, b in zip(roles, roles[1:]))
+
+
 @pytest.mark.needs_corpus
 @pytest.mark.parametrize("fact,setting,role", SETTINGS)
 def test_the_fact_precedes_the_filler_and_the_final_query_needs_it(steps, fact: str, setting: str, role: str) -> None:
@@ -121,10 +127,10 @@ def test_the_fact_precedes_the_filler_and_the_final_query_needs_it(steps, fact: 
             assert k > i, "the fact precedes all filler"
             assert added and all(m["role"] in ("user", "assistant", "tool") for m in added)
             assert ("tool" in {m["role"] for m in added}) == (setting == "structured")
-            if role == "tool":
-                assert all(m["role"] == "tool" for m in msgs[i + 1:k]), "filler right after the fact's tool results"
-            else:
-                assert k == i + 1, "filler right after the fact's user turn"
+            # the filler starts where the fact's turn ends: at the next user message of the original
+            assert msgs[k]["role"] == "user" and all(m["role"] != "user" for m in msgs[i + 1:k]), (case.id, i, k)
+            assert added[0]["role"] == "user" and added[-1]["role"] == "assistant"
+            assert repeats(out["messages"]) == repeats(msgs), "roles alternate wherever they did"
             # the needle: in the fact message, not in the final user message, in no filler turn
             final = len(out["messages"]) - (len(msgs) - last)
             assert out["messages"][final] == msgs[last]
@@ -223,8 +229,10 @@ def test_live_traffic_places_the_filler_after_the_first_message_of_the_kind(prox
     first = next(i for i, m in enumerate(messages) if m["role"] == role)
     k, added = inserted({"messages": messages}, sent)
     assert sent["messages"][first] == messages[first]
-    # the first of the kind, though a later one exists: right after the first user turn / the first call's results
-    assert k == (first + 1 if role == "user" else 5) and [m["role"] for m in messages[k:]].count(role) >= 1
+    # the first of the kind, though a later one exists: the filler starts at the next user message after it
+    nxt = next(i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user")
+    assert k == nxt and [m["role"] for m in messages[k:]].count(role) >= 1
+    assert repeats(sent["messages"]) == repeats(messages) == 0
     assert len(added) >= 4 and sent["messages"][-1] == messages[-1]
     budget = int(profile.split("-")[1].rstrip("k")) * 1000
     assert abs(EstimateCounter().count_request(sent) - budget) <= 0.05 * budget
@@ -277,7 +285,7 @@ def test_without_a_case_the_report_says_first_of_kind(fact: str, first: int) -> 
     assert report["fact_located"] == "first_of_kind" and report["fact_message"] == first
     assert "needles_found" not in report and "not_perturbed" not in report
     k, added = inserted(body, out)
-    assert k == first + 1 + (fact == "tool_response") and added  # a tool fact keeps its call's other result
+    assert k == 6 and added  # the fact's turn (replies, both calls' results) first: filler before the next user
     last = len(out["messages"]) - 1
     assert report["tokens_between"] == EstimateCounter().count_request({"messages": out["messages"][first + 1:last]})
     no_tool = {"model": "m", "messages": [m for m in live_request() if m["role"] in ("system", "user")]}
@@ -321,4 +329,4 @@ def test_a_single_turn_case_with_a_history_finds_its_value_in_the_earlier_user_t
     assert report["fact_located"] == "ground_truth" and report["fact_message"] == 0
     assert set(report["needles_found"]) == {"10.0", "5.0"}
     k, added = inserted(body, out)
-    assert k == 1 and added and out["messages"][-1] == body["messages"][-1]
+    assert k == 2 and added and out["messages"][-1] == body["messages"][-1]
