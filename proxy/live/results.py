@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.server.config import NOISE_PROFILE
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
@@ -285,7 +286,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
     """Accuracy per profile × category with the relative drop against `off`, error types, consistency.
 
     Shape: {"db", "rows", "arms": {profile: {"n", "accuracy", "drop_vs_off", "by_category": {category:
-    {"n", "accuracy", "drop_vs_off"}}, "errors": {taxonomy: count}, "semantic_flips"}},
+    {"n", "accuracy", "drop_vs_off"}}, "errors": {taxonomy: count}, "semantic_flips", "not_perturbed",
+    "perturbed_share"}},
     "consistency": {profile: {"n", "exact", "semantic", "disagree", "rate_exact", "rate_semantic"}}}.
     `drop_vs_off` = (acc - acc_off) / acc_off over the same category (null without an `off` baseline).
     Next to them: `accuracy_ci` (95 % Wilson), `errors_ci` (the Wilson interval of each error type's share
@@ -296,7 +298,9 @@ def summarize(path: str | Path) -> dict[str, Any]:
     The perturbed twins only: the unperturbed noise twins (`noise_rate`, arm "noise") are in "noise" and
     "noise_ci", the same shape, per profile they were sampled from plus "<noise>" for all of them pooled
     (the model's own nondeterminism, the floor under every profile's disagreement). "conformance":
-    {model: {rule: violations}} from the conformance table.
+    {model: {rule: violations}} from the conformance table. A scored row on which every applied step reported
+    `not_perturbed` (the request went out unchanged) is counted in `not_perturbed`, apart: it is out of `n`,
+    the accuracy and the paired comparison, as in the replay report; `perturbed_share` = n / (n + not_perturbed).
     """
     rows = read_rows(path)
     arms: dict[str, dict[str, Any]] = {}
@@ -304,7 +308,10 @@ def summarize(path: str | Path) -> dict[str, Any]:
         if r["valid"] is None:
             continue
         arm = arms.setdefault(r["profile"], {"n": 0, "correct": 0, "by_category": {}, "errors": {},
-                                             "semantic_flips": 0})
+                                             "semantic_flips": 0, "not_perturbed": 0})
+        if not_perturbed(r["perturbers"]):
+            arm["not_perturbed"] += 1
+            continue
         cat = arm["by_category"].setdefault(r["category"] or "unknown", {"n": 0, "correct": 0})
         arm["n"] += 1
         cat["n"] += 1
@@ -320,6 +327,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         correct = arm.pop("correct")
         arm["accuracy"] = ratio(correct, arm["n"])
         arm["accuracy_ci"] = wilson_ci(correct, arm["n"])
+        arm["perturbed_share"] = ratio(arm["n"], arm["n"] + arm["not_perturbed"])
         for cat in arm["by_category"].values():
             cat_correct = cat.pop("correct")
             cat["accuracy"] = ratio(cat_correct, cat["n"])
@@ -329,7 +337,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
     # the latest verdict of each (profile, case id): the pairs of the paired comparison against off
     latest: dict[str, dict[str, tuple[str, bool]]] = {}
     for r in rows:
-        if r["valid"] is not None and r["case_id"]:
+        if r["valid"] is not None and r["case_id"] and not not_perturbed(r["perturbers"]):
             latest.setdefault(r["profile"], {})[r["case_id"]] = (r["category"] or "unknown", bool(r["valid"]))
     base = arms.get("off")
     for name_, arm in arms.items():
@@ -355,6 +363,13 @@ def summarize(path: str | Path) -> dict[str, Any]:
             "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci,
             "conformance": {m: dict(sorted(r.items(), key=lambda kv: (-kv[1], kv[0])))
                             for m, r in sorted(conformance.items())}}
+
+
+def not_perturbed(perturbers: Any) -> bool:
+    """A row every applied step left unperturbed on purpose (e.g. a rephrasing rejected by the value check):
+    the request went out unchanged, so its verdict is counted apart, out of the arm's accuracy."""
+    steps = [s for s in perturbers if isinstance(s, dict)] if isinstance(perturbers, list) else []
+    return bool(steps) and all(NOT_PERTURBED in (s.get("report") or {}) for s in steps)
 
 
 def _agreement(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -437,6 +452,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             for kind, count in arm["errors"].items():
                 lines.append(f"| {name} | {kind} | {count} | {_pct(count / failures)} | "
                              f"{_pct_ci((arm.get('errors_ci') or {}).get(kind))} |")
+        kept = [(name, arm) for name, arm in arms.items() if arm.get("not_perturbed")]
+        if kept:
+            lines += ["", "## Pairs not perturbed (served unchanged, e.g. a rephrasing rejected by the value check; "
+                      "out of the accuracy)", "", "| profile | scored (perturbed) | not perturbed | share perturbed |",
+                      "|---|---:|---:|---:|"]
+            lines += [f"| {name} | {arm['n']} | {arm['not_perturbed']} | {_pct(arm['perturbed_share'])} |"
+                      for name, arm in kept]
     else:
         lines.append("No scored answers with a known case.")
     if summary["consistency"]:

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT
 from toolquake.proxy.live import results
 from toolquake.proxy.live.results import ResultsStore, Row, StoreError
+from toolquake.scorers.aggregate import wilson_ci
 
 
 def _row(**kw) -> Row:
@@ -211,3 +212,38 @@ def test_report_db_prints_the_summary(tmp_path):
     assert as_md.returncode == 0 and as_md.stdout == results.format_summary(results.summarize(path))
     missing = subprocess.run([*run[:-1], str(tmp_path / "nope.sqlite")], capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "no results file" in missing.stderr
+
+
+def test_report_db_counts_not_perturbed_pairs_apart_and_out_of_the_accuracy(tmp_path):
+    """Rows as the live scorer writes them: a rephrasing the value check rejected went out unchanged."""
+    path = tmp_path / "np.sqlite"
+    store = ResultsStore(path)
+    rejected = [{"name": "paraphrase", "params": {}, "report": {"not_perturbed": "rephrasing rejected"}}]
+    done = [{"name": "paraphrase", "params": {}, "report": {"chars_changed": 12}}]
+    spec = [  # (profile, case, valid, perturbers)
+        ("off", "multiple_0", True, []), ("off", "multiple_1", True, []), ("off", "multiple_2", False, []),
+        ("rephrased", "multiple_0", False, done), ("rephrased", "multiple_1", True, rejected),
+        ("rephrased", "multiple_2", True, rejected), ("rephrased", "multiple_3", True, done),
+        ("rephrased", "multiple_4", False, done),
+    ]
+    for i, (profile, case, valid, steps) in enumerate(spec):
+        store.append(_row(request_id=f"r{i}", profile=profile, case_id=case, category="multiple", valid=valid,
+                          taxonomy=None if valid else "wrong_function", perturbers=steps))
+    store.close()
+    stored = results.read_rows(path)
+    kept = [r for r in stored if r["profile"] == "rephrased" and r["perturbers"] == rejected]
+    mine = [r for r in stored if r["profile"] == "rephrased" and r["perturbers"] == done]
+    assert len(kept) == 2 and len(mine) == 3
+    run = [sys.executable, "-m", "toolquake", "report", "--db", str(path)]
+    out = subprocess.run([*run, "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    arm = json.loads(out)["arms"]["rephrased"]
+    correct = sum(1 for r in mine if r["valid"])
+    assert arm["n"] == len(mine) and arm["not_perturbed"] == len(kept)
+    assert arm["accuracy"] == pytest.approx(correct / len(mine))
+    assert arm["accuracy_ci"] == pytest.approx(list(wilson_ci(correct, len(mine))))
+    assert arm["perturbed_share"] == pytest.approx(len(mine) / (len(mine) + len(kept)))
+    # the paired comparison against off: only the perturbed case that off also answered (multiple_0)
+    assert arm["paired"]["n"] == 1 and arm["paired"]["valid_to_invalid"] == 1
+    assert json.loads(out)["arms"]["off"]["not_perturbed"] == 0
+    md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert f"| rephrased | {len(mine)} | {len(kept)} | {len(mine) / (len(mine) + len(kept)) * 100:.1f}% |" in md
