@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots,
-                             csv_stats=args.csv_stats, csv_cases=args.csv_cases)
+                             csv_stats=args.csv_stats, csv_cases=args.csv_cases, csv_tables=args.csv_tables)
     except (FileNotFoundError, ValueError) as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
         return 2
@@ -68,8 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Merge the results of one or more replay directories (shards of one run, or runs of several "
                     "models) and report: accuracy per arm with the relative change against the baseline in "
                     "brackets (seed 001 Table 2), the error-type breakdown of each perturbed arm, per-category "
-                    "tables, a BFCL-style CSV, and heatmaps (catalog size × position like seed 003 Fig. 3; format "
-                    "configuration × model like seed 002 Fig. 2) when the arms support them; for `@faults` and "
+                    "tables, a BFCL-style CSV, and heatmaps (catalog size × position like seed 003 Fig. 3, each budget "
+                    "labelled with the tokens reached; format configuration × model like seed 002 Fig. 2) when the "
+                    "arms support them; seed 003's Tables 1, 5, 6 (catalog padding), 7 with Fig. 4's line plots "
+                    "(long tool responses) and 2 (long conversations); for `@faults` and "
                     "`@metadata` arms, accuracy per kind and the recovered share after failed tool results "
                     "(multi-turn replays, 95 % Wilson intervals). Accuracy counts scored pairs; failed pairs are "
                     "listed beside it.")
@@ -86,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv-cases", action="store_true", help="csv: the per-case diffs instead of the leaderboard "
                    "(one row per case whose verdict flipped against the baseline: model, profile, case, category, "
                    "direction, error type, perturbation applied, expected calls, the arm's and the baseline's calls)")
+    p.add_argument("--csv-tables", action="store_true", help="csv: seed 003's tables instead of the leaderboard, "
+                   "in long form (Table, Model, Group, Held Fixed, Statistic, Value, Arm, N, CI Low, CI High): "
+                   "Max / Min / %% Deg. of Tables 1, 5, 6 and 7, Fig. 4's points and Table 2's cells")
     p.add_argument("--no-plots", action="store_true", help="skip the heatmaps (no matplotlib needed)")
     p.add_argument("--db", metavar="PATH", help="summarise the live results store of `toolquake serve` instead "
                    "(md or json)")

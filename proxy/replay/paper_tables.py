@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any, Iterator
 
 from toolquake.perturbers.base import NOT_PERTURBED
-from toolquake.scorers.aggregate import ratio
+from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
 if TYPE_CHECKING:
@@ -157,6 +157,27 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {budget: {"requests", "median", "token_counter": {source: n}}}}: the tokens the catalog_padding arms
+    of each budget actually reached (their reports' `tokens_after`, all positions pooled), for the heatmap labels."""
+    acc: dict[tuple[str, int], dict[str, Any]] = {}
+    for model, profile, report in step_reports(res, "catalog_padding"):
+        spec = res.arms.get((model, profile), {}).get("perturbers") or []
+        step = next((s for s in spec if s.get("name") == "catalog_padding"), None)
+        budget = None if step is None else _param(step, "budget_tokens")
+        if budget is None or not isinstance(report.get("tokens_after"), int):
+            continue
+        a = acc.setdefault((model, int(budget)), {"tokens": [], "token_counter": Counter()})
+        a["tokens"].append(float(report["tokens_after"]))
+        a["token_counter"][str(report.get("token_counter", "unknown"))] += 1
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (model, budget), a in sorted(acc.items()):
+        out.setdefault(model, {})[str(budget)] = {"requests": len(a["tokens"]),
+                                                  "median": round(_quantile(a["tokens"], 0.5)),
+                                                  "token_counter": dict(a["token_counter"])}
+    return out
+
+
 def _arms_with(data: dict[str, Any], perturber: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
             if any(s.get("name") == perturber for s in arm.get("perturbers") or [])}
@@ -179,20 +200,162 @@ def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _extremes(values: list[tuple[float, str]]) -> dict[str, Any]:
+    """Max and Min of (accuracy, arm) pairs, the arms that gave them, `deg` = (Max − Min) in points and
+    `deg_relative` = (Max − Min) / Max in percent (seed 003 Tables 6 and 7 follow this one)."""
+    hi, lo = max(values), min(values)
+    return {"max": hi[0], "max_arm": hi[1], "min": lo[0], "min_arm": lo[1], "deg": round((hi[0] - lo[0]) * 100, 2),
+            "deg_relative": round((hi[0] - lo[0]) / hi[0] * 100, 2) if hi[0] else None, "arms": len(values)}
+
+
 def padding_extremes(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 1: per model and category, the best (Max) and worst (Min) accuracy over the catalog-padding
     arms (budgets × positions), the arms that gave them, and `deg` = (Max − Min) in points."""
+    return _category_extremes(summary, lambda budget, position, grid: True)
+
+
+def _param(step: dict[str, Any], key: str) -> Any:
+    """A step's parameter, else the perturber's default (None when it has neither)."""
+    params = step.get("params") or {}
+    if key in params:
+        return params[key]
+    from toolquake.perturbers import registry
+
+    return getattr(registry().get(str(step.get("name"))), key, None)
+
+
+def position_key(position: Any) -> tuple[int, float]:
+    """Sort key of a position: a fraction in [0, 1], or a 1-based index (index 1 is the first slot, like 0.0)."""
+    if isinstance(position, bool) or not isinstance(position, (int, float)):
+        return (2, 0.0)
+    if isinstance(position, int):
+        return (0, 0.0) if position == 1 else (1, float(position))
+    return (0, float(position))
+
+
+def grid_arms(data: dict[str, Any], perturber: str, *keys: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(profile, {key: value}, arm) of one model's scored arms with `perturber`, its parameters `keys` read from the
+    arm's definition (the perturber's default when the arm leaves one out); arms lacking a budget are skipped."""
+    out = []
+    for p, arm in data["arms"].items():
+        step = next((s for s in arm.get("perturbers") or [] if s.get("name") == perturber), None)
+        if step is None or not arm["n"]:
+            continue
+        values = {k: _param(step, k) for k in keys}
+        if values.get("budget_tokens") is None:
+            continue
+        out.append((p, values, arm))
+    return out
+
+
+def _category_extremes(summary: dict[str, Any], keep: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """Max / Min / %Deg per model and category over the catalog-padding arms that `keep(budget, position, grid)`
+    selects (grid: every (budget, position) of the model's arms)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
+        arms = grid_arms(data, "catalog_padding", "budget_tokens", "position")
+        grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
         per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for p, arm in _arms_with(data, "catalog_padding").items():
+        for p, v, arm in arms:
+            if not keep(int(v["budget_tokens"]), v["position"], grid):
+                continue
             for cat, numbers in arm["by_category"].items():
                 if numbers["accuracy"] is not None:
                     per_cat[cat].append((numbers["accuracy"], p))
         for cat, values in sorted(per_cat.items()):
-            hi, lo = max(values), min(values)
-            out.setdefault(model, {})[cat] = {"max": hi[0], "max_arm": hi[1], "min": lo[0], "min_arm": lo[1],
-                                              "deg": round((hi[0] - lo[0]) * 100, 2), "arms": len(values)}
+            out.setdefault(model, {})[cat] = _extremes(values)
+    return out
+
+
+def _fixed_position(grid: list[tuple[int, Any]]) -> Any:
+    """Seed 003 Table 5's position: 0.1 when an arm has it, else the first position of the grid."""
+    positions = [p for _, p in grid]
+    return 0.1 if 0.1 in positions else min(positions, key=position_key)
+
+
+def padding_same_position(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 003 Table 5: Max / Min / %Deg per model and category over the catalog sizes at one position (0.1 when
+    the arms have it, else the first); each entry names the `position`."""
+    out = _category_extremes(summary, lambda b, p, grid: p == _fixed_position(grid))
+    for model, cats in out.items():
+        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        fixed = _fixed_position([(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms])
+        for entry in cats.values():
+            entry["position"] = fixed
+    return out
+
+
+def padding_same_budget(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 003 Table 6: Max / Min / %Deg per model and category over the positions at the largest catalog size
+    (the paper's 120K); each entry names the `budget_tokens`."""
+    out = _category_extremes(summary, lambda b, p, grid: b == max(x for x, _ in grid))
+    for model, cats in out.items():
+        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        largest = max(int(v["budget_tokens"]) for _, v, _ in arms)
+        for entry in cats.values():
+            entry["budget_tokens"] = largest
+    return out
+
+
+def _point(p: str, arm: dict[str, Any], **where: Any) -> dict[str, Any]:
+    return {"profile": p, **where, "n": arm["n"], "accuracy": arm["accuracy"], "accuracy_ci": arm["accuracy_ci"]}
+
+
+def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 003 Table 7 and Fig. 4 (challenge 2) from the response_lengthening arms, per model:
+    `context_length` = the arms at the first position across response budgets (Fig. 4a), `answer_position` = the
+    arms at the largest budget across positions, labelled p1..pN in sorted order (Fig. 4b); each {"position" or
+    "budget_tokens" held fixed, "points": [{profile, budget_tokens | position, label, n, accuracy, accuracy_ci}],
+    and Max / Min / deg / deg_relative over the points} (an experiment needs two points)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model, data in summary["models"].items():
+        arms = grid_arms(data, "response_lengthening", "budget_tokens", "position")
+        if not arms:
+            continue
+        first = min((v["position"] for _, v, _ in arms), key=position_key)
+        largest = max(int(v["budget_tokens"]) for _, v, _ in arms)
+        by_size = sorted((_point(p, a, budget_tokens=int(v["budget_tokens"]), label=_k(int(v["budget_tokens"])))
+                          for p, v, a in arms if position_key(v["position"]) == position_key(first)),
+                         key=lambda pt: (pt["budget_tokens"], pt["profile"]))
+        at_largest = sorted(((p, v, a) for p, v, a in arms if int(v["budget_tokens"]) == largest),
+                            key=lambda pva: (position_key(pva[1]["position"]), pva[0]))
+        order = list(dict.fromkeys(position_key(v["position"]) for _, v, _ in at_largest))
+        by_pos = [_point(p, a, position=v["position"], label=f"p{order.index(position_key(v['position'])) + 1}")
+                  for p, v, a in at_largest]
+        mine = {}
+        for name, fixed, points in (("context_length", {"position": first}, by_size),
+                                    ("answer_position", {"budget_tokens": largest}, by_pos)):
+            values = [(pt["accuracy"], pt["profile"]) for pt in points if pt["accuracy"] is not None]
+            if len(values) >= 2:
+                mine[name] = {**fixed, "points": points, **_extremes(values)}
+        if mine:
+            out[model] = mine
+    return out
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens / 1000:g}K"
+
+
+def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 003 Table 2 (challenge 3): accuracy with its 95 % Wilson interval per model, setting and conversation
+    budget, from the conversation_lengthening arms; the setting is the arm's `fact` (where the needed fact sits)
+    when the arm names one, else its `setting`. Arms in the same cell are pooled.
+    {model: {setting: {budget: {"profiles", "n", "valid", "accuracy", "accuracy_ci"}}}}"""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model, data in summary["models"].items():
+        cells: dict[tuple[str, int], dict[str, Any]] = {}
+        for p, v, arm in grid_arms(data, "conversation_lengthening", "budget_tokens", "setting"):
+            step = next(s for s in arm["perturbers"] if s.get("name") == "conversation_lengthening")
+            fact = (step.get("params") or {}).get("fact")
+            group = f"fact {fact}" if fact is not None else f"setting {v['setting']}"
+            c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0})
+            c["profiles"].append(p)
+            c["n"] += arm["n"]
+            c["valid"] += round(arm["accuracy"] * arm["n"])
+        for (group, budget), c in sorted(cells.items()):
+            c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
+            out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
 
 
@@ -200,7 +363,25 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
     """The summary's keys for these measures (`toolquake report --format json`)."""
     return {"caused_errors": caused_failures(res, baseline), "expansion": expansion_stats(res),
             "padding": padding_stats(res), "padding_extremes": padding_extremes(summary),
+            "padding_same_position": padding_same_position(summary),
+            "padding_same_budget": padding_same_budget(summary), "padding_reached": padding_reached(res),
+            "response_experiments": response_experiments(summary), "conversation_grid": conversation_grid(summary),
             "format_sensitivity": format_sensitivity(summary)}
+
+
+_EXTREME_HEADER = ["Max", "Max arm", "Min", "Min arm", "% Deg. (points)", "% Deg. (relative)", "arms"]
+
+
+def _extreme_cells(e: dict[str, Any]) -> list[str]:
+    rel = "" if e.get("deg_relative") is None else f"{e['deg_relative']:.2f}"
+    return [f"{e['max']:.3f}", e["max_arm"], f"{e['min']:.3f}", e["min_arm"], f"{e['deg']:.2f}", rel, str(e["arms"])]
+
+
+def _acc_ci(point: dict[str, Any]) -> str:
+    ci = point.get("accuracy_ci")
+    if point.get("accuracy") is None:
+        return "–"
+    return f"{point['accuracy']:.3f}" + ("" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
 
 
 def _share(x: float | None) -> str:
@@ -238,13 +419,40 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
                     ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
                      "twins skipped", "below band"], rows))
-    rows = [[model, cat, f"{e['max']:.3f}", e["max_arm"], f"{e['min']:.3f}", e["min_arm"], f"{e['deg']:.2f}",
-             str(e["arms"])]
-            for model, cats in (summary.get("padding_extremes") or {}).items() for cat, e in cats.items()]
+    for key, title, fixed in (
+            ("padding_extremes", "Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per "
+             "category", None),
+            ("padding_same_position", "Seed 003 Table 5: the same over the catalog sizes at one position", "position"),
+            ("padding_same_budget", "Seed 003 Table 6: the same over the positions at the largest catalog size",
+             "budget_tokens")):
+        rows = [[model, cat, *([str(e[fixed])] if fixed else []), *_extreme_cells(e)]
+                for model, cats in (summary.get(key) or {}).items() for cat, e in cats.items()]
+        if rows:
+            out.append((title + "; degradation (Max − Min) in points and relative to Max",
+                        ["model", "category", *([fixed.replace("_tokens", "")] if fixed else []), *_EXTREME_HEADER],
+                        rows))
+    rows = []
+    for model, exps in (summary.get("response_experiments") or {}).items():
+        for name, label, fixed in (("context_length", "context length (response size)", "position"),
+                                   ("answer_position", "answer position", "budget_tokens")):
+            e = exps.get(name)
+            if e:
+                rows.append([model, label, f"{fixed.replace('_tokens', '')} {e[fixed]}",
+                             ", ".join(f"{pt['label']}" + (f" ({pt['position']:g})" if "position" in pt else "")
+                                       + f" {_acc_ci(pt)}" for pt in e["points"]), *_extreme_cells(e)])
     if rows:
-        out.append(("Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per category, and the "
-                    "degradation (Max − Min, in points)",
-                    ["model", "category", "Max", "Max arm", "Min", "Min arm", "% Deg.", "arms"], rows))
+        out.append(("Seed 003 Table 7 (challenge 2, long tool responses): accuracy [95 % Wilson] over the response "
+                    "sizes at the first position, and over the positions at the largest size (Fig. 4)",
+                    ["model", "experiment", "held fixed", "points", *_EXTREME_HEADER], rows))
+    conv = summary.get("conversation_grid") or {}
+    budgets = sorted({int(b) for groups in conv.values() for cells in groups.values() for b in cells})
+    rows = [[model, group, *(_acc_ci(cells[str(b)]) + f" (n={cells[str(b)]['n']})" if str(b) in cells else ""
+                             for b in budgets)]
+            for model, groups in conv.items() for group, cells in groups.items()]
+    if rows:
+        out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
+                    "the needed fact sits) and conversation size", ["model", "setting", *(_k(b) for b in budgets)],
+                    rows))
     rows = [[model, str(f["configs"]), f"{f['max_delta']:.2f}", f"{f['std']:.2f}", f"{f['variance']:.2f}"]
             for model, f in (summary.get("format_sensitivity") or {}).items()]
     if rows:
@@ -264,3 +472,43 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                     ["model", "profile", "budget", "token counter", "requests", "tokens min", "tokens median",
                      "tokens max", "tools median"], rows))
     return out
+
+
+#: the columns of `--csv-tables`: seed 003's tables in long form, one statistic a row
+CSV_TABLES_COLUMNS = ["Table", "Model", "Group", "Held Fixed", "Statistic", "Value", "Arm", "N", "CI Low", "CI High"]
+
+
+def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
+    """Seed 003 Tables 1, 5, 6, 7 (Max / Min / % Deg.), Fig. 4's points and Table 2's cells (CSV_TABLES_COLUMNS)."""
+    rows: list[list[Any]] = []
+
+    def extremes(table: str, model: str, group: str, fixed: str, e: dict[str, Any]) -> None:
+        rows.extend([[table, model, group, fixed, "Max", e["max"], e["max_arm"], "", "", ""],
+                     [table, model, group, fixed, "Min", e["min"], e["min_arm"], "", "", ""],
+                     [table, model, group, fixed, "% Deg. (points)", e["deg"], "", "", "", ""],
+                     [table, model, group, fixed, "% Deg. (relative)", e["deg_relative"], "", "", "", ""]])
+
+    def point(table: str, model: str, group: str, fixed: str, stat: str, pt: dict[str, Any], arm: str) -> None:
+        ci = pt.get("accuracy_ci") or ["", ""]
+        rows.append([table, model, group, fixed, stat, pt["accuracy"], arm, pt["n"], ci[0], ci[1]])
+
+    for key, table, fixed in (("padding_extremes", "Table 1", None), ("padding_same_position", "Table 5", "position"),
+                              ("padding_same_budget", "Table 6", "budget_tokens")):
+        for model, cats in (summary.get(key) or {}).items():
+            for cat, e in cats.items():
+                extremes(f"seed 003 {table}", model, cat, f"{fixed}={e[fixed]}" if fixed else "", e)
+    for model, exps in (summary.get("response_experiments") or {}).items():
+        for name, fixed in (("context_length", "position"), ("answer_position", "budget_tokens")):
+            e = exps.get(name)
+            if not e:
+                continue
+            held = f"{fixed}={e[fixed]}"
+            for pt in e["points"]:
+                where = pt.get("budget_tokens", pt.get("position"))
+                point("seed 003 Fig. 4", model, name, held, f"accuracy at {pt['label']} ({where})", pt, pt["profile"])
+            extremes("seed 003 Table 7", model, name, held, e)
+    for model, groups in (summary.get("conversation_grid") or {}).items():
+        for group, cells in groups.items():
+            for budget, c in cells.items():
+                point("seed 003 Table 2", model, group, "", f"accuracy at {budget} tokens", c, "+".join(c["profiles"]))
+    return rows

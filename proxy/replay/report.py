@@ -494,6 +494,14 @@ def _budget_label(b: int) -> str:
     return f"{b // 1024}K" if b % 1024 == 0 else f"{b / 1000:g}K"
 
 
+def budget_ticks(summary: dict[str, Any], model: str, budgets: list[int]) -> list[str]:
+    """The catalog heatmap's budget labels: the nominal budget, and the median tokens its arms actually reached
+    (their reports' `tokens_after`, `padding_reached`), e.g. `32K (≈31.9K)`."""
+    reached = (summary.get("padding_reached") or {}).get(model) or {}
+    return [_budget_label(b) + (f" (≈{reached[str(b)]['median'] / 1000:.1f}K)" if str(b) in reached else "")
+            for b in budgets]
+
+
 def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
     """PNG heatmaps that the results support: {file name: PNG bytes}. Needs matplotlib."""
     import matplotlib
@@ -510,9 +518,10 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
             counts = padding_counts(summary, model)
             grid = [[cells.get((b, p), float("nan")) for b in budgets] for p in positions]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-            ax.set_xticks(range(len(budgets)), [_budget_label(b) for b in budgets])
+            ax.set_xticks(range(len(budgets)), [t.replace(" (", "\n(") for t in budget_ticks(summary, model, budgets)],
+                          fontsize=8)
             ax.set_yticks(range(len(positions)), [f"{p:g}" for p in positions])
-            ax.set_xlabel("catalog size (tokens)")
+            ax.set_xlabel("catalog size (tokens): budget (≈ median reached)")
             ax.set_ylabel("position of the original tools")
             ax.set_title(model, fontsize=9)
             for i, row in enumerate(grid):
@@ -540,6 +549,52 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
         fig.colorbar(im, ax=ax, label="AST accuracy")
         ax.set_title("Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)", fontsize=10)
         out["heatmap-formats.png"] = _png(fig, plt)
+    return out
+
+
+def response_plots(summary: dict[str, Any], fmt: str = "png") -> dict[str, bytes]:
+    """Seed 003 Fig. 4 (challenge 2): accuracy with 95 % Wilson whiskers against the response size at the first
+    position (a), and against the answer position at the largest size (b), one line per model; {name: bytes} of
+    the plots the response_lengthening arms support."""
+    exps = summary.get("response_experiments") or {}
+    out: dict[str, bytes] = {}
+    for name, key, xlabel, title in (
+            ("context_length", "response-size", "tool response budget (tokens)",
+             "Long tool responses: accuracy by response size, answer at the first position (seed 003 Fig. 4a)"),
+            ("answer_position", "response-position", "position of the answer in the response",
+             "Long tool responses: accuracy by answer position at the largest size (seed 003 Fig. 4b)")):
+        lines = [(m, e[name]) for m, e in exps.items() if name in e]
+        if not lines:
+            continue
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if fmt == "svg":
+            matplotlib.rcParams["svg.hashsalt"] = "toolquake"
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        ticks: dict[float, str] = {}
+        for i, (model, e) in enumerate(lines):
+            pts = [pt for pt in e["points"] if pt["accuracy"] is not None]
+            if name == "context_length":
+                xs = [float(pt["budget_tokens"]) for pt in pts]
+                ticks.update((x, pt["label"]) for x, pt in zip(xs, pts))
+            else:
+                xs = [float(int(pt["label"][1:])) for pt in pts]
+                ticks.update((x, f"{pt['label']}\n({pt['position']:g})") for x, pt in zip(xs, pts))
+            ys = [pt["accuracy"] for pt in pts]
+            err = [[y - pt["accuracy_ci"][0] for y, pt in zip(ys, pts)], [pt["accuracy_ci"][1] - y for y, pt in
+                                                                          zip(ys, pts)]]
+            ax.errorbar([x + 0.015 * i * (max(xs) - min(xs) or 1) for x in xs], ys, yerr=err, marker="o", capsize=3,
+                        label=model)
+        ax.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)], fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("AST accuracy (95 % Wilson)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        out[f"{key}.{fmt}"] = _png(fig, plt, fmt)
     return out
 
 
@@ -1075,14 +1130,25 @@ def render_cases_csv(summary: dict[str, Any]) -> str:
     return buf.getvalue()
 
 
+def render_tables_csv(summary: dict[str, Any]) -> str:
+    """Seed 003's tables (1, 2, 5, 6, 7) and Fig. 4's points in long form (paper_tables.CSV_TABLES_COLUMNS)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(paper_tables.CSV_TABLES_COLUMNS)
+    w.writerows(paper_tables.csv_rows(summary))
+    return buf.getvalue()
+
+
 def build(
     paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True,
-    csv_stats: bool = False, csv_cases: bool = False,
+    csv_stats: bool = False, csv_cases: bool = False, csv_tables: bool = False,
 ) -> tuple[str, list[Path]]:
     """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout)."""
     res = load(paths)
     summary = summarize(res, baseline)
     written: list[Path] = []
+    if fmt == "csv" and csv_tables:
+        return render_tables_csv(summary), written
     if fmt == "csv" and not csv_cases:
         return render_csv(summary, stats=csv_stats), written
     summary["flips"] = case_details(res, flips(res, baseline), baseline)
@@ -1093,10 +1159,13 @@ def build(
     pngs = heatmaps(summary) if plots else {}
     if fmt == "html":
         svg = accuracy_plot(summary, "svg") if plots else None
-        return render_html(summary, pngs, {"accuracy per arm": svg} if svg else None), written
+        svgs = {**({"accuracy per arm": svg} if svg else {}), **(response_plots(summary, "svg") if plots else {})}
+        return render_html(summary, pngs, svgs or None), written
     acc = accuracy_plot(summary, "png") if plots else None
     if acc is not None:
         pngs = {"accuracy.png": acc, **pngs}
+    if plots:
+        pngs.update(response_plots(summary, "png"))
     refs: dict[str, str] = {}
     if out is not None:
         for name, data in pngs.items():

@@ -1,0 +1,263 @@
+"""`toolquake report`: seed 003's Tables 5, 6 (catalog padding), 7 and Fig. 4 (long tool responses), Table 2 (long
+conversations), and the catalog heatmap's labels of the tokens reached, each recomputed here from the verdicts and
+the perturbers' reports written to a real results file (the replay's own store)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.replay.test_report_stats import _chromium, _console, _open
+from toolquake.proxy.replay.store import Record, ResultsFile
+from toolquake.scorers.aggregate import wilson_ci
+
+CATS = ("simple_python", "multiple")
+
+
+def _arm(perturber: str, **params) -> dict:
+    return {"mode": "perturb", "perturbers": [{"name": perturber, "params": params, "probability": 1.0}]}
+
+
+def report(path, *args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "toolquake", "report", str(path), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def write(path, arms: dict, records: list[Record], model: str = "m1") -> None:
+    f = ResultsFile(path)
+    f.claim(model, "http://backend/v1")
+    f.register_arms(arms)
+    for rec in records:
+        f.record(rec)
+    f.close()
+
+
+# catalog padding: 3 budgets × 3 positions, named so that no name says its cell (the grid comes from the params)
+PAD = {"off": {"mode": "off", "perturbers": []}}
+for _j, (_b, _p) in enumerate([(b, p) for b in (8192, 32768, 65536) for p in (0.1, 0.5, 0.9)]):
+    PAD[f"catalog-arm-{_j}"] = _arm("catalog_padding", budget_tokens=_b, position=_p)
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """40 cases per category × 10 arms, random verdicts; each padded pair reports the tokens it reached."""
+    rng = random.Random(3)
+    records = []
+    for cat in CATS:
+        for i in range(40):
+            for j, (p, spec) in enumerate(PAD.items()):
+                valid = rng.random() < 0.9 - 0.07 * j
+                perturbers = None
+                if spec["perturbers"]:
+                    budget = spec["perturbers"][0]["params"]["budget_tokens"]
+                    report_ = {"tokens_after": int(budget * rng.uniform(0.9, 1.0)), "token_counter": "tokenizer",
+                               "tools_after": rng.randint(40, 400)}
+                    perturbers = {"applied": [{"name": "catalog_padding", "params": spec["perturbers"][0]["params"],
+                                               "report": report_}]}
+                records.append(Record(f"{cat}_{i}", p, cat, "scored", valid=valid,
+                                      taxonomy=None if valid else "wrong_function", perturbers=perturbers))
+    path = tmp_path_factory.mktemp("pad") / "replay.sqlite"
+    write(path, PAD, records)
+    return path, records
+
+
+def _acc(records, profile, cat=None) -> float:
+    mine = [r.valid for r in records if r.profile == profile and r.status == "scored"
+            and (cat is None or r.category == cat)]
+    return sum(mine) / len(mine)
+
+
+def _expected_extremes(values: dict[str, float]) -> dict:
+    hi = max(values.values())
+    lo = min(values.values())
+    return {"max": hi, "min": lo, "deg": round((hi - lo) * 100, 2), "deg_relative": round((hi - lo) / hi * 100, 2),
+            "arms": len(values)}
+
+
+def _check(entry: dict, values: dict[str, float]) -> None:
+    want = _expected_extremes(values)
+    for k, v in want.items():
+        assert entry[k] == pytest.approx(v), k
+    assert values[entry["max_arm"]] == pytest.approx(want["max"])
+    assert values[entry["min_arm"]] == pytest.approx(want["min"])
+
+
+def test_tables_5_and_6_are_the_extremes_at_position_0_1_and_at_the_largest_budget(padded) -> None:
+    path, records = padded
+    got = json.loads(report(path, "--format", "json"))
+    at_01 = [p for p, s in PAD.items() if s["perturbers"] and s["perturbers"][0]["params"]["position"] == 0.1]
+    at_max = [p for p, s in PAD.items() if s["perturbers"] and s["perturbers"][0]["params"]["budget_tokens"] == 65536]
+    assert len(at_01) == 3 and len(at_max) == 3
+    for cat in CATS:
+        t5 = got["padding_same_position"]["m1"][cat]
+        _check(t5, {p: _acc(records, p, cat) for p in at_01})
+        assert t5["position"] == 0.1
+        t6 = got["padding_same_budget"]["m1"][cat]
+        _check(t6, {p: _acc(records, p, cat) for p in at_max})
+        assert t6["budget_tokens"] == 65536
+        t1 = got["padding_extremes"]["m1"][cat]
+        _check(t1, {p: _acc(records, p, cat) for p in PAD if p != "off"})
+    md = report(path, "--no-plots")
+    assert "Seed 003 Table 5" in md and "Seed 003 Table 6" in md
+    t5 = got["padding_same_position"]["m1"]["multiple"]
+    assert (f"| m1 | multiple | 0.1 | {t5['max']:.3f} | {t5['max_arm']} | {t5['min']:.3f} | {t5['min_arm']} | "
+            f"{t5['deg']:.2f} | {t5['deg_relative']:.2f} | 3 |") in md
+    rows = list(csv.DictReader(io.StringIO(report(path, "--format", "csv", "--csv-tables"))))
+    for table, fixed, arms in (("seed 003 Table 5", "position=0.1", at_01),
+                               ("seed 003 Table 6", "budget_tokens=65536", at_max)):
+        mine = {r["Statistic"]: r for r in rows if r["Table"] == table and r["Group"] == "simple_python"}
+        assert all(r["Held Fixed"] == fixed for r in mine.values())
+        values = {p: _acc(records, p, "simple_python") for p in arms}
+        assert float(mine["Max"]["Value"]) == pytest.approx(max(values.values()))
+        assert values[mine["Min"]["Arm"]] == pytest.approx(min(values.values()))
+        assert float(mine["% Deg. (relative)"]["Value"]) == pytest.approx(
+            _expected_extremes(values)["deg_relative"])
+
+
+def test_the_heatmap_labels_each_budget_with_the_tokens_reached(padded) -> None:
+    from toolquake.proxy.replay.report import budget_ticks, load, summarize
+
+    path, records = padded
+    summary = summarize(load([path]))
+    budgets = [8192, 32768, 65536]
+    labels = budget_ticks(summary, "m1", budgets)
+    for b, label in zip(budgets, labels):
+        reached = [r.perturbers["applied"][0]["report"]["tokens_after"] for r in records
+                   if r.perturbers and r.perturbers["applied"][0]["params"]["budget_tokens"] == b]
+        assert len(reached) == 3 * 40 * len(CATS)
+        med = statistics.median(reached)
+        assert summary["padding_reached"]["m1"][str(b)]["median"] == round(med)
+        assert label == f"{b // 1024}K (≈{round(med) / 1000:.1f}K)"
+        assert round(med) < b  # what `estimate` hides: the label says the catalog fell short of the budget
+    page = report(path, "--format", "md", "--out", str(path.with_name("r.md")))
+    assert page == ""  # written to the file
+    assert path.with_name("r-heatmap-catalog.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# long tool responses: a test config's profiles with the params on main (budget_tokens, position)
+RESP = {"off": {"mode": "off", "perturbers": []},
+        **{f"resp-{k}k-p1": _arm("response_lengthening", budget_tokens=k * 1000, position=0.0)
+           for k in (10, 20, 40, 80)},
+        **{f"resp-80k-p{i + 1}": _arm("response_lengthening", budget_tokens=80000, position=round(i / 7, 4))
+           for i in range(1, 8)}}
+CONV = {"off": {"mode": "off", "perturbers": []},
+        # the `conv` helper's profiles: `fact` names where the needed fact sits
+        **{f"conv-{k}k-s1": _arm("conversation_lengthening", budget_tokens=k * 1000, setting="unstructured",
+                                 fact="user_turn") for k in (10, 20, 40, 80)},
+        **{f"conv-{k}k-s2": _arm("conversation_lengthening", budget_tokens=k * 1000, setting="structured",
+                                 fact="tool_response") for k in (10, 20, 40, 80)},
+        # older arms without `fact`: grouped by their setting; two in one cell are pooled
+        "long-a": _arm("conversation_lengthening", budget_tokens=20000, setting="structured"),
+        "long-b": _arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """Two models, each with the response and conversation arms, 30 multi-turn cases, random verdicts."""
+    root = tmp_path_factory.mktemp("long")
+    rng = random.Random(17)
+    records = {}
+    for model in ("m1", "m2"):
+        arms = {**RESP, **CONV}
+        mine = []
+        for i in range(30):
+            for j, p in enumerate(arms):
+                valid = rng.random() < 0.85 - 0.03 * j
+                mine.append(Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=valid,
+                                   taxonomy=None if valid else "wrong_param_value"))
+        write(root / f"replay-{model}.sqlite", arms, mine, model)
+        records[model] = mine
+    return root, records
+
+
+def test_table_7_and_fig_4_hold_the_response_size_and_answer_position_experiments(long_runs) -> None:
+    root, records = long_runs
+    got = json.loads(report(root, "--format", "json"))["response_experiments"]
+    for model, recs in records.items():
+        e = got[model]["context_length"]
+        sizes = ["resp-10k-p1", "resp-20k-p1", "resp-40k-p1", "resp-80k-p1"]
+        assert [pt["profile"] for pt in e["points"]] == sizes and e["position"] == 0.0
+        for pt in e["points"]:
+            valid = sum(1 for r in recs if r.profile == pt["profile"] and r.valid)
+            n = sum(1 for r in recs if r.profile == pt["profile"])
+            assert pt["n"] == n and pt["accuracy"] == pytest.approx(valid / n)
+            assert pt["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, n)))
+        _check(e, {p: _acc(recs, p) for p in sizes})
+        e = got[model]["answer_position"]
+        # at 80K: resp-80k-p1 (0.0) and resp-80k-p2..p8 (1/7 .. 1), labelled p1..p8 in position order
+        at_80k = ["resp-80k-p1", *(f"resp-80k-p{i}" for i in range(2, 9))]
+        assert [pt["profile"] for pt in e["points"]] == at_80k and e["budget_tokens"] == 80000
+        assert [pt["label"] for pt in e["points"]] == [f"p{i}" for i in range(1, 9)]
+        assert [pt["position"] for pt in e["points"]] == [RESP[p]["perturbers"][0]["params"]["position"]
+                                                          for p in at_80k]
+        _check(e, {p: _acc(recs, p) for p in at_80k})
+    out = root.parent / "long-report.md"
+    md = report(root, "--out", str(out))
+    assert md == ""
+    text = out.read_text()
+    assert "Seed 003 Table 7" in text
+    for name in ("response-size.png", "response-position.png"):
+        assert f"]({out.stem}-{name})" in text
+        assert out.with_name(f"{out.stem}-{name}").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_2_groups_by_fact_else_setting_with_wilson_intervals(long_runs) -> None:
+    root, records = long_runs
+    got = json.loads(report(root, "--format", "json"))["conversation_grid"]
+    for model, recs in records.items():
+        grid = got[model]
+        assert set(grid) == {"fact user_turn", "fact tool_response", "setting structured"}
+        for group, fact in (("fact user_turn", "s1"), ("fact tool_response", "s2")):
+            assert sorted(grid[group], key=int) == ["10000", "20000", "40000", "80000"]
+            for k in (10, 20, 40, 80):
+                cell = grid[group][str(k * 1000)]
+                mine = [r for r in recs if r.profile == f"conv-{k}k-{fact}"]
+                valid = sum(1 for r in mine if r.valid)
+                assert cell["n"] == len(mine) and cell["accuracy"] == pytest.approx(valid / len(mine))
+                assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, len(mine))))
+        pooled = [r for r in recs if r.profile in ("long-a", "long-b")]
+        cell = grid["setting structured"]["20000"]
+        assert cell["profiles"] == ["long-a", "long-b"] and cell["n"] == len(pooled)
+        assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(sum(1 for r in pooled if r.valid), len(pooled))))
+    md = report(root, "--no-plots")
+    assert "Seed 003 Table 2 (challenge 3" in md
+    c = got["m2"]["fact tool_response"]["40000"]
+    assert (f"{c['accuracy']:.3f} [{c['accuracy_ci'][0]:.3f}, {c['accuracy_ci'][1]:.3f}] (n={c['n']})") in md
+
+
+def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp_path) -> None:
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    root, _ = long_runs
+    page = tmp_path / "long.html"
+    report(root, "--format", "html", "--out", str(page))
+    text = page.read_text()
+    assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", text)
+    assert text.count("data:image/svg+xml;base64,") == 3  # accuracy per arm, Fig. 4a, Fig. 4b
+    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert _console(r.stderr) == [] and requests == []
+    for title in ("Seed 003 Table 7", "Seed 003 Table 2", "response-size.svg", "response-position.svg"):
+        assert title in r.stdout
+    shot = tmp_path / "long.png"
+    r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,5000")
+    assert _console(r.stderr) == [] and requests == []
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        gray = img.convert("L")
+        assert sum(gray.histogram()[:128]) > 0.005 * 1400 * 5000 and len(gray.getcolors(256) or []) > 20
+    keep = ROOT / ".pytest_cache" / "report-seed003-screenshot.png"  # for a person to look at
+    keep.parent.mkdir(exist_ok=True)
+    keep.write_bytes(shot.read_bytes())
