@@ -261,3 +261,31 @@ def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp
     keep = ROOT / ".pytest_cache" / "report-seed003-screenshot.png"  # for a person to look at
     keep.parent.mkdir(exist_ok=True)
     keep.write_bytes(shot.read_bytes())
+
+
+def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own_order(tmp_path) -> None:
+    """The profiles `@seed003-responses` replays, specs as the replay registers them (every parameter, defaults
+    included): sizes at p1 make Fig. 4a, the 80K arms make p1..p8 of Fig. 4b, the label each name promises."""
+    from toolquake.proxy.replay.run import _profile_specs
+    from toolquake.proxy.replay.selection import expand_profiles
+    from toolquake.proxy.server.config import PACKAGED_CONFIG, load_config
+
+    config = load_config(PACKAGED_CONFIG)
+    names = expand_profiles("@seed003-responses", ["off", *config.profiles])  # as `replay` expands it
+    arms = _profile_specs(config, names)
+    resp = [p for p in names if p != "off"]
+    assert "off" in names and len(resp) == 11
+    rng = random.Random(23)
+    records = [Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=(v := rng.random() < 0.6),
+                      taxonomy=None if v else "wrong_param_value") for i in range(20) for p in names]
+    write(tmp_path / "replay.sqlite", arms, records)
+    got = json.loads(report(tmp_path, "--format", "json"))["response_experiments"]["m1"]
+    sizes = sorted((p for p in resp if p.endswith("-p1")), key=lambda p: int(p.split("-")[1][:-1]))
+    assert [pt["profile"] for pt in got["context_length"]["points"]] == sizes
+    assert [pt["label"] for pt in got["context_length"]["points"]] == ["10K", "20K", "40K", "80K"]
+    at_80k = got["answer_position"]["points"]
+    assert [pt["label"] for pt in at_80k] == [pt["profile"].rsplit("-", 1)[1] for pt in at_80k]
+    assert [pt["profile"] for pt in at_80k] == sorted((p for p in resp if p.startswith("resp-80k-")),
+                                                      key=lambda p: int(p.rsplit("-p", 1)[1]))
+    _check(got["answer_position"], {pt["profile"]: _acc(records, pt["profile"]) for pt in at_80k})
+    _check(got["context_length"], {p: _acc(records, p) for p in sizes})
