@@ -1159,7 +1159,10 @@ def build(
     pngs = heatmaps(summary) if plots else {}
     if fmt == "html":
         svg = accuracy_plot(summary, "svg") if plots else None
-        svgs = {**({"accuracy per arm": svg} if svg else {}), **(response_plots(summary, "svg") if plots else {})}
+        fig4 = {f"seed 003 Fig. 4{'a' if k.startswith('response-size') else 'b'}: accuracy by "
+                f"{'response size' if k.startswith('response-size') else 'answer position'}": v
+                for k, v in (response_plots(summary, "svg") if plots else {}).items()}
+        svgs = {**({"accuracy per arm": svg} if svg else {}), **fig4}
         return render_html(summary, pngs, svgs or None), written
     acc = accuracy_plot(summary, "png") if plots else None
     if acc is not None:

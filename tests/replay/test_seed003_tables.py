@@ -248,7 +248,8 @@ def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp
     assert text.count("data:image/svg+xml;base64,") == 3  # accuracy per arm, Fig. 4a, Fig. 4b
     r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
     assert _console(r.stderr) == [] and requests == []
-    for title in ("Seed 003 Table 7", "Seed 003 Table 2", "response-size.svg", "response-position.svg"):
+    for title in ("Seed 003 Table 7", "Seed 003 Table 2", "seed 003 Fig. 4a: accuracy by response size",
+                  "seed 003 Fig. 4b: accuracy by answer position"):
         assert title in r.stdout
     shot = tmp_path / "long.png"
     r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,5000")
