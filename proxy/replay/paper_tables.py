@@ -340,7 +340,7 @@ def _k(tokens: int) -> str:
 def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 2 (challenge 3): accuracy with its 95 % Wilson interval per model, setting and conversation
     budget, from the conversation_lengthening arms; the setting is the arm's `fact` (where the needed fact sits)
-    when the arm names one, else its `setting`. Arms in the same cell are pooled.
+    when the arm names one other than `any`, else its `setting`. Arms in the same cell are pooled.
     {model: {setting: {budget: {"profiles", "n", "valid", "accuracy", "accuracy_ci"}}}}"""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
@@ -348,7 +348,7 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
         for p, v, arm in grid_arms(data, "conversation_lengthening", "budget_tokens", "setting"):
             step = next(s for s in arm["perturbers"] if s.get("name") == "conversation_lengthening")
             fact = (step.get("params") or {}).get("fact")
-            group = f"fact {fact}" if fact is not None else f"setting {v['setting']}"
+            group = f"fact {fact}" if fact not in (None, "any") else f"setting {v['setting']}"
             c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0})
             c["profiles"].append(p)
             c["n"] += arm["n"]

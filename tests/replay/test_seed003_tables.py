@@ -157,8 +157,8 @@ CONV = {"off": {"mode": "off", "perturbers": []},
                                  fact="user_turn") for k in (10, 20, 40, 80)},
         **{f"conv-{k}k-s2": _arm("conversation_lengthening", budget_tokens=k * 1000, setting="structured",
                                  fact="tool_response") for k in (10, 20, 40, 80)},
-        # older arms without `fact`: grouped by their setting; two in one cell are pooled
-        "long-a": _arm("conversation_lengthening", budget_tokens=20000, setting="structured"),
+        # arms without `fact`, or with the default `any`: grouped by their setting; two in one cell are pooled
+        "long-a": _arm("conversation_lengthening", budget_tokens=20000, setting="structured", fact="any"),
         "long-b": _arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
 
 
@@ -264,16 +264,21 @@ def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp
     keep.write_bytes(shot.read_bytes())
 
 
-def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own_order(tmp_path) -> None:
-    """The profiles `@seed003-responses` replays, specs as the replay registers them (every parameter, defaults
-    included): sizes at p1 make Fig. 4a, the 80K arms make p1..p8 of Fig. 4b, the label each name promises."""
+def _packaged(preset: str) -> tuple[list[str], dict]:
+    """A preset's profiles from the packaged config, expanded and specified as `toolquake replay` registers them."""
     from toolquake.proxy.replay.run import _profile_specs
     from toolquake.proxy.replay.selection import expand_profiles
     from toolquake.proxy.server.config import PACKAGED_CONFIG, load_config
 
     config = load_config(PACKAGED_CONFIG)
-    names = expand_profiles("@seed003-responses", ["off", *config.profiles])  # as `replay` expands it
-    arms = _profile_specs(config, names)
+    names = expand_profiles(preset, ["off", *config.profiles])
+    return names, _profile_specs(config, names)
+
+
+def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own_order(tmp_path) -> None:
+    """The profiles `@seed003-responses` replays, specs as the replay registers them (every parameter, defaults
+    included): sizes at p1 make Fig. 4a, the 80K arms make p1..p8 of Fig. 4b, the label each name promises."""
+    names, arms = _packaged("@seed003-responses")
     resp = [p for p in names if p != "off"]
     assert "off" in names and len(resp) == 11
     rng = random.Random(23)
@@ -290,3 +295,23 @@ def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own
                                                       key=lambda p: int(p.rsplit("-p", 1)[1]))
     _check(got["answer_position"], {pt["profile"]: _acc(records, pt["profile"]) for pt in at_80k})
     _check(got["context_length"], {p: _acc(records, p) for p in sizes})
+
+
+def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(tmp_path) -> None:
+    """`@seed003-conversations` as replay registers it: s1 = the fact in a user turn, s2 = in a tool response."""
+    names, arms = _packaged("@seed003-conversations")
+    conv = [p for p in names if p != "off"]
+    assert len(conv) == 8
+    rng = random.Random(29)
+    records = [Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=(v := rng.random() < 0.5),
+                      taxonomy=None if v else "wrong_param_value") for i in range(20) for p in names]
+    write(tmp_path / "replay.sqlite", arms, records)
+    grid = json.loads(report(tmp_path, "--format", "json"))["conversation_grid"]["m1"]
+    assert set(grid) == {"fact user_turn", "fact tool_response"}
+    for group, suffix in (("fact user_turn", "s1"), ("fact tool_response", "s2")):
+        mine = sorted((p for p in conv if p.endswith(suffix)), key=lambda p: int(p.split("-")[1][:-1]))
+        assert [c["profiles"] for c in grid[group].values()] == [[p] for p in mine]
+        assert list(grid[group]) == [str(int(p.split("-")[1][:-1]) * 1000) for p in mine]
+        for p, cell in zip(mine, grid[group].values()):
+            valid = sum(1 for r in records if r.profile == p and r.valid)
+            assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, 20)))
