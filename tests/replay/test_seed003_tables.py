@@ -315,3 +315,51 @@ def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(
         for p, cell in zip(mine, grid[group].values()):
             valid = sum(1 for r in records if r.profile == p and r.valid)
             assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, 20)))
+
+
+@pytest.mark.needs_corpus
+def test_a_real_catalog_padding_replay_gives_tables_5_6_and_the_reached_labels(tmp_path) -> None:
+    """`toolquake replay` of a 2 × 2 padding grid (a test config) against the fake upstream playing an oracle that
+    answers two cases in five wrong; the report's tables and labels recomputed from the rows it stored."""
+    import sqlite3
+
+    from tests.conftest import start_fake_upstream
+    from tests.replay.test_replay import _oracle_script, replay
+    from toolquake.bfcl.corpus import is_present, load_category
+
+    if not is_present():
+        pytest.skip("needs the BFCL corpus: toolquake corpus pull")
+    cases = load_category("multiple")[:10]
+    script = _oracle_script(cases, {c.id for i, c in enumerate(cases) if i % 5 in (1, 3)})
+    config = tmp_path / "config.toml"
+    grid = [(b, p) for b in (2000, 6000) for p in (0.1, 0.9)]
+    config.write_text("".join(f'[profiles.grid-{j}]\nmode = "perturb"\nperturbers = [{{ name = "catalog_padding", '
+                              f'params = {{ budget_tokens = {b}, position = {p} }} }}]\n\n'
+                              for j, (b, p) in enumerate(grid)))
+    fake = start_fake_upstream("--script", str(script))
+    try:
+        r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,grid-*", "--config", str(config),
+                   "--categories", "multiple", "--limit", str(len(cases)), "--out", str(tmp_path / "out"))
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        fake.stop()
+    db = sqlite3.connect(tmp_path / "out" / "replay.sqlite")
+    stored = db.execute("SELECT profile, case_id, valid, perturbers FROM results WHERE status = 'scored'").fetchall()
+    db.close()
+    assert len(stored) == 5 * len(cases)
+    got = json.loads(report(tmp_path / "out", "--format", "json"))
+    model = next(iter(got["models"]))
+
+    def acc(profile: str) -> float:
+        mine = [v for p, _, v, _ in stored if p == profile]
+        return sum(mine) / len(mine)
+
+    at_01 = {f"grid-{j}": acc(f"grid-{j}") for j, (_, p) in enumerate(grid) if p == 0.1}
+    at_max = {f"grid-{j}": acc(f"grid-{j}") for j, (b, _) in enumerate(grid) if b == 6000}
+    _check(got["padding_same_position"][model]["multiple"], at_01)
+    _check(got["padding_same_budget"][model]["multiple"], at_max)
+    for budget in (2000, 6000):
+        reached = [json.loads(t)["applied"][0]["report"]["tokens_after"] for p, _, _, t in stored
+                   if p != "off" and grid[int(p.split("-")[1])][0] == budget]
+        assert len(reached) == 2 * len(cases)
+        assert got["padding_reached"][model][str(budget)]["median"] == round(statistics.median(reached))
