@@ -49,7 +49,8 @@ item_id never opened). A call left in the text needs no knob: `X-Fake-Answer: {"
 `X-Fake-Seq: N` makes the ids and timestamps of the answer N instead of a counter and the clock, so two
 requests with the same headers get the same bytes (direct and through the proxy, to compare them).
 
-Introspection for tests: every request is recorded (last 2,000); `GET /_fake/requests` returns
+Introspection for tests: every request is recorded (last 2,000; with the client's address and port,
+`peer`, to see connections reused); `GET /_fake/requests` returns
 them (`?tag=X` filters on the `X-Test-Tag` header); `DELETE /_fake/requests` clears.
 """
 
@@ -438,6 +439,7 @@ async def app(scope, receive, send) -> None:
             "method": method,
             "path": path,
             "query": scope.get("query_string", b"").decode(),
+            "peer": list(scope.get("client") or ()),  # the connection it came on (keep-alive tests)
             "headers": headers,
             "body": raw.decode("utf-8", "replace"),
         }

@@ -1,6 +1,8 @@
-"""The lean path (proxy/server/lean.py) answers exactly as the framework route does: the same statuses,
-bodies, headers to the client and to the upstream, metrics and log lines — for answers, streams, the
-Responses API, and every error a client can cause."""
+"""The lean path (proxy/server/lean.py) with the native upstream client (`upstream_client = "native"`)
+answers exactly as the framework route with aiohttp does: the same statuses, bodies, headers to the
+client and to the upstream, metrics and log lines — for answers, streams, the Responses API, every error
+a client can cause, and upstream faults (timeouts, byte-by-byte and chunked bodies, a connection cut
+mid-body). Then the native client's own keep-alive pool: connections reused, and dropped after a fault."""
 
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ CASES = [
     ("upstream 500", "/v1/chat/completions", body(), {"x-fake-fault": "status:500"}),
     ("upstream invalid json", "/v1/chat/completions", body(), {"x-fake-fault": "invalid-json"}),
     ("cut stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "cut-stream"}),
+    ("cut body", "/v1/chat/completions", body(), {"x-fake-fault": "cut-stream"}),
+    ("responses cut stream", "/v1/responses", {"model": "fake-model", "input": "hi", "stream": True},
+     {"x-fake-fault": "cut-stream"}),
+    ("slow headers", "/v1/chat/completions", body(), {"x-fake-fault": "delay:1500"}),
+    ("slow headers stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "delay:1500"}),
+    ("upstream hangs", "/v1/chat/completions", body(), {"x-fake-fault": "hang"}),
+    ("byte by byte", "/v1/chat/completions", body(), {"x-fake-fault": "slow-bytes:1"}),
+    ("byte by byte stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "slow-bytes:1"}),
+    ("chunk delay stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "chunk-delay:20"}),
+    ("empty stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "empty-stream"}),
+    ("upstream 429 stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "status:429"}),
     ("too large", "/v1/chat/completions", b"{" + b" " * 5000 + b"}", {}),
     ("unknown profile", "/p/nope/v1/chat/completions", body(), {}),
 ]
@@ -33,17 +46,20 @@ VOLATILE = ("date", "x-toolquake-request-id", "x-toolquake-overhead-ms", "conten
 
 
 def _normal(data: bytes) -> bytes:
-    """The answer without what differs between two calls (ids, timestamps)."""
+    """The answer without what differs between two calls (ids, timestamps), nor between two HTTP clients
+    (the name of the exception that said a connection failed: aiohttp's or the native client's)."""
     import re
 
+    data = re.sub(rb"(failed|reached|mid-response) \((\w+)\)", rb"\1 (cause)", data)
     return re.sub(rb'"(id|created|created_at|response_id|item_id)":\s*("[^"]*"|\d+)', b"", data)
 
 
 @pytest.fixture(scope="module")
 def pair(fake_upstream):
-    config = "[server]\nmax_body_bytes = 4096\nlean_path = {}\n[scoring]\nenabled = false\n"
-    lean = start_proxy(fake_upstream.url, config.format("true"))
-    framework = start_proxy(fake_upstream.url, config.format("false"))
+    config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nupstream_client = {!r}\n" \
+        "[scoring]\nenabled = false\n"
+    lean = start_proxy(fake_upstream.url, config.format("true", "native"))
+    framework = start_proxy(fake_upstream.url, config.format("false", "aiohttp"))
     yield lean, framework
     lean.stop()
     framework.stop()
@@ -113,3 +129,38 @@ def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(fake_upstream)
         assert names == [x["function"]["name"] for x in body()["tools"]][::-1]
     finally:
         proc.stop()
+
+
+def _peers(fake, t: str) -> list[tuple]:
+    return [tuple(r["peer"]) for r in recorded(fake, t)]
+
+
+def test_native_client_reuses_connections_and_drops_failed_ones(proxy_factory, fake_upstream):
+    """Sequential requests share one upstream connection; a connection whose answer timed out or was cut
+    is closed, never handed to the next request; the pool's gauges say what it holds."""
+    from tests.server.test_reliability import runtime
+
+    p = proxy_factory('[server]\nread_timeout = 1.0\nupstream_client = "native"\n[scoring]\nenabled = false\n')
+
+    def ask(t: str, fault: str = "", stream: bool = False) -> int:
+        h = {"x-test-tag": t, **({"x-fake-fault": fault} if fault else {})}
+        with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body(stream=stream), headers=h,
+                          timeout=20) as r:
+            b"".join(r.iter_raw())
+            return r.status_code
+
+    first = tag()
+    assert [ask(first), ask(first, stream=True), ask(first)] == [200, 200, 200]
+    reused = _peers(fake_upstream, first)
+    assert len(reused) == 3 and len(set(reused)) == 1, reused
+    assert runtime(p.url)[0] == 0  # nothing active; the one connection idle
+    assert 'toolquake_upstream_connections{state="idle"} 1.0' in httpx.get(f"{p.url}/metrics").text
+    for fault, stream, status in [("delay:1500", False, 504), ("cut-stream", True, 200), ("cut-stream", False, 502)]:
+        failed, after = tag(), tag()
+        assert ask(failed, fault, stream) == status
+        assert [ask(after), ask(after)] == [200, 200]
+        (broken,) = _peers(fake_upstream, failed)
+        again = _peers(fake_upstream, after)
+        assert broken not in again, (fault, stream, broken, again)
+        assert len(set(again)) == 1, (fault, stream, again)
+        assert runtime(p.url)[0] == 0

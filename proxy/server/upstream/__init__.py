@@ -20,6 +20,7 @@ __all__ = ["CLIENTS", "INTERNAL_PREFIX", "Upstream", "UpstreamError", "UpstreamR
 CLIENTS: dict[str, tuple[str, str]] = {
     "aiohttp": ("toolquake.proxy.server.upstream.aiohttp_client", "AiohttpUpstream"),
     "httpx": ("toolquake.proxy.server.upstream.httpx_client", "HttpxUpstream"),
+    "native": ("toolquake.proxy.server.upstream.native_client", "NativeUpstream"),
 }
 
 

@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from toolquake.proxy.server.upstream.base import Upstream, UpstreamError, UpstreamResponse
+from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, classify
 
 
 class _AiohttpResponse(UpstreamResponse):
@@ -42,11 +42,7 @@ class _AiohttpResponse(UpstreamResponse):
 
 
 def _error(exc: BaseException) -> BaseException:
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return UpstreamError("timeout", exc)
-    if isinstance(exc, (aiohttp.ClientError, OSError)):
-        return UpstreamError("unreachable", exc)
-    return exc  # cancellation and programming errors pass through unchanged
+    return classify(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError), (aiohttp.ClientError, OSError))
 
 
 class AiohttpUpstream(Upstream):

@@ -30,6 +30,16 @@ class UpstreamError(Exception):
         self.cause_name = type(cause).__name__
 
 
+def classify(exc: BaseException, timeouts: tuple[type[BaseException], ...],
+             unreachable: tuple[type[BaseException], ...]) -> BaseException:
+    """A client's exception as the `UpstreamError` it means; cancellation and programming errors unchanged."""
+    if isinstance(exc, timeouts):
+        return UpstreamError("timeout", exc)
+    if isinstance(exc, unreachable):
+        return UpstreamError("unreachable", exc)
+    return exc
+
+
 def request_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """End-to-end client headers for the upstream: hop-by-hop and every X-Toolquake-* dropped."""
     named_by_connection = set()

@@ -1,0 +1,333 @@
+"""The native upstream (`[server] upstream_client = "native"`): a minimal HTTP/1.1 client on asyncio's
+Protocol and httptools' C response parser, with its own keep-alive pool.
+
+It does one thing per request: write the request head and body in one `write`, feed what the socket
+delivers to the parser, and hand the body on as it arrives (Content-Length, chunked, or until the
+connection closes; SSE is not parsed). Timeouts are a timer per wait (`connect_timeout` to connect,
+`read_timeout` for the head and between body reads), like aiohttp's `sock_connect` / `sock_read`.
+What it does not handle goes to the aiohttp client unchanged: `https://` upstreams (no TLS here) and
+`HEAD` requests (an answer with no body whatever its headers say). A request that fails on a reused
+keep-alive connection before one byte of the answer arrived (the backend closed the idle connection
+as we wrote) is sent once more on a new connection; any later failure is the caller's
+`UpstreamError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+from toolquake.proxy.server.upstream.aiohttp_client import AiohttpUpstream
+from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, classify
+
+#: body bytes buffered from the socket before it stops reading (a slow client of a fast stream)
+_HIGH_WATER = 256 * 1024
+KEEPALIVE_S = 30.0
+
+
+class UpstreamTimeout(Exception):
+    """The backend did not answer (or send the next bytes) within the configured timeout."""
+
+
+class UpstreamClosed(Exception):
+    """The backend closed the connection before its answer was complete."""
+
+
+class UpstreamProtocolError(Exception):
+    """The backend's bytes are not an HTTP/1.1 answer."""
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; one request on it at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[str, str]] = []
+        self.status = 0
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.got_bytes = False
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.paused = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamProtocolError("the backend switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(str(exc)))
+            return
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            if self.head_done and self._reads_to_close():
+                self.complete = True  # no length, not chunked: the body ends with the connection
+            else:
+                self.error = UpstreamClosed(str(exc) if exc else "connection closed before the answer was complete")
+        self._wake()
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:  # an interim answer (100 Continue): wait for the real one
+            self.headers = []
+            return
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.status >= 200:
+            self.complete = True
+            self.keep_alive = self.parser.should_keep_alive()  # asked now: the parser resets after this
+
+    # -- helpers
+    def _reads_to_close(self) -> bool:
+        for k, v in self.headers:
+            lk = k.lower()
+            if lk == "content-length" or (lk == "transfer-encoding" and "chunked" in v.lower()):
+                return False
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until new bytes arrive, the connection closes, or `timeout` passes (UpstreamTimeout)."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def take(self) -> bytes:
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamTimeout("no answer within the read timeout"))
+
+
+class _NativeResponse(UpstreamResponse):
+    def __init__(self, owner: NativeUpstream, key: tuple[str, int], conn: _Conn) -> None:
+        self._owner, self._key, self._conn = owner, key, conn
+        self.status_code = conn.status
+        self.headers = conn.headers
+        self._released = False
+
+    async def aread(self) -> bytes:
+        conn, parts = self._conn, []
+        try:
+            while True:
+                if conn.chunks:
+                    parts.append(conn.take())
+                if conn.complete:
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self._owner.read_timeout)
+        except BaseException as exc:
+            raise _error(exc) from exc
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        try:
+            while True:
+                if conn.chunks:
+                    yield conn.take()
+                    continue
+                if conn.complete:
+                    return
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self._owner.read_timeout)
+        except BaseException as exc:
+            raise _error(exc) from exc
+
+    async def aclose(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._owner._release(self._key, self._conn)
+
+
+def _error(exc: BaseException) -> BaseException:
+    return classify(exc, (UpstreamTimeout,), (UpstreamClosed, UpstreamProtocolError, OSError))
+
+
+class NativeUpstream(Upstream):
+    kind = "native"
+
+    def __init__(self, base: str, **limits: Any) -> None:
+        super().__init__(base, **limits)
+        self._fallback = AiohttpUpstream(base, **limits)
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._active = 0
+        self._slots: asyncio.Semaphore | None = None  # created inside the running loop
+        self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
+
+    def _target(self, method: str, url: str) -> tuple[tuple[str, int], bytes] | None:
+        """(host, port) and the start of the request head for `url`; None when the fallback must send it."""
+        key = (method, url)
+        found = self._heads.get(key)
+        if found is not None:
+            return found
+        parts = urlsplit(url)
+        if parts.scheme != "http" or method == "HEAD" or not parts.hostname:
+            return None
+        port = parts.port or 80
+        host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        if ":" in parts.hostname:  # IPv6 literal
+            host = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
+        found = ((parts.hostname, port), head)
+        if len(self._heads) < 256:  # the proxy sends to a handful of fixed URLs
+            self._heads[key] = found
+        return found
+
+    async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
+                   params: str = "", timeout: float | None = None) -> UpstreamResponse:
+        if params:
+            url = f"{url}?{params}"
+        target = self._target(method, url)
+        if target is None:
+            return await self._fallback.send(method, url, headers, content, timeout=timeout)
+        key, start = target
+        lines = [start]
+        for k, v in headers:
+            lines.append(f"{k}: {v}\r\n".encode("latin-1"))
+        if content is not None:
+            lines.append(b"Content-Length: %d\r\n\r\n" % len(content))
+            lines.append(content)
+        else:
+            lines.append(b"\r\n")
+        request = b"".join(lines)
+        read_timeout = self.read_timeout if timeout is None else timeout
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_connections)
+        await self._slots.acquire()
+        try:
+            conn, reused = await self._connection(key, timeout)
+            self._active += 1
+            try:
+                try:
+                    await self._exchange(conn, request, read_timeout)
+                except UpstreamClosed:
+                    if not reused or conn.got_bytes:
+                        raise
+                    conn.close()  # the backend closed it while idle: once more on a new connection
+                    self._active -= 1
+                    conn, _ = await self._connection(key, timeout, fresh=True)
+                    self._active += 1
+                    await self._exchange(conn, request, read_timeout)
+            except BaseException:
+                conn.close()
+                self._active -= 1
+                raise
+        except BaseException as exc:
+            self._slots.release()
+            raise _error(exc) from exc
+        return _NativeResponse(self, key, conn)
+
+    async def _exchange(self, conn: _Conn, request: bytes, read_timeout: float) -> None:
+        assert conn.transport is not None
+        conn.transport.write(request)
+        while not conn.head_done:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(read_timeout)
+
+    async def _connection(self, key: tuple[str, int], timeout: float | None,
+                          fresh: bool = False) -> tuple[_Conn, bool]:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.get(key)
+        now = loop.time()
+        while idle and not fresh:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
+                conn._reset()
+                return conn, True
+            conn.close()
+        conn = _Conn(loop)
+        connect = loop.create_connection(lambda: conn, key[0], key[1])
+        try:
+            await asyncio.wait_for(connect, self.connect_timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout("no connection within the connect timeout") from None
+        return conn, False
+
+    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        """A fully read answer on a connection both sides keep alive goes back to the pool; else it closes."""
+        self._active -= 1
+        if self._slots is not None:
+            self._slots.release()
+        if conn.complete and not conn.closed and not conn.chunks and conn.keep_alive:
+            conn.idle_since = conn.loop.time()
+            self._idle.setdefault(key, []).append(conn)
+        else:
+            conn.close()
+
+    def pool_states(self) -> dict[str, int]:
+        fallback = self._fallback.pool_states()
+        idle = sum(1 for conns in self._idle.values() for c in conns if not c.closed)
+        return {"active": self._active + fallback["active"], "idle": idle + fallback["idle"]}
+
+    async def aclose(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+        await self._fallback.aclose()

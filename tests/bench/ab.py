@@ -1,0 +1,68 @@
+"""A/B of proxy configurations in one run: the same load, alternating rounds, one proxy per arm.
+
+`python -m tests.bench.ab --arm aiohttp='upstream_client = "aiohttp"' --arm native='upstream_client = "native"'`
+starts the fake upstream and one single-worker proxy per arm (each arm's lines go under `[server]`;
+scoring off), then runs alternating wrk rounds (asyncio client without wrk) over the arms at each
+concurrency: passthrough, and streaming with `--stream`. It prints, per arm, the medians of req/s,
+p50 and the proxy's CPU per request (its own /proc counters), and each arm's ratio to the first arm.
+On a shared machine read the ratios: every arm saw the same load at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+
+from tests.bench.proxy_overhead import BODY, PAYLOAD, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.conftest import start_fake_upstream, start_proxy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", action="append", required=True, help="NAME=TOML lines for [server] (repeat)")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--stream", action="store_true", help="also a streaming workload")
+    args = ap.parse_args()
+    load = run_wrk if shutil.which("wrk") else run_asyncio
+    fake = start_fake_upstream()
+    procs = {}
+    try:
+        for spec in args.arm:
+            name, _, lines = spec.partition("=")
+            procs[name] = start_proxy(fake.url, f"[server]\n{lines}\n[scoring]\nenabled = false\n")
+        for proc in procs.values():
+            run_asyncio(proc.url, 4, 1.0)
+        workloads = {"passthrough": PAYLOAD}
+        if args.stream:
+            workloads["streaming"] = json.dumps({**BODY, "stream": True}).encode()
+        first = next(iter(procs))
+        for work, payload in workloads.items():
+            for conns in [int(c) for c in args.concurrency.split(",")]:
+                rounds: dict[str, list[dict]] = {n: [] for n in procs}
+                for _ in range(args.rounds):
+                    for name, proc in procs.items():
+                        rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, args.seconds,
+                                                            load, payload=payload))
+                med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
+                       for n, rs in rounds.items()}
+                print(f"\n{work}, {conns} connections, medians of {args.rounds} alternating rounds "
+                      f"of {args.seconds:g} s")
+                print("| arm | req/s | p50 | CPU per request | vs " + first + " (req/s, CPU) | non-2xx |")
+                print("|---|---:|---:|---:|---:|---:|")
+                for n, m in med.items():
+                    bad = sum(r["non2xx"] for r in rounds[n])
+                    rps, cpu = m["rps"] / med[first]["rps"], m["cpu_ms_per_request"] / med[first]["cpu_ms_per_request"]
+                    print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
+                          f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        fake.stop()
+
+
+if __name__ == "__main__":
+    main()
