@@ -75,9 +75,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds to wait for the upstream's answer (and between stream chunks) before 504
     read_timeout: float = 600.0
     max_connections: int = 2048
-    #: "aiohttp" (default), "native" (own HTTP/1.1 client on httptools; https and HEAD go to aiohttp) or
+    #: "native" (default: own HTTP/1.1 client on httptools; https and HEAD go to aiohttp), "aiohttp" or
     #: "httpx": the HTTP client used for the upstream (docs/benchmarks.md compares them)
-    upstream_client: Literal["aiohttp", "native", "httpx"] = "aiohttp"
+    upstream_client: Literal["native", "aiohttp", "httpx"] = "native"
     #: seconds an idle client connection is kept open; longer than clients' own idle timeouts, so a
     #: client never sends a request on a connection the proxy is closing
     keep_alive_timeout: float = 75.0

@@ -24,7 +24,7 @@ CLIENTS: dict[str, tuple[str, str]] = {
 }
 
 
-def make_upstream(base: str, *, client: str = "aiohttp", connect_timeout: float, read_timeout: float,
+def make_upstream(base: str, *, client: str = "native", connect_timeout: float, read_timeout: float,
                   max_connections: int) -> Upstream:
     if client not in CLIENTS:
         raise ValueError(f"upstream_client must be one of {', '.join(CLIENTS)}")
