@@ -584,13 +584,9 @@ class ChatHandler:
 
     def _offered(self, ctx: RequestContext) -> conformance.Offered:
         """The tools the backend was offered (the request as sent upstream)."""
-        sent = ctx.outcome.request.body if ctx.outcome is not None else None
-        if sent is None and ctx.sent_raw:
-            try:
-                sent = _decode(ctx.sent_raw)
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                sent = None
-        return conformance.Offered.from_request(sent)
+        if ctx.outcome is not None and ctx.outcome.request.body is not None:
+            return conformance.Offered.from_request(ctx.outcome.request.body)
+        return conformance.Offered.from_raw(ctx.sent_raw) if ctx.sent_raw else conformance.Offered({})
 
     async def _check(self, ctx: RequestContext, relayed: bytes | None) -> None:
         """Check the answer the backend sent (`relayed`: its bytes, after the client got them) against the
@@ -600,8 +596,12 @@ class ChatHandler:
             return
         route, s = self.api.route, "true" if ctx.stream else "false"
         try:
-            answer: bytes | Any = relayed if ctx.stream else _decode(relayed)
-            found = conformance.check(route, ctx.stream, answer, self._offered(ctx))
+            offered = self._offered(ctx)
+            if not ctx.stream and conformance.nothing_to_check(route, relayed, offered):
+                found = []
+            else:
+                answer: bytes | Any = relayed if ctx.stream else _decode(relayed)
+                found = conformance.check(route, ctx.stream, answer, offered)
         except Exception as exc:  # fail-open: the client has its answer; the check counts its own failure
             m.conformance_failures.labels(route).inc()
             log.warning("conformance_check_failed", request_id=ctx.request_id, error_type=type(exc).__name__)
@@ -609,7 +609,7 @@ class ChatHandler:
         model = m.model_label(ctx.model)
         for v in found:
             m.conformance_violations.labels(model, route, s, v.rule).inc()
-        m.conformance_checks.labels(model, route, s).inc()  # after its violations: a reader sees both
+        m.child(m.conformance_checks, model, route, s).inc()  # after its violations: a reader sees both
         if not found:
             return
         ctx.violations = found

@@ -3,7 +3,8 @@
 `python -m tests.bench.ab --arm aiohttp='upstream_client = "aiohttp"' --arm native='upstream_client = "native"'`
 starts the fake upstream and one single-worker proxy per arm (each arm's lines go under `[server]`;
 scoring off), then runs alternating wrk rounds (asyncio client without wrk) over the arms at each
-concurrency: passthrough, and streaming with `--stream`. It prints, per arm, the medians of req/s,
+concurrency: passthrough, and streaming with `--stream` (the proxy benchmark's request, three tools;
+`--no-tools` without them). It prints, per arm, the medians of req/s,
 p50 and the proxy's CPU per request (its own /proc counters), and each arm's ratio to the first arm.
 On a shared machine read the ratios: every arm saw the same load at the same time.
 """
@@ -15,7 +16,7 @@ import json
 import shutil
 import statistics
 
-from tests.bench.proxy_overhead import BODY, PAYLOAD, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
 from tests.conftest import start_fake_upstream, start_proxy
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--stream", action="store_true", help="also a streaming workload")
+    ap.add_argument("--no-tools", action="store_true", help="the request without its tools (a text answer)")
     args = ap.parse_args()
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream()
@@ -36,9 +38,10 @@ def main() -> None:
             procs[name] = start_proxy(fake.url, f"[server]\n{lines}\n[scoring]\nenabled = false\n")
         for proc in procs.values():
             run_asyncio(proc.url, 4, 1.0)
-        workloads = {"passthrough": PAYLOAD}
+        body = {k: v for k, v in BODY.items() if k != "tools"} if args.no_tools else BODY
+        workloads = {"passthrough": json.dumps(body).encode()}
         if args.stream:
-            workloads["streaming"] = json.dumps({**BODY, "stream": True}).encode()
+            workloads["streaming"] = json.dumps({**body, "stream": True}).encode()
         first = next(iter(procs))
         for work, payload in workloads.items():
             for conns in [int(c) for c in args.concurrency.split(",")]:

@@ -14,7 +14,17 @@ from toolquake.proxy.server.conformance.arguments import Offered
 from toolquake.proxy.server.conformance.repair import repair_answer
 from toolquake.proxy.server.conformance.rules import CONTENT_RULES, RULES, Violation
 
-__all__ = ["CONTENT_RULES", "RULES", "Offered", "Violation", "check", "repair_answer"]
+__all__ = ["CONTENT_RULES", "RULES", "Offered", "Violation", "check", "nothing_to_check", "repair_answer"]
+
+#: bytes every complete answer with a call (or a finish_reason that claims one) holds, by route
+_CALL_MARKERS = {"chat_completions": b"tool_calls", "responses": b"function_call"}
+
+
+def nothing_to_check(route: str, answer: bytes, offered: Offered) -> bool:
+    """True when no rule can fire on this complete (not streamed) answer, so `check` need not decode it: the
+    request offered no tool (no call may be left in the text) and the answer's bytes hold no call marker
+    (`tool_calls` / `function_call`) nor a `\\u` escape that could spell one."""
+    return not offered.calls_allowed and _CALL_MARKERS[route] not in answer and b"\\u" not in answer
 
 
 def check(route: str, stream: bool, answer: bytes | dict[str, Any], offered: Offered) -> list[Violation]:

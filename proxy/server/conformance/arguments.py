@@ -11,6 +11,16 @@ from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
 _decode = msgspec.json.decode
 
 
+class _ToolsOnly(msgspec.Struct):
+    """The two fields of a request the rules read; the rest (messages) is parsed past, not built."""
+
+    tools: Any = None
+    tool_choice: Any = None
+
+
+_tools_only = msgspec.json.Decoder(_ToolsOnly).decode
+
+
 class Offered:
     """What the request offered: its function tools' parameter schemas by name, and its tool_choice."""
 
@@ -33,6 +43,16 @@ class Offered:
                 params = fn.get("parameters")
                 tools[name] = params if isinstance(params, dict) else {}
         return cls(tools, body.get("tool_choice"))
+
+    @classmethod
+    def from_raw(cls, raw: bytes) -> Offered:
+        """`from_request` of a request's bytes, without building its messages; nothing offered when they are
+        not a JSON object."""
+        try:
+            found = _tools_only(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+            return cls({})
+        return cls.from_request({"tools": found.tools, "tool_choice": found.tool_choice})
 
     @property
     def calls_allowed(self) -> bool:
