@@ -764,6 +764,8 @@ def main(argv: list[str] | None = None) -> None:
         help="tokenizer endpoints to serve: vLLM's /tokenize, llama.cpp's /extras/tokenize/count, "
         "both (default) or none",
     )
+    parser.add_argument("--keep-alive", type=float, default=5.0,
+                        help="seconds an idle client connection is kept open (uvicorn's default 5)")
     parser.add_argument(
         "--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents (see module docstring)"
     )
@@ -788,6 +790,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level="error",
         access_log=False,
         lifespan="on",
+        timeout_keep_alive=args.keep_alive,
     )
 
 

@@ -13,7 +13,10 @@ under passthrough load says which packages the CPU time went to.
 Non-stream ~1 KB chat-completions requests at concurrency 1, 64 and 256, measured with `wrk --latency`
 (C, HDR histogram: real percentiles) when it is installed (Debian package `wrk`), else with the
 asyncio client below (same percentiles, more CPU). Rounds alternate direct / proxy and the medians
-are reported, because the load tool, the proxy and the upstream share two cores. Streams: time to
+are reported, because the load tool, the proxy and the upstream share two cores. The load tool's own
+CPU is measured too (wrk's from the children's rusage), and the fake upstream's: where either was
+CPU-bound in the direct arm, or direct's p99 is the larger, the added p99 is marked not meaningful (both
+p99s are printed). Streams: time to
 first byte and inter-chunk gaps, sequential, with httpx; then 1,000 concurrent streams through
 toolquake (errors and pool timeouts counted). Memory: the proxy's RSS after the load (passthrough),
 and after a request through the embedding-based `expanded` profile. Prints a Markdown table and
@@ -28,6 +31,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -61,12 +65,22 @@ LITELLM_KEY = "sk-bench-master-key"
 AUTH = {"authorization": f"Bearer {LITELLM_KEY}"}
 
 
+#: the load generator's CPU (cores' worth; wrk runs one thread) above which it is the bottleneck itself: its
+#: own queueing then sits in every arm's latency, and the difference of two arms' tail says nothing of the proxy
+LOADGEN_BOUND = 0.9
+
+
+def _cpu(before: resource.struct_rusage, after: resource.struct_rusage) -> float:
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def run_wrk(url: str, conns: int, seconds: float, path: str = "/v1/chat/completions",
             payload: bytes = PAYLOAD) -> dict:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "{AUTH["authorization"]}"\n'
                       f"wrk.body = [[{payload.decode()}]]\n")
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = subprocess.run(
         [
             "wrk",
@@ -87,6 +101,7 @@ def run_wrk(url: str, conns: int, seconds: float, path: str = "/v1/chat/completi
         text=True,
         check=True,
     ).stdout
+    loadgen_cpu = _cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN)) / (time.perf_counter() - t0)
     pct = {p: _ms(v) for p, v in re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M)}
     if not pct:  # no request completed in the round
         pct = {"50": float("nan"), "99": float("nan")}
@@ -101,6 +116,7 @@ def run_wrk(url: str, conns: int, seconds: float, path: str = "/v1/chat/completi
         "p99_ms": pct["99"],
         "non2xx": int(errors.group(1)) if errors else 0,
         "socket_errors": socket_errors.group(1) if socket_errors else "",
+        "loadgen_cpu": loadgen_cpu,
     }
 
 
@@ -125,12 +141,13 @@ def run_asyncio(url: str, conns: int, seconds: float, path: str = "/v1/chat/comp
                     lat.append((time.perf_counter() - t) * 1000)
                     bad += r.status_code != 200
 
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             await asyncio.gather(*(worker() for _ in range(conns)))
             elapsed = time.perf_counter() - t0
+            used = time.process_time() - c0
         q = statistics.quantiles(lat, n=100)
         return {"rps": len(lat) / elapsed, "requests": len(lat), "p50_ms": q[49], "p99_ms": q[98], "non2xx": bad,
-                "socket_errors": ""}
+                "socket_errors": "", "loadgen_cpu": used / elapsed}
 
     return asyncio.run(main())
 
@@ -366,12 +383,17 @@ def main() -> None:
                 for arm, url in arms.items():
                     if arm in pids:
                         rounds[arm].append(cpu_per_request(url, pids[arm], conns, args.seconds, load))
+                    elif arm == "direct":  # and the upstream's own CPU (cores' worth): is it the bottleneck?
+                        r = cpu_per_request(url, [fake.popen.pid], conns, args.seconds, load)
+                        r["upstream_cpu"] = r["cpu_ms_per_request"] * r["requests"] / 1000 / args.seconds
+                        rounds[arm].append(r)
                     else:
                         rounds[arm].append(load(url, conns, args.seconds))
             med = {
-                arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+                arm: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms", "loadgen_cpu")}
                 for arm, rs in rounds.items()
             }
+            med["direct"]["upstream_cpu"] = statistics.median(r["upstream_cpu"] for r in rounds["direct"])
             entry = {
                 "rounds": rounds,
                 "median": med,
@@ -383,6 +405,12 @@ def main() -> None:
                         "throughput_vs_direct": med[arm]["rps"] / med["direct"]["rps"],
                         "added_p50_ms": med[arm]["p50_ms"] - med["direct"]["p50_ms"],
                         "added_p99_ms": med[arm]["p99_ms"] - med["direct"]["p99_ms"],
+                        # the added tail is only the proxy's when neither the load generator nor the upstream was
+                        # CPU-bound in the direct arm (else their own queueing is direct's p99, and the
+                        # difference can go negative), and the difference is not below zero
+                        "added_p99_meaningful": med["direct"]["loadgen_cpu"] < LOADGEN_BOUND
+                        and med["direct"]["upstream_cpu"] < LOADGEN_BOUND
+                        and med[arm]["p99_ms"] >= med["direct"]["p99_ms"],
                     }
             if "litellm" in arms:
                 entry["toolquake_vs_litellm_throughput"] = (
@@ -441,24 +469,31 @@ def main() -> None:
         f"# Proxy overhead (load tool: {tool}; {results['machine']}; medians of {args.rounds} alternating "
         f"rounds of {args.seconds:g} s; ~{len(PAYLOAD)} B requests)",
         "",
-        "| concurrency | arm | req/s | vs direct | added p50 | added p99 | non-2xx |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| concurrency | arm | req/s | vs direct | added p50 | p99 | added p99 | load tool CPU | non-2xx |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for conns, r in results["load"].items():
         for arm in arms:
             m = r["median"][arm]
             rel = r.get(arm, {})
+            added = "–"
+            if rel:
+                added = f"{rel['added_p99_ms']:+.3f} ms" + ("" if rel["added_p99_meaningful"] else " (n/m)")
             lines.append(
                 f"| {conns} | {arm} | {m['rps']:.0f} | "
-                + (
-                    f"{rel['throughput_vs_direct']:.2f} | {rel['added_p50_ms']:+.3f} ms | {rel['added_p99_ms']:+.3f} ms"
-                    if rel
-                    else "1.00 | – | –"
-                )
-                + f" | {r['errors'][arm]} |"
+                + (f"{rel['throughput_vs_direct']:.2f} | {rel['added_p50_ms']:+.3f} ms" if rel else "1.00 | –")
+                + f" | {m['p99_ms']:.3f} ms | {added} | {m['loadgen_cpu']:.2f} | {r['errors'][arm]} |"
             )
         if "toolquake_vs_litellm_throughput" in r:
-            lines.append(f"| {conns} | toolquake / litellm | | {r['toolquake_vs_litellm_throughput']:.1f}× | | | |")
+            lines.append(f"| {conns} | toolquake / litellm | | {r['toolquake_vs_litellm_throughput']:.1f}× "
+                         "| | | | | |")
+    lines += ["", f"Load tool CPU: cores' worth used by the load generator itself ({tool}; wrk runs one thread); "
+              "the fake upstream used " + ", ".join(f"{r['median']['direct']['upstream_cpu']:.2f} at c={c}"
+                                                    for c, r in results["load"].items())
+              + " in the direct arm. (n/m): the added p99 is not meaningful there: the load tool or the upstream "
+              f"was CPU-bound in the direct arm (≥ {LOADGEN_BOUND:.1f} of a core), so their own queueing is in "
+              "direct's p99, or direct's p99 came out the larger one; compare the two p99 columns and the "
+              "throughput instead."]
     lines += [
         "",
         "| streams (sequential, 5 ms between upstream chunks) | TTFB p50 | TTFB p99 | median inter-chunk gap |",

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import recorded, start_proxy
+from tests.conftest import recorded, start_fake_upstream, start_proxy
 from tests.server.test_proxy_core import body, metric_samples, tag
 
 SECRET = "sk-lean-secret-123"
@@ -164,3 +164,23 @@ def test_native_client_reuses_connections_and_drops_failed_ones(proxy_factory, f
         assert broken not in again, (fault, stream, broken, again)
         assert len(set(again)) == 1, (fault, stream, again)
         assert runtime(p.url)[0] == 0
+
+
+def test_native_client_skips_a_connection_the_backend_closed_while_idle():
+    """The backend closes idle connections after 0.5 s: the next request goes on a new one, and is answered."""
+    fake = start_fake_upstream("--keep-alive", "0.5")
+    proxy = start_proxy(fake.url, '[server]\nupstream_client = "native"\n[scoring]\nenabled = false\n')
+    try:
+        t = tag()
+        for _ in range(2):
+            for _ in range(2):
+                r = httpx.post(f"{proxy.url}/v1/chat/completions", json=body(), headers={"x-test-tag": t}, timeout=20)
+                assert r.status_code == 200, r.text
+            time.sleep(1.0)
+        peers = _peers(fake, t)
+        assert peers[0] == peers[1] and peers[2] == peers[3] and peers[1] != peers[2], peers
+        samples = metric_samples(httpx.get(f"{proxy.url}/metrics").text)
+        assert sum(v for k, v in samples.items() if k[0] == "toolquake_upstream_errors_total") == 0
+    finally:
+        proxy.stop()
+        fake.stop()
