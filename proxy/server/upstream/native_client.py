@@ -214,7 +214,8 @@ class NativeUpstream(Upstream):
         super().__init__(base, **limits)
         self._fallback = AiohttpUpstream(base, **limits)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._active = 0
+        #: connections with a request on them
+        self._busy: set[_Conn] = set()
         self._slots: asyncio.Semaphore | None = None  # created inside the running loop
         self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
 
@@ -259,28 +260,27 @@ class NativeUpstream(Upstream):
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_connections)
         await self._slots.acquire()
+        conn: _Conn | None = None
         try:
             conn, reused = await self._connection(key, timeout)
-            self._active += 1
             try:
-                try:
-                    await self._exchange(conn, request, read_timeout)
-                except UpstreamClosed:
-                    if not reused or conn.got_bytes:
-                        raise
-                    conn.close()  # the backend closed it while idle: once more on a new connection
-                    self._active -= 1
-                    conn, _ = await self._connection(key, timeout, fresh=True)
-                    self._active += 1
-                    await self._exchange(conn, request, read_timeout)
-            except BaseException:
-                conn.close()
-                self._active -= 1
-                raise
+                await self._exchange(conn, request, read_timeout)
+            except UpstreamClosed:
+                if not reused or conn.got_bytes:
+                    raise
+                self._drop(conn)  # the backend closed it while idle: once more on a new connection
+                conn, _ = await self._connection(key, timeout, fresh=True)
+                await self._exchange(conn, request, read_timeout)
         except BaseException as exc:
+            if conn is not None:
+                self._drop(conn)
             self._slots.release()
             raise _error(exc) from exc
         return _NativeResponse(self, key, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        conn.close()
+        self._busy.discard(conn)
 
     async def _exchange(self, conn: _Conn, request: bytes, read_timeout: float) -> None:
         assert conn.transport is not None
@@ -299,6 +299,7 @@ class NativeUpstream(Upstream):
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
                 conn._reset()
+                self._busy.add(conn)
                 return conn, True
             conn.close()
         conn = _Conn(loop)
@@ -307,11 +308,12 @@ class NativeUpstream(Upstream):
             await asyncio.wait_for(connect, self.connect_timeout if timeout is None else timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout("no connection within the connect timeout") from None
+        self._busy.add(conn)
         return conn, False
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
         """A fully read answer on a connection both sides keep alive goes back to the pool; else it closes."""
-        self._active -= 1
+        self._busy.discard(conn)
         if self._slots is not None:
             self._slots.release()
         if conn.complete and not conn.closed and not conn.chunks and conn.keep_alive:
@@ -323,7 +325,7 @@ class NativeUpstream(Upstream):
     def pool_states(self) -> dict[str, int]:
         fallback = self._fallback.pool_states()
         idle = sum(1 for conns in self._idle.values() for c in conns if not c.closed)
-        return {"active": self._active + fallback["active"], "idle": idle + fallback["idle"]}
+        return {"active": len(self._busy) + fallback["active"], "idle": idle + fallback["idle"]}
 
     async def aclose(self) -> None:
         for conns in self._idle.values():
