@@ -38,6 +38,7 @@ CASES = [
     ("byte by byte stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "slow-bytes:1"}),
     ("chunk delay stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "chunk-delay:20"}),
     ("empty stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "empty-stream"}),
+    ("expect 100-continue", "/v1/chat/completions", body(), {"expect": "100-continue"}),
     ("upstream 429 stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "status:429"}),
     ("too large", "/v1/chat/completions", b"{" + b" " * 5000 + b"}", {}),
     ("unknown profile", "/p/nope/v1/chat/completions", body(), {}),
