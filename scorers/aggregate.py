@@ -57,14 +57,17 @@ def paired_drop_ci(both: int, base_only: int, arm_only: int, neither: int,
     `arm_only` valid in the arm only (invalid→valid), `neither`. Delta method on the log of the ratio
     of paired proportions, Var ln R ≈ (b + c) / ((a + b)(a + c)), with 0.5 added to each of the four
     cells (so that no flip, or an arm that is never valid, still gives an interval of honest width).
-    None when the baseline is never valid on these cases (no ratio to take).
+    None when the baseline is never valid on these cases (no ratio to take). At the edges the smoothed
+    interval can miss the raw estimate (every baseline success lost: −100 %, or none lost: +0 %); the
+    interval is then widened to hold it, so a reported drop always lies inside its own interval.
     """
     if both + base_only == 0:
         return None
     a, b, c = (x + 0.5 for x in (both, base_only, arm_only))  # `neither` does not enter the ratio
     log_ratio = math.log((a + c) / (a + b))
     se = math.sqrt((b + c) / ((a + b) * (a + c)))
-    return math.exp(log_ratio - z * se) - 1, math.exp(log_ratio + z * se) - 1
+    raw = (both + arm_only) / (both + base_only) - 1
+    return min(math.exp(log_ratio - z * se) - 1, raw), max(math.exp(log_ratio + z * se) - 1, raw)
 
 
 def pass_hat_k(counts: list[tuple[int, int]], k: int) -> float | None:

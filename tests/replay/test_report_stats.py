@@ -71,6 +71,16 @@ def test_paired_drop_ci_by_hand():
     assert paired_drop_ci(0, 0, 3, 5) is None  # the baseline never valid: no ratio
 
 
+@pytest.mark.parametrize("cells", [(0, 5, 0, 0), (0, 3, 0, 7), (1, 20, 0, 0), (0, 1, 0, 0)])
+def test_paired_drop_ci_holds_its_estimate_when_every_baseline_success_is_lost(cells):
+    a, b, c, d = cells
+    lo, hi = paired_drop_ci(a, b, c, d)
+    point = (a + c) / (a + b) - 1
+    smoothed_lo = (a + c + 1) / (a + b + 1) * math.exp(-1.96 * math.sqrt((b + c + 1) / ((a + b + 1) * (a + c + 1))))
+    assert lo <= point <= hi
+    assert lo == pytest.approx(min(point, smoothed_lo - 1))
+
+
 @pytest.mark.parametrize("cells", [(120, 30, 10, 40), (60, 12, 4, 24), (150, 5, 5, 40), (35, 20, 2, 43)])
 def test_paired_drop_ci_agrees_with_a_paired_bootstrap(cells):
     import numpy as np
