@@ -161,6 +161,10 @@ class ResponseLengthening(Perturber):
     #: "lookalike": invented records; "endpoint": real records of the same function (record_bank); "auto": endpoint
     #: when the bank holds records of that function, else look-alikes
     records: str = "lookalike"
+    #: where live traffic's real records come from (functions the corpus bank does not know): "request" — the
+    #: request's own earlier tool messages only; "process" — every request this proxy process has seen (records
+    #: one client's tools returned can then pad another client's responses)
+    live_records: str = "request"
 
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
@@ -172,6 +176,8 @@ class ResponseLengthening(Perturber):
             raise ValueError("budget_scope must be 'request' or 'response'")
         if self.records not in ("lookalike", "endpoint", "auto"):
             raise ValueError("records must be 'lookalike', 'endpoint' or 'auto'")
+        if self.live_records not in ("request", "process"):
+            raise ValueError("live_records must be 'request' or 'process'")
 
     def setup(self, services: Services) -> None:
         from toolquake.perturbers.helpers.filler import filler_pool
@@ -183,7 +189,8 @@ class ResponseLengthening(Perturber):
         targets, skipped = [], []
         real = self.records != "lookalike"
         if real:
-            live = ctx.services.get("record_bank:live", record_bank.LiveBank)
+            shared = self.live_records == "process"
+            live = ctx.services.get("record_bank:live", record_bank.LiveBank) if shared else record_bank.LiveBank()
             live.observe(messages)
             names = record_bank.tool_names(messages)
             truth = record_bank.truth_values(ctx.case, messages)

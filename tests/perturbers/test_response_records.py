@@ -310,3 +310,25 @@ def test_live_resp_10k_pads_with_records_of_that_tool_seen_earlier(proxy, fake_u
     tokens = EstimateCounter().count_text(sent["messages"][-2]["content"])
     assert abs(tokens - 10_000) <= TOLERANCE * 10_000
     assert sent["messages"][:-2] == seen["messages"][:-2] and sent["messages"][-1] == seen["messages"][-1]
+
+
+@pytest.mark.parametrize("live_records", ["request", "process"])
+def test_another_requests_records_pad_only_when_the_process_bank_is_asked_for(live_records: str) -> None:
+    """One proxy process (one Services) serves two clients: by default the second client's response is padded
+    with look-alikes of its own records, never with records the first client's tool returned."""
+    services = Services(token_counter=EstimateCounter())
+    first = [car(f"4440{i:05d}", name, 90.0 + i, 8.0, "Avis Oakland")
+             for i, name in enumerate(["Seat Ibiza", "Opel Corsa", "Skoda Fabia"])]
+    params = {**RESP, "budget_tokens": 3_000, "live_records": live_records}
+    perturb(params, tool_request(content=json.dumps({"data": {"search_results": first}})), services=services)
+    mine = [car("8880001", "Fiat 500", 70.0, 9.0, "Hertz Burbank")]
+    out, report = perturb(params, tool_request(content=json.dumps({"data": {"search_results": mine}})),
+                          services=services)
+    recs = records_of(out)
+    assert recs[0] == mine[0] and len(recs) > len(first) + 1
+    theirs = {r["vehicle_id"] for r in first}
+    used = [r for r in recs if r["vehicle_id"] in theirs]
+    if live_records == "process":
+        assert sorted(used, key=lambda r: r["vehicle_id"]) == first
+    else:
+        assert used == [] and report["records_source"] == "lookalike", report
