@@ -80,7 +80,9 @@ test-fast: install
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)
+# py-spy: where a missed goal's CPU time went (the overhead benchmark samples the proxy with it)
 bench: install-embeddings corpus
+	$(BIN)/pip install -q py-spy
 	$(BIN)/python -m tests.bench.run_all
 
 # the README's first command: the embedded model through the proxy, a leaderboard table, what the drop

@@ -539,7 +539,7 @@ def goals(results: dict, many: str) -> list[str]:
         say(a <= 0.5, f"added p50 at one connection {a:+.3f} ms (goal <= 0.5 ms)")
     if 64 in load and "toolquake" in load[64]:
         r = load[64]["toolquake"]["throughput_vs_direct"]
-        say(r >= 0.3, f"one worker at 64 connections: {r:.2f} of direct (goal >= 0.30)")
+        say(r >= 0.3, f"one worker at 64 connections: {r:.3f} of direct (goal >= 0.30)")
         grow = load[64]["median"][many]["rps"] / load[64]["median"]["toolquake"]["rps"]
         say(grow > 1.0, f"{many} / one worker at 64 connections: {grow:.2f}x (goal: grows with workers where "
             "cores allow; the load tool and the upstream share the same cores here)")
