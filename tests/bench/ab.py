@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import statistics
+from typing import Any
 
 from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
 from tests.conftest import start_fake_upstream, start_proxy
@@ -42,29 +43,35 @@ def main() -> None:
         workloads = {"passthrough": json.dumps(body).encode()}
         if args.stream:
             workloads["streaming"] = json.dumps({**body, "stream": True}).encode()
-        first = next(iter(procs))
         for work, payload in workloads.items():
             for conns in [int(c) for c in args.concurrency.split(",")]:
-                rounds: dict[str, list[dict]] = {n: [] for n in procs}
-                for _ in range(args.rounds):
-                    for name, proc in procs.items():
-                        rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, args.seconds,
-                                                            load, payload=payload))
-                med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
-                       for n, rs in rounds.items()}
-                print(f"\n{work}, {conns} connections, medians of {args.rounds} alternating rounds "
-                      f"of {args.seconds:g} s")
-                print("| arm | req/s | p50 | CPU per request | vs " + first + " (req/s, CPU) | non-2xx |")
-                print("|---|---:|---:|---:|---:|---:|")
-                for n, m in med.items():
-                    bad = sum(r["non2xx"] for r in rounds[n])
-                    rps, cpu = m["rps"] / med[first]["rps"], m["cpu_ms_per_request"] / med[first]["cpu_ms_per_request"]
-                    print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
-                          f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
+                compare(procs, work, payload, conns, args.rounds, args.seconds, load)
     finally:
         for proc in procs.values():
             proc.stop()
         fake.stop()
+
+
+def compare(procs: dict[str, Any], work: str, payload: bytes, conns: int, rounds_n: int, seconds: float,
+            load: Any) -> None:
+    """Alternating rounds of `payload` at `conns` connections over the arms; a table of medians and each arm's
+    ratio to the first arm."""
+    first = next(iter(procs))
+    rounds: dict[str, list[dict]] = {n: [] for n in procs}
+    for _ in range(rounds_n):
+        for name, proc in procs.items():
+            rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, seconds, load,
+                                                payload=payload))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
+           for n, rs in rounds.items()}
+    print(f"\n{work}, {conns} connections, medians of {rounds_n} alternating rounds of {seconds:g} s")
+    print("| arm | req/s | p50 | CPU per request | vs " + first + " (req/s, CPU) | non-2xx |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, m in med.items():
+        bad = sum(r["non2xx"] for r in rounds[n])
+        rps, cpu = m["rps"] / med[first]["rps"], m["cpu_ms_per_request"] / med[first]["cpu_ms_per_request"]
+        print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
+              f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
 
 
 if __name__ == "__main__":

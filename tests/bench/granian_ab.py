@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 from typing import Any
 
-from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.bench.ab import compare
+from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
 from tests.conftest import free_port, start_fake_upstream, start_process, start_proxy
 
 CONFIG = "[scoring]\nenabled = false\n"
@@ -67,22 +67,7 @@ def main() -> None:
             run_asyncio(proc.url, 4, 1.0)
         payload = json.dumps(BODY).encode()
         for conns in [int(c) for c in args.concurrency.split(",")]:
-            rounds: dict[str, list[dict]] = {n: [] for n in procs}
-            for _ in range(args.rounds):
-                for name, proc in procs.items():
-                    rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, args.seconds,
-                                                        load, payload=payload))
-            med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
-                   for n, rs in rounds.items()}
-            print(f"\npassthrough, {conns} connections, medians of {args.rounds} alternating rounds of "
-                  f"{args.seconds:g} s")
-            print("| server | req/s | p50 | CPU per request | vs uvicorn (req/s, CPU) | non-2xx |")
-            print("|---|---:|---:|---:|---:|---:|")
-            for n, m in med.items():
-                bad = sum(r["non2xx"] for r in rounds[n])
-                u = med["uvicorn"]
-                print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
-                      f"{m['rps'] / u['rps']:.2f}×, {m['cpu_ms_per_request'] / u['cpu_ms_per_request']:.2f}× | {bad} |")
+            compare(procs, "passthrough", payload, conns, args.rounds, args.seconds, load)
     finally:
         for proc in procs.values():
             proc.stop()
