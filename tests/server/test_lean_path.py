@@ -185,3 +185,25 @@ def test_native_client_skips_a_connection_the_backend_closed_while_idle():
     finally:
         proxy.stop()
         fake.stop()
+
+
+ODD_TARGETS = [
+    "/v1/%C3%8D%C3%B0%F0%BC%AD%AC%C2%B1%C3%81%C3%8EV%C2%BD%19%F3%A3%BA%9D",  # non-Latin-1 and a control character
+    "/v1/mod%20els?x=%C3%A9&y=a%20b",  # a space in the path, escapes in the query
+    "/v1/models?note=100%25",  # a literal percent sign
+    "/v1/models/caf%C3%A9",
+]
+
+
+@pytest.mark.parametrize("target", ODD_TARGETS)
+def test_odd_request_targets_reach_the_upstream_as_aiohttp_sends_them(pair, fake_upstream, target):
+    """A passthrough target with non-ASCII, control or space characters (schemathesis found the native client
+    answering 500 to the first): both clients get the same answer and send the upstream the same target."""
+    seen = []
+    for proc in pair:
+        t = tag()
+        r = httpx.get(proc.url + target, headers={"x-test-tag": t}, timeout=20)
+        assert r.status_code < 500, r.text
+        (up,) = recorded(fake_upstream, t)
+        seen.append((r.status_code, _normal(r.content), up["path"], up["query"]))
+    assert seen[0] == seen[1]

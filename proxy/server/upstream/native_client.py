@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any, AsyncIterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httptools
 
@@ -26,6 +26,9 @@ from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, cla
 #: body bytes buffered from the socket before it stops reading (a slow client of a fast stream)
 _HIGH_WATER = 256 * 1024
 KEEPALIVE_S = 30.0
+#: characters a request target keeps as they are (RFC 3986 pchar / query, and "%" of escapes already there)
+_PATH_SAFE = "/:@!$&'()*+,;=-._~%"
+_QUERY_SAFE = _PATH_SAFE + "?"
 
 
 class UpstreamTimeout(Exception):
@@ -232,7 +235,10 @@ class NativeUpstream(Upstream):
         host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
         if ":" in parts.hostname:  # IPv6 literal
             host = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # percent-encoded as aiohttp (yarl) sends it: non-ASCII, spaces and control characters escaped,
+        # escapes already there kept
+        path = quote(parts.path or "/", safe=_PATH_SAFE)
+        target = path + (f"?{quote(parts.query, safe=_QUERY_SAFE)}" if parts.query else "")
         head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
         found = ((parts.hostname, port), head)
         if len(self._heads) < 256:  # the proxy sends to a handful of fixed URLs
