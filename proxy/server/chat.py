@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -66,6 +67,27 @@ def error_response(exc: ProxyError, extra_headers: dict[str, str] | None = None)
     return Response(content=exc.body(), status_code=exc.status, media_type=JSON, headers=extra_headers)
 
 
+class Plain:
+    """A whole answer of a model route: the lean path writes it itself (proxy/server/lean.py), the framework
+    route turns it into a Response (`to_response`). `background`: a coroutine function run after the client
+    has the answer."""
+
+    __slots__ = ("content", "status_code", "headers", "media_type", "background")
+
+    def __init__(self, content: bytes, status_code: int, headers: dict[str, str] | None = None,
+                 media_type: str = JSON, background: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.content = content
+        self.status_code = status_code
+        self.headers = headers if headers is not None else {}
+        self.media_type = media_type
+        self.background = background
+
+    def to_response(self) -> Response:
+        return Response(content=self.content, status_code=self.status_code, headers=self.headers,
+                        media_type=self.media_type,
+                        background=BackgroundTask(self.background) if self.background is not None else None)
+
+
 def unknown_profile(name: str, known: list[str]) -> ProxyError:
     return ProxyError(404, f"Unknown profile {name!r}. Known profiles: {', '.join(known)}.", code="unknown_profile")
 
@@ -108,10 +130,11 @@ class ChatHandler:
         self.api = api
 
     async def __call__(self, request: Request, profile_name: str | None) -> Response:
-        return await self.handle(client_headers(request), request.body, profile_name)
+        answer = await self.handle(client_headers(request), request.body, profile_name)
+        return answer.to_response() if isinstance(answer, Plain) else answer
 
     async def handle(self, headers: list[tuple[str, str]], read_body: Callable[[], Awaitable[bytes]],
-                     profile_name: str | None) -> Response:
+                     profile_name: str | None) -> Plain | Stream:
         """Serve one request (its headers, and how to read its body); the framework's or the lean path's."""
         st = self.st
         ctx = RequestContext(request_id=new_request_id(), t0=time.perf_counter(), api=self.api)
@@ -136,12 +159,12 @@ class ChatHandler:
         except ProxyError as exc:
             ctx.status = exc.status
             self._finish(ctx, observe=False)
-            return error_response(exc, {"X-Toolquake-Request-Id": ctx.request_id})
+            return Plain(exc.body(), exc.status, {"X-Toolquake-Request-Id": ctx.request_id})
         finally:
             if not streamed:
                 st.metrics.in_flight.dec()
 
-    async def _serve(self, ctx: RequestContext, headers: list[tuple[str, str]], raw: bytes) -> Response:
+    async def _serve(self, ctx: RequestContext, headers: list[tuple[str, str]], raw: bytes) -> Plain | Stream:
         st, profile, api = self.st, ctx.profile, self.api
         assert profile is not None
         ctx.observed = bool(st.observers)
@@ -437,7 +460,7 @@ class ChatHandler:
             return None
         return api.answer_to_internal(answer) if isinstance(answer, dict) else None
 
-    async def _plain(self, upstream: UpstreamResponse, ctx: RequestContext) -> Response:
+    async def _plain(self, upstream: UpstreamResponse, ctx: RequestContext) -> Plain:
         st = self.st
         try:
             data = await upstream.aread()
@@ -477,9 +500,8 @@ class ChatHandler:
         resp_headers["X-Toolquake-Request-Id"] = ctx.request_id
         st.metrics.child(st.metrics.ttfb, ctx.profile_name, "false").observe(total)
         self._finish(ctx)
-        check = BackgroundTask(self._check, ctx, relayed) if 200 <= ctx.status < 300 else None
-        return Response(content=data, status_code=ctx.status, headers=resp_headers,
-                        media_type=upstream.header("content-type", JSON), background=check)
+        check = partial(self._check, ctx, relayed) if 200 <= ctx.status < 300 else None
+        return Plain(data, ctx.status, resp_headers, upstream.header("content-type", JSON), check)
 
     def _stream_error(self, kind: str, message: str, code: str) -> bytes:
         self.st.metrics.upstream_errors.labels(kind).inc()

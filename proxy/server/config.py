@@ -99,6 +99,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: serve requests that nothing perturbs or observes ahead of the framework (proxy/server/lean.py);
     #: false sends every request through the framework (kept for comparison, see docs/benchmarks.md)
     lean_path: bool = True
+    #: serve the lean path inside uvicorn's HTTP protocol, before any ASGI (a plain answer in one write);
+    #: false: as an ASGI app in front of the framework (kept for comparison, see docs/benchmarks.md)
+    lean_protocol: bool = True
     #: worker processes sharing the port (`toolquake serve --workers`); 0 = one per CPU this process may use
     workers: int = 0
 

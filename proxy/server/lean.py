@@ -11,12 +11,15 @@ raw ASGI messages. Everything else goes to the framework unchanged.
 from __future__ import annotations
 
 import asyncio
+import http
+import inspect
+import re
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import structlog
-from litestar import Response
 from litestar.response import Stream
 
+from toolquake.proxy.server.chat import Plain
 from toolquake.proxy.server.errors import error_body
 
 if TYPE_CHECKING:
@@ -77,10 +80,24 @@ class LeanPath:
         if routed is None:
             await self.next_app(scope, receive, send)
             return
+        await self.serve(routed, scope, receive, send)
+
+    async def serve(self, routed: tuple[ChatHandler, str | None], scope: dict, receive: Callable[[], Awaitable[dict]],
+                    send: Callable[[dict], Awaitable[None]], cycle: Any = None) -> None:
+        """Serve a routed request with ASGI `receive`/`send`; with uvicorn's request `cycle` (the lean
+        protocol below), a body that already arrived whole is taken as it is and a plain answer goes out
+        in one write."""
         handler, named = routed
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
 
         async def read_body() -> bytes:
+            if cycle is not None and not cycle.more_body and not cycle.waiting_for_100_continue \
+                    and not cycle.disconnected:
+                if len(cycle.body) > self.max_body:
+                    raise _TooLarge
+                body = bytes(cycle.body)
+                cycle.body = b""
+                return body
             chunks: list[bytes] = []
             size = 0
             while True:
@@ -107,24 +124,26 @@ class LeanPath:
             response = await handler.handle(headers, read_body, named)
             if isinstance(response, Stream):
                 await _send_stream(response, tracked_send, receive)
+            elif cycle is not None and _write_plain(response, cycle):
+                started = True
+                if response.background is not None:
+                    await response.background()
             else:
                 await _send_plain(response, tracked_send)
         except _Disconnected:
             return
         except _TooLarge:
             message = f"Request body is larger than {self.max_body} bytes; raise [server] max_body_bytes if needed."
-            await _send_plain(Response(content=error_body(message, "invalid_request_error", "request_too_large"),
-                                       status_code=413, media_type="application/json"), send)
+            await _send_plain(Plain(error_body(message, "invalid_request_error", "request_too_large"), 413), send)
         except Exception as exc:  # the framework's last-resort handler, as on every other route
             log.error("internal_error", error_type=type(exc).__name__, error=str(exc)[:300])
             if started:
                 raise
-            await _send_plain(Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
-                                                          "internal_error"), status_code=500,
-                                       media_type="application/json"), send)
+            await _send_plain(Plain(error_body("Internal proxy error; see the proxy log.", "server_error",
+                                               "internal_error"), 500), send)
 
 
-def _head(response: Response, length: int | None) -> dict[str, Any]:
+def _head(response: Plain | Stream, length: int | None) -> dict[str, Any]:
     headers = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in response.headers.items()]
     if not any(k == b"content-type" for k, _ in headers) and response.media_type:
         media = str(response.media_type)
@@ -136,8 +155,91 @@ def _head(response: Response, length: int | None) -> dict[str, Any]:
     return {"type": "http.response.start", "status": response.status_code, "headers": headers}
 
 
-async def _send_plain(response: Response, send: Callable[[dict], Awaitable[None]]) -> None:
-    body = response.content if isinstance(response.content, bytes) else b""
+_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_status_lines: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    line = _status_lines.get(status)
+    if line is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase.encode()
+        except ValueError:
+            phrase = b""
+        line = _status_lines[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+    return line
+
+
+def _write_plain(response: Plain, cycle: Any) -> bool:
+    """Write a whole answer to uvicorn's request `cycle` in one write (head and body), keeping the cycle's
+    state as its own `send` would; False (nothing written) where that `send` must do it: the client is
+    gone, the transport asks to wait, or a header it would refuse."""
+    if cycle.disconnected or cycle.response_started or cycle.flow.write_paused:
+        return False
+    body = response.content
+    head = _head(response, len(body))["headers"]
+    parts = [_status_line(response.status_code)]
+    says_close = False
+    for name, value in (*cycle.default_headers, *head):
+        if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
+            return False
+        if name == b"connection" and b"close" in [t.strip().lower() for t in value.split(b",")]:
+            says_close = True
+        parts += (name, b": ", value, b"\r\n")
+    close = says_close or not cycle.keep_alive
+    if close and not says_close:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", body)
+    cycle.response_started = cycle.response_complete = True
+    cycle.waiting_for_100_continue = False
+    cycle.keep_alive = not close
+    cycle.transport.write(b"".join(parts))
+    cycle.message_event.set()
+    if close:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+
+
+def lean_protocol(app: Any) -> type | None:
+    """uvicorn's httptools protocol, with the requests the lean path serves taken before the ASGI app (no
+    ASGI scope handed through the framework, the body taken as it arrived, a plain answer in one write);
+    None where `app` has no lean path or this uvicorn's request cycle is not the one this was written for
+    (then the lean path runs as ASGI, unchanged in what it answers)."""
+    lean = getattr(app, "asgi_handler", None)
+    if not isinstance(lean, LeanPath):
+        return None
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+    except ImportError:  # pragma: no cover - uvicorn[standard] is a dependency
+        return None
+    expected = {"scope", "transport", "flow", "message_event", "keep_alive", "on_response", "default_headers",
+                "expect_100_continue"}
+    if not callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)) \
+            or not expected <= set(inspect.signature(RequestResponseCycle.__init__).parameters):
+        return None
+
+    class LeanProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            routed = lean._route(cycle.scope) if app is self.app else None
+            if routed is None:
+                super()._start_asgi_task(cycle, app)
+                return
+
+            async def serve(scope: dict, receive: Any, send: Any) -> None:
+                await lean.serve(routed, scope, receive, send, cycle)
+
+            # uvicorn's own wrapper: an exception becomes a 500 (or a closed connection once answering began)
+            task = self.loop.create_task(cycle.run_asgi(serve))
+            task.add_done_callback(self.tasks.discard)
+            self.tasks.add(task)
+
+    return LeanProtocol
+
+
+async def _send_plain(response: Plain, send: Callable[[dict], Awaitable[None]]) -> None:
+    body = response.content
     await send(_head(response, len(body)))
     await send({"type": "http.response.body", "body": body, "more_body": False})
     if response.background is not None:

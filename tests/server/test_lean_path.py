@@ -39,6 +39,8 @@ CASES = [
     ("chunk delay stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "chunk-delay:20"}),
     ("empty stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "empty-stream"}),
     ("expect 100-continue", "/v1/chat/completions", body(), {"expect": "100-continue"}),
+    ("client says close", "/v1/chat/completions", body(), {"connection": "close"}),
+    ("client says close stream", "/v1/chat/completions", body(stream=True), {"connection": "close"}),
     ("upstream 429 stream", "/v1/chat/completions", body(stream=True), {"x-fake-fault": "status:429"}),
     ("too large", "/v1/chat/completions", b"{" + b" " * 5000 + b"}", {}),
     ("unknown profile", "/p/nope/v1/chat/completions", body(), {}),
@@ -57,13 +59,26 @@ def _normal(data: bytes) -> bytes:
 
 @pytest.fixture(scope="module")
 def pair(fake_upstream):
-    config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nupstream_client = {!r}\n" \
-        "[scoring]\nenabled = false\n"
-    lean = start_proxy(fake_upstream.url, config.format("true", "native"))
-    framework = start_proxy(fake_upstream.url, config.format("false", "aiohttp"))
-    yield lean, framework
-    lean.stop()
-    framework.stop()
+    """The lean path served inside the HTTP protocol and as ASGI (both on the native client), and the
+    framework's route on aiohttp; the framework's arm last."""
+    config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nlean_protocol = {}\n" \
+        "upstream_client = {!r}\n[scoring]\nenabled = false\n"
+    procs = [start_proxy(fake_upstream.url, config.format("true", "true", "native")),
+             start_proxy(fake_upstream.url, config.format("true", "false", "native")),
+             start_proxy(fake_upstream.url, config.format("false", "true", "aiohttp"))]
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def test_each_arm_serves_the_lean_path_where_it_says(pair):
+    """The start-up line says where the lean path runs; the first arm really runs it in the protocol (not
+    the ASGI fallback a different uvicorn would get)."""
+    said = []
+    for proc in pair:
+        events = [json.loads(x) for x in proc.output().splitlines() if x.startswith("{")]
+        said.append([e["served_in"] for e in events if e.get("event") == "lean_path"])
+    assert said == [["protocol"], ["asgi"], ["off"]]
 
 
 def _send(url: str, path: str, payload, headers: dict) -> tuple[int, dict, bytes, str]:
@@ -79,25 +94,27 @@ def _send(url: str, path: str, payload, headers: dict) -> tuple[int, dict, bytes
 
 @pytest.mark.parametrize("name, path, payload, headers", CASES, ids=[c[0] for c in CASES])
 def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path, payload, headers):
-    lean, framework = pair
     before = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
     got = [_send(p.url, path, payload, headers) for p in pair]
-    (s1, h1, d1, t1), (s2, h2, d2, t2) = got
-    assert s1 == s2, (name, d1[:200], d2[:200])
-    assert h1 == h2
-    assert _normal(d1) == _normal(d2)
-    if s1 >= 400 and not d1.startswith(b"data:"):
-        assert json.loads(d1)["error"]["message"]
+    *leans, (s2, h2, d2, t2) = got
+    for s1, h1, d1, _ in leans:
+        assert s1 == s2, (name, d1[:200], d2[:200])
+        assert h1 == h2
+        assert _normal(d1) == _normal(d2)
+        if s1 >= 400 and not d1.startswith(b"data:"):
+            assert json.loads(d1)["error"]["message"]
     # what reached the upstream: the same headers (no X-Toolquake-*, the client's Authorization) and body
-    up1, up2 = recorded(fake_upstream, t1), recorded(fake_upstream, t2)
-    assert len(up1) == len(up2)
-    for a, b in zip(up1, up2):
-        ha = {k.lower(): v for k, v in a["headers"]} if isinstance(a["headers"], list) else a["headers"]
-        hb = {k.lower(): v for k, v in b["headers"]} if isinstance(b["headers"], list) else b["headers"]
-        assert not [k for k in ha if k.lower().startswith("x-toolquake-")]
-        assert {k: v for k, v in ha.items() if k not in ("x-test-tag", "host")} == \
-            {k: v for k, v in hb.items() if k not in ("x-test-tag", "host")}
-        assert a["body"] == b["body"]
+    def seen(t):
+        out = []
+        for r in recorded(fake_upstream, t):
+            h = {k.lower(): v for k, v in r["headers"]} if isinstance(r["headers"], list) else r["headers"]
+            assert not [k for k in h if k.lower().startswith("x-toolquake-")]
+            out.append(({k: v for k, v in h.items() if k not in ("x-test-tag", "host")}, r["body"]))
+        return out
+
+    framework_seen = seen(t2)
+    for _, _, _, t1 in leans:
+        assert seen(t1) == framework_seen
     # the same metrics moved, by the same amounts (durations aside)
     time.sleep(0.2)  # a stream is counted after its last byte
     after = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
@@ -106,15 +123,15 @@ def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path
         moved.append({k: v - b.get(k, 0.0) for k, v in a.items()
                       if v != b.get(k, 0.0) and not k[0].endswith(("_sum", "_bucket", "_created"))
                       and k[0] not in ("toolquake_event_loop_tasks", "toolquake_upstream_connections")})
-    assert moved[0] == moved[1]
+    assert moved[0] == moved[2] and moved[1] == moved[2]
     # one log line each, with the same keys, and never the secret
     for proc in pair:
         assert SECRET not in proc.output()
     lines = []
-    for proc, (_, h, _, _) in zip(pair, got):
+    for proc in pair:
         events = [json.loads(x) for x in proc.output().splitlines() if x.startswith("{")]
-        lines.append([sorted(e) for e in events if e.get("event") == "request"][-1:] if s1 != 413 else [])
-    assert lines[0] == lines[1]
+        lines.append([sorted(e) for e in events if e.get("event") == "request"][-1:] if s2 != 413 else [])
+    assert lines[0] == lines[2] and lines[1] == lines[2]
 
 
 def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(fake_upstream):
@@ -206,4 +223,63 @@ def test_odd_request_targets_reach_the_upstream_as_aiohttp_sends_them(pair, fake
         assert r.status_code < 500, r.text
         (up,) = recorded(fake_upstream, t)
         seen.append((r.status_code, _normal(r.content), up["path"], up["query"]))
-    assert seen[0] == seen[1]
+    assert seen[0] == seen[1] == seen[2]
+
+
+def _raw_exchange(url: str, chunks: list[bytes], pause: float = 0.0, reads: int = 1) -> bytes:
+    """Send `chunks` on one connection (`pause` seconds apart), then read until `reads` answers are whole or
+    the proxy closes."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for i, chunk in enumerate(chunks):
+            if i and pause:
+                time.sleep(pause)
+            sock.sendall(chunk)
+        data = b""
+        while data.count(b"HTTP/1.1 ") < reads or not data.endswith((b"}", b"\n")):
+            more = sock.recv(65536)
+            if not more:
+                break
+            data += more
+        return data
+
+
+def _head_and_body(payload: dict, t: str, extra: str = "") -> tuple[bytes, bytes]:
+    raw = json.dumps(payload).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nX-Test-Tag: {t}\r\n{extra}\r\n").encode()
+    return head, raw
+
+
+def test_pipelined_and_slow_bodies_on_the_protocol_path(pair, fake_upstream):
+    """Two requests in one write come back whole and in order; a body that arrives after its head (and in
+    pieces) is read whole; a client gone before its body is complete sends nothing upstream — on every arm
+    alike."""
+    for proc in pair:
+        t1, t2 = tag(), tag()
+        a, b = _head_and_body(body(), t1), _head_and_body(body(), t2)
+        data = _raw_exchange(proc.url, [a[0] + a[1] + b[0] + b[1]], reads=2)
+        answers = data.split(b"HTTP/1.1 ")[1:]
+        assert [x[:3] for x in answers] == [b"200", b"200"], data[:300]
+        assert len(recorded(fake_upstream, t1)) == len(recorded(fake_upstream, t2)) == 1
+
+        t3 = tag()
+        head, raw = _head_and_body(body(), t3)
+        data = _raw_exchange(proc.url, [head, raw[:10], raw[10:]], pause=0.1)
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        (up,) = recorded(fake_upstream, t3)
+        assert json.loads(up["body"]) == body()
+
+        t4 = tag()
+        head, raw = _head_and_body(body(), t4)
+        import socket
+
+        host, port = proc.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head + raw[:10])
+            time.sleep(0.1)
+        time.sleep(0.2)
+        assert recorded(fake_upstream, t4) == []
+        assert httpx.post(proc.url + "/v1/chat/completions", json=body()).status_code == 200
