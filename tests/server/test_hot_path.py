@@ -291,3 +291,55 @@ def test_response_headers_drop_hop_by_hop_and_join_repeats():
                ("Keep-Alive", "timeout=5"), ("Vary", "Origin"), ("vary", "Accept"), ("X-Request-Id", "r1")]
     assert response_headers(headers) == {"content-type": "application/json", "vary": "Origin, Accept",
                                          "x-request-id": "r1"}
+
+
+# --- the native client's connection slots ------------------------------------------------------------
+
+def test_native_client_slots_bound_order_and_pass_on_a_cancelled_waiters_slot():
+    """At most n holders; waiters get a slot in arrival order; a waiter cancelled while waiting leaves the
+    queue, and one cancelled just after it was handed a slot passes the slot on (none is lost)."""
+    import asyncio
+
+    from toolquake.proxy.server.upstream.native_client import _Slots
+
+    async def main() -> None:
+        slots = _Slots(2)
+        held, order = 0, []
+        most = 0
+
+        async def user(i: int, hold: float) -> None:
+            nonlocal held, most
+            await slots.acquire()
+            held += 1
+            most = max(most, held)
+            order.append(i)
+            await asyncio.sleep(hold)
+            held -= 1
+            slots.release()
+
+        await asyncio.gather(*(user(i, 0.01) for i in range(8)))
+        assert most == 2 and order == list(range(8)) and slots.free == 2
+
+        # cancelled while waiting: out of the queue, the slot count unchanged
+        await slots.acquire()
+        await slots.acquire()
+        waiter = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        assert len(slots.waiters) == 1
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert not slots.waiters
+        # cancelled after release() handed it the slot, before it ran: the slot goes to the next waiter
+        first = asyncio.ensure_future(slots.acquire())
+        second = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        slots.release()  # hands the slot to `first`
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.wait_for(second, 1)  # got the slot `first` passed on
+        assert slots.free == 0 and not slots.waiters
+        slots.release()
+        slots.release()
+        assert slots.free == 2
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ as we wrote) is sent once more on a new connection; any later failure is the cal
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any, AsyncIterator
 from urllib.parse import quote, urlsplit
 
@@ -51,10 +52,12 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        # one parser for the connection's answers: it starts over after each complete one (a connection
+        # whose answer failed or was cut is never reused)
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.headers: list[tuple[str, str]] = []
         self.status = 0
         self.head_done = False
@@ -210,6 +213,40 @@ def _error(exc: BaseException) -> BaseException:
     return classify(exc, (UpstreamTimeout,), (UpstreamClosed, UpstreamProtocolError, OSError))
 
 
+class _Slots:
+    """At most `n` requests at once; the rest wait in arrival order (asyncio.Semaphore's contract without its
+    per-acquire scan of the waiters)."""
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            await fut  # release() handed its slot to this waiter
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot as it was cancelled: pass it on
+            elif fut in self.waiters:
+                self.waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
 class NativeUpstream(Upstream):
     kind = "native"
 
@@ -219,7 +256,7 @@ class NativeUpstream(Upstream):
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         #: connections with a request on them
         self._busy: set[_Conn] = set()
-        self._slots: asyncio.Semaphore | None = None  # created inside the running loop
+        self._slots = _Slots(self.max_connections)
         self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
 
     def _target(self, method: str, url: str) -> tuple[tuple[str, int], bytes] | None:
@@ -263,8 +300,6 @@ class NativeUpstream(Upstream):
             lines.append(b"\r\n")
         request = b"".join(lines)
         read_timeout = self.read_timeout if timeout is None else timeout
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_connections)
         await self._slots.acquire()
         conn: _Conn | None = None
         try:
@@ -320,8 +355,7 @@ class NativeUpstream(Upstream):
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
         """A fully read answer on a connection both sides keep alive goes back to the pool; else it closes."""
         self._busy.discard(conn)
-        if self._slots is not None:
-            self._slots.release()
+        self._slots.release()
         if conn.complete and not conn.closed and not conn.chunks and conn.keep_alive:
             conn.idle_since = conn.loop.time()
             self._idle.setdefault(key, []).append(conn)
