@@ -12,13 +12,17 @@ _decode = msgspec.json.decode
 
 
 class _ToolsOnly(msgspec.Struct):
-    """The two fields of a request the rules read; the rest (messages) is parsed past, not built."""
+    """The two fields of a request the rules read; the rest (messages) is parsed past, not built, and the
+    tools kept as their bytes (an agent sends the same tools with every request: see `_TOOLS`)."""
 
-    tools: Any = None
+    tools: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # empty: no "tools" key
     tool_choice: Any = None
 
 
 _tools_only = msgspec.json.Decoder(_ToolsOnly).decode
+#: the tools of recent requests by their bytes, as `Offered.tools` has them (read-only once built)
+_TOOLS: dict[bytes, dict[str, dict[str, Any]]] = {}
+_TOOLS_MAX, _TOOLS_MAX_BYTES = 64, 256 * 1024
 
 
 class Offered:
@@ -34,7 +38,8 @@ class Offered:
         tools: dict[str, dict[str, Any]] = {}
         if not isinstance(body, dict):
             return cls(tools)
-        for tool in body.get("tools") or []:
+        listed = body.get("tools")
+        for tool in listed if isinstance(listed, list) else []:
             if not isinstance(tool, dict) or tool.get("type", "function") != "function":
                 continue
             fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
@@ -50,9 +55,19 @@ class Offered:
         not a JSON object."""
         try:
             found = _tools_only(raw)
+            key = bytes(found.tools)
+            if not key or key == b"null":
+                return cls({}, found.tool_choice)
+            tools = _TOOLS.get(key)
+            if tools is None:
+                tools = cls.from_request({"tools": _decode(key)}).tools
+                if len(key) <= _TOOLS_MAX_BYTES:
+                    if len(_TOOLS) >= _TOOLS_MAX:
+                        _TOOLS.clear()
+                    _TOOLS[key] = tools
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
             return cls({})
-        return cls.from_request({"tools": found.tools, "tool_choice": found.tool_choice})
+        return cls(tools, found.tool_choice)
 
     @property
     def calls_allowed(self) -> bool:
