@@ -59,10 +59,29 @@ def test_a_skipped_answer_is_one_the_full_check_passes(encoder):
 
 def test_offered_from_raw_agrees_with_the_decoded_request_on_odd_bodies():
     for raw in [b"[1, 2]", b"{not json", b'{"tools": [1, {"type": "x"}], "tool_choice": "none"}',
-                b'{"tools": [{"function": {"name": "f", "parameters": 4}}]}', b'"text"', b"\xff\xfe"]:
+                b'{"tools": [{"function": {"name": "f", "parameters": 4}}]}', b'"text"', b"\xff\xfe",
+                b'{"tools": 3}', b'{"tools": null, "tool_choice": "auto"}', b'{"tools": {"a": 1}}', b"{}",
+                b'{"tools": [{"type": "function", "function": {"name": "g"}}], "tool_choice": "required"}']:
         try:
             body = msgspec.json.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError):
             body = None
         a, b = conformance.Offered.from_raw(raw), conformance.Offered.from_request(body)
         assert (a.tools, a.tool_choice) == (b.tools, b.tool_choice), raw
+
+
+def test_offered_tools_cached_by_their_bytes_stay_each_requests_own():
+    """The same tools' bytes in two requests give equal tools (the cache), different tools their own, and a
+    request's tool_choice is its own even when its tools came from the cache."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    other = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    seen = []
+    for tools, choice in [([tool], "auto"), ([tool], "none"), ([other], None), ([tool, other], "required"),
+                          ([tool], None)]:
+        raw = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                   **({"tool_choice": choice} if choice else {})})
+        got = conformance.Offered.from_raw(raw)
+        want = conformance.Offered.from_request(msgspec.json.decode(raw))
+        assert (got.tools, got.tool_choice) == (want.tools, want.tool_choice)
+        seen.append(sorted(got.tools))
+    assert seen == [["f"], ["f"], ["g"], ["f", "g"], ["f"]]
