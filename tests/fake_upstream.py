@@ -33,7 +33,9 @@ request may disagree with it). `X-Fake-Flaky: 0`, or no header, is deterministic
 Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
 `invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
 one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200 with an event-stream
-content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its final event).
+content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its final event),
+`drop` (the request is read and recorded, then the connection closed without a byte of answer),
+`drop-reused` (the same, only when the request came on a connection that already carried one).
 
 Broken tool-call shapes (`X-Fake-Broken: a,b`, for the conformance checker; docs/conformance.md names the
 rule each one breaks): `no-index` (stream deltas without `index`), `no-id`, `no-type`, `no-name` (the
@@ -72,6 +74,8 @@ _ids = itertools.count(1)
 RECORDED: collections.deque = collections.deque(maxlen=2000)
 SCRIPT: list[dict[str, Any]] = []
 TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
+#: the connections (client address and port) that carried a request, for `drop-reused`
+PEERS: set[tuple] = set()
 MODEL = "fake-model"
 #: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
 TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
@@ -446,6 +450,13 @@ async def app(scope, receive, send) -> None:
     )
     fault = headers.get("x-fake-fault", "")
     kind, _, arg = fault.partition(":")
+    peer = tuple(scope.get("client") or ())
+    reused = peer in PEERS
+    PEERS.add(peer)
+    if kind == "drop" or (kind == "drop-reused" and reused):
+        scope["fake.transport"].close()  # set by _Protocol: no answer at all, the connection just ends
+        await asyncio.sleep(0.05)  # until uvicorn saw the connection go (else it would try to answer 500)
+        return
     if kind == "delay":
         await asyncio.sleep(float(arg) / 1000)
     elif kind == "hang":
@@ -750,6 +761,18 @@ async def _stream(send, frames: list[bytes], kind: str, arg: str, state: dict[st
     await send({"type": "http.response.body", "body": b""})
 
 
+def _protocol() -> type:
+    """uvicorn's httptools protocol, handing the app its connection's transport (the `drop` faults close it)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _Protocol(HttpToolsProtocol):
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            cycle.scope["fake.transport"] = self.transport
+            super()._start_asgi_task(cycle, app)
+
+    return _Protocol
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -786,7 +809,7 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http="httptools",
+        http=_protocol(),
         log_level="error",
         access_log=False,
         lifespan="on",

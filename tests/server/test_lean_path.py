@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import recorded, start_fake_upstream, start_proxy
-from tests.server.test_proxy_core import body, metric_samples, tag
+from tests.server.test_proxy_core import body, metric_samples, metric_value, tag
 
 SECRET = "sk-lean-secret-123"
 CASES = [
@@ -199,6 +199,42 @@ def test_native_client_skips_a_connection_the_backend_closed_while_idle():
         assert peers[0] == peers[1] and peers[2] == peers[3] and peers[1] != peers[2], peers
         samples = metric_samples(httpx.get(f"{proxy.url}/metrics").text)
         assert sum(v for k, v in samples.items() if k[0] == "toolquake_upstream_errors_total") == 0
+    finally:
+        proxy.stop()
+        fake.stop()
+
+
+def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered():
+    """The one retry, deterministically: a request the backend read on a reused keep-alive connection and then
+    dropped without a byte of answer is sent once more on a new connection (as Go's net/http does for a
+    server that closed an idle connection), so the backend sees it twice; dropped again, the client gets 502
+    and there is no third try; dropped on a fresh connection, it is not sent again."""
+    fake = start_fake_upstream()
+    proxy = start_proxy(fake.url, '[server]\nupstream_client = "native"\n[scoring]\nenabled = false\n')
+
+    def post(t: str, fault: str | None = None) -> httpx.Response:
+        h = {"x-test-tag": t, **({"x-fake-fault": fault} if fault else {})}
+        return httpx.post(f"{proxy.url}/v1/chat/completions", json=body(), headers=h, timeout=20)
+
+    try:
+        first, again = tag(), tag()
+        assert post(first).status_code == 200  # opens the connection, which stays in the pool
+        r = post(again, "drop-reused")
+        assert r.status_code == 200, r.text
+        peers = _peers(fake, again)
+        assert len(peers) == 2 and peers[0] == _peers(fake, first)[0] and peers[1] != peers[0]
+
+        twice = tag()  # on the connection that answered `again` (reused), then on a new one: both dropped
+        r = post(twice, "drop")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+        peers = _peers(fake, twice)
+        assert len(peers) == 2 and peers[0] == _peers(fake, again)[1]
+
+        fresh = tag()  # the pool is empty now: a new connection, dropped, not sent again
+        r = post(fresh, "drop")
+        assert r.status_code == 502
+        assert len(_peers(fake, fresh)) == 1
+        assert metric_value(httpx.get(f"{proxy.url}/metrics").text, "toolquake_upstream_errors_total") == 2
     finally:
         proxy.stop()
         fake.stop()

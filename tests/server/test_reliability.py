@@ -15,8 +15,8 @@ from tests.server.test_proxy_core import body, metric_value
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
 
-@pytest.fixture(scope="module", params=[("aiohttp", 1), ("httpx", 1), ("native", 1), ("aiohttp", 2)],
-                ids=["aiohttp", "httpx", "native", "aiohttp-2workers"])
+@pytest.fixture(scope="module", params=[("aiohttp", 1), ("httpx", 1), ("native", 1), ("native", 2)],
+                ids=["aiohttp", "httpx", "native", "native-2workers"])
 def proxy_1s(fake_upstream, request):
     """The fault matrix runs against every upstream client (`[server] upstream_client`), and against two
     worker processes sharing the port (`--workers 2`)."""
