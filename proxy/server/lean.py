@@ -6,6 +6,10 @@ the framework's routing, parameter parsing or response classes. `LeanPath` sits 
 it reads the body itself and hands it to the same `ChatHandler.handle` the framework route calls (the
 same decoding, errors, forwarding, stream relay, metrics and log line), then writes the answer with
 raw ASGI messages. Everything else goes to the framework unchanged.
+
+`lean_protocol` goes one step further (`[server] lean_protocol = true`, the default): uvicorn's httptools
+protocol, subclassed, hands the lean path its requests when it starts their task, before any ASGI app;
+the body is taken as it arrived and a whole answer is written head and body in one write.
 """
 
 from __future__ import annotations

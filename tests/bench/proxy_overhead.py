@@ -13,7 +13,9 @@ under passthrough load says which packages the CPU time went to.
 Non-stream ~1 KB chat-completions requests at concurrency 1, 64 and 256, measured with `wrk --latency`
 (C, HDR histogram: real percentiles) when it is installed (Debian package `wrk`), else with the
 asyncio client below (same percentiles, more CPU). Rounds alternate direct / proxy and the medians
-are reported, because the load tool, the proxy and the upstream share two cores. The load tool's own
+are reported, because the load tool, the proxy and the upstream share two cores; before each round the
+script waits until every server is idle (LiteLLM works off a 256-connection queue for seconds after wrk
+stops, and would share the cores with the next arm). The load tool's own
 CPU is measured too (wrk's from the children's rusage), and the fake upstream's: where either was
 CPU-bound in the direct arm with several connections, or direct's p99 is the larger, the added p99 is
 marked not meaningful (both p99s are printed). Streams: time to
@@ -236,6 +238,19 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def settle(pids: list[int], quiet_cores: float = 0.05, window: float = 0.5, limit: float = 60.0) -> float:
+    """Wait until `pids` together use less than `quiet_cores` of a core over `window` seconds (a server still
+    working off the queue of the round before — LiteLLM after 256 connections takes seconds — would share the
+    cores with the next round's arm); the seconds waited. Gives up after `limit` seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        c0 = cpu_seconds(pids)
+        time.sleep(window)
+        if cpu_seconds(pids) - c0 < quiet_cores * window:
+            break
+    return time.monotonic() - t0
+
+
 def cpu_per_request(url: str, pids: list[int], conns: int, seconds: float, load, **kw) -> dict:
     """One load round; the proxy's CPU time per completed request, in ms."""
     c0 = cpu_seconds(pids)
@@ -374,6 +389,9 @@ def main() -> None:
     workloads = {"passthrough": ("/v1/chat/completions", PAYLOAD),
                  "streaming": ("/v1/chat/completions", stream_payload),
                  "perturbing (shuffled)": ("/p/shuffled/v1/chat/completions", PAYLOAD)}
+    every_pid = [fake.popen.pid, *pids["toolquake"], *pids[many], *([litellm[0].pid] if litellm else [])]
+    waited: list[float] = []
+    results["settle_s"] = waited
     try:
         for url in arms.values():  # warm every arm
             run_asyncio(url, 4, 1.0)
@@ -381,6 +399,7 @@ def main() -> None:
             rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
             for _ in range(args.rounds):
                 for arm, url in arms.items():
+                    waited.append(settle(every_pid))  # nothing left running from the round before
                     if arm in pids:
                         rounds[arm].append(cpu_per_request(url, pids[arm], conns, args.seconds, load))
                     elif arm == "direct":  # and the upstream's own CPU (cores' worth): is it the bottleneck?
@@ -420,8 +439,11 @@ def main() -> None:
         for name, (path, payload) in workloads.items():  # CPU per request at 64 connections
             results["cpu"][name] = {}
             for arm in pids:
-                rs = [cpu_per_request(arms[arm], pids[arm], 64, args.seconds, load, path=path, payload=payload)
-                      for _ in range(args.rounds)]
+                rs = []
+                for _ in range(args.rounds):
+                    waited.append(settle(every_pid))
+                    rs.append(cpu_per_request(arms[arm], pids[arm], 64, args.seconds, load, path=path,
+                                              payload=payload))
                 results["cpu"][name][arm] = {
                     "cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in rs),
                     "rps": statistics.median(r["rps"] for r in rs),
@@ -434,6 +456,7 @@ def main() -> None:
             results["rss_mb"][f"{many} worker {i + 1}"] = rss_mb(pid)
         cpu_pass = results["cpu"]["passthrough"]["toolquake"]["cpu_ms_per_request"]
         if cpu_pass > 0.2:
+            settle(every_pid)
             results["where_time_goes"] = where_time_goes(proxy.popen.pid, proxy.url, 64, args.seconds, load)
         if litellm:
             results["rss_mb"]["litellm"] = rss_mb(litellm[0].pid)
@@ -494,6 +517,11 @@ def main() -> None:
               f"load tool or the upstream was CPU-bound in the direct arm (≥ {LOADGEN_BOUND:.1f} of a core), so "
               "requests queued in them and that queueing is direct's p99, or direct's p99 came out the larger one; "
               "compare the two p99 columns and the throughput instead."]
+    if results.get("settle_s"):
+        w = results["settle_s"]
+        lines += ["", f"Before each round the benchmark waited until every server (fake upstream, each proxy, LiteLLM) "
+                  f"used < 0.05 of a core: {sum(w):.1f} s in all, at most {max(w):.1f} s before one round (a server "
+                  "still working off the round before's queue would otherwise share the cores with the next arm)."]
     lines += [
         "",
         "| streams (sequential, 5 ms between upstream chunks) | TTFB p50 | TTFB p99 | median inter-chunk gap |",
