@@ -183,11 +183,14 @@ def _write_plain(response: Plain, cycle: Any) -> bool:
         return False
     body = response.content
     head = _head(response, len(body))["headers"]
+    every = (*cycle.default_headers, *head)
+    # the checks uvicorn's send makes per header, made once over all names and all values (both patterns are
+    # single characters, so no match can span two of them)
+    if _BAD_NAME.search(b"".join(n for n, _ in every)) or _BAD_VALUE.search(b"".join(v for _, v in every)):
+        return False
     parts = [_status_line(response.status_code)]
     says_close = False
-    for name, value in (*cycle.default_headers, *head):
-        if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
-            return False
+    for name, value in every:
         if name == b"connection" and b"close" in [t.strip().lower() for t in value.split(b",")]:
             says_close = True
         parts += (name, b": ", value, b"\r\n")

@@ -66,9 +66,25 @@ def info(logger: Any, event: str, fields: dict[str, Any]) -> None:
     fields["timestamp"] = _timestamp()
     if not _PLAIN_KEYS.issuperset(fields) and not SECRET_KEYS.isdisjoint(k.lower() for k in fields):
         _redact(None, None, fields)
+    fd = _direct["fd"]
+    if fd is not None:  # the line's bytes straight to the file: the text stream holds nothing (it is flushed
+        line = _encoder.encode(fields) + b"\n"  # after every line), so nothing can come out of order
+        while line:
+            line = line[os.write(fd, line):]
+        return
     stream = _direct["stream"]
     stream.write(_encoder.encode(fields).decode() + "\n")
     stream.flush()
+
+
+def _fd_of(stream: Any) -> int | None:
+    """The file descriptor under a text stream whose writes go out whole (line-buffered or unbuffered, so it
+    never holds a line back); None for anything else (a StringIO, a block-buffered file)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return fd if getattr(stream, "line_buffering", False) or getattr(stream, "write_through", False) else None
 
 
 def _worker(_logger, _name, event: dict) -> dict:
@@ -79,7 +95,7 @@ def _worker(_logger, _name, event: dict) -> dict:
 def configure(level: str = "info", stream=None, *, worker_pid: bool = False) -> None:
     """`worker_pid`: every line names the process that wrote it (`"worker": pid`; several workers)."""
     _direct.update(stream=stream or sys.stderr, info=logging.INFO >= getattr(logging, level.upper()),
-                   worker=worker_pid)
+                   worker=worker_pid, fd=_fd_of(stream or sys.stderr))
     structlog.configure(
         processors=[
             *([_worker] if worker_pid else []),

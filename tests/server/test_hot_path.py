@@ -343,3 +343,40 @@ def test_native_client_slots_bound_order_and_pass_on_a_cancelled_waiters_slot():
         assert slots.free == 2
 
     asyncio.run(main())
+
+
+# --- the request log line ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["file", "stringio"])
+def test_request_line_written_directly_matches_the_structlog_chain(tmp_path, target):
+    """`logs.info` renders the request line itself (bytes straight to a line-buffered file's descriptor, or
+    through a text stream): the same keys in the same order, the same values, an ISO timestamp in UTC, secrets
+    redacted, and lines in the order they were written, interleaved with the structlog chain's own."""
+    import io
+    import re
+
+    import structlog
+
+    from toolquake.proxy.server import logs
+
+    fields = {"request_id": "00ab", "route": "chat_completions", "profile": "off", "stream": False, "status": 200,
+              "perturbers": [], "total_ms": 1.5, "upstream_ms": 1.0}
+    path = tmp_path / "log.txt"
+    f = open(path, "w", buffering=1) if target == "file" else io.StringIO()
+    try:
+        logs.configure("info", f)
+        assert (logs._direct["fd"] is not None) == (target == "file")
+        log = structlog.get_logger("t")
+        logs.info(log, "request", dict(fields))
+        log.info("request", **fields)
+        logs.info(log, "request", {**fields, "authorization": "Bearer sk-never"})
+        text = path.read_text() if target == "file" else f.getvalue()
+    finally:
+        f.close()
+        logs.configure("info")  # back to stderr for whatever runs next in this process
+    direct, chain, redacted = [json.loads(x) for x in text.splitlines()]
+    assert list(direct) == list(chain)
+    assert {k: v for k, v in direct.items() if k != "timestamp"} == {k: v for k, v in chain.items() if k != "timestamp"}
+    for line in (direct, chain, redacted):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", line["timestamp"]), line["timestamp"]
+    assert redacted["authorization"] == "[redacted]" and "sk-never" not in text
