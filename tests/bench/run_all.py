@@ -3,8 +3,8 @@ one after another (they share two cores; running them together would measure the
 
     python -m tests.bench.run_all [--only NAME,...] [--skip NAME,...] [--soak-minutes M] [--out bench-results]
 
-The soak runs only with --soak-minutes (it takes that long). Each script's own output is kept in
-OUT/<name>.log; OUT/summary.md collects them with their exit status and duration.
+The soak runs only with --soak-minutes (it takes that long); `ab` and `granian_ab` only by hand. Each
+script's own output is kept in OUT/<name>.log; OUT/summary.md collects them with their exit status and duration.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-NOT_BENCHMARKS = {"run_all", "soak"}
+#: `ab` compares configurations given on its command line, `granian_ab` needs granian (not a dependency):
+#: both are run by hand (docs/benchmarks.md has their command lines)
+NOT_BENCHMARKS = {"run_all", "soak", "ab", "granian_ab"}
 
 
 def main() -> int:
