@@ -37,6 +37,9 @@ content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE
 `drop` (the request is read and recorded, then the connection closed without a byte of answer),
 `drop-reused` (the same, only when the request came on a connection that already carried one).
 
+Cookies (`X-Fake-Cookies: N`): the answer carries N `Set-Cookie` headers, each with an Expires date (which
+holds a comma), as a load balancer's sticky-session cookies do.
+
 Broken tool-call shapes (`X-Fake-Broken: a,b`, for the conformance checker; docs/conformance.md names the
 rule each one breaks): `no-index` (stream deltas without `index`), `no-id`, `no-type`, `no-name` (the
 first delta, or the call, lacks it; streamed, the name comes in the second delta), `repeat-id-name`
@@ -416,6 +419,20 @@ async def _send(send, status: int, body: bytes, ctype: bytes = b"application/jso
     await send({"type": "http.response.body", "body": body})
 
 
+def fake_cookies(n: int) -> list[str]:
+    return [f"sticky{i}=v{i}; Expires=Tue, 01 Dec 2026 10:0{i}:00 GMT; Path=/; HttpOnly" for i in range(n)]
+
+
+def _with_cookies(send, n: int):
+    async def send_with_cookies(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                               *((b"set-cookie", c.encode()) for c in fake_cookies(n))]}
+        await send(message)
+
+    return send_with_cookies
+
+
 async def app(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
         while True:
@@ -427,6 +444,8 @@ async def app(scope, receive, send) -> None:
                 return
     path, method = scope["path"], scope["method"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    if headers.get("x-fake-cookies"):
+        send = _with_cookies(send, int(headers["x-fake-cookies"]))
     raw = await _read_body(receive)
     if path == "/_fake/requests":
         if method == "DELETE":

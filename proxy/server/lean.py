@@ -25,6 +25,7 @@ from litestar.response import Stream
 
 from toolquake.proxy.server.chat import Plain
 from toolquake.proxy.server.errors import error_body
+from toolquake.proxy.server.upstream.base import split_joined
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.chat import ChatHandler
@@ -156,7 +157,7 @@ def _head(response: Plain | Stream, length: int | None) -> dict[str, Any]:
         headers.append((b"content-type", media.encode("latin-1")))
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
-    return {"type": "http.response.start", "status": response.status_code, "headers": headers}
+    return {"type": "http.response.start", "status": response.status_code, "headers": split_joined(headers)}
 
 
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')

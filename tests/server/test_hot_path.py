@@ -380,3 +380,17 @@ def test_request_line_written_directly_matches_the_structlog_chain(tmp_path, tar
     for line in (direct, chain, redacted):
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", line["timestamp"]), line["timestamp"]
     assert redacted["authorization"] == "[redacted]" and "sk-never" not in text
+
+
+def test_repeated_set_cookie_headers_stay_apart_others_are_joined():
+    from toolquake.proxy.server.upstream.base import split_joined
+
+    upstream = [("Set-Cookie", "a=1; Expires=Tue, 01 Dec 2026 10:00:00 GMT"), ("Vary", "Accept"),
+                ("set-cookie", "b=2; Path=/"), ("Vary", "Origin"), ("Date", "x"), ("Content-Length", "3")]
+    h = response_headers(upstream)
+    assert h["vary"] == "Accept, Origin" and "date" not in h and "content-length" not in h
+    out = split_joined([(k.encode(), v.encode()) for k, v in h.items()])
+    assert [v for k, v in out if k == b"set-cookie"] == [b"a=1; Expires=Tue, 01 Dec 2026 10:00:00 GMT", b"b=2; Path=/"]
+    assert [v for k, v in out if k == b"vary"] == [b"Accept, Origin"]
+    plain = [(b"content-type", b"application/json")]
+    assert split_joined(plain) is plain  # nothing to split: the same list, no copy

@@ -62,7 +62,8 @@ def pair(fake_upstream):
     """The lean path served inside the HTTP protocol and as ASGI (both on the native client), and the
     framework's route on aiohttp; the framework's arm last."""
     config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nlean_protocol = {}\n" \
-        "upstream_client = {!r}\n[scoring]\nenabled = false\n"
+        "upstream_client = {!r}\n[scoring]\nenabled = false\n" \
+        "[profiles.shuffled]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order' }}]\n"
     procs = [start_proxy(fake_upstream.url, config.format("true", "true", "native")),
              start_proxy(fake_upstream.url, config.format("true", "false", "native")),
              start_proxy(fake_upstream.url, config.format("false", "true", "aiohttp"))]
@@ -319,3 +320,22 @@ def test_pipelined_and_slow_bodies_on_the_protocol_path(pair, fake_upstream):
         time.sleep(0.2)
         assert recorded(fake_upstream, t4) == []
         assert httpx.post(proc.url + "/v1/chat/completions", json=body()).status_code == 200
+
+
+def test_several_upstream_set_cookie_headers_reach_the_client_apart(pair, fake_upstream):
+    """A backend (or the load balancer in front of it) sets two cookies whose Expires dates hold commas: the
+    client gets the same two Set-Cookie headers — on the lean path in the protocol and as ASGI, on the
+    framework's route, streamed or not, on a passthrough route and through a perturbing profile."""
+    from tests.fake_upstream import fake_cookies
+
+    h = {"x-fake-cookies": "2"}
+    sends = [("POST", "/v1/chat/completions", body()), ("POST", "/v1/chat/completions", body(stream=True)),
+             ("POST", "/v1/responses", {"model": "fake-model", "input": "hi", "stream": True}),
+             ("GET", "/v1/models", None), ("POST", "/p/shuffled/v1/chat/completions", body()),
+             ("POST", "/p/shuffled/v1/chat/completions", body(stream=True))]
+    for proc in pair:
+        for method, path, payload in sends:
+            with httpx.stream(method, proc.url + path, json=payload, headers=h, timeout=20) as r:
+                r.read()
+                assert r.status_code == 200, (path, r.text[:200])
+                assert r.headers.get_list("set-cookie") == fake_cookies(2), (proc.url, method, path)

@@ -7,7 +7,7 @@ raises `UpstreamError` with a `kind` (`timeout` or `unreachable`), never its cli
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those the HTTP client sets for itself
 HOP_BY_HOP = frozenset({
@@ -56,14 +56,53 @@ def request_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
-    """Upstream response headers for the client: hop-by-hop, length, date and server removed."""
+    """Upstream response headers for the client: hop-by-hop, length, date and server removed. Repeated
+    headers are joined with ", " (RFC 9110 §5.3), except Set-Cookie, whose values may hold commas (Expires
+    dates): those are joined with a newline, which no header value can hold, and written as separate headers
+    again where the answer goes out (`split_joined`)."""
     out: dict[str, str] = {}
     for key, value in headers:
         lk = key.lower()
         if lk in _RESPONSE_DROP:
             continue
-        out[lk] = value if lk not in out else out[lk] + ", " + value
+        out[lk] = value if lk not in out else out[lk] + (KEEP_APART if lk == "set-cookie" else ", ") + value
     return out
+
+
+#: joins the values of a header that must go out as several headers (see response_headers)
+KEEP_APART = "\n"
+
+
+def split_joined(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """ASGI response headers with each value joined by `KEEP_APART` written as one header per value."""
+    if not any(b"\n" in v for _, v in headers):
+        return headers
+    out = []
+    for name, value in headers:
+        if b"\n" in value:
+            out.extend((name, part) for part in value.split(b"\n"))
+        else:
+            out.append((name, value))
+    return out
+
+
+def split_joined_app(app: Any) -> Any:
+    """An ASGI app whose answers' heads go through `split_joined` (the framework's routes; the lean path
+    splits its own)."""
+
+    async def wrapped(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def split_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = split_joined(list(message.get("headers") or ()))
+            await send(message)
+
+        await app(scope, receive, split_send)
+
+    return wrapped
 
 
 class UpstreamResponse:
