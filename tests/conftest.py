@@ -45,11 +45,11 @@ class Proc:
 
 
 def start_process(args: list[str], port: int, ready_path: str = "/healthz", env: dict[str, str] | None = None,
-                  timeout: float = 30.0) -> Proc:
-    """Start `args` (a python module command line) and wait until GET ready_path answers."""
+                  timeout: float = 30.0, cwd: Path = ROOT) -> Proc:
+    """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers."""
     log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdout=log.open("wb"),
+    popen = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=log.open("wb"),
                              stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

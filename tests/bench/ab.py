@@ -4,7 +4,10 @@
 starts the fake upstream and one single-worker proxy per arm (each arm's lines go under `[server]`;
 scoring off), then runs alternating wrk rounds (asyncio client without wrk) over the arms at each
 concurrency: passthrough, and streaming with `--stream` (the proxy benchmark's request, three tools;
-`--no-tools` without them). It prints, per arm, the medians of req/s,
+`--no-tools` without them). `--ref NAME=GITREF` adds an arm running the code of another commit (e.g.
+`--ref before=origin/main~3`, with the default configuration's [server]): the commit is exported and
+installed with `pip install --no-deps --target` into a temporary folder and served from there, so a
+change is A/B'd against the code before it in the same run. It prints, per arm, the medians of req/s,
 p50 and the proxy's CPU per request (its own /proc counters), and each arm's ratio to the first arm.
 On a shared machine read the ratios: every arm saw the same load at the same time.
 """
@@ -15,25 +18,60 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
-from tests.conftest import start_fake_upstream, start_proxy
+from tests.conftest import ROOT, Proc, free_port, start_fake_upstream, start_process, start_proxy
+
+
+def install_ref(ref: str, into: Path) -> Path:
+    """The package as `pip install .` lays it out, from commit `ref` of this repository, under `into`."""
+    src, site = into / "src", into / "site"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(src)], check=True)
+    return site
+
+
+def start_ref_proxy(site: Path, upstream_url: str, config_text: str) -> Proc:
+    """`toolquake serve` from the code installed in `site` (run there, so this checkout's code is not imported)."""
+    port = free_port()
+    cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
+    cfg.write_text(config_text)
+    args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port), "--workers", "1",
+            "--config", str(cfg)]
+    return start_process(args, port, "/healthz", env={"PYTHONPATH": str(site)}, cwd=site)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arm", action="append", required=True, help="NAME=TOML lines for [server] (repeat)")
+    ap.add_argument("--arm", action="append", default=[], help="NAME=TOML lines for [server] (repeat)")
+    ap.add_argument("--ref", action="append", default=[],
+                    help="NAME=GITREF: an arm serving that commit's code, default [server] (repeat)")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--stream", action="store_true", help="also a streaming workload")
     ap.add_argument("--no-tools", action="store_true", help="the request without its tools (a text answer)")
     args = ap.parse_args()
+    if not args.arm and not args.ref:
+        ap.error("give at least one --arm or --ref")
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream()
     procs = {}
+    tmp = tempfile.TemporaryDirectory(prefix="toolquake-ab-")
     try:
+        for spec in args.ref:
+            name, _, ref = spec.partition("=")
+            site = install_ref(ref, Path(tmp.name) / name)
+            procs[name] = start_ref_proxy(site, fake.url, "[server]\n[scoring]\nenabled = false\n")
         for spec in args.arm:
             name, _, lines = spec.partition("=")
             procs[name] = start_proxy(fake.url, f"[server]\n{lines}\n[scoring]\nenabled = false\n")
@@ -50,6 +88,7 @@ def main() -> None:
         for proc in procs.values():
             proc.stop()
         fake.stop()
+        tmp.cleanup()
 
 
 def compare(procs: dict[str, Any], work: str, payload: bytes, conns: int, rounds_n: int, seconds: float,
