@@ -22,12 +22,14 @@ GC_YOUNG = 10_000
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from toolquake.proxy import live
     from toolquake.proxy.live import recording
     from toolquake.proxy.server import logs, workers
     from toolquake.proxy.server.app import create_app
     from toolquake.proxy.server.lean import lean_protocol
+    from toolquake.proxy.server.limits import limited_protocol, rejection_counter
 
     config = config_from_args(args, upstream=args.upstream, host=args.host, port=args.port,
                               default_profile=args.default_profile, token_counter=args.token_counter,
@@ -41,17 +43,21 @@ def run(args: argparse.Namespace) -> int:
     if server.default_profile != "off" and server.default_profile not in config.profiles:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
+    recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
 
     def uvicorn_config(app: Any) -> uvicorn.Config:
         protocol = lean_protocol(app) if server.lean_path and server.lean_protocol else None
         # where the lean path runs: inside the HTTP protocol, as ASGI ahead of the framework, or not at all
-        structlog.get_logger("toolquake.proxy").info(
-            "lean_path", served_in="protocol" if protocol else "asgi" if server.lean_path else "off")
-        return uvicorn.Config(app, host=server.host, port=server.port, loop="uvloop", http=protocol or "httptools",
-                              log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
-                              server_header=False, timeout_keep_alive=int(server.keep_alive_timeout),
-                              proxy_headers=False)
+        log = structlog.get_logger("toolquake.proxy")
+        log.info("lean_path", served_in="protocol" if protocol else "asgi" if server.lean_path else "off")
+        limited = limited_protocol(protocol or HttpToolsProtocol, server, rejection_counter(app))
+        if limited is None:  # pragma: no cover - an uvicorn whose protocol lacks the hooks the limits use
+            log.warning("connection_limits_off", reason="this uvicorn's HTTP protocol lacks the hooks they use")
+        return uvicorn.Config(app, host=server.host, port=server.port, loop="uvloop",
+                              http=limited or protocol or "httptools", log_level="warning", access_log=False,
+                              timeout_graceful_shutdown=GRACEFUL_S, server_header=False,
+                              timeout_keep_alive=server.keep_alive_timeout, proxy_headers=False)
 
     if n == 1:
         app = create_app(config, admin_token=admin_token, extensions=[live.attach, recording.attach])

@@ -81,6 +81,18 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds an idle client connection is kept open; longer than clients' own idle timeouts, so a
     #: client never sends a request on a connection the proxy is closing
     keep_alive_timeout: float = 75.0
+    #: seconds a client has to send a request's line and headers: from the connection's start, or from the first
+    #: byte of a later request on a kept-alive connection; then 408 and the connection is closed
+    header_timeout: float = 10.0
+    #: request line and headers larger than this (bytes) are refused with 431 and the connection closed
+    max_header_bytes: int = 64 * 1024
+    #: request URLs longer than this (bytes) are refused with 414 and the connection closed
+    max_url_bytes: int = 8 * 1024
+    #: client connections open at once, per worker; a connection beyond gets 503 (Retry-After) and is closed
+    max_client_connections: int = 2048
+    #: requests being served at once, per worker (streams included); a request beyond gets 503 (Retry-After);
+    #: /healthz, /readyz and /metrics are never refused
+    max_in_flight_requests: int = 1024
     #: set up every profile's perturbers (tool pool, embedding model, corpus filler) at start-up and when
     #: the admin API adds a profile, in the background; off: they load on first use
     warm_up: bool = False
@@ -112,6 +124,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_body_bytes must be positive")
         if self.workers < 0:
             raise ValueError("workers must be 0 (one per CPU) or more")
+        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
+            raise ValueError("header_timeout and keep_alive_timeout must be positive")
+        if self.max_url_bytes < 1 or self.max_header_bytes < self.max_url_bytes:
+            raise ValueError("max_url_bytes must be positive and max_header_bytes at least max_url_bytes")
+        if self.max_client_connections < 1 or self.max_in_flight_requests < 1:
+            raise ValueError("max_client_connections and max_in_flight_requests must be at least 1")
 
 
 class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -167,8 +185,11 @@ class RecordConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     max_size: int | str = "1GiB"
     #: exchanges waiting to be written; when full, new ones are dropped and counted
     queue_size: int = 1024
-    #: regular expressions whose matches in message contents and call arguments are replaced by [redacted]
+    #: regular expressions whose matches in every string of a record are replaced by [redacted] (on top of the
+    #: built-in secret shapes, proxy/live/redact.py)
     redact: list[str] = []
+    #: CPU seconds the redaction of one text may take (a slow `redact` pattern); past it the text is replaced whole
+    redact_timeout: float = 5.0
     #: fsync after each record (a power loss then loses at most the record being written)
     fsync: bool = True
 
@@ -179,10 +200,15 @@ class RecordConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_size must be positive")
         if self.queue_size < 1:
             raise ValueError("queue_size must be at least 1")
+        if not self.redact_timeout > 0:
+            raise ValueError(f"redact_timeout must be positive, got {self.redact_timeout}")
+        import regex  # the engine the recorder matches with (it releases the GIL and takes a timeout)
+
         for pattern in self.redact:
             try:
                 re.compile(pattern)
-            except re.error as exc:
+                regex.compile(pattern)
+            except (re.error, regex.error) as exc:
                 raise ValueError(f"redact pattern {pattern!r}: {exc}") from None
 
 

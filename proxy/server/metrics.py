@@ -82,6 +82,10 @@ class Metrics:
         self.conformance_failures = Counter(
             "toolquake_conformance_check_failures", "Conformance checks that raised; the answer was served as relayed.",
             ["route"], registry=r)
+        self.connections_rejected = Counter(
+            "toolquake_connections_rejected", "Client connections and requests the proxy refused at its limits "
+            "([server] header_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
+            "max_in_flight_requests), by reason.", ["reason"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r,
                                multiprocess_mode="livesum")
         self.upstream_connections = Gauge("toolquake_upstream_connections", "Connections in the upstream pool, by "

@@ -329,4 +329,5 @@ def test_a_sample_rate_of_zero_records_nothing_and_counts_every_exchange(fake_up
             'toolquake_record_dropped_total{reason="sampled_out"}': 5.0}
     finally:
         proxy.stop()
-    assert recording.read_text() == ""
+    assert read(recording) == []  # the header line alone
+    assert list(map(json.loads, recording.read_text().splitlines()))[0]["toolquake_recording"] == 1

@@ -1,0 +1,206 @@
+"""Secret-shaped strings out of the recording (proxy/live/recording.py): a `Redactor` walks a whole record and
+replaces every secret it finds, in every string, by `[redacted]`.
+
+What counts as a secret, in three layers:
+
+- the regular expressions of `detect-secrets`' plugins (Yelp, Apache-2.0): AWS access key ids, Azure storage
+  keys, credentials in URLs, Discord, GitHub, GitLab, Mailchimp, PyPI, SendGrid, Slack (tokens and webhooks),
+  Square, Stripe, Telegram and Twilio keys, private-key headers. Only the plugins whose patterns are linear
+  in time on hostile text are used (`LIBRARY_DETECTORS`; tests/cases/test_recording_redaction.py times every
+  one on 1 MiB adversarial strings). Left out: OpenAI and JWT (their patterns backtrack: seconds on 16 KiB of
+  `sk-a` or `eyJ`), npm (`//.+/:_authToken`: quadratic), the keyword-assignment forms of IBM, Cloudant,
+  SoftLayer and the AWS secret key (linear but 0.5–4 s per MiB, and covered by `OWN_PATTERNS`' assignment
+  form), Artifactory (matches ordinary upper-case words), public IP addresses (not secrets), and the
+  high-entropy and keyword plugins (not patterns: they flag ids, hashes and base64 content by the dozen);
+- `OWN_PATTERNS`, for what the library misses or finds only in part: every `sk-` key (OpenAI `sk-proj-`,
+  Anthropic `sk-ant-api03-`, ...), Stripe keys of every kind and length, Google API keys, GitHub fine-grained
+  tokens, npm tokens, JWTs, `Bearer` tokens, `Authorization:` values and `password = ...`-style assignments;
+  each starts only where a token starts and uses possessive repeats, so it never backtracks;
+- the operator's `[record] redact` patterns.
+
+Beyond patterns: PEM private-key blocks are cut whole (from `-----BEGIN ... PRIVATE KEY-----` to its
+`-----END`, or to the end of the text), and a string under a key named like a secret (`password`, `api_key`,
+`client_secret`, `token`, ...) is replaced whole. A match is widened to the end of its token, so a key longer
+than the shape a pattern knows is not left half there.
+
+All matching uses the `regex` module, which releases the GIL while it matches (the writer thread never
+holds up the event loop) and takes a timeout: a text whose scan takes more than `[record] redact_timeout`
+seconds of CPU (a slow operator pattern on a large text) is replaced whole, never written unscanned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import time
+from typing import Any
+
+import regex
+import structlog
+
+log = structlog.get_logger("toolquake.record")
+
+REDACTED = "[redacted]"
+#: CPU seconds one text may take to scan (all patterns together); past it the whole text is replaced
+SCAN_TIMEOUT_S = 5.0
+#: detect-secrets plugins used: module -> (class, indices of its `denylist` patterns used; None = all)
+LIBRARY_DETECTORS: dict[str, tuple[str, tuple[int, ...] | None]] = {
+    "aws": ("AWSKeyDetector", (0,)),  # the access key id; the secret key's context pattern: OWN_PATTERNS
+    "azure_storage_key": ("AzureStorageKeyDetector", None),
+    "basic_auth": ("BasicAuthDetector", None),
+    "cloudant": ("CloudantDetector", (2, 3)),  # the URL forms
+    "discord": ("DiscordBotTokenDetector", None),
+    "github_token": ("GitHubTokenDetector", None),
+    "gitlab_token": ("GitLabTokenDetector", None),
+    "mailchimp": ("MailchimpDetector", None),
+    "private_key": ("PrivateKeyDetector", None),
+    "pypi_token": ("PypiTokenDetector", None),
+    "sendgrid": ("SendGridDetector", None),
+    "slack": ("SlackDetector", None),
+    "softlayer": ("SoftlayerDetector", (1,)),  # the URL form
+    "square_oauth": ("SquareOAuthDetector", None),
+    "stripe": ("StripeDetector", None),
+    "telegram_token": ("TelegramBotTokenDetector", None),
+    "twilio": ("TwilioKeyDetector", None),
+}
+_T = r"A-Za-z0-9_\-"  # the characters of a token
+_START = rf"(?<![{_T}])"  # a match starts only where a token starts: no quadratic restarts inside a run
+_KEYWORD = (r"(?i:(?:api|access|secret|private|client|auth|session|refresh|master|signing)[_\-]?(?:access[_\-]?)?"
+            r"(?:key|token|secret)|password|passwd|passphrase|secret|credentials?)")
+#: our own secret shapes (a capture group, where there is one, is the part replaced)
+OWN_PATTERNS: tuple[str, ...] = (
+    rf"{_START}sk-[{_T}]{{16,}}+",  # OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-api03-...), DeepSeek
+    rf"{_START}(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{{10,}}+",  # Stripe secret, restricted, publishable keys
+    rf"{_START}whsec_[A-Za-z0-9]{{16,}}+",  # Stripe webhook secrets
+    rf"{_START}AIza[{_T}]{{30,}}+",  # Google API keys
+    rf"{_START}gh[pousr]_[A-Za-z0-9_]{{20,}}+",  # GitHub tokens of any length
+    rf"{_START}github_pat_[A-Za-z0-9_]{{20,}}+",  # GitHub fine-grained tokens
+    rf"{_START}npm_[A-Za-z0-9]{{30,}}+",  # npm tokens
+    rf"{_START}xox[abeoprs]-[A-Za-z0-9\-]{{10,}}+",  # Slack tokens in any form
+    rf"{_START}eyJ[{_T}]{{8,}}+\.[{_T}]{{4,}}+(?:\.[{_T}=+/]*+)?",  # JWT
+    r"(?<![A-Za-z0-9])(?i:bearer)\s{1,8}+([A-Za-z0-9._~+/\-]{8,}+=*+)",  # Bearer <token>
+    r"(?i:authorization)[\"']?\s{0,8}+[:=]\s{0,8}+[\"']?(?:(?i:basic|bearer|token|digest)\s{1,8}+)?"
+    r"([^\s\"',;]{6,}+)",  # Authorization: <value>
+    rf"(?<![A-Za-z0-9]){_KEYWORD}[\"']?\s{{0,8}}+(?::=|=>|[:=])\s{{0,8}}+[\"']?([^\s\"'`,;<>]{{6,}}+)",  # x = value
+)
+_PEM_BEGIN = r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----"
+_PEM_END = "-----END "
+#: widening a match: the characters a key or token continues with
+_WIDEN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-+/=")
+#: dict keys whose string values are replaced whole (compared lower-case, without `_`, `-`, `.`)
+_SECRET_KEY_ENDINGS = ("password", "passwd", "passphrase", "secret", "apikey", "token", "authorization",
+                       "privatekey", "accesskey", "secretkey", "credential", "credentials", "cookie")
+#: the flags a `re` pattern of the library keeps when compiled with `regex` (the values are the same)
+_FLAGS = re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE | re.ASCII
+
+
+def library_patterns() -> list[regex.Pattern[str]]:
+    """The used detect-secrets plugins' patterns, compiled with `regex`."""
+    out = []
+    for module, (name, indices) in LIBRARY_DETECTORS.items():
+        cls = getattr(importlib.import_module(f"detect_secrets.plugins.{module}"), name)
+        denylist = list(cls.denylist)
+        for i in indices if indices is not None else range(len(denylist)):
+            p = denylist[i]
+            out.append(regex.compile(p.pattern, p.flags & _FLAGS))
+    return out
+
+
+def secret_key(key: str) -> bool:
+    k = key.lower().replace("_", "").replace("-", "").replace(".", "")
+    return k.endswith(_SECRET_KEY_ENDINGS) and k not in ("maxtoken", "tokens")
+
+
+class ScanTimeout(Exception):
+    pass
+
+
+class Redactor:
+    """Replaces every secret-shaped part of every string of a record (dict keys included) by `[redacted]`."""
+
+    def __init__(self, patterns: list[str] | tuple[str, ...] = (), timeout: float = SCAN_TIMEOUT_S) -> None:
+        self.patterns = [*library_patterns(), *(regex.compile(p) for p in OWN_PATTERNS),
+                         *(regex.compile(p) for p in patterns)]
+        self.pem = regex.compile(_PEM_BEGIN)
+        self.timeout = timeout
+        self.timeouts = 0  # texts replaced whole because their scan took too long
+
+    # -- one text
+    def spans(self, text: str, deadline: float) -> list[tuple[int, int]]:
+        """Where the secrets of `text` are: sorted, possibly overlapping (start, end) spans."""
+        found: list[tuple[int, int]] = []
+        try:
+            for pattern in self.patterns:
+                for m in pattern.finditer(text, timeout=self._left(deadline)):
+                    if m.re.groups:  # the secret is the captured part (a password in a URL, a value)
+                        found += [m.span(g) for g in range(1, m.re.groups + 1) if m.start(g) < m.end(g)]
+                    elif m.start() < m.end():
+                        found.append(m.span())
+            if "-----BEGIN " in text:  # PEM private-key blocks: to their END line, or to the end of the text
+                pos = 0
+                for m in self.pem.finditer(text, timeout=self._left(deadline)):
+                    if m.start() < pos:
+                        continue
+                    end = text.find(_PEM_END, m.end())
+                    if end < 0:
+                        found.append((m.start(), len(text)))
+                        break
+                    close = text.find("-----", end + len(_PEM_END))
+                    pos = len(text) if close < 0 else close + 5
+                    found.append((m.start(), pos))
+        except TimeoutError:
+            raise ScanTimeout from None
+        found.sort()
+        return found
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        left = deadline - time.thread_time()
+        if left <= 0:
+            raise ScanTimeout
+        return left
+
+    def text(self, value: str) -> str:
+        if not value:
+            return value
+        try:
+            spans = self.spans(value, time.thread_time() + self.timeout)
+        except ScanTimeout:
+            self.timeouts += 1
+            log.warning("record_redaction_timeout", chars=len(value), timeout_s=self.timeout)
+            return REDACTED
+        if not spans:
+            return value
+        parts, pos = [], 0
+        n = len(value)
+        for start, end in spans:
+            if end <= pos:
+                continue
+            start = max(start, pos)
+            while end < n and value[end] in _WIDEN:  # the rest of the key (each character looked at once)
+                end += 1
+            parts += [value[pos:start], REDACTED]
+            pos = end
+        parts.append(value[pos:])
+        return "".join(parts)
+
+    # -- a whole structure
+    def __call__(self, value: Any, key: str | None = None) -> Any:
+        if isinstance(value, str):
+            if key is not None and value and secret_key(key):
+                return REDACTED
+            if key == "arguments":  # JSON text: redact what it decodes to (escapes hide nothing), keep it JSON
+                try:
+                    decoded = json.loads(value)
+                except ValueError:
+                    return self.text(value)
+                redacted = self(decoded)
+                return value if redacted == decoded else json.dumps(redacted, ensure_ascii=False)
+            return self.text(value)
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if isinstance(value, dict):
+            return {(self.text(k) if isinstance(k, str) else k): self(v, k if isinstance(k, str) else None)
+                    for k, v in value.items()}
+        return value
