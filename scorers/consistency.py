@@ -57,7 +57,7 @@ def calls_of(message: dict[str, Any] | None) -> list[Call]:
         if isinstance(raw, str):
             try:
                 args: Any = json.loads(raw) if raw.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deep to decode
                 args = raw
         else:
             args = raw if raw is not None else {}

@@ -128,7 +128,7 @@ def _arguments(raw: Any) -> dict[str, Any] | None:
     if isinstance(raw, str):
         try:
             value = json.loads(raw) if raw.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to decode
             return None
         return value if isinstance(value, dict) else None
     return None

@@ -354,21 +354,26 @@ def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decode
 
 
 def _json_values(text: str) -> list[Any]:
-    """Every top-level JSON array or object in `text`, left to right."""
-    decoder = json.JSONDecoder()
+    """Every top-level JSON array or object in `text`, left to right (a broken value: the next one is looked for
+    after the break). Linear time: `JsonSpans` says where each value ends before it is decoded."""
+    from toolquake.bfcl.decode import JsonSpans
+
+    spans = JsonSpans(text)
     out, i = [], 0
-    while True:
-        starts = [p for p in (text.find("[", i), text.find("{", i)) if p >= 0]
-        if not starts:
-            return out
-        start = min(starts)
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError as exc:  # a broken value: look for the next one after the break
-            i = max(exc.pos, start + 1)
+    for start in spans.openers():
+        if start < i:
             continue
-        out.append(value)
+        end = spans.end(start)
+        if end < 0:
+            i = max(spans.fail_at(start), start + 1)
+            continue
+        try:
+            out.append(json.loads(text[start:end]))
+        except (ValueError, RecursionError):
+            i = start + 1
+            continue
         i = end
+    return out
 
 
 def _is_call_object(value: Any) -> bool:

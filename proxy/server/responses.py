@@ -277,7 +277,7 @@ def assemble_events(data: bytes) -> dict[str, Any] | None:
     for payload in payloads:
         try:
             event = _decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             continue
         if not isinstance(event, dict):
             continue
@@ -365,7 +365,7 @@ class TextThrough:
         for payload in self.parser.feed(data):
             try:
                 event = _decode(payload)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
                 continue
             if not isinstance(event, dict):
                 continue

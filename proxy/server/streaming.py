@@ -22,25 +22,36 @@ class SSEParser:
     """Incremental SSE parser: feed bytes, get the `data` payload of each complete event."""
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = bytearray()
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        # normalise on the buffer, not the chunk: a chunk may end between the "\r" and "\n" of a line end
-        self._buf = (self._buf + chunk).replace(b"\r\n", b"\n")
+        # Linear time: the buffer grows in place, only the new bytes are normalised ("\r\n" → "\n"; a chunk
+        # may end between the two) and searched for an event's end, and the events are cut out by offsets, so
+        # an event sent in many chunks, or many events in one chunk, cost what their bytes do
+        buf = self._buf
+        searched = len(buf)
+        if searched and buf[-1] == 13 and chunk[:1] == b"\n":
+            del buf[-1]
+            searched -= 1
+        buf += chunk.replace(b"\r\n", b"\n")
         out: list[bytes] = []
-        while True:
-            end = self._buf.find(b"\n\n")
-            if end < 0:
-                break
-            event, self._buf = self._buf[:end], self._buf[end + 2:]
-            data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        pos = 0
+        end = buf.find(b"\n\n", max(searched - 1, 0))
+        while end >= 0:
+            lines = bytes(buf[pos:end]).split(b"\n") if end > pos else []
+            data = [line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:")]
             if data:
                 out.append(b"\n".join(data))
+            pos = end + 2
+            end = buf.find(b"\n\n", pos)
+        if pos:
+            del buf[:pos]
         return out
 
     def flush(self) -> list[bytes]:
         """Whatever complete-looking event is left when the stream ends without a blank line."""
-        rest, self._buf = self._buf, b""
+        rest = bytes(self._buf)
+        self._buf = bytearray()
         return self.feed(rest + b"\n\n") if rest.strip() else []
 
 
@@ -63,7 +74,7 @@ class StreamAssembler:
             return
         try:
             chunk = _decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nested past msgspec's depth limit: not a chunk
             return
         if isinstance(chunk, dict):
             self.add_chunk(chunk)

@@ -90,7 +90,7 @@ def check_arguments(arguments: Any, name: Any, offered: Offered, call: int) -> l
                                 "not a string", excerpt(arguments), call)]
     try:
         value = _decode(arguments)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         return [*out, Violation("arguments_invalid_json", f"{label}: arguments are not JSON ({str(exc)[:80]})",
                                 excerpt(arguments), call)]
     if not isinstance(value, dict):
@@ -98,7 +98,10 @@ def check_arguments(arguments: Any, name: Any, offered: Offered, call: int) -> l
                                 excerpt(arguments), call)]
     schema = offered.tools.get(name) if isinstance(name, str) else None
     if schema:
-        problem = schema_problem(value, schema, "")
+        try:
+            problem = schema_problem(value, schema, "")
+        except RecursionError:  # a value and a schema both nested too deep to follow: not judged
+            problem = None
         if problem:
             out.append(Violation("arguments_schema", f"{label}: {problem}", excerpt(arguments), call))
     return out

@@ -91,7 +91,7 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
             continue
         try:
             chunk = _decode(payload)
-        except (msgspec.DecodeError, UnicodeDecodeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
             chunk = None
         if not isinstance(chunk, dict):
             out.append(Violation("chunk_invalid_json", "a data payload is not a JSON object", excerpt(

@@ -82,7 +82,7 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
     for payload in parser.feed(data) + parser.flush():
         try:
             event = _decode(payload)
-        except (msgspec.DecodeError, UnicodeDecodeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
             event = None
         if not isinstance(event, dict):
             out.append(Violation("chunk_invalid_json", "an event's data is not a JSON object",
