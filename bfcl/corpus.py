@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from toolquake.bfcl.lru import ByteLRU, text_bytes
+
 CORPUS_VERSION = "2026.3.23"
 PACKAGE = "bfcl-eval"
 _DATA_PREFIX = "bfcl_eval/data/"
@@ -397,7 +399,7 @@ def _category_cases(category: str) -> tuple[tuple[Case, ...], dict[str, Case]]:
 def _clear_caches() -> None:
     _category_cases.cache_clear()
     class_docs.cache_clear()
-    _format_sensitivity_case.cache_clear()
+    _FS_CASES.clear()
 
 
 def load_category(name: str) -> list[Case]:
@@ -423,7 +425,11 @@ def category_of(case_id: str) -> str:
 
 def load_case(case_id: str) -> Case:
     """Any case by id. A format-sensitivity id gives its original case under category
-    `format_sensitivity`, with `format_config` and `original_id` in extra."""
+    `format_sensitivity`, with `format_config` and `original_id` in extra. An id longer than the longest
+    real one (`MAX_CASE_ID_LENGTH`) is refused before any other work."""
+    if len(case_id) > MAX_CASE_ID_LENGTH:
+        raise LookupError(f"unknown case id ({len(case_id)} characters; the longest real id has "
+                          f"{MAX_CASE_ID_LENGTH})")
     category = category_of(case_id)
     if category == "format_sensitivity":
         return _format_sensitivity_case(case_id)
@@ -436,15 +442,55 @@ def load_case(case_id: str) -> Case:
     return case
 
 
-@functools.lru_cache(maxsize=8192)
+def _format_configs() -> tuple[str, ...]:
+    # BFCL's order: return format × tool-call tag × doc format in plaintext/classic, then two variations of
+    # python / no tag / json docs (markdown layout, experimental wording)
+    grid = [f"ret_fmt={ret}&tool_call_tag={tag}&func_doc_fmt={doc}&prompt_fmt=plaintext&style=classic"
+            for ret in ("python", "json", "verbose_xml", "concise_xml") for tag in ("True", "False")
+            for doc in ("python", "xml", "json")]
+    base = "ret_fmt=python&tool_call_tag=False&func_doc_fmt=json"
+    return (*grid, f"{base}&prompt_fmt=markdown&style=classic", f"{base}&prompt_fmt=plaintext&style=experimental")
+
+
+#: BFCL V4's 26 format-sensitivity configurations, as its ids spell them (`perturbers/helpers/callformats.py`
+#: builds the same 26: a test holds them equal)
+FORMAT_CONFIGS: tuple[str, ...] = _format_configs()
+_FORMAT_CONFIG_SET = frozenset(FORMAT_CONFIGS)
+#: entries in BFCL_v4_format_sensitivity.json: ids run format_sensitivity_0 … _<26 × 200 - 1>
+FORMAT_SENSITIVITY_ENTRIES = 200
+_FS_PREFIX = "format_sensitivity_"
+#: the longest real case id: a format-sensitivity id of the largest index, the longest configuration and the
+#: longest single-turn id (a test checks it against the corpus). Longer ids are refused unread.
+MAX_CASE_ID_LENGTH = 149
+# format-sensitivity cases built so far: any (index, configuration, single-turn id) is valid, so the cache is
+# bounded in bytes and entries, and only ids that passed every check reach it
+_FS_CASES: ByteLRU[str, Case] = ByteLRU(max_bytes=4 * 1024 * 1024, max_entries=8192)
+
+
 def _format_sensitivity_case(case_id: str) -> Case:
+    found = _FS_CASES.get(case_id)
+    if found is not None:
+        return found
     parts = case_id.split(":", 2)
     if len(parts) != 3:
         raise LookupError(f"{case_id!r}: format-sensitivity ids look like "
                           "format_sensitivity_<i>:<config>:<original id>")
-    original = load_case(parts[2])
-    extra = {**original.extra, "format_config": parts[1], "original_id": original.id}
-    return msgspec.structs.replace(original, id=case_id, category="format_sensitivity", extra=extra)
+    head, config, original_id = parts
+    index = head[len(_FS_PREFIX):]
+    if not (index.isascii() and index.isdigit() and (index == "0" or not index.startswith("0"))
+            and int(index) < len(FORMAT_CONFIGS) * FORMAT_SENSITIVITY_ENTRIES):
+        raise LookupError(f"{case_id!r}: the index after format_sensitivity_ must be 0 to "
+                          f"{len(FORMAT_CONFIGS) * FORMAT_SENSITIVITY_ENTRIES - 1}")
+    if config not in _FORMAT_CONFIG_SET:
+        raise LookupError(f"{case_id!r}: not one of BFCL's 26 format-sensitivity configurations "
+                          "(`toolquake formats` lists them)")
+    if category_of(original_id) not in SINGLE_TURN_CATEGORIES:
+        raise LookupError(f"{case_id!r}: the original id must be a single-turn BFCL case")
+    original = load_case(original_id)
+    extra = {**original.extra, "format_config": config, "original_id": original.id}
+    case = msgspec.structs.replace(original, id=case_id, category="format_sensitivity", extra=extra)
+    _FS_CASES.put(case_id, case, 3 * text_bytes(case_id) + 512)  # the key, the case's id, its format_config
+    return case
 
 
 def format_sensitivity_ids() -> dict[str, list[str]]:

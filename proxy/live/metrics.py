@@ -24,8 +24,9 @@ class ScoringMetrics:
                                  multiprocess_mode="livesum")
         self.dropped = Counter("toolquake_scoring_dropped", "Jobs dropped because the scoring queue was full.",
                                ["profile"], registry=r)
-        self.skipped = Counter("toolquake_scoring_skipped", "Answers not scored, by reason (unlabeled, followup, "
-                               "no_answer, unsupported_category, scorer_error).", ["profile", "reason"], registry=r)
+        self.skipped = Counter("toolquake_scoring_skipped", "Answers not scored, by reason (unlabeled, unknown_case, "
+                               "followup, no_answer, unsupported_category, scorer_error).", ["profile", "reason"],
+                               registry=r)
         self.duration = Histogram("toolquake_scoring_duration_seconds", "Time to score one answer (in a worker).",
                                   buckets=SCORING_BUCKETS, registry=r)
         self.shadow = Counter("toolquake_shadow_requests", "Shadow twins by outcome (answered, failed, busy, "

@@ -4,7 +4,6 @@ with the same tool names. Runs on the request path, so it only looks things up."
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,13 +36,12 @@ class CaseResolver:
         #: the user cases (`usercases.UserCases`) looked up before the BFCL corpus
         self.user_cases = user_cases
         self.index: Any = None
+        # keyed by ids of the corpus (content matches), never by a header
         self._names: dict[str, frozenset[str]] = {}
+        from toolquake.bfcl.corpus import MAX_CASE_ID_LENGTH
 
-    @functools.lru_cache(maxsize=8192)  # noqa: B019 — one resolver per app; cases are immutable
-    def _by_id(self, case_id: str) -> Any:
-        from toolquake.bfcl.corpus import load_case
-
-        return load_case(case_id)
+        #: a header longer than every real id (BFCL's and the user cases') names no case: refused unread
+        self.max_id_length = max([MAX_CASE_ID_LENGTH, *(len(i) for i in getattr(user_cases, "by_id", ()))])
 
     def load_index(self) -> int:
         """Build the content-hash index of the scorable categories (slow: call it in a thread)."""
@@ -67,12 +65,18 @@ class CaseResolver:
 
         user = self.user_cases
         if header:
-            if user is not None and header.strip() in user.by_id:
-                return user.by_id[header.strip()]
+            # nothing keyed by the header is kept: user cases and BFCL's are looked up in tables fixed at start-up
+            # (format-sensitivity ids in a byte-bounded cache, once they are checked); an unknown id is unlabeled
+            if len(header) > self.max_id_length + 2:  # a real id, perhaps with the blanks around it
+                log.warning("unknown_case", case=header[:100], error=f"longer than any case id ({len(header)})")
+                return None
+            case_id = header.strip()
+            if user is not None and case_id in user.by_id:
+                return user.by_id[case_id]
             try:
-                return self._by_id(header.strip())
+                return load_case(case_id)
             except (LookupError, FileNotFoundError) as exc:
-                log.warning("unknown_case", case=header[:100], error=str(exc)[:200])
+                log.warning("unknown_case", case=case_id[:100], error=str(exc)[:200])
                 return None
         if not self.match_content:
             return None

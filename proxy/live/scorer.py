@@ -58,7 +58,9 @@ class Origin:
 
     @classmethod
     def of(cls, ex: RequestContext) -> Origin:
-        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, ex.case_header, ex.route,
+        # the header only says how the case was found; a header naming no case (it may be long) is not kept
+        header = ex.case_header if ex.case is not None else None
+        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, header, ex.route,
                    tuple(ex.injected_calls))
 
 
@@ -136,7 +138,9 @@ class LiveScorer:
         applied = list(ex.outcome.applied) if ex.outcome else []
         failures = self._failures(ex, applied)
         if ex.case is None:
-            self.metrics.skipped.labels(ex.profile_name, "unlabeled").inc()
+            # an X-Toolquake-Case naming no case we have (unknown, malformed, too long): served, never scored
+            reason = "unknown_case" if ex.case_header else "unlabeled"
+            self.metrics.skipped.labels(ex.profile_name, reason).inc()
             if failures:  # an agent's conversation, not a BFCL case: its recovery still counts
                 self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, None, applied, [], ex.status,
                                   ex.upstream_s or 0.0, ex.total_s, failures=failures, failed_request=ex.sent))
