@@ -29,8 +29,9 @@ PIECES = ["<tool_call>", "<tool_call>{", "[a(", "[get_weather(", "[a(x=1), ", "{
           "[1,", "```", '"', "<a ", '<a b="', " ", "\n", "<TOOLCALL>", "<functions>", "<function>", "}]", "\\",
           "\u202e\x00", "\x01", "(", "get_weather(", "</think>", '"""', "[get_weather(city='x')", "1,000"]
 KIB = 1024
-#: ms per KiB of input: the linear scanners take well under 1 here; the quadratic ones took 15-90 at 64 KiB
-MS_PER_KIB = 12.0
+#: ms per KiB of input: the linear scanners take 0.1-10 here (10: parse_live decoding 7,000 real calls); the
+#: quadratic ones took 30-90 at 64 KiB, and grow with the size
+MS_PER_KIB = 20.0
 
 
 def _text(piece: str, size: int, tail: str = "") -> str:
