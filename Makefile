@@ -8,7 +8,8 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings install-local corpus tools lint test test-fast bench demo clean
+.PHONY: install install-embeddings install-local corpus tools lint test test-fast bench demo clean image test-image \
+	lock containers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +62,41 @@ tools:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    prometheus chromium; }
 
+# podman, buildah, runc, debootstrap and /etc/containers/containers.conf for the container tests
+# (tests/deploy/test_container.py): installed by deploy/build-image.sh when root with apt; a failure here only
+# makes those tests skip with the reason printed
+containers:
+	@deploy/build-image.sh --setup-only || echo "containers: podman could not be set up here; the container tests will skip"
+
+# the image with podman (deploy/build-image.sh: base from a registry or, when none answers, Debian via debootstrap,
+# cached in $(TOOLQUAKE_CACHE)/images); IMAGE, EXTRAS, BAKE_CORPUS, PYTHON_IMAGE, BUILD_IMAGE from the environment
+image:
+	deploy/build-image.sh
+
+# the running image's checks: non-root, read-only root, health, a perturbed completion and a stream, metrics,
+# SIGTERM drain; the pod (podman kube play), sharded replay, podman-compose (tests/deploy/test_container.py)
+test-image: install image
+	$(BIN)/python -m pytest -q -m container tests/deploy/test_container.py $(PYTEST_ARGS)
+
+# deploy/requirements/<set>.txt: what the image installs, pinned with hashes (`uv pip compile --generate-hashes`),
+# one file per EXTRAS value the image is built with ("core" = none, "a-b" = EXTRAS=a,b); re-run after any change
+# to pyproject.toml's dependencies. torch (EXTRAS=embeddings) is resolved as its CPU build (TORCH_FIND_LINKS) and
+# left out of the file: the image installs it from TORCH_INDEX_URL.
+LOCK_SETS ?= core replay local embeddings embeddings-local
+TORCH_FIND_LINKS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+LOCK_PLATFORM := --python-version 3.11 --python-platform x86_64-manylinux_2_28
+lock: install
+	@set -e; mkdir -p build; for set in $(LOCK_SETS); do \
+	  args=""; for extra in $$(echo "$$set" | sed 's/^core$$//; s/-/ /g'); do args="$$args --extra $$extra"; done; \
+	  case "-$$set-" in \
+	    *-embeddings-*) echo "torch==$$(sed -n 's/^ARG TORCH_VERSION=//p' deploy/Dockerfile)+cpu" > build/torch-cpu.txt; \
+	      args="$$args --find-links $(TORCH_FIND_LINKS) --override build/torch-cpu.txt --no-emit-package torch" ;; \
+	  esac; \
+	  echo "lock: deploy/requirements/$$set.txt"; \
+	  $(BIN)/uv pip compile pyproject.toml $$args --generate-hashes $(LOCK_PLATFORM) --quiet \
+	    --custom-compile-command "make lock" -o deploy/requirements/$$set.txt; \
+	done
+
 # ruff, and the import-layer contracts checked on the package as `pip install .` lays it out (lint-imports
 # reads the file tree, and the editable install maps the top-level folders into toolquake.*)
 LINT_SITE := build/lint-site
@@ -70,7 +106,7 @@ lint: install
 	cd $(LINT_SITE) && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
-test: install-embeddings corpus tools install-local
+test: install-embeddings corpus tools install-local containers
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
