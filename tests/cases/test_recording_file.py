@@ -1,0 +1,190 @@
+"""`serve --record` never touches a file it did not write (#28, item 7): a SQLite database, a PNG or a text
+file is refused before serving (exit code, the file named, its bytes and mode unchanged); the torn-tail
+repair cuts only the recorder's own partial last record; a recording of the format before the header
+existed is still appended to; the workers of `serve --workers 2` share one file with one header."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import struct
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cases.test_recording import TOOLS, metric, read, toolquake
+from tests.conftest import free_port, start_proxy
+
+
+def sqlite_db(path: Path) -> Path:
+    con = sqlite3.connect(path)
+    con.execute("create table runs (id integer primary key, body text)")
+    con.executemany("insert into runs (body) values (?)", [("x" * 300,)] * 100)
+    con.commit()
+    con.close()
+    return path
+
+
+def png(path: Path) -> Path:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\x00" + bytes(range(48)) for _ in range(16))  # 16 rows of 16 RGB pixels
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 16, 16, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path
+
+
+def serve_refused(path: Path, *extra: str) -> str:
+    """`toolquake serve --record path` exits non-zero before serving; its stderr."""
+    r = toolquake("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", str(free_port()), "--record", str(path),
+                  *extra)
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    return r.stderr
+
+
+def snapshot(path: Path) -> tuple[bytes, int, int]:
+    st = path.stat()
+    return path.read_bytes(), stat.S_IMODE(st.st_mode), st.st_mtime_ns
+
+
+def old_record(i: int) -> bytes:
+    """A record as the recorder wrote it before recordings had a header."""
+    return (json.dumps({"v": 1, "ts": 1763900000.0 + i, "request_id": f"r{i}", "route": "chat_completions",
+                        "profile": "off", "model": "m", "stream": False,
+                        "request": {"messages": [{"role": "user", "content": f"old {i}"}]},
+                        "answer": {"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}},
+                       separators=(",", ":")) + "\n").encode()
+
+
+def post(url: str, text: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "model": "m", "messages": [{"role": "user", "content": text}], "tools": TOOLS})
+    assert r.status_code == 200
+
+
+def wait_recorded(url: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while sum(metric(url, "toolquake_recorded_total").values()) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "png", "text", "jsonl-of-others", "no-newline"])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_file_that_is_not_a_recording_is_refused_and_left_as_it_was(tmp_path, kind, workers):
+    path = tmp_path / {"sqlite": "results.sqlite", "png": "chart.png"}.get(kind, "notes.txt")
+    if kind == "sqlite":
+        sqlite_db(path)
+    elif kind == "png":
+        png(path)
+    elif kind == "text":
+        path.write_text("my notes\nsecond line, no newline at the end")
+    elif kind == "jsonl-of-others":
+        path.write_text('{"v": 1, "event": "login"}\n{"v": 1, "event": "logout"}\n')
+    else:
+        path.write_bytes(b"one line of someone else's text, never ended")
+    path.chmod(0o644)
+    before = snapshot(path)
+    err = serve_refused(path, "--workers", workers)
+    assert str(path) in err and "not a toolquake recording" in err and "refusing" in err, err
+    assert snapshot(path) == before  # bytes, mode and modification time
+
+
+def test_a_torn_tail_loses_only_its_own_fragment(fake_upstream, tmp_path):
+    recording = tmp_path / "torn.jsonl"
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    try:
+        for i in range(3):
+            post(proxy.url, f"before {i}")
+        wait_recorded(proxy.url, 3)
+    finally:
+        proxy.stop()
+    whole = recording.read_bytes()
+    assert whole.endswith(b"\n") and len(read(recording)) == 3
+    fragment = b'{"v":1,"ts":1763900000.5,"request_id":"abc","route":"chat_completions","request":{"mess'
+    recording.write_bytes(whole + fragment)
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    try:
+        assert recording.read_bytes() == whole  # exactly the fragment cut, at start-up
+        post(proxy.url, "after")
+        wait_recorded(proxy.url, 1)
+    finally:
+        proxy.stop()
+    after = recording.read_bytes()
+    assert after.startswith(whole)
+    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == [
+        "before 0", "before 1", "before 2", "after"]
+
+
+def test_a_recording_with_foreign_bytes_at_its_end_is_refused_not_cut(tmp_path):
+    recording = tmp_path / "glued.jsonl"
+    recording.write_bytes(b'{"toolquake_recording":1,"created":1.0}\n' + old_record(0) + b"PK\x03\x04 not ours")
+    recording.chmod(0o600)
+    before = snapshot(recording)
+    err = serve_refused(recording)
+    assert str(recording) in err and "after its last newline" in err
+    assert snapshot(recording) == before
+
+
+def test_a_recording_of_the_format_before_headers_is_still_appended_to(fake_upstream, tmp_path):
+    recording = tmp_path / "old.jsonl"
+    old = old_record(0) + old_record(1)
+    recording.write_bytes(old + old_record(2)[:40])  # and torn: the old recorder was killed mid-write
+    recording.chmod(0o644)  # made readable for the group since: tightened again
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    try:
+        post(proxy.url, "new one")
+        wait_recorded(proxy.url, 1)
+    finally:
+        proxy.stop()
+    raw = recording.read_bytes()
+    assert raw.startswith(old) and b"toolquake_recording" not in raw  # no header put in the middle of it
+    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == ["old 0", "old 1", "new one"]
+    assert stat.S_IMODE(recording.stat().st_mode) == 0o600
+    cases = tmp_path / "cases.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 0, r.stderr
+    assert len(cases.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("state", ["missing", "empty"])
+def test_a_new_or_empty_file_gets_a_header_and_is_0600(fake_upstream, tmp_path, state):
+    recording = tmp_path / "sub" / "new.jsonl"
+    if state == "empty":
+        recording.parent.mkdir()
+        recording.touch(mode=0o666)
+        os.chmod(recording, 0o666)
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    try:
+        post(proxy.url, "first")
+        wait_recorded(proxy.url, 1)
+    finally:
+        proxy.stop()
+    lines = recording.read_bytes().splitlines()
+    assert json.loads(lines[0])["toolquake_recording"] == 1 and len(lines) == 2
+    assert stat.S_IMODE(recording.stat().st_mode) == 0o600
+    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == ["first"]
+
+
+def test_two_workers_share_one_recording_with_one_header(fake_upstream, tmp_path):
+    recording = tmp_path / "shared.jsonl"
+    recording.write_bytes(b'{"toolquake_recording":1,"created":1.0}\n' + old_record(0) + b'{"v":1,"ts":2.0,"req')
+    recording.chmod(0o600)
+    proxy = start_proxy(fake_upstream.url, None, None, "--workers", "2", "--record", str(recording))
+    n = 40
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: post(proxy.url, f"parallel {i}"), range(n)))
+        wait_recorded(proxy.url, n)
+    finally:
+        proxy.stop()
+    raw = recording.read_bytes()
+    assert raw.count(b"toolquake_recording") == 1 and raw.endswith(b"\n")
+    contents = sorted(r["request"]["messages"][0]["content"] for r in read(recording))
+    assert contents == sorted(["old 0", *(f"parallel {i}" for i in range(n))])
