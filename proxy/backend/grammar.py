@@ -31,6 +31,13 @@ JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null
 #: schema keys kept (everything else documents the schema rather than constraining it)
 KEPT = {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "minItems", "maxItems",
         "additionalProperties"}
+#: limits on what a request's schemas may ask of the grammar (beyond them: a 400, never a crash or a hang):
+#: nesting levels of one schema, values of one enum / alternatives of one anyOf, minItems / maxItems (the
+#: grammar writes a bounded repetition out in full), a tool name's length
+MAX_SCHEMA_DEPTH = 24
+MAX_CHOICES = 512
+MAX_REPEAT = 64
+MAX_NAME = 256
 
 
 @dataclass(frozen=True)
@@ -44,10 +51,18 @@ class ToolChoiceError(ValueError):
     """A tool_choice that does not fit the request (names a tool it does not offer, `required` without tools)."""
 
 
-def sanitize(schema: Any) -> dict[str, Any]:
-    """A JSON Schema the grammar converter accepts, for one parameter or a whole parameter object."""
+class SchemaError(ValueError):
+    """A tool or response schema the grammar cannot be built from within the limits (nesting, enum size...)."""
+
+
+def sanitize(schema: Any, depth: int = 0) -> dict[str, Any]:
+    """A JSON Schema the grammar converter accepts, for one parameter or a whole parameter object.
+
+    Raises SchemaError for what would make a grammar too large to build or sample (see the limits above)."""
     if not isinstance(schema, dict):
         return {}
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SchemaError(f"a schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
     out: dict[str, Any] = {}
     kind = schema.get("type")
     if isinstance(kind, list):
@@ -62,21 +77,37 @@ def sanitize(schema: Any) -> dict[str, Any]:
         kind = None
     if kind is not None:
         out["type"] = kind
-    for key in ("enum", "const", "minItems", "maxItems"):
+    if "enum" in schema:
+        enum = schema["enum"]
+        if not isinstance(enum, list) or len(enum) > MAX_CHOICES:
+            raise SchemaError(f"'enum' must be an array of at most {MAX_CHOICES} values")
+        if enum:
+            out["enum"] = enum
+    if "const" in schema:
+        out["const"] = schema["const"]
+    for key in ("minItems", "maxItems"):
         if key in schema:
-            out[key] = schema[key]
-    if isinstance(out.get("enum"), list) and not out["enum"]:
-        del out["enum"]
+            n = schema[key]
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_REPEAT:
+                raise SchemaError(f"'{key}' must be an integer between 0 and {MAX_REPEAT}")
+            out[key] = n
+    if out.get("minItems", 0) > out.get("maxItems", MAX_REPEAT):
+        raise SchemaError("'minItems' is larger than 'maxItems'")
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            out[key] = [sanitize(s) for s in schema[key]]
+            if len(schema[key]) > MAX_CHOICES:
+                raise SchemaError(f"'{key}' must have at most {MAX_CHOICES} alternatives")
+            out[key] = [sanitize(s, depth + 1) for s in schema[key]]
     if "items" in schema:
         items = schema["items"]
-        out["items"] = sanitize(items) if isinstance(items, dict) else {}
+        out["items"] = sanitize(items, depth + 1) if isinstance(items, dict) else {}
     props = schema.get("properties")
     if isinstance(props, dict) and props:
-        out["properties"] = {str(k): sanitize(v) for k, v in props.items()}
-        required = [r for r in schema.get("required") or [] if r in out["properties"]]
+        out["properties"] = {str(k): sanitize(v, depth + 1) for k, v in props.items()}
+        required = schema.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError("'required' must be an array of property names")
+        required = [r for r in required if r in out["properties"]]
         if required:
             out["required"] = required
         # a closed object keeps a small model from inventing parameters
@@ -84,7 +115,7 @@ def sanitize(schema: Any) -> dict[str, Any]:
     elif kind == "object":
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
-            out["additionalProperties"] = sanitize(extra)
+            out["additionalProperties"] = sanitize(extra, depth + 1)
     # "enum" with a type the values do not have (BFCL: integer enums typed "string") would make an empty rule
     if "enum" in out and "type" in out and not isinstance(out["type"], list):
         del out["type"]
@@ -104,17 +135,20 @@ def parse_tools(raw: Any, api: str) -> list[Tool]:
         if not isinstance(t, dict):
             raise ValueError(f"tools[{i}] must be an object")
         if t.get("type", "function") != "function":
-            raise ValueError(f"tools[{i}]: only function tools are supported (got type {t.get('type')!r})")
+            raise ValueError(f"tools[{i}]: only function tools are supported (got type {repr(t.get('type'))[:100]})")
         fn = t.get("function") if api == "chat" else t
         if api == "chat" and not isinstance(fn, dict):
             raise ValueError(f"tools[{i}].function must be an object")
         name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"tools[{i}]: a function tool needs a name")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise ValueError(f"tools[{i}]: a function tool needs a name (a string of 1 to {MAX_NAME} characters)")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"tools[{i}].parameters must be an object")
-        tools.append(Tool(name, str(fn.get("description") or ""), params or {"type": "object", "properties": {}}))
+        description = fn.get("description")
+        if not isinstance(description, (str, type(None))):
+            raise ValueError(f"tools[{i}].description must be a string")
+        tools.append(Tool(name, description or "", params or {"type": "object", "properties": {}}))
     return tools
 
 
@@ -124,25 +158,45 @@ def choose(tools: list[Tool], tool_choice: Any, api: str) -> tuple[str, list[Too
         return ("auto" if tools else "none"), tools
     if isinstance(tool_choice, str):
         if tool_choice not in ("auto", "required", "none"):
-            raise ToolChoiceError(f"tool_choice must be 'auto', 'required', 'none' or a function, not {tool_choice!r}")
+            raise ToolChoiceError("tool_choice must be 'auto', 'required', 'none' or a function, not "
+                                  f"{tool_choice[:100]!r}")
         if tool_choice == "required" and not tools:
             raise ToolChoiceError("tool_choice 'required' needs at least one tool")
         return (tool_choice if tools else "none"), tools
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") == "allowed_tools":  # Responses: {type, mode, tools: [{type, name}]}
-            names = {t.get("name") or (t.get("function") or {}).get("name") for t in tool_choice.get("tools") or []}
+            listed = tool_choice.get("tools") or []
+            if not isinstance(listed, list):
+                raise ToolChoiceError("tool_choice.tools must be an array")
+            names = {_name_of(t, api) for t in listed}
             allowed = [t for t in tools if t.name in names]
             mode = tool_choice.get("mode", "auto")
+            if mode not in ("auto", "required"):
+                raise ToolChoiceError(f"tool_choice.mode must be 'auto' or 'required', not {str(mode)[:100]!r}")
             return (mode if allowed else "none"), allowed
-        name = (tool_choice.get("function") or {}).get("name") if api == "chat" else tool_choice.get("name")
-        if name is None:  # either shape is accepted on either API
-            name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
-        if tool_choice.get("type") == "function" and isinstance(name, str):
+        name = _name_of(tool_choice, api)
+        if tool_choice.get("type") == "function" and name is not None:
             named = [t for t in tools if t.name == name]
             if not named:
-                raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not among the tools")
+                raise ToolChoiceError(f"tool_choice names the function {name[:MAX_NAME]!r}, which is not among the "
+                                      "tools")
             return "required", named
     raise ToolChoiceError(f"unsupported tool_choice: {json.dumps(tool_choice)[:200]}")
+
+
+def _name_of(choice: Any, api: str) -> str | None:
+    """The function name in a tool_choice (or allowed_tools entry): chat's `{function: {name}}` or Responses'
+    `{name}`, either shape accepted on either API; None when there is no string name."""
+    if not isinstance(choice, dict):
+        return None
+    fn = choice.get("function")
+    nested = fn.get("name") if isinstance(fn, dict) else None
+    flat = choice.get("name")
+    first, second = (nested, flat) if api == "chat" else (flat, nested)
+    for name in (first, second):
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:

@@ -28,6 +28,12 @@ class Msg:
     name: str | None = None
 
 
+def shown(value: Any, limit: int = 100) -> str:
+    """A client's value as an error message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def part_text(content: Any, where: str) -> str:
     """The text of a message's content: a string, null, or a list of text parts (other parts are refused)."""
     if content is None:
@@ -43,12 +49,14 @@ def part_text(content: Any, where: str) -> str:
             if not isinstance(part, dict):
                 raise ValueError(f"{where}.content[{i}] must be an object")
             kind = part.get("type")
-            if kind in ("text", "input_text", "output_text"):
-                texts.append(str(part.get("text") or ""))
-            elif kind == "refusal":
-                texts.append(str(part.get("refusal") or ""))
+            if kind in ("text", "input_text", "output_text", "refusal"):
+                key = "refusal" if kind == "refusal" else "text"
+                value = part.get(key)
+                if not isinstance(value, (str, type(None))):
+                    raise ValueError(f"{where}.content[{i}].{key} must be a string")
+                texts.append(value or "")
             else:
-                raise ValueError(f"{where}.content[{i}]: content parts of type {kind!r} are not supported "
+                raise ValueError(f"{where}.content[{i}]: content parts of type {shown(kind)} are not supported "
                                  "(this model reads text only)")
         return "\n".join(texts)
     if isinstance(content, dict):  # a single part
@@ -68,11 +76,17 @@ def from_chat(messages: Any) -> list[Msg]:
         if role == "developer":
             role = "system"
         if role not in ("system", "user", "assistant", "tool", "function"):
-            raise ValueError(f"{where}.role must be system, developer, user, assistant or tool, not {role!r}")
+            raise ValueError(f"{where}.role must be system, developer, user, assistant or tool, not {shown(role)}")
         text = part_text(m.get("content"), where)
+        for key in ("tool_call_id", "name"):
+            if not isinstance(m.get(key), (str, type(None))):
+                raise ValueError(f"{where}.{key} must be a string")
         if role == "assistant":
             calls = []
-            for j, c in enumerate(m.get("tool_calls") or []):
+            raw_calls = m.get("tool_calls")
+            if not isinstance(raw_calls, (list, type(None))):
+                raise ValueError(f"{where}.tool_calls must be an array")
+            for j, c in enumerate(raw_calls or []):
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.tool_calls[{j}] needs function.name")
@@ -109,7 +123,7 @@ def from_responses(input_: Any, instructions: Any) -> list[Msg]:
             if role == "developer":
                 role = "system"
             if role not in ("system", "user", "assistant"):
-                raise ValueError(f"{where}.role must be system, developer, user or assistant, not {role!r}")
+                raise ValueError(f"{where}.role must be system, developer, user or assistant, not {shown(role)}")
             out.append(Msg(role, part_text(item.get("content"), where)))
         elif kind == "function_call":
             if not isinstance(item.get("name"), str):
@@ -123,11 +137,13 @@ def from_responses(input_: Any, instructions: Any) -> list[Msg]:
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else part_text(output, where)
+            if not isinstance(item.get("call_id"), (str, type(None))):
+                raise ValueError(f"{where}.call_id must be a string")
             out.append(Msg("tool", text, tool_call_id=item.get("call_id")))
         elif kind == "reasoning":
             continue  # another model's reasoning: nothing this model can use
         else:
-            raise ValueError(f"{where}: input items of type {kind!r} are not supported")
+            raise ValueError(f"{where}: input items of type {shown(kind)} are not supported")
     return _name_results(out)
 
 
@@ -160,14 +176,24 @@ def tools_block(mode: str, tools: list[Tool], parallel: bool) -> str:
     return "You have access to the following functions:\n" + "\n".join(lines) + "\n\n" + how
 
 
-def render(msgs: list[Msg], mode: str, tools: list[Tool], parallel: bool) -> str:
-    """The ChatML prompt, ending with the open assistant turn."""
+Segment = tuple[str, bool]  # (text, is a special token of the template)
+
+
+def render_segments(msgs: list[Msg], mode: str, tools: list[Tool], parallel: bool) -> list[Segment]:
+    """The ChatML prompt as segments: the template's own role markers (`IM_START`, `IM_END`) flagged special,
+    everything else (roles, message text, tool JSON) plain text, to be tokenized without special-token parsing
+    so that a message's literal "<|im_start|>" stays text. Ends with the open assistant turn."""
     json_mode = mode != "none" and bool(tools)
     system = [m.content for m in msgs if m.role == "system" and m.content]
     head = "\n\n".join(system) or DEFAULT_SYSTEM
     if json_mode:
         head += "\n\n" + tools_block(mode, tools, parallel)
-    parts = [f"{IM_START}system\n{head}{IM_END}\n"]
+    out: list[Segment] = []
+
+    def turn(role: str, body: str) -> None:
+        out.extend(((IM_START, True), (f"{role}\n{body}", False), (IM_END, True), ("\n", False)))
+
+    turn("system", head)
     for m in msgs:
         if m.role == "system":
             continue
@@ -179,14 +205,19 @@ def render(msgs: list[Msg], mode: str, tools: list[Tool], parallel: bool) -> str
                 body = json.dumps({"response": m.content}, ensure_ascii=False)
             else:
                 body = m.content
-            parts.append(f"{IM_START}assistant\n{body}{IM_END}\n")
+            turn("assistant", body)
         elif m.role == "tool":
             label = f"Result of {m.name}" if m.name else "Function result"
-            parts.append(f"{IM_START}user\n{label}: {m.content}{IM_END}\n")
+            turn("user", f"{label}: {m.content}")
         else:
-            parts.append(f"{IM_START}{m.role}\n{m.content}{IM_END}\n")
-    parts.append(f"{IM_START}assistant\n")
-    return "".join(parts)
+            turn(m.role, m.content)
+    out.extend(((IM_START, True), ("assistant\n", False)))
+    return out
+
+
+def render(msgs: list[Msg], mode: str, tools: list[Tool], parallel: bool) -> str:
+    """The ChatML prompt as one string, ending with the open assistant turn."""
+    return "".join(text for text, _ in render_segments(msgs, mode, tools, parallel))
 
 
 def _loads(arguments: str) -> Any:
