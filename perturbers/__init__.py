@@ -16,7 +16,8 @@ import msgspec
 
 from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber, Services
 
-__all__ = ["NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build"]
+__all__ = ["NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build",
+           "operator_only_set"]
 
 _REGISTRY: dict[str, type[Perturber]] = {}
 _loaded = False
@@ -41,6 +42,23 @@ def registry() -> dict[str, type[Perturber]]:
                 importlib.import_module(f"{__name__}.{mod.name}")
         _loaded = True
     return _REGISTRY
+
+
+def operator_only_set(name: str, params: dict[str, Any], allowed: dict[str, Any] | None = None) -> list[str]:
+    """The operator-only parameters (`Perturber.operator_only`) that `params` sets for perturber `name` away from
+    their defaults, unless every operator-only value it leads to is exactly that of `allowed` (the params the
+    operator configured for this step): no mix of the operator's values and the defaults (one host's key sent to
+    another host). Empty when `params` may be used as given."""
+    cls = registry().get(name)
+    if cls is None or not cls.operator_only:
+        return []
+    defaults = {f.name: f.default for f in msgspec.structs.fields(cls) if f.name in cls.operator_only}
+    changed = [key for key, value in params.items() if key in defaults and value != defaults[key]]
+    if not changed:
+        return []
+    if allowed is not None and all(params.get(k, d) == allowed.get(k, d) for k, d in defaults.items()):
+        return []
+    return changed
 
 
 def build(name: str, params: dict[str, Any] | None = None) -> Perturber:

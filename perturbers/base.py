@@ -124,6 +124,11 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: True when `restore` only turns answer text into calls, so a streamed answer's plain text may reach the
     #: client as it arrives (up to what `stream_release` allows) instead of after the whole answer
     streams_text: ClassVar[bool] = False
+    #: parameters only the operator may set (the config file, or the environment through their defaults): those
+    #: naming a host, URL, path, directory, file, environment variable, key or token, or that widen whose data a
+    #: step may use. The admin API refuses a profile that sets one to anything but its default (or the value the
+    #: operator configured for that step); a test fails for a parameter with such a name left undeclared.
+    operator_only: ClassVar[frozenset[str]] = frozenset()
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest | Awaitable[ChatRequest]:
         """Return the perturbed request. May be `async def` (the pipeline awaits what it returns)."""

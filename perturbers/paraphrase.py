@@ -53,6 +53,8 @@ class Paraphrase(Perturber):
 
     name = "paraphrase"
     blocking: ClassVar[bool] = True
+    #: a host to send prompts to, a directory to write to, an environment variable to send as a key: the operator's
+    operator_only: ClassVar[frozenset[str]] = frozenset({"generator_url", "cache_dir", "api_key_env"})
     #: the generator's OpenAI API base URL; empty: $TOOLQUAKE_GENERATOR_URL, else http://127.0.0.1:8000/v1
     generator_url: str = ""
     #: the generator's model name; empty: $TOOLQUAKE_GENERATOR_MODEL, else the model the request names

@@ -151,6 +151,8 @@ class ResponseLengthening(Perturber):
 
     name = "response_lengthening"
     blocking: ClassVar[bool] = True
+    #: "process" pads one client's responses with what another client's tools returned: the operator decides that
+    operator_only: ClassVar[frozenset[str]] = frozenset({"live_records"})
     budget_tokens: int = 20000
     #: 1-based index of the first original record, or a fraction (0.0 = first, 1.0 = last)
     position: int | float = 1

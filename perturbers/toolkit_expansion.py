@@ -74,6 +74,8 @@ class ToolkitExpansion(Perturber):
 
     name = "toolkit_expansion"
     blocking: ClassVar[bool] = True  # embeddings on CPU, and the generator's HTTP calls
+    #: a host to send prompts to, a directory to write to, an environment variable to send as a key: the operator's
+    operator_only: ClassVar[frozenset[str]] = frozenset({"generator_url", "cache_dir", "api_key_env"})
     k: int = 3
     source: str = "retrieval"
     max_similarity: float = 0.8

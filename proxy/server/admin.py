@@ -2,17 +2,21 @@
 
 Enabled only when an admin token is configured (TOOLQUAKE_ADMIN_TOKEN); every call needs
 `Authorization: Bearer <token>`. A PUT is validated like the config file; an invalid one changes nothing.
+The token changes profiles, never hosts, paths, environment variables or secrets: a PUT that sets a perturber's
+operator-only parameter (`Perturber.operator_only`) is refused with 403, and GET shows URLs without credentials.
 """
 
 from __future__ import annotations
 
 import hmac
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 from litestar import Request, Response, route
 
-from toolquake.proxy.server.config import ConfigError, decode_profile
+from toolquake.perturbers import operator_only_set
+from toolquake.proxy.server.config import ConfigError, ProfileSpec, decode_profile
 from toolquake.proxy.server.errors import error_body
 
 if TYPE_CHECKING:
@@ -22,7 +26,7 @@ JSON = "application/json"
 
 
 def _err(status: int, message: str, code: str) -> Response:
-    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
     return Response(content=error_body(message, kind, code), status_code=status, media_type=JSON)
 
 
@@ -30,6 +34,35 @@ def _authorized(st: ProxyState, request: Request) -> bool:
     given = request.headers.get("authorization", "")
     expected = f"Bearer {st.admin_token}"
     return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _refused(spec: ProfileSpec, current: ProfileSpec | None) -> str | None:
+    """Why the admin may not set `spec` (an operator-only parameter), or None. The operator's own values for the
+    same step of the profile being replaced may be sent back unchanged (a GET, edited, PUT again)."""
+    for i, step in enumerate(spec.perturbers):
+        mine = current.perturbers[i] if current is not None and i < len(current.perturbers) else None
+        allowed = mine.params if mine is not None and mine.name == step.name else None
+        names = operator_only_set(step.name, step.params, allowed)
+        if names:
+            listed = ", ".join(repr(n) for n in names)
+            return (f"perturbers[{i}] ({step.name}): {listed} may only be set by the operator, in the config file or "
+                    "the environment (hosts, paths, environment variables and keys are not the admin API's to "
+                    "choose); leave it out to use the operator's default.")
+    return None
+
+
+def _without_credentials(value: Any) -> Any:
+    """A URL's user, password and query hidden (`***`); anything else as it is."""
+    if not isinstance(value, str) or "://" not in value:
+        return value
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
 
 
 def routes(st: ProxyState) -> list[Any]:
@@ -42,7 +75,11 @@ def routes(st: ProxyState) -> list[Any]:
         return None
 
     def profile_json(name: str) -> dict[str, Any]:
-        return {"name": name, **msgspec.to_builtins(st.profiles.get(name).spec)}
+        spec = msgspec.to_builtins(st.profiles.get(name).spec)
+        for step in spec.get("perturbers", []):
+            if isinstance(step.get("params"), dict):
+                step["params"] = {k: _without_credentials(v) for k, v in step["params"].items()}
+        return {"name": name, **spec}
 
     @route("/admin/profiles", http_method=["GET"], name="admin_list")
     async def list_profiles(request: Request) -> Response:
@@ -67,6 +104,9 @@ def routes(st: ProxyState) -> list[Any]:
             return Response(content=b"", status_code=204)
         try:
             spec = decode_profile(await request.body(), name)
+            current = st.profiles.get(name)
+            if (why := _refused(spec, current.spec if current is not None else None)) is not None:
+                return _err(403, why, "operator_only_parameter")
             profile = st.profiles.put(name, spec)
             if st.warm is not None:
                 st.warm([profile])
