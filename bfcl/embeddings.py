@@ -14,9 +14,10 @@ import hashlib
 import importlib.util
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
+
+from toolquake.bfcl.lru import ByteLRU, text_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,11 +58,11 @@ def model_path() -> Path:
 class Embedder:
     """A loaded sentence-transformers model. `model_id` names model and weights (for cache keys)."""
 
-    def __init__(self, path: Path | None = None, *, cache_size: int = 4096) -> None:
+    def __init__(self, path: Path | None = None, *, cache_size: int = 4096, cache_bytes: int = 16 << 20) -> None:
         path = path or model_path()
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._cache_size = cache_size
+        # keyed by texts of requests (queries, tool signatures): bounded in bytes, not only in entries
+        self._cache: ByteLRU[str, Any] = ByteLRU(max_bytes=cache_bytes, max_entries=cache_size)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -105,7 +106,7 @@ class Embedder:
 
     def embed(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
         """Normalised embeddings, shape (len(texts), dim), float32. Texts of calls with at most 256 texts
-        (queries, a toolkit's signatures) are remembered, the last `cache_size` of them."""
+        (queries, a toolkit's signatures) are remembered, the last `cache_size` of them within `cache_bytes`."""
         import numpy as np
 
         texts = list(texts)
@@ -127,9 +128,8 @@ class Embedder:
                 for j, i in enumerate(todo):
                     out[i] = vecs[j]
                     if cacheable:
-                        self._cache[texts[i]] = vecs[j]
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                        vec = vecs[j].copy()  # a row of its own: a view would keep the whole batch alive
+                        self._cache.put(texts[i], vec, text_bytes(texts[i]) + vec.nbytes)
         return np.stack(out)
 
 

@@ -9,10 +9,11 @@ embedding. Without the embeddings extra, only the normal forms are compared (`em
 
 from __future__ import annotations
 
-import functools
 import re
 import threading
 import unicodedata
+
+from toolquake.bfcl.lru import ByteLRU, text_bytes
 
 DEFAULT_THRESHOLD = 0.9
 
@@ -72,9 +73,22 @@ def _numbers(tokens: list[str]) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=65536)
+# normal forms of strings a model wrote (and ground truths): bounded in bytes; longer strings are never kept
+_NORMAL: ByteLRU[str, str] = ByteLRU(max_bytes=8 << 20, max_entries=65536)
+_NORMAL_MAX_CHARS = 4096
+
+
 def normalize(text: str) -> str:
     """The normal form used for equivalence (see the module docstring)."""
+    found = _NORMAL.get(text)
+    if found is None:
+        found = _normalize(text)
+        if len(text) <= _NORMAL_MAX_CHARS:
+            _NORMAL.put(text, found, text_bytes(text) + text_bytes(found))
+    return found
+
+
+def _normalize(text: str) -> str:
     text = _THOUSANDS.sub("", _strip_accents(text))
     tokens: list[str] = []
     for raw in _NON_WORD.split(text.replace("&", " and ")):

@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 _lock = threading.Lock()
+#: bytes a generator cache directory may grow to (its keys come from client text: every new prompt adds a file);
+#: beyond it nothing more is written (answers are still used). $TOOLQUAKE_GENERATOR_CACHE_MAX_BYTES overrides it.
+ENV_CACHE_MAX = "TOOLQUAKE_GENERATOR_CACHE_MAX_BYTES"
+DEFAULT_CACHE_MAX = 1024**3
+# directory → bytes this process knows it holds (counted once, then kept up to date by its writes)
+_held: dict[Path, int] = {}
+_held_lock = threading.Lock()
 
 
 class GeneratorError(RuntimeError):
@@ -27,9 +34,23 @@ def toolquake_cache() -> Path:
     return Path(os.environ.get("TOOLQUAKE_CACHE") or Path.home() / ".cache" / "toolquake")
 
 
+def _size_of(directory: Path) -> int:
+    total = 0
+    try:
+        for sub in os.scandir(directory):
+            if sub.is_dir(follow_symlinks=False):
+                for entry in os.scandir(sub.path):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
 class DiskCache:
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int | None = None) -> None:
         self.directory = Path(directory)
+        self.max_bytes = max_bytes if max_bytes is not None else int(os.environ.get(ENV_CACHE_MAX) or DEFAULT_CACHE_MAX)
 
     @staticmethod
     def key(*parts: Any) -> str:
@@ -44,17 +65,27 @@ class DiskCache:
         except (OSError, ValueError):
             return None
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: dict[str, Any]) -> bool:
+        """Write `value` under `key`; False (nothing written) when the directory is at `max_bytes`."""
+        data = json.dumps(value, ensure_ascii=False).encode()
+        with _held_lock:
+            held = _held.get(self.directory)
+            if held is None:
+                held = _held[self.directory] = _size_of(self.directory)
+            if held + len(data) > self.max_bytes:
+                return False
+            _held[self.directory] = held + len(data)
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(value, f, ensure_ascii=False)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        return True
 
 
 class Generator:

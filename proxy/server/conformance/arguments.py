@@ -23,6 +23,10 @@ _tools_only = msgspec.json.Decoder(_ToolsOnly).decode
 #: the tools of recent requests by their bytes, as `Offered.tools` has them (read-only once built)
 _TOOLS: dict[bytes, dict[str, dict[str, Any]]] = {}
 _TOOLS_MAX, _TOOLS_MAX_BYTES = 64, 256 * 1024
+#: the bytes `_TOOLS` may hold in all, counting each entry as its key and a decoded form of ~3x its size (#28:
+#: client-keyed caches are bounded in bytes); over it, or at _TOOLS_MAX entries, it starts again empty
+_TOOLS_BUDGET = 8 * 1024 * 1024
+_tools_held = [0]
 
 
 class Offered:
@@ -62,9 +66,12 @@ class Offered:
             if tools is None:
                 tools = cls.from_request({"tools": _decode(key)}).tools
                 if len(key) <= _TOOLS_MAX_BYTES:
-                    if len(_TOOLS) >= _TOOLS_MAX:
+                    cost = 4 * len(key)
+                    if len(_TOOLS) >= _TOOLS_MAX or _tools_held[0] + cost > _TOOLS_BUDGET:
                         _TOOLS.clear()
+                        _tools_held[0] = 0
                     _TOOLS[key] = tools
+                    _tools_held[0] += cost
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
             return cls({})
         return cls(tools, found.tool_choice)
