@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import stat
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cases.test_recording import TOOLS, metric, read, toolquake
-from tests.conftest import free_port, start_proxy
+from tests.conftest import ROOT, free_port, start_proxy
 
 
 def sqlite_db(path: Path) -> Path:
@@ -42,11 +45,20 @@ def png(path: Path) -> Path:
 
 
 def serve_refused(path: Path, *extra: str) -> str:
-    """`toolquake serve --record path` exits non-zero before serving; its stderr."""
-    r = toolquake("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", str(free_port()), "--record", str(path),
-                  *extra)
-    assert r.returncode != 0, (r.stdout, r.stderr)
-    return r.stderr
+    """`toolquake serve --record path` exits non-zero before serving; its stderr. A server that starts
+    instead (the old recorder did, after "repairing" the file) is killed with its workers, and fails."""
+    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "serve", "--upstream", "http://127.0.0.1:9/v1",
+                             "--port", str(free_port()), "--record", str(path), *extra], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"toolquake serve --record {path} did not refuse the file: it was still running after 120 s")
+    assert proc.returncode != 0, (out, err)
+    return err
 
 
 def snapshot(path: Path) -> tuple[bytes, int, int]:

@@ -215,22 +215,20 @@ HOSTILE_UNITS = ["a", "A", "1", "/", ":", "-", "_", " ", "\n", "://a", "://a:b",
 def test_the_redactor_is_linear_on_hostile_text():
     from toolquake.proxy.live.redact import REDACTED, Redactor
 
-    redactor = Redactor(["TOKEN-[0-9]+-[A-Z]+"], timeout=120)
+    redactor = Redactor(["TOKEN-[0-9]+-[A-Z]+"], timeout=10)
     small, big = 1 << 17, 1 << 20
     for unit in HOSTILE_UNITS:
         def took(n: int) -> float:
+            """CPU seconds of this thread (the matching runs in it), so a busy machine does not count."""
             text = (unit * (n // len(unit) + 1))[:n] + "!"
-            best = float("inf")
-            for _ in range(2):  # the best of two: the machine is shared
-                t = time.perf_counter()
-                redactor.text(text)
-                best = min(best, time.perf_counter() - t)
-            return best
+            t = time.thread_time()
+            redactor.text(text)
+            return time.thread_time() - t
 
         t_small, t_big = took(small), took(big)
-        # linear: 8x the text takes about 8x the time (quadratic: 64x); a wide margin for a busy machine
-        assert t_big < 24 * t_small + 0.5, (unit, t_small, t_big)
-        assert t_big < 30.0, (unit, t_big)  # and bounded: well under the 5 s budget on an idle core
+        # linear: 8x the text takes about 8x the time (quadratic: 64x); a wide margin
+        assert t_big < 24 * t_small + 0.2, (unit, t_small, t_big)
+        assert t_big < 5.0, (unit, t_big)  # and within the default budget, 5 CPU seconds per text
     assert redactor.timeouts == 0
     assert redactor.text("x sk-" + "a" * 30) == f"x {REDACTED}"
 
