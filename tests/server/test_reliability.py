@@ -19,12 +19,21 @@ CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
                 ids=["aiohttp", "httpx", "native", "native-2workers"])
 def proxy_1s(fake_upstream, request):
     """The fault matrix runs against every upstream client (`[server] upstream_client`), and against two
-    worker processes sharing the port (`--workers 2`)."""
+    worker processes sharing the port (`--workers 2`).
+
+    With several workers, `/healthz` answers as soon as one of them serves; the others may still be starting.
+    A worker that has not started adds nothing to `toolquake_event_loop_tasks` (its share of the summed gauge
+    is 0 until its event loop runs), so a baseline read then is short by that worker's idle tasks, and every
+    later reading looks like "N task(s) left behind" (seen under load: the sum went 6 -> 11 in the first half
+    second after `/healthz` answered). So the fixture waits until every worker has served a request."""
     from tests.conftest import start_proxy
+    from tests.server.test_workers import on_every_worker
 
     client, workers = request.param
     config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{client}"\n')
     proc = start_proxy(fake_upstream.url, config, None, "--workers", str(workers))
+    if workers > 1:
+        on_every_worker(proc, lambda: httpx.post(f"{proc.url}/v1/chat/completions", json=body()), per_worker=1)
     yield proc
     proc.stop()
 
