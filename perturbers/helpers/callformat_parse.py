@@ -40,7 +40,7 @@ import json
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 DECODER_FAILED = "decoder_failed"
 WRONG_OUTPUT_FORMAT = "decoder_wrong_output_format"
@@ -56,7 +56,10 @@ _CLOSING = {_TOOLCALL: "</TOOLCALL>", _FUNCTIONS: "</functions>"}
 _JSON_OPEN = re.compile(r"\[\s*{")
 _JSON_CLOSE = re.compile(r"}\s*]")
 _FENCE = re.compile(r"```[A-Za-z0-9_+.-]*")
-_XML_TAG = re.compile(r"<(/?)([A-Za-z_][\w.:-]*)((?:\s+[^<>]*?)?)(/?)>")
+# an XML tag is `<`, an optional `/`, a name `[A-Za-z_][\w.:-]*`, then `>`, `/>`, or whitespace and any text
+# without `<`/`>` up to the first `>` (`/>` makes it self-closing). Found by `_xml_tags` in linear time (the
+# regex `<(/?)([A-Za-z_][\w.:-]*)((?:\s+[^<>]*?)?)(/?)>` was quadratic on `<a` and a long whitespace run)
+_XML_NAME = re.compile(r"[A-Za-z_][\w.:-]*")
 _BFCL_XML_TYPES = ("string", "integer", "float", "boolean", "null", "array", "tuple", "object", "dict")
 #: end tags lenient parsing may add where a model forgot them
 _AUTO_CLOSE = ("functions", "function", "params")
@@ -400,15 +403,43 @@ def _json_lenient(segment: str, tagged: bool, fired: list[str]) -> list[dict[str
     return calls
 
 
+def _xml_tags(block: str) -> Iterator[tuple[int, int, bool, str, bool]]:
+    """Each tag of `block` (see `_XML_NAME`) as (start, end, closing, name, self-closing), left to right.
+
+    Linear: a tag's text holds no `<`, so each try at a `<` reads only up to the next `<`."""
+    n = len(block)
+    at = block.find("<")
+    while at >= 0:
+        closing = block.startswith("/", at + 1)
+        m = _XML_NAME.match(block, at + 1 + closing)
+        name = m.group(0) if m is not None else ""
+        end = -1
+        if m is not None and m.end() < n:
+            after = m.end()
+            c = block[after]
+            if c == ">":
+                end = after + 1
+            elif c == "/":
+                end = after + 2 if block.startswith(">", after + 1) else -1
+            elif c.isspace():  # str.isspace is the regex `\s` on str
+                following = block.find("<", after)
+                gt = block.find(">", after, n if following < 0 else following)
+                end = gt + 1 if gt >= 0 else -1
+        if end < 0:
+            at = block.find("<", at + 1)
+            continue
+        yield at, end, closing, name, block[end - 2] == "/"
+        at = block.find("<", end)
+
+
 def _close_tags(block: str, fired: list[str]) -> str:
     """Insert end tags a model forgot, where their place is unambiguous; DecodeError otherwise."""
     out: list[str] = []
     stack: list[str] = []
     pos = 0
-    for m in _XML_TAG.finditer(block):
-        out.append(block[pos:m.start()])
-        pos = m.end()
-        closing, name, selfclosing = m.group(1), m.group(2), m.group(4)
+    for start, end, closing, name, selfclosing in _xml_tags(block):
+        out.append(block[pos:start])
+        pos = end
         if not selfclosing and not closing:
             stack.append(name)
         elif closing and stack and stack[-1] == name:
@@ -422,7 +453,7 @@ def _close_tags(block: str, fired: list[str]) -> str:
                 raise DecodeError(f"<{missing[-1]}> is never closed")
             out.extend(f"</{n}>" for n in reversed(missing))
             del stack[at:]
-        out.append(m.group(0))
+        out.append(block[start:end])
     out.append(block[pos:])
     if any(n not in _AUTO_CLOSE for n in stack):
         raise DecodeError(f"<{stack[-1]}> is never closed")

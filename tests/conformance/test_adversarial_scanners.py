@@ -126,3 +126,38 @@ def test_a_call_after_hostile_text_is_still_found() -> None:
     nested = '[{"x": ' + call + "}]"
     found = content.json_objects("see " + nested, TOOLS)
     assert found is not None and ("see " + nested)[found.start:found.end] == call
+
+
+XML_ENTRY_POINTS = sorted(n for n in ENTRY_POINTS if n.startswith("parse_") and "xml" in n)
+
+
+@pytest.mark.parametrize("name", XML_ENTRY_POINTS)
+@pytest.mark.parametrize("space", ["\t", "\x0b", "\u3000"], ids=["tab", "vtab", "ideographic"])
+@pytest.mark.parametrize("shape", ["one_tag", "many_tags"])
+def test_xml_tag_finder_on_an_open_tag_and_long_whitespace(name: str, space: str, shape: str) -> None:
+    """`<a` and a long whitespace run with no `>`: the tag regex of the XML repair (lenient/live parsing) tried
+    every split of the run (16 KiB of tabs: 8-16 s); the scanner reads it once. Spaces and newlines are stripped
+    before XML parsing, other whitespace is not."""
+    fn = ENTRY_POINTS[name]
+    size = 32 * KIB
+    text = "<functions>" + ("<a" + space * size if shape == "one_tag" else ("<a" + space * 500) * (size // 500))
+    fn(text[:2 * KIB])
+    cost = _ms_per_kib(fn, text)
+    assert cost < MS_PER_KIB, f"{name} on <a + {space!r}*n ({shape}): {cost:.1f} ms/KiB at 32 KiB"
+
+
+def test_xml_repair_still_closes_what_a_model_left_open() -> None:
+    """The tag scanner keeps the repair's answers: attributes after whitespace of other kinds, spaces around `=`,
+    self-closing tags, an unclosed `<params>`/`<function>`/`<functions>`; an element that is not one of those
+    left open is still an error."""
+    text = ('<functions><function\tname="get_weather"><params>\u3000<param name="city"\tvalue="Paris" '
+            'type="string"/><param name = "days" value="3" type="integer"/>')
+    found = cp.parse_lenient(text, "verbose_xml", False)
+    assert found.ok and found.calls == [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
+    assert found.leniencies == ("unclosed_tag",)
+    fired: list[str] = []
+    repaired = cp._close_tags('<functions><function name="f"><params><x\t/></params>', fired)
+    assert repaired == '<functions><function name="f"><params><x\t/></params></function></functions>'
+    assert fired == ["unclosed_tag"]
+    with pytest.raises(cp.DecodeError, match="<value> is never closed"):
+        cp._close_tags("<functions><value a='>'>1</functions>", [])
