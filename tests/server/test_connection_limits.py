@@ -384,3 +384,18 @@ def test_two_workers_each_hold_the_request_limit(two_workers):
             assert r.json()["error"]["code"] in ("too_many_requests", "too_many_connections")
             assert r.headers["retry-after"] == "1"
     _served(two_workers)
+
+
+@pytest.mark.parametrize("fragment", ["header_timeout = 0", "max_client_connections = 0", "max_in_flight_requests = 0",
+                                      "max_url_bytes = 0", "max_header_bytes = 100\nmax_url_bytes = 200",
+                                      "keep_alive_timeout = -1"])
+def test_limits_that_would_refuse_everything_are_config_errors(tmp_path, fragment):
+    from toolquake.proxy.server.config import ConfigError, load_config
+
+    path = tmp_path / "limits.toml"
+    path.write_text(f"[server]\n{fragment}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env={})
+    assert fragment.split()[0] in str(raised.value) or fragment.splitlines()[-1].split()[0] in str(raised.value)
+    path.write_text("[server]\nheader_timeout = 0.5\nmax_client_connections = 1\n")
+    assert load_config(path, env={}).server.max_client_connections == 1
