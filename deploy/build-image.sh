@@ -6,7 +6,7 @@
 #   deploy/build-image.sh --setup-only         # only podman + containers.conf + the base image
 #
 # Steps (each skipped when already done):
-#  1. podman, buildah, runc, debootstrap from apt when missing (only as root with apt-get);
+#  1. podman, buildah, runc, debootstrap, catatonit from apt when missing (only as root with apt-get);
 #  2. /etc/containers/containers.conf when none exists (as root): host network, cgroupfs, runc, file
 #     events, default ulimits within what a sandboxed machine allows (see deploy/README.md);
 #  3. the base images: PYTHON_IMAGE / BUILD_IMAGE when given; else the Dockerfile's python:3.11 images
@@ -27,12 +27,14 @@ CONTAINERS_CONF=${CONTAINERS_CONF:-/etc/containers/containers.conf}
 log() { echo "build-image: $*" >&2; }
 
 # ---- 1. the engine ------------------------------------------------------------------------------------
-if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null; then
+# catatonit: the pause process of a pod's infra container (`podman kube play`)
+if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null \
+   || ! command -v catatonit >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    log "installing podman buildah runc debootstrap"
+    log "installing podman buildah runc debootstrap catatonit"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      podman buildah runc debootstrap uidmap fuse-overlayfs slirp4netns >&2
+      podman buildah runc debootstrap catatonit uidmap fuse-overlayfs slirp4netns >&2
   else
     log "podman/runc/debootstrap missing and cannot be installed here (needs root and apt-get)"
     exit 3

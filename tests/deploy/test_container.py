@@ -1,0 +1,493 @@
+"""The image for real: built from deploy/Dockerfile with podman (deploy/build-image.sh, as `make image` does) and
+run as a container against the fake upstream on the host (containers share the host's network:
+containers.conf's netns = "host").
+
+Marked `container` (deselect with `-m "not container"`). Skipped, with the reason, where podman cannot run a
+container here (no podman and no root/apt to install it, or the runtime refuses to start one). Every container is
+removed at the end, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, recorded, start_fake_upstream
+
+pytestmark = pytest.mark.container
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = os.environ.get("TOOLQUAKE_TEST_IMAGE", "localhost/toolquake:0.1.0")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert out.returncode == 0, f"podman {' '.join(args)}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """podman set up (installed and configured when root with apt), the base, then the image: built once."""
+    setup = subprocess.run([str(ROOT / "deploy" / "build-image.sh"), "--setup-only"], capture_output=True,
+                           text=True, timeout=900)
+    if setup.returncode != 0:
+        pytest.skip(f"podman cannot be set up here: {(setup.stderr or setup.stdout).strip()[-500:]}")
+    base = re.search(r"PYTHON_IMAGE=(\S+)", setup.stdout).group(1)
+    probe = subprocess.run(["podman", "run", "--rm", base, "true"], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"podman cannot run a container here: {probe.stderr.strip()[-500:]}")
+    started = time.monotonic()
+    build = subprocess.run([str(ROOT / "deploy" / "build-image.sh")], capture_output=True, text=True, timeout=1200,
+                           env={**os.environ, "IMAGE": IMAGE})
+    assert build.returncode == 0, f"the image did not build:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"
+    print(f"image {IMAGE} built in {time.monotonic() - started:.1f} s")
+    return IMAGE
+
+
+class Containers:
+    """Containers started for one test; all removed afterwards."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def run(self, *args: str, image: str = IMAGE, command: tuple[str, ...] = ()) -> str:
+        name = f"tq-test-{uuid.uuid4().hex[:10]}"
+        self.names.append(name)
+        podman("run", "-d", "--name", name, *args, image, *command)
+        return name
+
+    def logs(self, name: str) -> str:
+        out = podman("logs", name, check=False)
+        return out.stdout + out.stderr
+
+    def remove(self) -> None:
+        for name in self.names:
+            podman("rm", "-f", "-t", "0", name, check=False, timeout=60)
+
+
+@pytest.fixture
+def containers() -> Iterator[Containers]:
+    c = Containers()
+    try:
+        yield c
+    finally:
+        c.remove()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    fake = start_fake_upstream()
+    yield fake.url
+    fake.stop()
+
+
+def wait_for(url: str, name: str, c: Containers, timeout: float = 60.0) -> float:
+    """Seconds until GET url answers 200 (the container must stay up meanwhile)."""
+    started = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        state = podman("inspect", "-f", "{{.State.Status}}", name, check=False).stdout.strip()
+        assert state == "running", f"{name} is {state}:\n{c.logs(name)}"
+        assert time.monotonic() - started < timeout, f"{url} never answered 200:\n{c.logs(name)}"
+        time.sleep(0.1)
+
+
+def serve(c: Containers, upstream: str, *extra: str) -> tuple[str, str]:
+    """The image's default command, hardened as the manifests run it: only /tmp writable."""
+    port = free_port()
+    # podman's --read-only alone mounts tmpfs on /tmp, /var/tmp and /run (Docker's does not): turned off here
+    name = c.run("--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp", "--cap-drop", "ALL",
+                 "--security-opt", "no-new-privileges",
+                 "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1", "-e", f"TOOLQUAKE_PORT={port}",
+                 "-e", "TOOLQUAKE_WORKERS=1", *extra)
+    return name, f"http://127.0.0.1:{port}"
+
+
+def test_non_root_read_only_root_and_only_tmp_writable(image: str, upstream: str, containers: Containers) -> None:
+    name, url = serve(containers, upstream)
+    healthz = wait_for(f"{url}/healthz", name, containers)
+    readyz = wait_for(f"{url}/readyz", name, containers)
+    print(f"/healthz after {healthz:.2f} s, /readyz {readyz:.2f} s later")
+    # wide margin for a shared 2-core machine; docs/benchmarks.md has the measured figure (goal: 2 s)
+    assert healthz + readyz < 20
+    assert podman("exec", name, "id", "-u").stdout.strip() == "10001"
+    for path in ("/opt/toolquake/x", "/home/toolquake/x", "/var/tmp/x", "/var/cache/toolquake/x"):
+        denied = podman("exec", name, "sh", "-c", f"echo x > {path}", check=False)
+        assert denied.returncode != 0 and "Read-only file system" in denied.stderr, (path, denied)
+    assert podman("exec", name, "sh", "-c", "echo x > /tmp/x && cat /tmp/x").stdout.strip() == "x"
+    # the HEALTHCHECK survived the build (--format docker) and passes
+    config = json.loads(podman("image", "inspect", image).stdout)[0]
+    assert "/healthz" in " ".join(config["Healthcheck"]["Test"])
+    assert podman("healthcheck", "run", name, check=False).returncode == 0
+
+
+def test_without_a_writable_tmp_the_start_fails_and_says_why(image: str, upstream: str,
+                                                              containers: Containers) -> None:
+    """Why the docs insist on /tmp: nothing writable at all, and the server cannot start."""
+    port = free_port()
+    name = containers.run("--read-only", "--read-only-tmpfs=false", "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1",
+                          "-e", f"TOOLQUAKE_PORT={port}")
+    code = podman("wait", name, timeout=60).stdout.strip()
+    assert code != "0"
+    assert "no usable temporary directory" in containers.logs(name).lower()
+
+
+def test_a_perturbed_completion_and_a_responses_stream_are_relayed_and_counted(
+        image: str, upstream: str, containers: Containers) -> None:
+    from openai import OpenAI
+
+    name, url = serve(containers, upstream)
+    wait_for(f"{url}/readyz", name, containers)
+    tag = uuid.uuid4().hex
+    client = OpenAI(base_url=f"{url}/p/noisy/v1", api_key="sk-test", default_headers={"X-Test-Tag": tag})
+    question = "What is the weather like in the beautiful city of Oslo today, please tell me?"
+    answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
+                                            tools=TOOLS, seed=3)
+    assert answer.choices[0].message.tool_calls[0].function.name == "get_weather"
+    (seen,) = recorded_by(upstream, tag)
+    assert json.loads(seen["body"])["messages"][-1]["content"] != question, "the noisy profile perturbed the message"
+
+    stream = client.responses.create(model="m", input="weather in Oslo?", tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}], stream=True)
+    events = [event.type for event in stream]
+    assert events[0] == "response.created" and events[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in events
+
+    metrics = httpx.get(f"{url}/metrics").text
+    counted = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^toolquake_requests_total\{([^}]*profile="noisy"[^}]*)\} (\S+)', metrics, re.M)}
+    assert sum(counted.values()) >= 2, metrics[:3000]
+    assert re.search(r'^toolquake_perturbations_total\{perturber="surface_noise"\} [1-9]', metrics, re.M), \
+        metrics[:3000]
+
+
+def recorded_by(upstream: str, tag: str) -> list[dict]:
+    class _Fake:  # recorded() wants an object with .url
+        url = upstream
+    return recorded(_Fake(), tag)  # type: ignore[arg-type]
+
+
+def test_sigterm_drains_a_stream_in_flight_and_the_container_exits_0(
+        image: str, upstream: str, containers: Containers) -> None:
+    name, url = serve(containers, upstream)
+    wait_for(f"{url}/readyz", name, containers)
+    got: list[bytes] = []
+    first = threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/p/noisy/v1/chat/completions", timeout=60, json={
+                    "model": "m", "stream": True, "tools": TOOLS,
+                    "messages": [{"role": "user", "content": "weather in Oslo?"}]},
+                    headers={"X-Fake-Fault": "chunk-delay:300"}) as r:
+                for chunk in r.iter_bytes():
+                    got.append(chunk)
+                    first.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+            first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(30), "no first chunk"
+    podman("kill", "--signal", "TERM", name)
+    reader.join(90)
+    assert not reader.is_alive() and not errors, errors
+    body = b"".join(got).decode()
+    assert body.rstrip().endswith("data: [DONE]"), body[-500:]
+    assert body.count("data: ") >= 4
+    code = podman("wait", name, timeout=60).stdout.strip()
+    assert code == "0", containers.logs(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pod: k8s/overlays/sidecar under `podman kube play`
+
+AGENT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import httpx
+    from openai import OpenAI
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    base = os.environ["OPENAI_BASE_URL"]
+    root = base.split("/p/")[0]
+    deadline = time.monotonic() + 120
+    while True:  # what the native sidecar's startupProbe did for the agent (see the adaptations)
+        try:
+            if httpx.get(root + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the sidecar never became ready"
+        time.sleep(0.2)
+    client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment, like any agent
+    tools = [{"type": "function", "function": {"name": name, "description": "look something up",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]}}} for name in ("get_weather", "get_time", "get_population")]
+    calls = []
+    for city in ["Oslo", "Lima", "Pune", "Accra", "Quito", "Hanoi", "Perth", "Turin", "Cork", "Bergen",
+                 "Dakar", "Sucre", "Split", "Graz", "Hue", "Bonn", "Nice", "Kobe", "Fez", "Ulm"]:
+        answer = client.chat.completions.create(model="agent-model", tools=tools,
+                                                messages=[{"role": "user", "content": f"Weather in {city}?"}])
+        calls.append(answer.choices[0].message.tool_calls[0].function.name)
+    print("AGENT-DONE " + json.dumps({"calls": calls}), flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def podman_pod(image: str, port: int, model_port: int, agent_dir: Path) -> list[dict]:
+    """The rendered sidecar overlay with the adaptations `podman kube play` (4.3, in this sandbox) needs; each
+    one says why. The manifests in k8s/ stay valid Kubernetes (tests/deploy/test_deploy_k8s.py)."""
+    from tests.deploy.test_deploy_k8s import build
+
+    objects = build(ROOT / "k8s" / "overlays" / "sidecar")
+    # the PodMonitor is prometheus-operator's: nothing for podman to run
+    objects = [copy.deepcopy(o) for o in objects if o["kind"] in ("ConfigMap", "Deployment")]
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    # no bridge network in the sandbox (containers.conf netns = "host"): the pod uses the host's
+    spec["hostNetwork"] = True
+    # podman applies the pod's restartPolicy (a Deployment's: Always) to init containers too: the cache copy
+    # would start again and kube play fails removing it while it runs
+    spec["restartPolicy"] = "OnFailure"
+    (cache_init, sidecar) = spec["initContainers"]
+    # podman refuses the native sidecar (an init container with restartPolicy: Always): it becomes a regular
+    # container; the agent then waits for /readyz itself (AGENT), as the kubelet's startupProbe made it wait
+    del sidecar["restartPolicy"]
+    spec["initContainers"] = [cache_init]
+    spec["containers"].insert(0, sidecar)
+    env = {e["name"]: e for e in sidecar["env"]}
+    # the pod shares the host's ports: free ones instead of 8080, and the model server on loopback
+    env["TOOLQUAKE_PORT"]["value"] = str(port)
+    env["TOOLQUAKE_UPSTREAM"]["value"] = f"http://127.0.0.1:{model_port}/v1"
+    # and podman turns container ports into port mappings, which host networking refuses: none (the probes use
+    # the number, the PodMonitor is not played)
+    del sidecar["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # podman loses a named probe port (it probes localhost:0): the number instead
+        sidecar[probe]["httpGet"]["port"] = port
+    for c in (cache_init, sidecar):
+        c["image"] = image
+    agent = spec["containers"][1]
+    agent_env = {e["name"]: e for e in agent["env"]}
+    agent_env["OPENAI_BASE_URL"]["value"] = agent_env["OPENAI_BASE_URL"]["value"].replace(":8080/", f":{port}/")
+    # podman refuses a missing Secret: the key comes as a plain value (the fake upstream checks none)
+    agent_env["OPENAI_API_KEY"] = {"name": "OPENAI_API_KEY", "value": "sk-test-agent"}
+    agent["env"] = [*agent_env.values(), {"name": "PYTHONPATH", "value": "/agent-site"},
+                    {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    # the agent: the openai SDK from this checkout's environment (site-packages mounted), on the image's Python
+    agent["image"] = image
+    # (a file: podman's YAML reading fails on a multi-line script in `command`)
+    agent_dir.mkdir(exist_ok=True)
+    agent_dir.chmod(0o755)  # read by the image's user (10001)
+    (agent_dir / "agent.py").write_text(AGENT)
+    (agent_dir / "agent.py").chmod(0o644)
+    agent["command"] = ["python", "/agent/agent.py"]
+    agent.setdefault("volumeMounts", []).extend([
+        {"name": "agent-site", "mountPath": "/agent-site", "readOnly": True},
+        {"name": "agent-script", "mountPath": "/agent", "readOnly": True}])
+    spec["volumes"].append({"name": "agent-script", "hostPath": {"path": str(agent_dir), "type": "Directory"}})
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "openai").is_dir())
+    spec["volumes"].append({"name": "agent-site", "hostPath": {"path": str(site), "type": "Directory"}})
+    # the model server: the fake upstream (this checkout's tests/ mounted) on the image's Python
+    spec["containers"].append({
+        "name": "model", "image": image, "command": ["python", "-m", "tests.fake_upstream", "--port", str(model_port)],
+        "workingDir": "/src", "env": [{"name": "PYTHONPATH", "value": "/src"}],
+        "volumeMounts": [{"name": "tests", "mountPath": "/src/tests", "readOnly": True}]})
+    spec["volumes"].append({"name": "tests", "hostPath": {"path": str(ROOT / "tests"), "type": "Directory"}})
+    return objects
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_the_sidecar_pod_under_podman_kube_play(image: str, tmp_path: Path) -> None:
+    port, model_port = free_port(), free_port()
+    manifest = tmp_path / "pod.yaml"
+    # JSON documents (valid YAML): podman's YAML reader chokes on PyYAML's folding of the ConfigMap's long lines
+    objects = podman_pod(image, port, model_port, tmp_path / "agent")
+    manifest.write_text("\n---\n".join(json.dumps(o) for o in objects))
+    pod = "agent-pod-0"  # the Deployment's first replica
+    podman("kube", "down", str(manifest), check=False)
+    try:
+        podman("kube", "play", str(manifest), timeout=300)
+        deadline = time.monotonic() + 180
+        agent_log = ""
+        while "AGENT-DONE" not in agent_log:
+            assert time.monotonic() < deadline, f"the agent never finished:\n{agent_log}\n" + \
+                podman("pod", "logs", pod, check=False).stdout[-4000:]
+            time.sleep(1)
+            agent_log = podman("logs", f"{pod}-agent", check=False).stdout
+        calls = json.loads(agent_log.split("AGENT-DONE ", 1)[1].splitlines()[0])["calls"]
+        assert calls == ["get_weather"] * 20, calls
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert metric_sum(metrics, "toolquake_requests_total", profile="staging") == 20, metrics[:3000]
+        # the staging profile is a shadow profile: a quarter of the requests get a perturbed twin, scored against
+        # the original answer (sampling is seeded by the request: this loop always samples some)
+        deadline = time.monotonic() + 30
+        while metric_sum(metrics, "toolquake_consistency_total", profile="staging") < 1:
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.5)
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        answered = metric_sum(metrics, "toolquake_shadow_requests_total", profile="staging", outcome="answered")
+        assert 1 <= answered < 20
+        assert metric_sum(metrics, "toolquake_perturbations_total") >= answered
+        podman("pod", "stop", "-t", "30", pod, timeout=120)
+        for container in ("toolquake", "agent", "model"):
+            code = podman("inspect", "-f", "{{.State.ExitCode}}", f"{pod}-{container}").stdout.strip()
+            assert code == "0", f"{container} exited {code}:\n" + podman("logs", f"{pod}-{container}").stderr[-3000:]
+    finally:
+        podman("kube", "down", str(manifest), check=False, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded replay as containers (what k8s/overlays/replay's Indexed Job and replay-merge's Job do)
+
+REPLAY_LIMIT = 16
+REPLAY_PROFILES = "off,reversed"
+
+
+@pytest.fixture(scope="module")
+def oracle_upstream() -> Iterator[tuple[str, list, set]]:
+    """The fake upstream answering each case with its ground truth, except every fourth (tests/replay)."""
+    from tests.replay.test_replay import WRONG_EVERY, _oracle_script
+    from toolquake.bfcl.corpus import load_category
+
+    try:
+        cases = load_category("multiple")[:REPLAY_LIMIT]
+    except FileNotFoundError as exc:
+        pytest.skip(f"no corpus: {exc}")
+    wrong = {c.id for i, c in enumerate(cases) if i % WRONG_EVERY == 0}
+    fake = start_fake_upstream("--script", str(_oracle_script(cases, wrong)))
+    yield fake.url, cases, wrong
+    fake.stop()
+
+
+def results(db: Path) -> dict[tuple[str, str], dict]:
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)  # see count_rows
+    conn.row_factory = sqlite3.Row
+    try:
+        return {(r["case_id"], r["profile"]): dict(r) for r in conn.execute("SELECT * FROM results")}
+    finally:
+        conn.close()
+
+
+def count_rows(db: Path) -> int:
+    import sqlite3
+
+    if not db.exists():
+        return 0
+    try:
+        # read-only: no file created here as root that the container user would then have to open
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return conn.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:  # caught mid-write, or not created yet
+        return 0
+
+
+@pytest.mark.needs_corpus
+def test_sharded_replay_in_containers_merges_to_the_single_process_replay(
+        image: str, oracle_upstream: tuple[str, list, set], containers: Containers, tmp_path: Path) -> None:
+    url, cases, wrong = oracle_upstream
+    cache = Path(os.environ.get("TOOLQUAKE_CACHE", Path.home() / ".cache" / "toolquake"))
+    # the corpus as the image's user can read it (the Job's image bakes it in with BAKE_CORPUS=1; this machine's
+    # cache is root's own, 0700)
+    corpus_dir = tmp_path / "bfcl"
+    shutil.copytree(cache / "bfcl", corpus_dir, ignore=shutil.ignore_patterns("backends-*", "wheels"))
+    for d, _, files in os.walk(corpus_dir):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o644)
+    shared = tmp_path / "results"  # the Job's results claim
+    shared.mkdir()
+    os.chown(shared, 10001, 10001)
+    selection = ["--backend", f"{url}/v1", "--profiles", REPLAY_PROFILES, "--categories", "multiple",
+                 "--limit", str(REPLAY_LIMIT), "--concurrency", "1", "--header", "X-Fake-Fault: delay:150"]
+
+    def shard(i: int) -> str:
+        corpus = f"{corpus_dir}:/var/cache/toolquake/bfcl:ro"
+        return containers.run("-e", f"JOB_COMPLETION_INDEX={i}", "-v", corpus, "-v", f"{shared}:/results",
+                              "--entrypoint", "toolquake", command=("replay", "--no-progress", *selection,
+                                                                    "--shard", "2", "--out", f"/results/shard-{i}"))
+
+    pairs = 2 * len(cases)
+    db0 = shared / "shard-0" / "replay-shard-0-of-2.sqlite"
+    first = shard(0)
+    second = shard(1)
+    # shard 0 is killed (SIGKILL) in the middle, then its container is run again: it resumes
+    deadline = time.monotonic() + 120
+    while count_rows(db0) < 3:
+        assert time.monotonic() < deadline, containers.logs(first)
+        time.sleep(0.05)
+    podman("kill", first)
+    assert podman("wait", first, timeout=60).stdout.strip() == "137"
+    done_before = count_rows(db0)
+    assert 3 <= done_before < pairs // 2, "killed mid-shard"
+    again = shard(0)
+    for name in (second, again):
+        code = podman("wait", name, timeout=300).stdout.strip()
+        assert code == "0", containers.logs(name)
+    # the merge step (replay-merge's Job) in a container; /results read-write as that Job mounts it (SQLite
+    # creates a WAL database's -shm file even to read it: `toolquake report` fails on a read-only mount)
+    merge = containers.run("-v", f"{shared}:/results", "--entrypoint", "toolquake", command=(
+        "report", "--format", "json", "/results/shard-0", "/results/shard-1"))
+    assert podman("wait", merge, timeout=120).stdout.strip() == "0", containers.logs(merge)
+    merged = json.loads(podman("logs", merge).stdout)
+    got0, got1 = results(db0), results(shared / "shard-1" / "replay-shard-1-of-2.sqlite")
+    assert all(r["attempts"] == 1 and r["status"] == "scored" for r in [*got0.values(), *got1.values()]), \
+        "every pair recorded exactly once"
+    assert len(got0) + len(got1) == pairs and not set(got0) & set(got1)
+
+
+    # the same selection replayed by one process on the host
+    single = tmp_path / "single"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", *selection[:-2], "--concurrency",
+                    "4", "--out", str(single)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    alone = results(single / "replay.sqlite")
+    assert set(alone) == set(got0) | set(got1)
+    from toolquake.proxy.replay.store import VERDICT_COLUMNS
+
+    keys = ("status", *(c for c, _ in VERDICT_COLUMNS))
+    for pair, row in {**got0, **got1}.items():
+        assert {k: row.get(k) for k in keys} == {k: alone[pair].get(k) for k in keys}, pair
+    for pair, row in alone.items():
+        assert bool(row["valid"]) == (pair[0] not in wrong)
+    report = subprocess.run([sys.executable, "-m", "toolquake", "report", "--format", "json", str(single)],
+                            cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=120)
+    assert merged["arms"] == json.loads(report.stdout)["arms"]
