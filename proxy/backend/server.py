@@ -91,6 +91,22 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", errors="replace")  # lone surrogates are refused earlier; never raise here
 
 
+def schema_grammar(schema_json: str) -> Any:
+    """llama-cpp-python's JSON-schema-to-GBNF conversion, with string literals escaped fully: its own escapes
+    quotes but not backslashes, so a property name, enum value, const or tool name holding a quote (JSON-encoded
+    as `\\"`) ended the GBNF literal early and llama.cpp could not parse the grammar."""
+    from llama_cpp.llama_grammar import LlamaGrammar, SchemaConverter
+
+    class Converter(SchemaConverter):
+        def _format_literal(self, literal: str) -> str:
+            escaped = literal.replace("\\", "\\\\").replace('"', '\\"').replace("\r", "\\r").replace("\n", "\\n")
+            return f'"{escaped}"'
+
+    converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(json.loads(schema_json), "stdin"), "")
+    return LlamaGrammar.from_string(converter.format_grammar(), verbose=False)
+
+
 class GrammarCache:
     """Grammars by their schema's JSON, least recently used out first, bounded in bytes (key + grammar text)."""
 
@@ -170,10 +186,9 @@ class Engine:
         if grammar is not None:
             return grammar
         import llama_cpp
-        from llama_cpp import LlamaGrammar
 
         try:
-            grammar = LlamaGrammar.from_json_schema(key, verbose=False)
+            grammar = schema_grammar(key)
         except Exception as exc:  # noqa: BLE001 - the converter raises ValueError, KeyError, RecursionError...
             raise ApiError(400, f"no grammar can be built from the schema: {type(exc).__name__}: {str(exc)[:200]}",
                            "invalid_value", "tools") from None
