@@ -38,6 +38,8 @@ _ARTICLES = frozenset({"the", "a", "an"})
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NON_WORD = re.compile(r"[^\w]+")
 _DIGITS = re.compile(r"\d+")
+#: the largest value a run of number words is read as (the words can say up to 999,999,999,999 and some)
+_MAX_NUMBER = 10**18
 
 
 def _strip_accents(text: str) -> str:
@@ -45,13 +47,16 @@ def _strip_accents(text: str) -> str:
 
 
 def _numbers(tokens: list[str]) -> list[str]:
-    """Runs of number words → one integer token ("twenty five" → "25", "one hundred" → "100")."""
+    """Runs of number words → one integer token ("twenty five" → "25", "one hundred" → "100"). A run whose value
+    passes `_MAX_NUMBER` ("one hundred hundred …", which grew without bound) is not a number: its words stay."""
     out: list[str] = []
     total = current = 0
-    in_number = False
+    run: list[str] = []  # the words of the number being read
     for tok in tokens + [""]:
-        if tok in _UNITS or tok in _TENS or (tok in _SCALES and in_number):
-            in_number = True
+        if tok in _UNITS or tok in _TENS or (tok in _SCALES and run):
+            run.append(tok)
+            if current > _MAX_NUMBER:  # already too large: only the words are kept
+                continue
             if tok in _UNITS:
                 current += _UNITS[tok]
             elif tok in _TENS:
@@ -61,13 +66,19 @@ def _numbers(tokens: list[str]) -> list[str]:
             else:
                 total += current * _SCALES[tok]
                 current = 0
+            if total + current > _MAX_NUMBER:
+                current = _MAX_NUMBER + 1
             continue
-        if tok == "and" and in_number:
+        if tok == "and" and run:
+            run.append(tok)
             continue
-        if in_number:
-            out.append(str(total + current))
+        if run:
+            if current > _MAX_NUMBER:
+                out.extend(run)
+            else:
+                out.append(str(total + current))
             total = current = 0
-            in_number = False
+            run = []
         if tok:
             out.append(tok)
     return out

@@ -243,6 +243,25 @@ def test_unmatched_parallel_calls_are_classified_by_the_closest_call() -> None:
     assert check_calls(DOCS, GT, "parallel", wrong_fn).taxonomy == "wrong_function"
 
 
+def test_number_words_past_any_real_number_stay_words() -> None:
+    """A model's "one hundred hundred …" grew one integer without bound: past 4,300 digits str() raised ValueError
+    (the semantic scorer's normal form crashed on a model string), and each `*= 100` on a huge integer made the
+    loop quadratic. Past 10**18 the run is not a number: its words are kept; real numbers read as before."""
+    text = "The answer is one " + "hundred " * 5000 + "and five apples"
+    t0 = time.process_time()
+    normal = normalize(text)
+    assert normal == "answer is one " + "hundred " * 5000 + "and five apples"
+    assert normalize("one hundred hundred " * 20000) == ("one hundred hundred " * 20000).strip()
+    assert time.process_time() - t0 < 2.0  # about 0.2 s; the unbounded integer was quadratic
+    assert normalize("nine hundred ninety nine billion nine hundred ninety nine million and one") == "999999000001"
+    assert normalize("one thousand and two") == "1002"
+    assert normalize("ten hundred hundred hundred hundred hundred hundred hundred hundred") == str(10**17)
+    assert normalize("one hundred hundred hundred hundred hundred hundred hundred hundred hundred hundred") == \
+        "one" + " hundred" * 10  # 10**20: over the cap
+    matcher = SemanticMatcher(embeddings=False)
+    assert matcher(text, text) and not matcher(text, "The answer is one hundred and five apples")
+
+
 def test_semantic_mode_accepts_equivalent_strings_and_never_replaces_bfcl() -> None:
     matcher = SemanticMatcher(embeddings=False)
     assert normalize("Miami, FL") == normalize("Miami, Florida") == "miami florida"
