@@ -107,12 +107,12 @@ lint: install
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
 test: install-embeddings corpus tools install-local containers
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # without the heavy extras and the corpus: the proxy core only
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not needs_corpus and not needs_embeddings" $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -m "not slow and not needs_corpus and not needs_embeddings and not container" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)
