@@ -58,7 +58,7 @@ def _emit(text: str, out: Path | None) -> None:
         sys.stdout.write(text)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        out.write_text(text, encoding="utf-8")
         print(f"toolquake: wrote {out}", file=sys.stderr)
 
 

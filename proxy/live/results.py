@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.escape import md_text
 from toolquake.proxy.server.config import NOISE_PROFILE
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
@@ -142,6 +143,37 @@ def migrate(db: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Conne
     return schema_version(db)
 
 
+#: the mode of a results file this toolquake creates (and of SQLite's -wal / -shm files beside it, which take the
+#: database file's mode): rows name models, profiles and cases, and with `store_contents` hold whole requests
+PRIVATE_MODE = 0o600
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def create_private(path: Path) -> bool:
+    """Create `path` empty, mode 0600 whatever the umask, unless it exists (True when created). SQLite then
+    opens the empty file as a new database, and creates its -wal / -shm / -journal files with the same mode."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, PRIVATE_MODE)
+    finally:
+        os.close(fd)
+    return True
+
+
+def make_private(path: Path) -> None:
+    """Take group and other access away from an existing results file and its SQLite side files (a file written
+    by a toolquake before 0600 was the rule); best effort: a file this user does not own stays as it is."""
+    for p in (path, *(path.with_name(path.name + s) for s in _SIDE_FILES)):
+        try:
+            if p.stat().st_mode & 0o077:
+                os.chmod(p, PRIVATE_MODE)
+        except OSError:
+            continue
+
+
 def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
     """Open (and for writers create and migrate) a results file."""
     path = Path(path)
@@ -153,6 +185,7 @@ def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
                                  check_same_thread=False)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
+            create_private(path)
             db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -213,6 +246,8 @@ class ResultsStore:
         self.path = Path(path)
         self.store_contents = store_contents
         self._db = connect(self.path)
+        if store_contents:  # whole requests and answers: never readable by others, even in an older file
+            make_private(self.path)
         self._lock = threading.Lock()
         self._sql = f"INSERT INTO results ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
@@ -425,7 +460,8 @@ def _p(p: float) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as Markdown: seed 001 Table 2 shape (accuracy, drop vs off in brackets), errors, consistency."""
-    lines = [f"# Live results: {summary['db']} ({summary['rows']} rows)", ""]
+    md = md_text  # every name in it (profiles, models, categories, error types, rules) came from traffic
+    lines = [f"# Live results: {md(summary['db'])} ({summary['rows']} rows)", ""]
     arms = summary["arms"]
     if arms:
         lines += ["| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
@@ -437,27 +473,28 @@ def format_summary(summary: dict[str, Any]) -> str:
             stats = (f"{_pct(arm['drop_vs_off'])} {_pct_ci(arm['drop_vs_off_ci'], True)} | {cmp['n']} | "
                      f"{cmp['valid_to_invalid']} | {cmp['invalid_to_valid']} | {_p(cmp['p_value'])} | "
                      f"{'yes' if cmp['significant'] else 'no'}") if cmp else "– | – | – | – | – | –"
-            lines.append(f"| {name} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
+            lines.append(f"| {md(name)} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
                          f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} |")
         lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off | accuracy 95 % CI | "
                   "drop 95 % CI |", "|---|---|---:|---:|---:|---:|---:|"]
         for name, arm in arms.items():
             for cat, c in sorted(arm["by_category"].items()):
-                lines.append(f"| {name} | {cat} | {c['n']} | {_pct(c['accuracy'])} | {_pct(c['drop_vs_off'])} | "
-                             f"{_pct_ci(c.get('accuracy_ci'))} | {_pct_ci(c.get('drop_vs_off_ci'), True)} |")
+                lines.append(f"| {md(name)} | {md(cat)} | {c['n']} | {_pct(c['accuracy'])} | "
+                             f"{_pct(c['drop_vs_off'])} | {_pct_ci(c.get('accuracy_ci'))} | "
+                             f"{_pct_ci(c.get('drop_vs_off_ci'), True)} |")
         lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share | "
                   "share 95 % CI |", "|---|---|---:|---:|---:|"]
         for name, arm in arms.items():
             failures = sum(arm["errors"].values())
             for kind, count in arm["errors"].items():
-                lines.append(f"| {name} | {kind} | {count} | {_pct(count / failures)} | "
+                lines.append(f"| {md(name)} | {md(kind)} | {count} | {_pct(count / failures)} | "
                              f"{_pct_ci((arm.get('errors_ci') or {}).get(kind))} |")
         kept = [(name, arm) for name, arm in arms.items() if arm.get("not_perturbed")]
         if kept:
             lines += ["", "## Pairs not perturbed (served unchanged, e.g. a rephrasing rejected by the value check; "
                       "out of the accuracy)", "", "| profile | scored (perturbed) | not perturbed | share perturbed |",
                       "|---|---:|---:|---:|"]
-            lines += [f"| {name} | {arm['n']} | {arm['not_perturbed']} | {_pct(arm['perturbed_share'])} |"
+            lines += [f"| {md(name)} | {arm['n']} | {arm['not_perturbed']} | {_pct(arm['perturbed_share'])} |"
                       for name, arm in kept]
     else:
         lines.append("No scored answers with a known case.")
@@ -470,7 +507,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         for name, c in summary["consistency"].items():
             ci = cis.get(name) or {}
             net = "–" if floor is None else f"{(c['rate_disagree'] - floor['rate_disagree']) * 100:+.1f}%"
-            lines.append(f"| {name} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
+            lines.append(f"| {md(name)} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
                          f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
                          f"{_pct_ci(ci.get('rate_exact'))} | {_pct(c['rate_disagree'])} "
                          f"{_pct_ci(ci.get('rate_disagree'))} | "
@@ -481,12 +518,12 @@ def format_summary(summary: dict[str, Any]) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for name, c in summary["noise"].items():
             ci = (summary.get("noise_ci") or {}).get(name) or {}
-            lines.append(f"| {'all (' + name + ')' if name == NOISE_PROFILE else name} | {c['n']} | {c['exact']} | "
+            lines.append(f"| {md('all (' + name + ')' if name == NOISE_PROFILE else name)} | {c['n']} | {c['exact']} | "
                          f"{c['semantic']} | {c['disagree']} | {_pct(c['rate_disagree'])} | "
                          f"{_pct_ci(ci.get('rate_disagree'))} |")
     if summary.get("conformance"):
         lines += ["", "## Backend conformance (tool-call format rules broken; docs/conformance.md)", "",
                   "| model | rule | violations |", "|---|---|---:|"]
         for model, by_rule in summary["conformance"].items():
-            lines += [f"| {model} | {rule} | {n} |" for rule, n in by_rule.items()]
+            lines += [f"| {md(model)} | {md(rule)} | {n} |" for rule, n in by_rule.items()]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import html
 import io
 import json
 import sqlite3
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.escape import CTL_CSS, csv_row, html_attr, html_text, md_text, plot_text
 from toolquake.proxy.replay import families, paper_tables
 from toolquake.scorers.aggregate import (
     mcnemar,
@@ -523,7 +523,7 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
             ax.set_yticks(range(len(positions)), [f"{p:g}" for p in positions])
             ax.set_xlabel("catalog size (tokens): budget (≈ median reached)")
             ax.set_ylabel("position of the original tools")
-            ax.set_title(model, fontsize=9)
+            ax.set_title(plot_text(model), fontsize=9)
             for i, row in enumerate(grid):
                 for j, v in enumerate(row):
                     if v == v:
@@ -539,8 +539,8 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
         fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(models), 1.2 + 0.45 * len(labels)))
         grid = [[cells.get((c, m), float("nan")) for m in models] for c in labels]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xticks(range(len(models)), [plot_text(m) for m in models], rotation=30, ha="right", fontsize=8)
+        ax.set_yticks(range(len(labels)), [plot_text(c) for c in labels], fontsize=8)
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v == v:
@@ -587,7 +587,7 @@ def response_plots(summary: dict[str, Any], fmt: str = "png") -> dict[str, bytes
             err = [[y - pt["accuracy_ci"][0] for y, pt in zip(ys, pts)], [pt["accuracy_ci"][1] - y for y, pt in
                                                                           zip(ys, pts)]]
             ax.errorbar([x + 0.015 * i * (max(xs) - min(xs) or 1) for x in xs], ys, yerr=err, marker="o", capsize=3,
-                        label=model)
+                        label=plot_text(model))
         ax.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)], fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_xlabel(xlabel)
@@ -634,10 +634,11 @@ def accuracy_plot(summary: dict[str, Any], fmt: str = "png") -> bytes | None:
         base = next((a["accuracy"] for p, a in arms if p == baseline), None)
         if base is not None:
             ax.axhline(base, color="#555555", linestyle="--", linewidth=0.8)
-        ax.set_xticks(list(xs), [p for p, _ in arms], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(list(xs), [plot_text(p) for p, _ in arms], rotation=30, ha="right", fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_ylabel("AST accuracy")
-        ax.set_title(f"{model}: accuracy per arm, 95 % Wilson intervals (red: paired drop vs {baseline} "
+        ax.set_title(f"{plot_text(model)}: accuracy per arm, 95 % Wilson intervals (red: paired drop vs "
+                     f"{plot_text(baseline)} "
                      f"p < {ALPHA})", fontsize=9)
     return _png(fig, plt, fmt)
 
@@ -847,33 +848,32 @@ def _flip_groups(summary: dict[str, Any]) -> list[tuple[str, str, list[dict[str,
 
 
 def _md_cell(text: str | None) -> str:
-    if text is None:
-        return ""
-    return "`" + text.replace("|", "\\|").replace("`", "'").replace("\n", " ") + "`"
+    """A cell of client- or model-controlled text: literal (no Markdown, no HTML), one line, controls visible."""
+    return "" if text is None else md_text(text)
 
 
 def _md_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
     lines = [
-        f"## {title}",
+        f"## {md_text(title)}",
         "",
-        "| " + " | ".join(header) + " |",
+        "| " + " | ".join(map(md_text, header)) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
     ]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["| " + " | ".join(map(md_text, r)) + " |" for r in rows]
     lines.append("")
     return lines
 
 
 def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = None) -> str:
     lines = ["# toolquake replay report", ""]
-    lines.append(f"Sources: {', '.join(summary['sources'])}")
+    lines.append(f"Sources: {md_text(', '.join(summary['sources']))}")
     if summary["duplicates"]:
         lines.append(f"({summary['duplicates']} pairs found in more than one file were counted once.)")
     lines.append("")
     top = headline(summary)
     title, header, rows = summary_table(summary)
     if rows:
-        lines += [f"- {t}" for t in top] + [""]
+        lines += [f"- {md_text(t)}" for t in top] + [""]
         lines += _md_table(title, header, rows)
     title, header, rows = trials_table(summary)
     if rows:
@@ -885,16 +885,17 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = Non
     groups = _flip_groups(summary)
     if groups:
         baseline = summary["baseline"]
-        lines += [f"## Per-case diffs against `{baseline}` (cases whose verdict flipped)", ""]
+        lines += [f"## Per-case diffs against {md_text(baseline)} (cases whose verdict flipped)", ""]
         with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
         for model, p, fs in groups:
-            lines += [f"### {p} [{model}]: {len(fs)} flipped", ""]
+            lines += [f"### {md_text(p)} [{md_text(model)}]: {len(fs)} flipped", ""]
             head = ["case", "flip", "error type", "perturbation applied (parameters → what it did)",
                     *(["expected (BFCL ground truth)"] if with_expected else []), "model's calls",
                     f"{baseline}'s calls"]
-            lines += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+            lines += ["| " + " | ".join(map(md_text, head)) + " |", "|" + "|".join("---" for _ in head) + "|"]
             for f in fs:
-                cells = [f["case_id"], _DIRECTION[f["direction"]], f["error_type"], _md_cell(f.get("perturbation")),
+                cells = [md_text(f["case_id"]), _DIRECTION[f["direction"]], md_text(f["error_type"]),
+                         _md_cell(f.get("perturbation")),
                          *([_md_cell(f.get("expected"))] if with_expected else []), _md_cell(f.get("calls")),
                          _md_cell(f.get("baseline_calls"))]
                 lines.append("| " + " | ".join(cells) + " |")
@@ -916,6 +917,7 @@ _CSS = (
     "table.summary td:nth-child(3),table.summary th:nth-child(3),table.cases th{text-align:left}"
     ".sig{color:#b03a2e;font-weight:600}"
     ".filter{margin:.5em 0;padding:.5em;background:#f7f7f7;border:1px solid #ddd}.filter input{width:24em}"
+    + CTL_CSS
 )
 
 # filters the per-case rows by text and direction (a `#q=...` in the address pre-fills the text); no network
@@ -948,7 +950,7 @@ _CASES_JS = """
 
 
 def _html_table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
-    esc = html.escape
+    esc = html_text
     return (f"<table{f' class={cls!r}' if cls else ''}><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header)
             + "</tr></thead><tbody>"
             + "".join("<tr" + (" class='sig'" if cls == "summary" and r[-1] == "yes" else "") + ">"
@@ -960,27 +962,27 @@ def _html_summary(summary: dict[str, Any]) -> str:
     title, header, rows = summary_table(summary)
     if not rows:
         return ""
-    esc = html.escape
+    esc = html_text
     return (f"<section id='summary'><h2>{esc(title.replace('`', ''))}</h2><ul>"
             + "".join(f"<li>{esc(t.replace('`', ''))}</li>" for t in headline(summary)) + "</ul>"
             + _html_table(header, rows, "summary") + "</section>")
 
 
 def _html_images(pngs: dict[str, bytes], svgs: dict[str, bytes] | None) -> str:
-    esc = html.escape
+    esc = html_text
     parts = []
     for name, svg in (svgs or {}).items():
-        parts.append(f"<h3>{esc(name)}</h3><img alt='{esc(name)}' "
+        parts.append(f"<h3>{esc(name)}</h3><img alt='{html_attr(name)}' "
                      f"src='data:image/svg+xml;base64,{base64.b64encode(svg).decode()}'>")
     for name, png in pngs.items():
-        parts.append(f"<h3>{esc(name)}</h3><img alt='{esc(name)}' "
+        parts.append(f"<h3>{esc(name)}</h3><img alt='{html_attr(name)}' "
                      f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
     return "<section id='plots'><h2>Plots</h2>" + "".join(parts) + "</section>" if parts else ""
 
 
 def _html_steps(steps: list[dict[str, Any]] | None, fallback: str | None) -> str:
     """The perturbation applied: each step's parameters, and what it reported adding or changing."""
-    esc = html.escape
+    esc = html_text
     if not steps:
         return f"<code>{esc(fallback or 'none')}</code>"
     items = []
@@ -997,7 +999,7 @@ def _html_cases(summary: dict[str, Any]) -> str:
     groups = _flip_groups(summary)
     if not groups:
         return ""
-    esc = html.escape
+    esc = html_text
     baseline = summary["baseline"]
     with_expected = any(f.get("expected") for _, _, fs in groups for f in fs)
     total = sum(len(fs) for _, _, fs in groups)
@@ -1029,7 +1031,7 @@ def _html_cases(summary: dict[str, Any]) -> str:
 
 def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str, bytes] | None = None) -> str:
     """One self-contained page: summary, tables, plots (embedded), per-case diffs (filterable); no network."""
-    esc = html.escape
+    esc = html_text
     sections = [("summary", "Summary", _html_summary(summary))]
     sections += [(sid, name, body) for sid, name, body in extra_html_sections(summary)]
     tables_html = "".join(f"<h3>{esc(title.replace('`', ''))}</h3>" + _html_table(header, rows)
@@ -1051,7 +1053,7 @@ def extra_html_sections(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     out = []
     title, header, rows = trials_table(summary)
     if rows:
-        out.append(("trials", "Repeated trials", f"<section id='trials'><h2>{html.escape(title)}</h2>"
+        out.append(("trials", "Repeated trials", f"<section id='trials'><h2>{html_text(title)}</h2>"
                     + _html_table(header, rows) + "</section>"))
     return out
 
@@ -1077,8 +1079,8 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
     w = csv.writer(buf, lineterminator="\n")
     k_max = max((arm["trials"]["k"] for _, _, arm in entries if arm.get("trials")), default=0)
     trial_cols = CSV_TRIALS_COLUMNS if stats and k_max else []
-    w.writerow(["Rank", "Overall Acc", "Model", "Profile", "N", *categories, *(CSV_STATS_COLUMNS if stats else ()),
-                *trial_cols, *families.csv_columns(summary)])
+    w.writerow(csv_row(["Rank", "Overall Acc", "Model", "Profile", "N", *categories,
+                        *(CSV_STATS_COLUMNS if stats else ()), *trial_cols, *families.csv_columns(summary)]))
 
     def pct(x: float | None) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
@@ -1098,7 +1100,7 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
                 k = str(t.get("k", ""))
                 extra += [t.get("k", "N/A"), pct(acc.get("mean")), pct(acc.get("std")),
                           pct((t.get("pass_hat_k") or {}).get(k)), pct((t.get("pass_at_k") or {}).get(k))]
-        w.writerow(
+        w.writerow(csv_row(
             [
                 rank,
                 pct(arm["accuracy"]),
@@ -1109,7 +1111,7 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
                 *extra,
                 *families.csv_cells(summary, model, p),
             ]
-        )
+        ))
     return buf.getvalue()
 
 
@@ -1124,9 +1126,9 @@ def render_cases_csv(summary: dict[str, Any]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_CASES_COLUMNS)
     for f in summary.get("flips") or []:
-        w.writerow([f["model"], f["profile"], f["case_id"], f["category"], f["direction"], f["error_type"],
-                    f.get("perturbation") or "", f.get("expected") or "", f.get("calls") or "",
-                    f.get("baseline_calls") or ""])
+        w.writerow(csv_row([f["model"], f["profile"], f["case_id"], f["category"], f["direction"], f["error_type"],
+                            f.get("perturbation") or "", f.get("expected") or "", f.get("calls") or "",
+                            f.get("baseline_calls") or ""]))
     return buf.getvalue()
 
 
@@ -1135,8 +1137,19 @@ def render_tables_csv(summary: dict[str, Any]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(paper_tables.CSV_TABLES_COLUMNS)
-    w.writerows(paper_tables.csv_rows(summary))
+    w.writerows(csv_row(r) for r in paper_tables.csv_rows(summary))
     return buf.getvalue()
+
+
+def json_text(summary: dict[str, Any]) -> str:
+    """The JSON report: the values as stored (a reader escapes for its own display); UTF-8 text, except that a
+    lone surrogate (a `\\ud800` in a stored answer) makes the whole file ASCII with `\\u` escapes."""
+    text = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(summary, indent=2) + "\n"
+    return text
 
 
 def build(
@@ -1155,7 +1168,7 @@ def build(
     if fmt == "csv":
         return render_cases_csv(summary), written
     if fmt == "json":
-        return json.dumps(summary, indent=2, ensure_ascii=False) + "\n", written
+        return json_text(summary), written
     pngs = heatmaps(summary) if plots else {}
     if fmt == "html":
         svg = accuracy_plot(summary, "svg") if plots else None

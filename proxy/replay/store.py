@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolquake.proxy.live.results import VERDICT_COLUMNS, sql_value
+from toolquake.proxy.live.results import VERDICT_COLUMNS, create_private, sql_value
 from toolquake.proxy.replay.errors import ReplayError
 
 SCHEMA_VERSION = 2
@@ -81,6 +81,7 @@ class ResultsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(path)  # 0600: it holds every answer (and the -wal / -shm files take its mode)
         self.db = sqlite3.connect(path, isolation_level=None, timeout=30.0)
         self.db.execute("PRAGMA journal_mode=WAL")
         # a process crash never loses a committed row (only a power loss may lose the last ones)
