@@ -31,10 +31,11 @@ body has a `seed` (the same request gives the same answer), else at random (a tw
 request may disagree with it). `X-Fake-Flaky: 0`, or no header, is deterministic.
 
 Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (never answers),
-`invalid-json`, `cut-stream` (stream stops halfway, connection closed), `slow-bytes:MS` (body sent
-one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200 with an event-stream
-content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its final event),
-`drop` (the request is read and recorded, then the connection closed without a byte of answer),
+`invalid-json`, `deep-json:N` (200 with a JSON object whose `choices`/`output` is N lists deep, default
+100,000: past any JSON decoder's recursion limit), `cut-stream` (stream stops halfway, connection closed),
+`slow-bytes:MS` (body sent one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200
+with an event-stream content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its
+final event), `drop` (the request is read and recorded, then the connection closed without a byte of answer),
 `drop-reused` (the same, only when the request came on a connection that already carried one).
 
 Cookies (`X-Fake-Cookies: N`): the answer carries N `Set-Cookie` headers, each with an Expires date (which
@@ -529,6 +530,12 @@ async def app(scope, receive, send) -> None:
     return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
 
 
+def _deep(ident: bytes, key: bytes, depth: str) -> bytes:
+    """`deep-json:N`: valid JSON, an object whose `key` holds N nested lists."""
+    n = int(depth) if depth else 100_000
+    return b'{"id": "' + ident + b'", "' + key + b'": ' + b"[" * n + b"]" * n + b"}"
+
+
 async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, receive) -> None:
     try:
         body = _dec(raw)
@@ -546,6 +553,8 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
     )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
+    if kind == "deep-json":
+        return await _send(send, 200, _deep(b"chatcmpl-deep", b"choices", arg))
     shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
     if shapes:
         resp = break_completion(resp, shapes, bool(body.get("stream")))
@@ -729,6 +738,8 @@ async def _responses(raw: bytes, headers: dict[str, str], kind: str, arg: str, s
     )
     if kind == "invalid-json":
         return await _send(send, 200, b'{"id": "resp_broken", "output": [')
+    if kind == "deep-json":
+        return await _send(send, 200, _deep(b"resp_deep", b"output", arg))
     shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
     if shapes:
         resp = break_response(resp, shapes)

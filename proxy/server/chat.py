@@ -455,7 +455,7 @@ class ChatHandler:
             finally:
                 await resp.aclose()
             answer = _decode(data) if resp.status_code == 200 else None
-        except (UpstreamError, msgspec.DecodeError) as exc:
+        except (UpstreamError, msgspec.DecodeError, RecursionError) as exc:
             log.warning("injected_followup_failed", request_id=ctx.request_id, error_type=type(exc).__name__)
             return None
         return api.answer_to_internal(answer) if isinstance(answer, dict) else None
@@ -488,6 +488,9 @@ class ChatHandler:
             except msgspec.DecodeError:
                 st.metrics.upstream_errors.labels("invalid_response").inc()
                 raise bad_upstream_answer("a body that is not JSON" if data.strip() else "an empty body") from None
+            except RecursionError:  # valid JSON nested past the decoder's limit
+                st.metrics.upstream_errors.labels("invalid_response").inc()
+                raise bad_upstream_answer("JSON nested too deeply") from None
             if not isinstance(parsed, dict):
                 st.metrics.upstream_errors.labels("invalid_response").inc()
                 raise bad_upstream_answer("JSON that is not an object")

@@ -299,6 +299,25 @@ def test_invalid_json_from_upstream_is_an_openai_shaped_502_and_counted(proxy):
     assert after == before + 1
 
 
+@pytest.mark.parametrize("scoring", [True, False], ids=["answer_read", "answer_checked"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_upstream_json_nested_past_the_decoders_limit_is_an_invalid_response(proxy_factory, scoring, path):
+    """A 2xx body that is valid JSON nested 100,000 lists deep: the decoder's RecursionError is the backend's
+    invalid answer (502 upstream_invalid_response, counted), not a crash of the request; the proxy serves on.
+    With scoring on the answer is decoded for the scorers, with scoring off only checked; both paths."""
+    p = proxy_factory(None if scoring else "[scoring]\nenabled = false\n")
+    metrics = f"{p.url}/metrics"
+    before = metric_value(httpx.get(metrics).text, "toolquake_upstream_errors_total", kind="invalid_response")
+    payload = body() if path.endswith("completions") else {"model": "fake-model", "input": "hi"}
+    r = httpx.post(f"{p.url}{path}", json=payload, headers={"x-fake-fault": "deep-json"}, timeout=30)
+    assert r.status_code == 502, r.text[:300]
+    error = r.json()["error"]
+    assert error["code"] == "upstream_invalid_response" and "nested too deeply" in error["message"]
+    after = metric_value(httpx.get(metrics).text, "toolquake_upstream_errors_total", kind="invalid_response")
+    assert after == before + 1
+    assert httpx.post(f"{p.url}{path}", json=payload).status_code == 200
+
+
 def test_upstream_cutting_a_stream_ends_the_client_stream(proxy):
     with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body(stream=True),
                       headers={"x-fake-fault": "cut-stream"}) as r:
