@@ -18,6 +18,9 @@ from toolquake.proxy.server.config import Config
 GRACEFUL_S = 5
 #: gc's first threshold in a serving process (Python's default: 700); see tune_gc
 GC_YOUNG = 10_000
+#: open files a worker may need besides its client connections and its upstream pool (logs, the recording,
+#: the results store, metrics files, the listening socket, model files)
+SPARE_FILES = 256
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
+    raise_open_files(server.max_client_connections + server.max_connections + SPARE_FILES)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
 
     def uvicorn_config(app: Any) -> uvicorn.Config:
@@ -79,6 +83,28 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
     return workers.supervise(n, sock, run_worker, runtime, grace_s=GRACEFUL_S + 5)
+
+
+def raise_open_files(wanted: int) -> tuple[int, int]:
+    """Raise the soft limit on open files towards `wanted` (a worker's client connections, its upstream pool and
+    spare descriptors), never past the hard limit and never down. With the usual soft limit of 1,024 a worker
+    would fail new connections with EMFILE long before `max_client_connections` answers them with a 503.
+    Returns the (soft, hard) limits in force afterwards."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # pragma: no cover - a platform that refuses; the limits still hold
+            pass
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        structlog.get_logger("toolquake.proxy").warning(
+            "open_files_limit_low", soft=soft, hard=hard, wanted=wanted,
+            hint="raise the hard limit (ulimit -Hn) or lower max_client_connections / max_connections")
+    return soft, hard
 
 
 def tune_gc() -> None:
