@@ -32,6 +32,9 @@ INSTALL_HINT = ("install the embeddings extra: pip install torch==2.13.0 && pip 
                 "(or `make install-embeddings`)")
 
 
+#: characters of a text embedded at most (the models read at most 512 tokens, about 2,000 characters of prose)
+MAX_TEXT_CHARS = 16 * 1024
+
 class EmbeddingsUnavailable(RuntimeError):
     """The embedding model or its libraries cannot be loaded; the message says what to do."""
 
@@ -109,7 +112,9 @@ class Embedder:
         (queries, a toolkit's signatures) are remembered, the last `cache_size` of them within `cache_bytes`."""
         import numpy as np
 
-        texts = list(texts)
+        # the model reads the first few hundred tokens of a text; its tokenizer would first split all of it (3 s
+        # for a client's 512 KiB tool description): a longer text is cut to what holds far more tokens than read
+        texts = [t[:MAX_TEXT_CHARS] for t in texts]
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         cacheable = len(texts) <= 256

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
@@ -21,6 +21,13 @@ for _r, _row in enumerate(_ROWS):
         NEIGHBOURS[_key] = "".join(sorted(near))
 _WORD = re.compile(r"[A-Za-z]{2,}")
 _PUNCT = re.compile(r"[,;:!?.](?=\s|$)")
+#: characters of a message that get slips: a longer message keeps the rest as it is, from the last line break or
+#: space before this point on (finding the protected spans is linear, but runs on the event loop)
+MAX_NOISY_CHARS = 64 * 1024
+#: a longer text is noised a slice at a time (cut at a line break, else a space, else after a word), so that no
+#: single scan holds the interpreter long: the event loop runs in between. Normal messages are one slice.
+NOISY_SLICE = 4 * 1024
+_AFTER_WORD = re.compile(r"\W")
 
 
 def _neighbour_key(w: str, rng: Any) -> str:
@@ -67,6 +74,9 @@ class SurfaceNoise(Perturber):
     punctuation mark."""
 
     name = "surface_noise"
+    #: in a worker thread: a long message's scans run there, not on the event loop (each C-level scan of its
+    #: first `MAX_NOISY_CHARS` is short, so the loop gets the interpreter back in between)
+    blocking: ClassVar[bool] = True
     rate: float = 0.1
 
     def __post_init__(self) -> None:
@@ -92,15 +102,34 @@ class SurfaceNoise(Perturber):
 
 
 def noisify(text: str, rate: float, rng: Any) -> tuple[str, dict[str, int]]:
-    """`text` with slips outside its protected spans; also the count of each kind of slip."""
+    """`text` with slips outside its protected spans (in its first `MAX_NOISY_CHARS` characters); also the count of
+    each kind of slip."""
+    if len(text) > MAX_NOISY_CHARS:
+        cut = max(text.rfind("\n", 0, MAX_NOISY_CHARS), text.rfind(" ", 0, MAX_NOISY_CHARS)) + 1 or MAX_NOISY_CHARS
+        head, edits = noisify(text[:cut], rate, rng)
+        return head + text[cut:], edits
     edits: dict[str, int] = {}
+    out: list[str] = []
+    start = 0
+    while len(text) - start > NOISY_SLICE:
+        cut = text.rfind("\n", start, start + NOISY_SLICE) + 1 or text.rfind(" ", start, start + NOISY_SLICE) + 1
+        if cut <= start:
+            after = _AFTER_WORD.search(text, start + NOISY_SLICE)
+            cut = after.end() if after else len(text)
+        out.append(_noisify_slice(text[start:cut], rate, rng, edits))
+        start = cut
+    out.append(_noisify_slice(text[start:], rate, rng, edits))
+    return "".join(out), edits
+
+
+def _noisify_slice(text: str, rate: float, rng: Any, edits: dict[str, int]) -> str:
     out: list[str] = []
     pos = 0
     for start, end in protected_spans(text) + [(len(text), len(text))]:
         out.append(_noisy_free(text[pos:start], rate, rng, edits))
         out.append(text[start:end])
         pos = end
-    return "".join(out), edits
+    return "".join(out)
 
 
 def _noisy_free(chunk: str, rate: float, rng: Any, edits: dict[str, int]) -> str:

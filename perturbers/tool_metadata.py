@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
@@ -31,7 +31,9 @@ _MISLEAD = (
 )
 _NAMESPACES = ("legacy", "v2", "mirror", "ext", "internal")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
-_PARENS = re.compile(r"\s*\([^()]*\)")
+# a parenthetical remark and the spaces before it; started only where a run of spaces starts (a run followed by no
+# remark is not rescanned from each of its positions: linear time on a client's description)
+_PARENS = re.compile(r"(?<!\s)\s*+\([^()]*+\)")
 #: deterministic word swaps for a paraphrase (first letter's case kept)
 _SWAPS = {"calculate": "compute", "calculates": "computes", "retrieve": "fetch", "retrieves": "fetches",
           "get": "fetch", "gets": "fetches", "find": "look up", "finds": "looks up", "determine": "work out",
@@ -96,6 +98,9 @@ class ToolMetadata(Perturber):
     description shortened and reworded)."""
 
     name = "tool_metadata"
+    #: in a worker thread: rewording a client's description is linear, but word by word in Python, and a
+    #: description may be megabytes long; the event loop keeps serving meanwhile
+    blocking: ClassVar[bool] = True
     kind: str = "promote"
 
     def __post_init__(self) -> None:

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import re
 
+# Every alternative costs O(1) amortised per start position, so a scan is linear in the text (client text: a
+# backtracking shape here stalls the event loop, issue 28). A failed attempt is never repeated over the same
+# characters by the next start: a straight quote's failed attempt leaves no such quote after it on the line, a
+# curly opening quote with no closing one after it on its line is hidden before the scan (`_scannable`), and the
+# parts that a run of starts would each rescan to the end of the run are bounded: a URL scheme (40 characters,
+# more than any registered one), an e-mail address's local part (64, RFC 5321) and its domain's first label (63).
 _QUOTED = r"\"[^\"\n]+\"|“[^”\n]+”|‘[^’\n]+’|`[^`\n]+`|(?<![A-Za-z])'[^'\n]+'(?![A-Za-z])"
-_URL = r"\b(?:[a-zA-Z][a-zA-Z0-9+.-]*://|www\.)\S+|\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+"
+_URL = (r"\b(?:[a-zA-Z][a-zA-Z0-9+.-]{0,39}+://|www\.)\S+"
+        r"|\b[\w.+-]{1,64}+@[\w-]{1,63}+(?:\.[\w-]+)+")
 _NUMBER = r"[-+]?(?<![\w.])\d+(?:[.,:/-]\d+)*(?:\.\d+)?%?"
 _IDENT = (r"\b\w+(?:[./\\]\w+)+\b|(?<!\w)/[\w./-]+"   # dotted names, file names, paths
           r"|\b\w*[_\d]\w*\b"                        # snake_case, words with digits
@@ -22,10 +29,25 @@ PROTECTED = re.compile("|".join(f"(?:{p})" for p in (_QUOTED, _URL, _NUMBER, _ID
 _NAME = re.compile(r"(?<=[^\s.!?]\s)[A-Z][a-z]+")
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*")
 QUOTED = re.compile(_QUOTED)
+# per curly pair: the rest of a line after its last closing quote (or the whole line), when it holds an opening
+# quote; each part between closing quotes and line ends is read once
+_DEAD_OPENERS = tuple((opening, re.compile(f"(?<![^{closing}\\n])[^{closing}{opening}\\n]*+{opening}[^{closing}\\n]*+$",
+                                           re.MULTILINE)) for opening, closing in (("“", "”"), ("‘", "’")))
+
+
+def _scannable(text: str) -> str:
+    """`text` with every curly opening quote that no closing quote follows on its line replaced by NUL (same length,
+    same class for every other pattern here). Such a quote can start no quoted string, and searching from each of
+    a line of them for the closing quote would take quadratic time."""
+    for opening, dead in _DEAD_OPENERS:
+        if opening in text:
+            text = dead.sub(lambda m, o=opening: m.group().replace(o, "\0"), text)
+    return text
 
 
 def protected_spans(text: str) -> list[tuple[int, int]]:
     """Sorted, non-overlapping (start, end) spans that must stay as they are."""
+    text = _scannable(text)
     spans = [m.span() for m in PROTECTED.finditer(text)]
     spans += [m.span() for m in _NAME.finditer(text)]  # names: capitalised words not starting a sentence
     spans.sort()
@@ -116,7 +138,7 @@ def spelled_numbers(text: str) -> list[str]:
 
 def quoted(text: str) -> list[str]:
     """The inner text of every quoted string in `text`."""
-    return [m.group()[1:-1] for m in QUOTED.finditer(text)]
+    return [m.group()[1:-1] for m in QUOTED.finditer(_scannable(text))]
 
 
 def missing_from(original: str, rewritten: str) -> list[str]:

@@ -31,7 +31,8 @@ _ID_KEY = re.compile(r"(^|[_\-.])(id|ids|uuid|guid|code|key|token|sku|slug|hash|
 _ID_CAMEL = re.compile(r"[a-z0-9](Id|ID|Ids|Uuid|Code|Key|Url|URL|Uri|Name|Title|Number|Email|Path)$")
 _WORDY_KEY = re.compile(r"(^|[_\-.])(name|title|label)$|[a-z](Name|Title|Label)$")
 _DATE = re.compile(r"^(\d{4})-(\d{2})-(\d{2})")
-_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/]+)(.*)$")
+# possessive: giving back part of the host never helps the rest match, and backtracking into it was quadratic
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*+://[^/]++)(.*+)$")
 _EXT = re.compile(r"(\.[A-Za-z0-9]{1,5})$")
 _RUNS = re.compile(r"[a-z]+|[A-Z]+|[0-9]+|[^a-zA-Z0-9]+")
 _WORD_RUNS = re.compile(r"[A-Za-z]+|[0-9]+|[^A-Za-z0-9]+")

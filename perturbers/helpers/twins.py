@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from toolquake.bfcl.embeddings import Embedder
 
-_NOTE = re.compile(r"\s*Note that the provided function is in [^.]*\.", re.IGNORECASE)
+# the head of BFCL's note "Note that the provided function is in <language>." with the space before it; started
+# only where a run of spaces starts, so a long run is not rescanned from each of its positions (linear time)
+_NOTE_HEAD = re.compile(r"(?<!\s)\s*+Note that the provided function is in ", re.IGNORECASE)
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _FAMILY = {"integer": "number", "number": "number", "float": "number", "int": "number", "string": "string",
            "boolean": "boolean", "array": "array", "tuple": "array", "object": "object", "dict": "object"}
@@ -53,7 +55,21 @@ def name_words(tool: dict[str, Any]) -> set[str]:
 
 def description(tool: dict[str, Any]) -> str:
     """A tool's description, BFCL's language note removed."""
-    return _NOTE.sub("", str(_function(tool).get("description") or "")).strip()
+    return _without_notes(str(_function(tool).get("description") or "")).strip()
+
+
+def _without_notes(text: str) -> str:
+    """`text` without BFCL's language notes (each from its head to the next full stop), in linear time."""
+    kept: list[str] = []
+    pos = 0
+    while (m := _NOTE_HEAD.search(text, pos)) is not None:
+        stop = text.find(".", m.end())
+        if stop < 0:  # no full stop after this head, so none after any later head either
+            break
+        kept.append(text[pos:m.start()])
+        pos = stop + 1
+    kept.append(text[pos:])
+    return "".join(kept)
 
 
 def job_text(tool: dict[str, Any]) -> str:
