@@ -298,3 +298,36 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
         proc.wait(10)
         fake.stop()
     assert healthcheck() != 0, "the healthcheck must fail once the server is gone"
+
+
+def test_the_lock_files_pin_every_dependency_with_hashes() -> None:
+    """deploy/requirements/<set>.txt (make lock) covers pyproject.toml's dependencies of that set, each pinned
+    with hashes: a dependency added without `make lock` is caught here, before an image build's pip check."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    env = {"python_version": "3.11", "python_full_version": "3.11.2", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+    sets = sorted((ROOT / "deploy" / "requirements").glob("*.txt"))
+    assert {p.stem for p in sets} >= {"core", "replay", "local", "embeddings"}
+    for lock in sets:
+        text = lock.read_text()
+        pinned = {canonicalize_name(m.group(1)): m.group(2) for m in re.finditer(
+            r"^([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==(\S+) \\\n(?:\s+--hash=sha256:[0-9a-f]{64}(?: \\\n)?)+", text, re.M)}
+        names = [line.split("==")[0] for line in text.splitlines() if re.match(r"^[A-Za-z0-9]", line)]
+        assert len(names) == len(pinned), f"{lock.name}: a requirement without a pinned version and hashes"
+        extras = [] if lock.stem == "core" else lock.stem.split("-")
+        wanted = [Requirement(r) for r in project["dependencies"]]
+        for extra in extras:
+            wanted += [Requirement(r) for r in project["optional-dependencies"][extra]]
+        for req in wanted:
+            if req.marker and not req.marker.evaluate(env):
+                continue
+            name = canonicalize_name(req.name)
+            if name == "torch":
+                continue  # installed from TORCH_INDEX_URL (deploy/Dockerfile)
+            assert name in pinned, f"{lock.name} lacks {req.name}: run `make lock`"
+            assert req.specifier.contains(pinned[name], prereleases=True), \
+                f"{lock.name}: {req.name}=={pinned[name]} does not satisfy {req}: run `make lock`"
