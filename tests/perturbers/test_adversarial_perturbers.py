@@ -1,0 +1,252 @@
+"""Every registered perturber, with the parameters of every packaged profile that uses it, against hostile text
+(issue 28 item 1): repeated regex metacharacters, long runs of spaces, deep nesting, control and bidi characters,
+in every place a client controls (user and system messages, tool names, descriptions, parameter descriptions and
+defaults, tool results). Nothing raises out of `apply`, and the time it takes grows at most linearly with the text:
+a bound in CPU milliseconds per KiB, and the time for 8x the text at most 3x what linear growth allows. The CPU
+time of the process is measured, not the wall clock, so a busy machine does not fail the test; the quadratic
+scans this guards against took seconds at 64 KiB (minutes at 512 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import inspect
+import json
+import random
+import time
+import tomllib
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ROOT
+from toolquake.perturbers import build, registry
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
+from toolquake.perturbers.helpers.generator import DiskCache
+from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+#: repeated, each of these made some scan backtrack or restart at every position
+UNITS = ("a+", "a-", "((((", "))))", "a.a.", "https://", "x://", "@a.", "a+@", "a.@", "www.", "-1", "1.", "/a",
+         "a_", "aB", "a1 ", "'a'b", "\"a", "\"\n", "``", "\u201c", "\u2018", "\u201ca\u201d\u201c", "  ", "\t\n",
+         "[{\"", "{\"a\":", "<a>", "</", "a\u202e\x00", "\u202e\u2066\x00\x1b",
+         "Note that the provided function is in ", "(a) ", "a. A", "\\", "%s{}")
+FIELDS = ("user", "system", "tool_result", "tool_description", "tool_name", "param_description", "param_default")
+SMALL = 64 * 1024
+LARGE = 8 * SMALL
+#: CPU milliseconds per KiB of hostile text at most (measured: well under 1 on a busy 2-core machine)
+MS_PER_KIB = 5.0
+
+HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
+
+
+def _corpus_present() -> bool:
+    try:
+        from toolquake.bfcl import corpus
+    except ImportError:
+        return False
+    return corpus.is_present()
+
+
+#: perturbers that need what an install may lack: (corpus, embeddings)
+NEEDS = {"catalog_padding": (True, True), "toolkit_expansion": (True, True), "conversation_lengthening": (True, False)}
+
+
+def packaged_params() -> list[tuple[str, dict[str, Any]]]:
+    """(perturber, params) for every distinct step of the packaged profiles, and each registered perturber that no
+    packaged profile uses with its defaults."""
+    profiles = tomllib.loads((ROOT / "proxy" / "profiles.toml").read_text())["profiles"]
+    seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    for profile in profiles.values():
+        for step in profile.get("perturbers", []):
+            params = step.get("params", {})
+            seen.setdefault((step["name"], json.dumps(params, sort_keys=True)), (step["name"], params))
+    for name in registry():
+        if not any(key[0] == name for key in seen):
+            seen[(name, "{}")] = (name, {})
+    return list(seen.values())
+
+
+def _param_id(item: tuple[str, dict[str, Any]]) -> str:
+    name, params = item
+    return name + "".join(f"-{k}={v}" for k, v in sorted(params.items()))
+
+
+def _marks(name: str) -> list[Any]:
+    corpus, embeddings = NEEDS.get(name, (False, False))
+    marks = []
+    if corpus:
+        marks += [pytest.mark.needs_corpus,
+                  pytest.mark.skipif(not _corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")]
+    if embeddings:
+        marks += [pytest.mark.needs_embeddings,
+                  pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra: make install-embeddings")]
+    return marks
+
+
+STEPS = [pytest.param(item, id=_param_id(item), marks=_marks(item[0])) for item in packaged_params()]
+
+
+def _tool(name: str, description: str, param_description: str = "The city.", default: Any = None) -> dict[str, Any]:
+    prop: dict[str, Any] = {"type": "string", "description": param_description}
+    if default is not None:
+        prop["default"] = default
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {"city": prop, "days": {"type": "integer", "description": "How many."}},
+        "required": ["city"]}}}
+
+
+def request_with(field: str, text: str) -> dict[str, Any]:
+    """A two-tool, two-turn chat request (one tool call and its JSON result) with `text` in `field`."""
+    tools = [_tool("get_weather", "Get the weather for a city. Returns the temperature (in Celsius)."),
+             _tool("find_book", "Find a book by its title.", "The title.")]
+    result = json.dumps({"results": [{"id": f"r{i}", "city": "Paris", "temp": 20 + i} for i in range(3)]})
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+        {"role": "user", "content": "And in Rome, for 3 days?"}]
+    if field == "user":
+        messages[-1]["content"] = text
+    elif field == "system":
+        messages[0]["content"] = text
+    elif field == "tool_result":
+        messages[3]["content"] = text
+    elif field == "tool_description":
+        tools = [_tool("get_weather", text), _tool("find_book", text, "The title.")]
+    elif field == "tool_name":
+        tools[1] = _tool(text, "Find a book by its title.")
+    elif field == "param_description":
+        tools[0] = _tool("get_weather", "Get the weather.", text)
+    elif field == "param_default":
+        tools[0] = _tool("get_weather", "Get the weather.", "The city.", text)
+    return {"model": "m", "messages": messages, "tools": tools}
+
+
+@functools.cache
+def _services() -> Services:
+    return Services(token_counter=EstimateCounter())
+
+
+@functools.cache
+def _perturber(name: str, params_json: str, cache_dir: str) -> Any:
+    params = json.loads(params_json)
+    if name == "paraphrase":  # answers come from its cache (filled below), never from the network
+        params = {**params, "cache_dir": cache_dir, "generator_model": "m", "timeout_s": 0.5}
+    perturber = build(name, params)
+    perturber.setup(_services())
+    return perturber
+
+
+def _fill_paraphrase_cache(cache_dir: str, body: dict[str, Any]) -> None:
+    """The rephraser's answer for the request's last user message: the message itself, echoed (every quoted value
+    and number kept, so the whole value check runs over the hostile text)."""
+    from toolquake.perturbers.paraphrase import PROMPT_VERSION
+
+    original = body["messages"][-1]["content"]
+    cache = DiskCache(cache_dir)
+    cache.put(cache.key(PROMPT_VERSION, "m", original), {"version": PROMPT_VERSION, "model": "m",
+                                                           "original": original, "answer": original + " "})
+
+
+def _apply(perturber: Any, body: dict[str, Any]) -> ChatRequest:
+    ctx = PerturbContext(seed=3, rng=random.Random(f"3:0:{perturber.name}"), services=_services())
+    result = perturber.apply(ChatRequest(body), ctx)
+    return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+def refusal(perturber: Any) -> type[BaseException] | None:
+    """What `perturber` raises on a benign request, if anything (e.g. `tool_removal` with `which = "expected"`
+    and no case: a documented refusal the pipeline counts and serves unperturbed)."""
+    try:
+        _apply(perturber, request_with("user", "What is the weather in Rome?"))
+    except Exception as exc:
+        return type(exc)
+    return None
+
+
+def cpu_seconds(perturber: Any, body: dict[str, Any]) -> float:
+    """CPU time of the whole process (threads of torch included) to apply `perturber` once. It must return a
+    request, or raise only what it raises on a benign request too."""
+    refused = refusal(perturber)
+    start = time.process_time()
+    try:
+        result = _apply(perturber, body)
+    except Exception as exc:
+        if refused is None or not isinstance(exc, refused):
+            raise
+        return time.process_time() - start
+    spent = time.process_time() - start
+    assert isinstance(result, ChatRequest)
+    return spent
+
+
+def hostile(unit: str, size: int) -> str:
+    return "x" + unit * (size // len(unit)) + "x"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_every_perturber_is_linear_in_hostile_text(step: tuple[str, dict[str, Any]], tmp_path_factory: Any) -> None:
+    name, params = step
+    cache_dir = str(tmp_path_factory.mktemp(f"cache-{name}"))
+    perturber = _perturber(name, json.dumps(params, sort_keys=True), cache_dir)
+    for text in ("What is the weather in Rome?", "warm up: load what the first request loads"):
+        if name == "paraphrase":
+            _fill_paraphrase_cache(cache_dir, request_with("user", text))
+        cpu_seconds(perturber, request_with("user", text))
+
+    @settings(max_examples=10, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(field=st.sampled_from(FIELDS), unit=st.sampled_from(UNITS))
+    def check(field: str, unit: str) -> None:
+        small, large = request_with(field, hostile(unit, SMALL)), request_with(field, hostile(unit, LARGE))
+        if name == "paraphrase":
+            _fill_paraphrase_cache(cache_dir, small)
+            _fill_paraphrase_cache(cache_dir, large)
+        t_small = cpu_seconds(perturber, small)
+        where = f"{name} {params} with {unit!r} repeated in the {field}"
+        # checked before the large text is tried: quadratic code would take minutes there
+        assert t_small * 1000 <= MS_PER_KIB * SMALL / 1024, f"{where}: {t_small:.2f} s CPU for 64 KiB"
+        t_large = cpu_seconds(perturber, large)
+        assert t_large * 1000 <= MS_PER_KIB * LARGE / 1024, f"{where}: {t_large:.2f} s CPU for 512 KiB"
+        assert t_large <= 3 * 8 * t_small + 0.25, f"{where}: 64 KiB {t_small:.3f} s, 512 KiB {t_large:.3f} s CPU"
+
+    check()
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_surface_noise_and_paraphrase_target_take_a_mebibyte_of_each_hostile_text(unit: str) -> None:
+    """The two attacks the issue reproduced (7.5 s for 64 KiB of 'a+' through `noisy`, 4.6 s for an 80 KB
+    description through `meta-paraphrase-target`), at 1 MiB, for every hostile text."""
+    noisy = _perturber("surface_noise", json.dumps({"rate": 0.1}), "")
+    target = _perturber("tool_metadata", json.dumps({"kind": "paraphrase_target"}), "")
+    for size in (SMALL, 1024 * 1024):  # the small one first: quadratic code would take half an hour on the large
+        text = hostile(unit, size)
+        spent = cpu_seconds(noisy, request_with("user", text)) + cpu_seconds(target, request_with("tool_description",
+                                                                                                  text))
+        assert spent * 1000 <= 2 * MS_PER_KIB * size / 1024, f"{unit!r}: {spent:.2f} s CPU for {size} characters"
+
+
+def test_every_registered_perturber_is_covered() -> None:
+    assert {name for name, _ in packaged_params()} == set(registry())
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_the_protected_value_scans_are_linear(unit: str) -> None:
+    """The scans behind surface_noise and paraphrase (protected spans, quoted strings, numbers), on the whole
+    text at once: each start position costs O(1) amortised."""
+    from toolquake.perturbers.helpers.protected import numbers, protected_spans, quoted
+
+    spent = {}
+    for size in (SMALL, LARGE):
+        text = hostile(unit, size)
+        start = time.process_time()
+        protected_spans(text), quoted(text), numbers(text)
+        spent[size] = time.process_time() - start
+        assert spent[size] * 1000 <= MS_PER_KIB * size / 1024, f"{unit!r}: {spent[size]:.2f} s CPU for {size}"
+    assert spent[LARGE] <= 3 * 8 * spent[SMALL] + 0.25, spent
