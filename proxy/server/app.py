@@ -36,21 +36,48 @@ JSON = "application/json"
 Extension = Callable[[Litestar, ProxyState], object]
 
 
-async def _setup_perturbers(st: ProxyState, profiles: list[Profile]) -> None:
+class WarmUp:
+    """The start-up warm-up's progress: while it runs, /readyz answers 503 `warming_up` naming what is
+    still loading. Profiles the admin API adds later are warmed too, but never flip readiness back."""
+
+    def __init__(self, profiles: list[str]) -> None:
+        self.pending = list(profiles)   # profiles whose perturbers are not set up yet, in order
+        self.current = ""               # "profile/perturber" being set up now
+        self.done = not profiles
+
+    def describe(self) -> str:
+        what = f"{self.current} (profiles left: {', '.join(self.pending)})" if self.current else ", ".join(self.pending)
+        return f"warming up: loading {what}"
+
+
+async def _setup_perturbers(st: ProxyState, profiles: list[Profile], progress: WarmUp | None = None) -> None:
     t0 = time.perf_counter()
     seen: set[int] = set()
-    for profile in profiles:
-        for step in profile.steps if profile else ():
-            if id(step.perturber) in seen:
-                continue
-            seen.add(id(step.perturber))
-            try:
-                await asyncio.to_thread(step.perturber.setup, st.services)
-            except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
-                log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
-                            error_type=type(exc).__name__, error=str(exc)[:300])
+    failed: list[str] = []
+    try:
+        for profile in profiles:
+            for step in profile.steps if profile else ():
+                if id(step.perturber) in seen:
+                    continue
+                seen.add(id(step.perturber))
+                if progress is not None:
+                    progress.current = f"{profile.name}/{step.perturber.name}"
+                try:
+                    await asyncio.to_thread(step.perturber.setup, st.services)
+                except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
+                    failed.append(f"{profile.name}/{step.perturber.name}")
+                    log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                                error_type=type(exc).__name__, error=str(exc)[:300])
+            if progress is not None and profile and profile.name in progress.pending:
+                progress.pending.remove(profile.name)
+    finally:
+        if progress is not None:  # readiness never waits on a warm-up that failed or was cancelled
+            progress.done, progress.current, progress.pending = True, "", []
     log.info("perturbers_set_up", profiles=[p.name for p in profiles if p], perturbers=len(seen),
-             seconds=round(time.perf_counter() - t0, 3))
+             seconds=round(time.perf_counter() - t0, 3), failed=failed)
+    if progress is not None and failed:
+        log.warning("ready_after_failed_warm_up", failed=failed,
+                    hint="these perturbers load on first use and may fail (and be counted) per request")
 
 
 def _loop_tasks() -> int:
@@ -121,8 +148,13 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     async def healthz() -> Response:
         return Response(content=b'{"status":"ok"}', media_type=JSON)
 
+    warming = WarmUp([])  # replaced at start-up when [server] warm_up is on
+
     @get("/readyz", name="readyz")
     async def readyz() -> Response:
+        if not warming.done:
+            return Response(content=error_body(warming.describe(), "server_error", "warming_up"),
+                            status_code=503, media_type=JSON)
         try:
             status = await st.upstream.probe("models")
         except UpstreamError as exc:
@@ -152,11 +184,11 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
 
     background: set[asyncio.Task] = set()
 
-    def warm(profiles: list[Profile]) -> None:
+    def warm(profiles: list[Profile], progress: WarmUp | None = None) -> None:
         """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
         if not server.warm_up:
             return
-        task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles))
+        task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles, progress))
         background.add(task)
         task.add_done_callback(background.discard)
 
@@ -169,7 +201,14 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
             await asyncio.sleep(REFRESH_S)
 
     async def startup() -> None:
-        warm([st.profiles.get(n) for n in st.profiles.names()])
+        nonlocal warming
+        configured = [st.profiles.get(n) for n in st.profiles.names()]
+        if server.warm_up:  # not ready until every configured profile's perturbers are set up (or failed)
+            warming = WarmUp([p.name for p in configured if p])
+        warm(configured, warming)
+        lag = asyncio.get_running_loop().create_task(st.metrics.watch_loop_lag())  # cancelled by shutdown()
+        background.add(lag)
+        lag.add_done_callback(background.discard)
         if st.metrics.multiprocess:
             task = asyncio.get_running_loop().create_task(refresh_gauges())
             background.add(task)

@@ -9,6 +9,7 @@ are set by `refresh()`: at each scrape, and with several workers every `REFRESH_
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
@@ -28,6 +29,10 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005
 REFRESH_S = 0.25
 log = structlog.get_logger("toolquake.proxy")
 TOKEN_BUCKETS = (0, 10, 100, 1000, 5000, 10000, 20000, 40000, 80000, 120000, 250000)
+#: seconds between the timers of the event-loop lag probe (`watch_loop_lag`)
+LOOP_LAG_INTERVAL_S = 0.25
+# seconds a timer ran late: from 1 ms (a busy loop) to 30 s (a loop held by one request)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -93,6 +98,10 @@ class Metrics:
                                           multiprocess_mode="livesum")
         self.loop_tasks = Gauge("toolquake_event_loop_tasks", "asyncio tasks alive in the proxy's event loop(s).",
                                 registry=r, multiprocess_mode="livesum")
+        self.loop_lag = Histogram("toolquake_event_loop_lag_seconds", "How late the event loop ran a timer set "
+                                  f"every {LOOP_LAG_INTERVAL_S} s, in each worker: work holding the loop (CPU-bound "
+                                  "code on it) delays every request of that worker by as much.",
+                                  buckets=LOOP_LAG_BUCKETS, registry=r)
         self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
                                       "(non-negative reports only), by the token counter that measured them.",
                                       ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
@@ -106,6 +115,14 @@ class Metrics:
             self.loop_tasks.set(tasks())
 
         self.add_refresher(refresh)
+
+    async def watch_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Until cancelled: sleep `interval` on the running loop and observe how much later than asked it woke."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, kept: the per-request counters skip prometheus-client's label checks."""
