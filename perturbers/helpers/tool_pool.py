@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,10 +256,21 @@ def load_pool(embedder: Embedder | None = None) -> ToolPool:
     pool = read_pool(directory)
     if pool is not None:
         return pool
+    t0 = time.perf_counter()
     version, docs = corpus_functions()
     pool = build_pool(embedder, docs, version)
     save_pool(pool, directory)
+    _log_built(len(pool), directory, time.perf_counter() - t0)
     return read_pool(directory) or pool
+
+
+def _log_built(tools: int, directory: Path, seconds: float) -> None:
+    """One `tool_pool_built` event in the proxy's log (where structlog is configured: a bare CLI prints nothing)."""
+    import structlog
+
+    if structlog.is_configured():
+        structlog.get_logger("toolquake.tool_pool").info("tool_pool_built", tools=tools, directory=directory.name,
+                                                         seconds=round(seconds, 3))
 
 
 _build_lock = threading.Lock()
