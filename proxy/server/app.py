@@ -206,6 +206,9 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         if server.warm_up:  # not ready until every configured profile's perturbers are set up (or failed)
             warming = WarmUp([p.name for p in configured if p])
         warm(configured, warming)
+        lag = asyncio.get_running_loop().create_task(st.metrics.watch_loop_lag())  # cancelled by shutdown()
+        background.add(lag)
+        lag.add_done_callback(background.discard)
         if st.metrics.multiprocess:
             task = asyncio.get_running_loop().create_task(refresh_gauges())
             background.add(task)
