@@ -54,6 +54,7 @@ async def _setup_perturbers(st: ProxyState, profiles: list[Profile], progress: W
     t0 = time.perf_counter()
     seen: set[int] = set()
     failed: list[str] = []
+    errors: set[tuple[str, str]] = set()
     try:
         for profile in profiles:
             for step in profile.steps if profile else ():
@@ -66,8 +67,11 @@ async def _setup_perturbers(st: ProxyState, profiles: list[Profile], progress: W
                     await asyncio.to_thread(step.perturber.setup, st.services)
                 except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
                     failed.append(f"{profile.name}/{step.perturber.name}")
-                    log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
-                                error_type=type(exc).__name__, error=str(exc)[:300])
+                    error = (type(exc).__name__, str(exc)[:300])
+                    if error not in errors:  # once per distinct error (no embeddings: dozens of profiles, one cause)
+                        errors.add(error)
+                        log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                                    error_type=error[0], error=error[1])
             if progress is not None and profile and profile.name in progress.pending:
                 progress.pending.remove(profile.name)
     finally:

@@ -113,6 +113,8 @@ def test_a_failed_warm_up_is_logged_and_readiness_goes_ready_anyway(tmp_path) ->
         failed = [json.loads(line) for line in proxy.output().splitlines()
                   if '"ready_after_failed_warm_up"' in line]
         assert len(failed) == 1 and "expanded/toolkit_expansion" in failed[0]["failed"]
+        assert len(failed[0]["failed"]) > 1  # every pool perturber failed for the same reason: logged once
+        assert proxy.output().count('"perturber_setup_failed"') == 1
         assert not (tmp_path / "cache" / "tool_pool").exists()
     finally:
         proxy.stop()
