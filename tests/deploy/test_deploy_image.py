@@ -274,7 +274,13 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
             assert time.monotonic() < deadline, "the healthcheck never passed"
             time.sleep(0.2)
         url = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{url}/readyz").status_code == 200
+        # the image sets TOOLQUAKE_WARM_UP=1: not ready (503 warming_up) until the profiles' perturbers are set
+        # up; without the embeddings extra their set-up fails at once and the server goes ready anyway
+        deadline = time.monotonic() + 60
+        while (ready := httpx.get(f"{url}/readyz", timeout=10)).status_code != 200:
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "warming_up", ready.text
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.2)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
         r = httpx.post(f"{url}/p/reversed/v1/chat/completions", json={
