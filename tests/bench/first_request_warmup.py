@@ -20,7 +20,7 @@ import httpx
 
 
 def one_run(warm_up: bool) -> dict[str, object]:
-    from tests.conftest import start_fake_upstream, start_proxy
+    from tests.conftest import recorded, start_fake_upstream, start_proxy
     from toolquake.bfcl import corpus
 
     case = corpus.load_case("multiple_4")
@@ -36,9 +36,10 @@ def one_run(warm_up: bool) -> dict[str, object]:
                 time.sleep(0.1)
             ready = time.perf_counter() - t0
             t1 = time.perf_counter()
-            r = httpx.post(f"{proxy.url}/p/expanded/v1/chat/completions", json=body, timeout=900)
+            r = httpx.post(f"{proxy.url}/p/expanded/v1/chat/completions", json=body, timeout=900,
+                           headers={"X-Test-Tag": "bench"})
             first = time.perf_counter() - t1
-            sent = json.loads(httpx.get(f"{fake.url}/_fake/requests").json()[0]["body"])
+            sent = json.loads(recorded(fake, "bench")[0]["body"])
             assert r.status_code == 200 and '"tool_pool_built"' in proxy.output(), r.text
             return {"warm_up": warm_up, "ready_s": round(ready, 2), "first_request_s": round(first, 3),
                     "status": r.status_code, "tools_in": len(body["tools"]), "tools_sent": len(sent["tools"])}
