@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # only where a run of spaces starts, so a long run is not rescanned from each of its positions (linear time)
 _NOTE_HEAD = re.compile(r"(?<!\s)\s*+Note that the provided function is in ", re.IGNORECASE)
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+#: characters of a tool name compared (OpenAI allows 64; the longest BFCL name is far shorter)
+MAX_NAME = 256
 _FAMILY = {"integer": "number", "number": "number", "float": "number", "int": "number", "string": "string",
            "boolean": "boolean", "array": "array", "tuple": "array", "object": "object", "dict": "object"}
 
@@ -47,9 +49,15 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return fn if isinstance(fn, dict) else (tool if isinstance(tool, dict) else {})
 
 
+def _name(tool: dict[str, Any]) -> str:
+    """A tool's name, at most `MAX_NAME` characters of it (a client may send any length; the comparisons run once
+    per pair of tools, so a 512 KiB name cost seconds)."""
+    return str(_function(tool).get("name", ""))[:MAX_NAME]
+
+
 def name_words(tool: dict[str, Any]) -> set[str]:
     """The words of a tool's name, lower case, a plural's final s dropped."""
-    words = {w.lower() for w in _WORD.findall(str(_function(tool).get("name", "")))}
+    words = {w.lower() for w in _WORD.findall(_name(tool))}
     return {w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w for w in words}
 
 
@@ -74,7 +82,7 @@ def _without_notes(text: str) -> str:
 
 def job_text(tool: dict[str, Any]) -> str:
     """What a tool does, in words: its name's words and its description."""
-    words = " ".join(w.lower() for w in _WORD.findall(str(_function(tool).get("name", ""))))
+    words = " ".join(w.lower() for w in _WORD.findall(_name(tool)))
     return f"{words}. {description(tool)}"
 
 

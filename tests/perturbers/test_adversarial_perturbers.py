@@ -10,14 +10,16 @@ scans this guards against took seconds at 64 KiB (minutes at 512 KiB).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import inspect
 import json
 import random
+import sys
 import time
 import tomllib
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -84,10 +86,6 @@ def _marks(name: str) -> list[Any]:
     if embeddings:
         marks += [pytest.mark.needs_embeddings,
                   pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra: make install-embeddings")]
-    if name == "toolkit_expansion":  # open: see the reason
-        marks.append(pytest.mark.xfail(reason="toolkit_expansion spends up to ~9 ms/KiB CPU on a 64 KiB hostile tool "
-                                       "description (e.g. 'x://' repeated) in its retrieval/embedding path; linear, "
-                                       "but over the bound: not yet found (issue 28 item 1, left open)", strict=False))
     return marks
 
 
@@ -178,20 +176,49 @@ def cpu_seconds(perturber: Any, body: dict[str, Any]) -> float:
     """CPU time of the whole process (threads of torch included) to apply `perturber` once. It must return a
     request, or raise only what it raises on a benign request too."""
     refused = refusal(perturber)
-    start = time.process_time()
-    try:
-        result = _apply(perturber, body)
-    except Exception as exc:
-        if refused is None or not isinstance(exc, refused):
-            raise
-        return time.process_time() - start
-    spent = time.process_time() - start
+    embedder = _services().extra.get("embedder")
+    if embedder is not None:  # every measurement embeds its texts afresh: a cached baseline is no baseline
+        embedder._cache.clear()
+    with one_torch_thread():
+        start = time.process_time()
+        try:
+            result = _apply(perturber, body)
+        except Exception as exc:
+            if refused is None or not isinstance(exc, refused):
+                raise
+            return time.process_time() - start
+        spent = time.process_time() - start
     assert isinstance(result, ChatRequest)
     return spent
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Embeddings computed on one thread while measured: torch's worker threads spin while they wait for work, and
+    on a busy machine that spinning, not the work, made the process's CPU time (seen: 0.7 s more for the same
+    embedding of a 64 KiB description)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def hostile(unit: str, size: int) -> str:
     return "x" + unit * (size // len(unit)) + "x"
+
+
+#: ordinary prose, repeated to a size: what a large but benign request holds
+PROSE = "The weather in Paris is mild today, with light rain expected in the evening. "
+
+
+def ordinary(size: int) -> str:
+    return (PROSE * (size // len(PROSE) + 1))[:size]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -209,11 +236,13 @@ def test_every_perturber_is_linear_in_hostile_text(step: tuple[str, dict[str, An
     @given(field=st.sampled_from(FIELDS), unit=st.sampled_from(UNITS))
     def check(field: str, unit: str) -> None:
         small, large = request_with(field, hostile(unit, SMALL)), request_with(field, hostile(unit, LARGE))
-        benign = request_with(field, hostile(unit, 64))
+        # the baseline: ordinary prose of the small size in the same place. What a perturber spends on any large
+        # request is not what the hostile text adds: embedding a tool reads at most the model's window (256
+        # tokens), a constant ~0.8 s CPU for any description that fills it, hostile or not
+        benign = request_with(field, ordinary(SMALL))
         if name == "paraphrase":
             for body in (benign, small, large):
                 _fill_paraphrase_cache(cache_dir, body)
-        # what the perturber spends on any request (embedding a toolkit, say) is not the text's cost
         base = cpu_seconds(perturber, benign)
         t_small = max(0.0, cpu_seconds(perturber, small) - base)
         where = f"{name} {params} with {unit!r} repeated in the {field}"
