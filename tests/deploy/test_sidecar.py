@@ -108,6 +108,13 @@ def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: P
         sidecar_proc = start_process(["-m", "toolquake", "serve"], port, "/healthz", env=env)
         started.append(sidecar_proc)
         url = sidecar_proc.url
+        # the manifest turns warm-up on (TOOLQUAKE_WARM_UP): /readyz says warming_up until the profiles' perturbers
+        # are set up (here, with an empty emptyDir cache and no corpus, their set-up fails fast and the sidecar goes
+        # on: tests/server/test_readiness_warmup.py covers the warm-up itself); the startup probe holds the agent
+        deadline = time.monotonic() + 90
+        while httpx.get(url + startup_path).json().get("error", {}).get("code") == "warming_up":
+            assert time.monotonic() < deadline, "the sidecar never finished warming up"
+            time.sleep(0.2)
         # kubelet: the sidecar is alive but its upstream is not there, so the agent is held back
         for _ in range(5):
             assert probe(url, "/healthz") == 200
