@@ -297,19 +297,24 @@ def _slow_requests(proc: Any, n: int, delay_ms: int) -> tuple[list[threading.Thr
     return threads, results
 
 
-def _wait_in_flight(proc: Proc, n: int) -> None:
+def _wait_in_flight(proc: Proc, n: int, results: list[Any]) -> None:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if metric_value(httpx.get(f"{proc.url}/metrics").text, "toolquake_in_flight_requests") >= n:
+        text = httpx.get(f"{proc.url}/metrics").text
+        if metric_value(text, "toolquake_in_flight_requests") >= n:
             return
         time.sleep(0.05)
-    raise AssertionError(f"{n} requests never were in flight")
+    answered = [r if isinstance(r, Exception) or r is None else (r.status_code, r.text[:200]) for r in results]
+    rejected = {reason: metric_value(text, "toolquake_connections_rejected_total", reason=reason)
+                for reason in ("too_many_connections", "too_many_requests", "header_timeout")}
+    raise AssertionError(f"{n} requests never were in flight; the slow requests got {answered}; rejected so far "
+                         f"{rejected}")
 
 
 def test_a_request_beyond_the_in_flight_limit_gets_503_json(arm):
     _served(arm)
     threads, results = _slow_requests(arm, MAX_REQUESTS, 3000)
-    _wait_in_flight(arm, MAX_REQUESTS)  # /metrics is never refused
+    _wait_in_flight(arm, MAX_REQUESTS, results)  # /metrics is never refused
     sock = _connect(arm)
     sock.sendall(_model_request(arm))
     status, headers, data = _read_answer(sock)
