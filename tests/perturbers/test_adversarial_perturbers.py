@@ -236,21 +236,21 @@ def test_every_perturber_is_linear_in_hostile_text(step: tuple[str, dict[str, An
     @given(field=st.sampled_from(FIELDS), unit=st.sampled_from(UNITS))
     def check(field: str, unit: str) -> None:
         small, large = request_with(field, hostile(unit, SMALL)), request_with(field, hostile(unit, LARGE))
-        # the baseline: ordinary prose of the small size in the same place. What a perturber spends on any large
+        # the baseline: ordinary prose of the same size in the same place. What a perturber spends on any large
         # request is not what the hostile text adds: embedding a tool reads at most the model's window (256
-        # tokens), a constant ~0.8 s CPU for any description that fills it, hostile or not
-        benign = request_with(field, ordinary(SMALL))
+        # tokens), a constant ~0.8 s CPU for any description that fills it; a budget perturber pads a short
+        # response more than a long one. The hostile text's extra cost is what must stay linear.
+        benign_small, benign_large = request_with(field, ordinary(SMALL)), request_with(field, ordinary(LARGE))
         if name == "paraphrase":
-            for body in (benign, small, large):
+            for body in (benign_small, benign_large, small, large):
                 _fill_paraphrase_cache(cache_dir, body)
-        base = cpu_seconds(perturber, benign)
-        t_small = max(0.0, cpu_seconds(perturber, small) - base)
+        t_small = max(0.0, cpu_seconds(perturber, small) - cpu_seconds(perturber, benign_small))
         where = f"{name} {params} with {unit!r} repeated in the {field}"
         # checked before the large text is tried: quadratic code would take minutes there
         assert t_small * 1000 <= MS_PER_KIB * SMALL / 1024, f"{where}: {t_small:.2f} s CPU for 64 KiB"
-        t_large = max(0.0, cpu_seconds(perturber, large) - base)
+        t_large = max(0.0, cpu_seconds(perturber, large) - cpu_seconds(perturber, benign_large))
         assert t_large * 1000 <= MS_PER_KIB * LARGE / 1024, f"{where}: {t_large:.2f} s CPU for 512 KiB"
-        assert t_large <= 3 * 8 * t_small + 0.25, f"{where}: 64 KiB {t_small:.3f} s, 512 KiB {t_large:.3f} s CPU"
+        assert t_large <= 3 * 8 * t_small + 0.5, f"{where}: 64 KiB {t_small:.3f} s, 512 KiB {t_large:.3f} s CPU"
 
     check()
 
