@@ -10,11 +10,10 @@ each stays under a per-KiB time bound wide enough for a loaded machine. The old 
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from toolquake.bfcl.decode import decode_python
 from toolquake.perturbers.helpers import callformat_parse as cp
@@ -82,16 +81,21 @@ CHECKS = {
 }
 
 
+#: what may follow the hostile run (closers that make a finder try to match back to an opener)
+TAILS = ("", "x", "]", "}", "</TOOLCALL>", "</tool_call>")
+
+
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 @pytest.mark.parametrize("piece", PIECES)
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tail=st.sampled_from(["", "x", "]", "}", "</TOOLCALL>", "</tool_call>"]))
-def test_model_output_scanners_are_linear_and_never_raise(name: str, piece: str, tail: str) -> None:
+def test_model_output_scanners_are_linear_and_never_raise(name: str, piece: str) -> None:
+    """Two tails per entry point and piece, drawn by a generator seeded with both (it was hypothesis with
+    max_examples=2: over ~1,200 parametrized items its settings look-ups hit the recursion limit in a full run)."""
     fn = ENTRY_POINTS[name]
-    text = _text(piece, 64 * KIB, tail)
-    fn(text[:4 * KIB])  # warm: imports, compiled patterns
-    cost = _ms_per_kib(fn, text)
-    assert cost < MS_PER_KIB, f"{name} on {piece!r}*n+{tail!r}: {cost:.1f} ms/KiB at 64 KiB"
+    for tail in random.Random(f"{name}|{piece}").sample(TAILS, 2):
+        text = _text(piece, 64 * KIB, tail)
+        fn(text[:4 * KIB])  # warm: imports, compiled patterns
+        cost = _ms_per_kib(fn, text)
+        assert cost < MS_PER_KIB, f"{name} on {piece!r}*n+{tail!r}: {cost:.1f} ms/KiB at 64 KiB"
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

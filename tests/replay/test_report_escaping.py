@@ -148,7 +148,8 @@ def check_html(page: str) -> None:
 # properties
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_every_report_escapes_hostile_names_and_texts(data):
     n = names(lambda: data.draw(hostile))
@@ -240,7 +241,7 @@ def test_report_time_grows_linearly_with_the_names(tmp_path):
 # the live results store's summary
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_live_results_summary_escapes_names(data):
     from toolquake.proxy.live import results
