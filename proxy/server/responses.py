@@ -22,10 +22,9 @@ from typing import Any, Iterator
 
 import msgspec
 
-from toolquake.proxy.server.streaming import SSEParser
+from toolquake.proxy.server.streaming import SSEParser, read_events
 
 _encode = msgspec.json.encode
-_decode = msgspec.json.decode
 _ids = itertools.count(1)
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
@@ -269,18 +268,10 @@ def answer_from_chat(chat_answer: dict[str, Any], original: dict[str, Any]) -> d
 def assemble_events(data: bytes) -> dict[str, Any] | None:
     """The final response of a Responses event stream (`response.completed` and friends), or, when the
     stream ended without one, what its `output_item.done` events hold; None without any."""
-    parser = SSEParser()
-    payloads = parser.feed(data) + parser.flush()
     final: dict[str, Any] | None = None
     created: dict[str, Any] | None = None
     done: dict[int, Any] = {}
-    for payload in payloads:
-        try:
-            event = _decode(payload)
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
-            continue
-        if not isinstance(event, dict):
-            continue
+    for event in read_events(data):
         kind = event.get("type")
         if kind in FINAL_EVENTS and isinstance(event.get("response"), dict):
             final = event["response"]
@@ -362,13 +353,7 @@ class TextThrough:
                      "content": []}
 
     def feed(self, data: bytes) -> None:
-        for payload in self.parser.feed(data):
-            try:
-                event = _decode(payload)
-            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
-                continue
-            if not isinstance(event, dict):
-                continue
+        for event in self.parser.events(data):
             if event.get("type") == "response.created" and isinstance(event.get("response"), dict):
                 self.created = event["response"]
             elif event.get("type") == "response.output_text.delta" and isinstance(event.get("delta"), str):

@@ -1,6 +1,7 @@
-"""Server-sent events for chat completions: parse a stream, reassemble it, emit one.
+"""Server-sent events: the one SSE reader (both APIs), and chat completions' streams reassembled and emitted.
 
-`SSEParser` turns raw bytes (split anywhere) into `data:` payloads; `StreamAssembler` folds
+`SSEParser` turns raw bytes (split anywhere) into `data:` payloads, and `events` / `read_events`
+into the JSON objects they carry (every stream the proxy reads goes through them); `StreamAssembler` folds
 chat.completion.chunk objects into one chat.completion; `emit_stream` renders a complete
 chat.completion as a valid OpenAI stream (role chunk, content, tool_call deltas with index and
 id, finish chunk, `data: [DONE]`).
@@ -9,7 +10,7 @@ id, finish chunk, `data: [DONE]`).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import msgspec
 
@@ -54,6 +55,35 @@ class SSEParser:
         self._buf = bytearray()
         return self.feed(rest + b"\n\n") if rest.strip() else []
 
+    def events(self, chunk: bytes, *, end: bool = False) -> Iterator[dict[str, Any]]:
+        """The JSON objects carried by the complete events of `chunk` (other data skipped); `end`: the stream
+        ended with this chunk (what is left is read too)."""
+        payloads = self.feed(chunk)
+        if end:
+            payloads += self.flush()
+        return objects(payloads)
+
+
+def decode_event(payload: bytes) -> dict[str, Any] | None:
+    """One event's data as a JSON object; None when it is not one (not JSON, nested too deeply, not an object)."""
+    try:
+        event = _decode(payload)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def objects(payloads: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    for payload in payloads:
+        event = decode_event(payload)
+        if event is not None:
+            yield event
+
+
+def read_events(data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a whole SSE body."""
+    return SSEParser().events(data, end=True)
+
 
 class StreamAssembler:
     """Fold chat.completion.chunk payloads into a single chat.completion dict."""
@@ -72,11 +102,8 @@ class StreamAssembler:
         if payload.strip() == DONE:
             self.done = True
             return
-        try:
-            chunk = _decode(payload)
-        except (msgspec.DecodeError, RecursionError):  # nested past msgspec's depth limit: not a chunk
-            return
-        if isinstance(chunk, dict):
+        chunk = decode_event(payload)
+        if chunk is not None:
             self.add_chunk(chunk)
 
     def add_chunk(self, chunk: dict[str, Any]) -> None:

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from toolquake.proxy.server.conformance.arguments import Offered, check_arguments
 from toolquake.proxy.server.conformance.content import find_calls
 from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
-from toolquake.proxy.server.streaming import DONE, SSEParser
-
-_decode = msgspec.json.decode
+from toolquake.proxy.server.streaming import DONE, SSEParser, decode_event
 
 
 def finish_rules(calls: int, finish: Any, choice: int) -> list[Violation]:
@@ -89,11 +85,8 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
     for payload in parser.feed(data) + parser.flush():
         if payload.strip() == DONE:
             continue
-        try:
-            chunk = _decode(payload)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
-            chunk = None
-        if not isinstance(chunk, dict):
+        chunk = decode_event(payload)
+        if chunk is None:
             out.append(Violation("chunk_invalid_json", "a data payload is not a JSON object", excerpt(
                 payload.decode("utf-8", "replace"))))
             continue

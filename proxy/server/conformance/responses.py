@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from toolquake.proxy.server.conformance.arguments import Offered, check_arguments
 from toolquake.proxy.server.conformance.chat import content_rules
 from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
-from toolquake.proxy.server.streaming import SSEParser
+from toolquake.proxy.server.streaming import SSEParser, decode_event
 
-_decode = msgspec.json.decode
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -70,68 +67,84 @@ class _Call:
         self.final: Any = None
 
 
+class _Events:
+    """What a Responses event stream said, event by event: its function_call items, its text, its final
+    response, and the rules its events broke on the way."""
+
+    def __init__(self) -> None:
+        self.out: list[Violation] = []
+        self.by_index: dict[int, _Call] = {}
+        self.by_id: dict[str, _Call] = {}
+        self.final: dict[str, Any] | None = None
+        self.text = ""
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "response.output_text.delta" and isinstance(event.get("delta"), str):
+            self.text += event["delta"]
+        elif kind == "response.output_item.added" and isinstance(event.get("item"), dict) \
+                and event["item"].get("type") == "function_call":
+            call = _Call(len(self.by_index), event["item"])
+            self.by_index[event.get("output_index") if isinstance(event.get("output_index"), int) else -1] = call
+            if isinstance(call.item.get("id"), str):
+                self.by_id[call.item["id"]] = call
+            self.out += _item_rules(call.item, call.n, "output_item.added")
+        elif kind in ("response.function_call_arguments.delta", "response.function_call_arguments.done"):
+            self._arguments(kind, event)
+        elif kind == "response.output_item.done" and isinstance(event.get("item"), dict) \
+                and event["item"].get("type") == "function_call":
+            call = self.by_index.get(event.get("output_index")) \
+                or self.by_id.get(event["item"].get("id"))  # type: ignore[arg-type]
+            if call is not None:
+                self.out += _agree(call, event["item"], "output_item.done")
+        elif kind in FINAL_EVENTS and isinstance(event.get("response"), dict):
+            self.final = event["response"]
+
+    def _arguments(self, kind: str, event: dict[str, Any]) -> None:
+        call = self.by_index.get(event.get("output_index")) or self.by_id.get(event.get("item_id"))  # type: ignore[arg-type]
+        if call is None:
+            self.out.append(Violation("delta_missing_index", f"{kind.rsplit('.', 1)[1]} event for an output_index/"
+                                      "item_id with no function_call item", excerpt(event)))
+        elif kind.endswith(".delta"):
+            if isinstance(event.get("delta"), str):
+                call.arguments += event["delta"]
+        else:
+            call.done = event.get("arguments")
+            if call.done != call.arguments:
+                self.out.append(_mismatch(call, "arguments.done's arguments", event.get("arguments")))
+
+    def end(self, offered: Offered) -> list[Violation]:
+        """The rules on what the stream added up to, after those its events broke."""
+        out = self.out
+        calls = sorted(self.by_index.values(), key=lambda c: c.n)
+        if self.final is not None:
+            done = _calls(self.final.get("output"))
+            if len(done) != len(calls):
+                out.append(Violation("done_mismatch", f"{len(calls)} function_call item(s) streamed, {len(done)} in "
+                                     "the final response", ""))
+            for call, item in zip(calls, done):
+                out += _agree(call, item, "the final response")
+        for call in calls:
+            args = call.final if call.final is not None else call.done if call.done is not None else call.arguments
+            out += check_arguments(args, call.item.get("name"), offered, call.n)
+        if not calls:
+            out += content_rules(self.text or _text((self.final or {}).get("output")), offered)
+        return out
+
+
 def check_stream(data: bytes, offered: Offered) -> list[Violation]:
     """A whole Responses event stream: each function_call item's events agree with one another and with
     the final response; then the rules of a complete answer on what the stream added up to."""
     parser = SSEParser()
-    out: list[Violation] = []
-    by_index: dict[int, _Call] = {}
-    by_id: dict[str, _Call] = {}
-    final: dict[str, Any] | None = None
-    text = ""
+    events = _Events()
     for payload in parser.feed(data) + parser.flush():
-        try:
-            event = _decode(payload)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
-            event = None
-        if not isinstance(event, dict):
-            out.append(Violation("chunk_invalid_json", "an event's data is not a JSON object",
-                                 excerpt(payload.decode("utf-8", "replace"))))
-            continue
-        kind = event.get("type")
-        if kind == "response.output_text.delta" and isinstance(event.get("delta"), str):
-            text += event["delta"]
-        elif kind == "response.output_item.added" and isinstance(event.get("item"), dict) \
-                and event["item"].get("type") == "function_call":
-            call = _Call(len(by_index), event["item"])
-            by_index[event.get("output_index") if isinstance(event.get("output_index"), int) else -1] = call
-            if isinstance(call.item.get("id"), str):
-                by_id[call.item["id"]] = call
-            out += _item_rules(call.item, call.n, "output_item.added")
-        elif kind in ("response.function_call_arguments.delta", "response.function_call_arguments.done"):
-            call = by_index.get(event.get("output_index")) or by_id.get(event.get("item_id"))  # type: ignore[arg-type]
-            if call is None:
-                out.append(Violation("delta_missing_index", f"{kind.rsplit('.', 1)[1]} event for an output_index/"
-                                     "item_id with no function_call item", excerpt(event)))
-                continue
-            if kind.endswith(".delta"):
-                if isinstance(event.get("delta"), str):
-                    call.arguments += event["delta"]
-            else:
-                call.done = event.get("arguments")
-                if call.done != call.arguments:
-                    out.append(_mismatch(call, "arguments.done's arguments", event.get("arguments")))
-        elif kind == "response.output_item.done" and isinstance(event.get("item"), dict) \
-                and event["item"].get("type") == "function_call":
-            call = by_index.get(event.get("output_index")) or by_id.get(event["item"].get("id"))  # type: ignore[arg-type]
-            if call is not None:
-                out += _agree(call, event["item"], "output_item.done")
-        elif kind in FINAL_EVENTS and isinstance(event.get("response"), dict):
-            final = event["response"]
-    calls = sorted(by_index.values(), key=lambda c: c.n)
-    if final is not None:
-        done = _calls(final.get("output"))
-        if len(done) != len(calls):
-            out.append(Violation("done_mismatch", f"{len(calls)} function_call item(s) streamed, {len(done)} in "
-                                 "the final response", ""))
-        for call, item in zip(calls, done):
-            out += _agree(call, item, "the final response")
-    for call in calls:
-        args = call.final if call.final is not None else call.done if call.done is not None else call.arguments
-        out += check_arguments(args, call.item.get("name"), offered, call.n)
-    if not calls:
-        out += content_rules(text or _text((final or {}).get("output")), offered)
-    return out
+        event = decode_event(payload)
+        if event is None:
+            events.out.append(Violation("chunk_invalid_json", "an event's data is not a JSON object",
+                                        excerpt(payload.decode("utf-8", "replace"))))
+        else:
+            events.add(event)
+    return events.end(offered)
 
 
 def _mismatch(call: _Call, where: str, value: Any) -> Violation:
