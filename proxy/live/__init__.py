@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -22,7 +22,7 @@ from toolquake.proxy.server.config import ScoringConfig
 if TYPE_CHECKING:
     from litestar import Litestar
 
-    from toolquake.proxy.server.state import ProxyState, RequestContext
+    from toolquake.proxy.server.state import Asked, ConformanceSink, ProxyState, Served
 
 log = structlog.get_logger("toolquake.scoring")
 
@@ -72,7 +72,7 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
     return scorer
 
 
-def _store_violations(store: ResultsStore, scorer: LiveScorer) -> Callable[[RequestContext, list[Any]], None]:
+def _store_violations(store: ResultsStore, scorer: LiveScorer) -> ConformanceSink:
     """A conformance sink: the violations of one answer written to the results store, off the event loop."""
 
     def write(rows: list[ConformanceRow]) -> None:
@@ -82,9 +82,9 @@ def _store_violations(store: ResultsStore, scorer: LiveScorer) -> Callable[[Requ
             scorer.metrics.store_errors.inc()
             log.warning("conformance_store_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
-    def sink(ctx: RequestContext, violations: list[Any]) -> None:
-        rows = [ConformanceRow(ctx.request_id, ctx.profile_name, ctx.model, ctx.route, ctx.stream, v.rule, v.detail,
-                               v.call, v.excerpt) for v in violations]
+    def sink(asked: Asked, served: Served, violations: list[Any]) -> None:
+        rows = [ConformanceRow(asked.request_id, asked.profile_name, asked.model, asked.route, asked.stream, v.rule,
+                               v.detail, v.call, v.excerpt) for v in violations]
         asyncio.get_running_loop().run_in_executor(None, write, rows)
 
     return sink

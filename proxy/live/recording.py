@@ -46,7 +46,7 @@ from toolquake.proxy.server.config import RecordConfig, parse_size
 if TYPE_CHECKING:
     from litestar import Litestar
 
-    from toolquake.proxy.server.state import ProxyState, RequestContext
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
 
 log = structlog.get_logger("toolquake.record")
 
@@ -249,18 +249,18 @@ class Recorder:
         self.thread.start()
         log.info("recording", path=str(self.path), bytes=self.size, max_bytes=self.max_bytes)
 
-    def wants(self, ctx: RequestContext) -> bool:
+    def wants(self, asked: Asked, served: Served) -> bool:
         """An unperturbed, answered model exchange of a recorded profile."""
-        if ctx.status != 200 or not isinstance(ctx.response, dict) or ctx.request is None:
+        if served.status != 200 or not isinstance(served.response, dict) or asked.request is None:
             return False
-        if ctx.outcome is not None and (ctx.outcome.applied or ctx.outcome.changed):
+        if served.outcome is not None and (served.outcome.applied or served.outcome.changed):
             return False
         names = self.settings.profiles
-        return not names or any(fnmatch.fnmatchcase(ctx.profile_name, p) for p in names)
+        return not names or any(fnmatch.fnmatchcase(asked.profile_name, p) for p in names)
 
     # -- on the event loop: take references, enqueue, go
-    def observe(self, ctx: RequestContext) -> None:
-        if not self.wants(ctx):
+    def observe(self, asked: Asked, served: Served) -> None:
+        if not self.wants(asked, served):
             return
         if self.settings.sample_rate < 1.0 and self.rng.random() >= self.settings.sample_rate:
             self.metrics.dropped.labels("sampled_out").inc()
@@ -268,8 +268,8 @@ class Recorder:
         if self.full:
             self.metrics.dropped.labels("size_cap").inc()
             return
-        job = Job(time.time(), ctx.request_id, ctx.route, ctx.profile_name, ctx.model, ctx.stream, ctx.request,
-                  ctx.response)  # type: ignore[arg-type]
+        job = Job(time.time(), asked.request_id, asked.route, asked.profile_name, asked.model, asked.stream,
+                  asked.request, served.response)  # type: ignore[arg-type]
         try:
             self.queue.put_nowait(job)
         except queue.Full:

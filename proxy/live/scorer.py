@@ -33,7 +33,7 @@ from toolquake.scorers import consistency
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.pipeline import Applied
-    from toolquake.proxy.server.state import ProxyState, RequestContext
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
 
 log = structlog.get_logger("toolquake.scoring")
 
@@ -57,18 +57,18 @@ class Origin:
     injected_calls: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, ex: RequestContext) -> Origin:
+    def of(cls, asked: Asked, served: Served) -> Origin:
         # the header only says how the case was found; a header naming no case (it may be long) is not kept
-        header = ex.case_header if ex.case is not None else None
-        return cls(ex.request_id, ex.mode, ex.model, ex.stream, ex.request or {}, ex.case, header, ex.route,
-                   tuple(ex.injected_calls))
+        header = asked.case_header if asked.case is not None else None
+        return cls(asked.request_id, asked.mode, asked.model, asked.stream, asked.request or {}, asked.case, header,
+                   asked.route, served.injected_calls)
 
 
 @dataclass
 class Job:
     """One answer to score, and the label it counts under."""
 
-    ex: Origin
+    origin: Origin
     profile: str
     arm: str  # "live" (served to the client), "original" (a shadow profile's client answer), "twin"
     answer: dict[str, Any] | None
@@ -126,51 +126,55 @@ class LiveScorer:
         self.workers: list[asyncio.Task] = []
 
     # -- called on the event loop by the app, after the client was answered: enqueue and go
-    def observe(self, ex: RequestContext) -> None:
-        if ex.mode == "shadow":
-            if ex.case is not None:
+    def observe(self, asked: Asked, served: Served) -> None:
+        if asked.mode == "shadow":
+            if asked.case is not None:
                 # the client's answer is an unperturbed answer: it counts toward the `off` baseline
-                self._enqueue(Job(Origin.of(ex), "off", "original", ex.response, self._kept(ex.request), [], [],
-                                  ex.status, ex.upstream_s or 0.0, ex.total_s))
+                self._enqueue(Job(Origin.of(asked, served), "off", "original", served.response,
+                                  self._kept(asked.request), [], [], served.status, served.upstream_s or 0.0,
+                                  served.total_s))
             self._start()
-            self.shadow.launch(ex)
+            self.shadow.launch(asked, served)
             return
-        applied = list(ex.outcome.applied) if ex.outcome else []
-        failures = self._failures(ex, applied)
-        if ex.case is None:
+        applied = list(served.outcome.applied) if served.outcome else []
+        failures = self._failures(asked, served, applied)
+        if asked.case is None:
             # an X-Toolquake-Case naming no case we have (unknown, malformed, too long): served, never scored
-            reason = "unknown_case" if ex.case_header else "unlabeled"
-            self.metrics.skipped.labels(ex.profile_name, reason).inc()
+            reason = "unknown_case" if asked.case_header else "unlabeled"
+            self.metrics.skipped.labels(asked.profile_name, reason).inc()
             if failures:  # an agent's conversation, not a BFCL case: its recovery still counts
-                self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, None, applied, [], ex.status,
-                                  ex.upstream_s or 0.0, ex.total_s, failures=failures, failed_request=ex.sent))
+                self._enqueue(Job(Origin.of(asked, served), asked.profile_name, "live", served.response, None, applied,
+                                  [], served.status, served.upstream_s or 0.0, served.total_s, failures=failures,
+                                  failed_request=served.sent))
             return
-        restorers = list(ex.outcome.restorers) if ex.outcome else []
-        self._enqueue(Job(Origin.of(ex), ex.profile_name, "live", ex.response, self._kept(ex.sent), applied, restorers,
-                          ex.status, ex.upstream_s or 0.0, ex.total_s, failures=failures,
-                          failed_request=ex.sent if failures else None))
+        restorers = list(served.outcome.restorers) if served.outcome else []
+        self._enqueue(Job(Origin.of(asked, served), asked.profile_name, "live", served.response,
+                          self._kept(served.sent), applied, restorers, served.status, served.upstream_s or 0.0,
+                          served.total_s, failures=failures,
+                          failed_request=served.sent if failures else None))
 
-    def _failures(self, ex: RequestContext, applied: list[Applied]) -> list[tuple[int, str]]:
+    def _failures(self, asked: Asked, served: Served, applied: list[Applied]) -> list[tuple[int, str]]:
         """The failures a step injected that this answer reacts to (fail-open: none when that cannot be told)."""
         if not applied:
             return []
         try:
-            return recovery.injected(applied, (ex.sent or {}).get("messages") or [])
+            return recovery.injected(applied, (served.sent or {}).get("messages") or [])
         except Exception as exc:
-            self.metrics.skipped.labels(ex.profile_name, "scorer_error").inc()
-            log.warning("recovery_failed", request_id=ex.request_id, error_type=type(exc).__name__,
+            self.metrics.skipped.labels(asked.profile_name, "scorer_error").inc()
+            log.warning("recovery_failed", request_id=asked.request_id, error_type=type(exc).__name__,
                         error=str(exc)[:300])
             return []
 
-    def _twin_done(self, ex: RequestContext, twin: Twin) -> None:
+    def _twin_done(self, asked: Asked, served: Served, twin: Twin) -> None:
         if twin.error is not None:
-            log.info("shadow_twin_failed", request_id=ex.request_id, profile=ex.profile_name, error=twin.error)
+            log.info("shadow_twin_failed", request_id=asked.request_id, profile=asked.profile_name, error=twin.error)
             return
         applied = list(twin.outcome.applied) if twin.outcome else []
         restorers = list(twin.outcome.restorers) if twin.outcome else []
         # a noise twin (unperturbed) is stored under its profile with arm "noise", counted under `<noise>`
-        self._enqueue(Job(Origin.of(ex), ex.profile_name, twin.kind, twin.answer, self._kept(twin.sent), applied,
-                          restorers, twin.status, twin.upstream_s, None, original=ex.response))
+        self._enqueue(Job(Origin.of(asked, served), asked.profile_name, twin.kind, twin.answer,
+                          self._kept(twin.sent), applied, restorers, twin.status, twin.upstream_s, None,
+                          original=served.response))
 
     def _kept(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
         """A request body travels with its job only when the store keeps contents."""
@@ -196,7 +200,7 @@ class LiveScorer:
                 await self._process(job)
             except Exception as exc:  # fail-open: one bad answer never stops the workers
                 self.metrics.skipped.labels(job.profile, "scorer_error").inc()
-                log.warning("scoring_failed", request_id=job.ex.request_id, error_type=type(exc).__name__,
+                log.warning("scoring_failed", request_id=job.origin.request_id, error_type=type(exc).__name__,
                             error=str(exc)[:300])
             finally:
                 self.queue.task_done()
@@ -209,7 +213,7 @@ class LiveScorer:
         t0 = time.perf_counter()
         if job.failures:
             self._count_recovery(job)
-            if job.ex.case is None:
+            if job.origin.case is None:
                 return
         row = self._score(job)
         self.metrics.duration.observe(time.perf_counter() - t0)
@@ -224,20 +228,20 @@ class LiveScorer:
     def _score(self, job: Job) -> Row | None:
         """Grade and compare one job; count it; return the row to store (None: nothing was scored)."""
         t0 = time.perf_counter()
-        ex, m = job.ex, self.metrics
-        model = self.st.metrics.model_label(ex.model)
+        origin, m = job.origin, self.metrics
+        model = self.st.metrics.model_label(origin.model)
         agreement = None
         if job.arm in ("twin", "noise"):
-            agreement = consistency.compare_answers(job.original, job.answer, tools=ex.request.get("tools"),
+            agreement = consistency.compare_answers(job.original, job.answer, tools=origin.request.get("tools"),
                                                     strings=self.strings)
             m.consistency.labels(NOISE_PROFILE if job.arm == "noise" else job.profile, model, agreement.agree).inc()
         grade, skip = None, None
-        case = ex.case
+        case = origin.case
         # a noise twin is compared only: its verdict would count an unperturbed answer under the profile
         if case is not None and job.arm != "noise":
             if case.category not in scorable_categories() and not is_user_case(case):
                 skip = "unsupported_category"
-            elif is_followup(case, ex.request):
+            elif is_followup(case, origin.request):
                 skip = "followup"
             elif job.status != 200 or not isinstance(job.answer, dict):
                 skip = "no_answer"
@@ -246,7 +250,7 @@ class LiveScorer:
                     grade = self.grader.grade(case, job.answer, job.applied, job.restorers)
                 except Exception as exc:  # fail-open: a scorer bug costs this verdict only
                     skip = "scorer_error"
-                    log.warning("scoring_failed", request_id=ex.request_id, case=case.id,
+                    log.warning("scoring_failed", request_id=origin.request_id, case=case.id,
                                 error_type=type(exc).__name__, error=str(exc)[:300])
         if skip is not None:
             m.skipped.labels(job.profile, skip).inc()
@@ -262,11 +266,11 @@ class LiveScorer:
         added = [a.report.get("tokens_added") for a in job.applied]
         keep_text = self.settings.store_contents
         row = Row(
-            request_id=ex.request_id, profile=job.profile, mode=ex.mode, arm=job.arm, model=ex.model,
-            stream=ex.stream and job.arm not in ("twin", "noise"), status=job.status,
+            request_id=origin.request_id, profile=job.profile, mode=origin.mode, arm=job.arm, model=origin.model,
+            stream=origin.stream and job.arm not in ("twin", "noise"), status=job.status,
             case_id=case.id if case is not None else None,
             category=case.category if case is not None else None,
-            resolved_by=None if case is None else ("header" if ex.case_header else "content"),
+            resolved_by=None if case is None else ("header" if origin.case_header else "content"),
             perturbers=[{"name": a.name, "params": a.params,
                          "report": a.report if keep_text else _safe_report(a.report)} for a in job.applied],
             total_ms=None if job.total_s is None else job.total_s * 1000, upstream_ms=job.upstream_s * 1000,
@@ -275,8 +279,8 @@ class LiveScorer:
             else None,
             request_body=job.sent if keep_text else None, response_body=job.answer if keep_text else None,
             agree=agreement.agree if agreement else None,
-            shadow_of=ex.request_id if job.arm in ("twin", "noise") else None, route=ex.route,
-            injected_calls=list(ex.injected_calls) if ex.injected_calls and job.arm == "live" else None,
+            shadow_of=origin.request_id if job.arm in ("twin", "noise") else None, route=origin.route,
+            injected_calls=list(origin.injected_calls) if origin.injected_calls and job.arm == "live" else None,
         )
         if grade is not None:
             row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,
@@ -293,7 +297,7 @@ class LiveScorer:
             found = recovery.verdicts(job.failed_request, job.answer, job.failures)
         except Exception as exc:
             self.metrics.skipped.labels(job.profile, "scorer_error").inc()
-            log.warning("recovery_failed", request_id=job.ex.request_id, error_type=type(exc).__name__,
+            log.warning("recovery_failed", request_id=job.origin.request_id, error_type=type(exc).__name__,
                         error=str(exc)[:300])
             return
         for v in found:

@@ -34,7 +34,7 @@ from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from toolquake.proxy.server.state import ProxyState, RequestContext
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
 
 log = structlog.get_logger("toolquake.shadow")
 
@@ -71,70 +71,70 @@ def twin_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class ShadowRunner:
-    """Launches twins off the hot path; `done(exchange, twin)` gets each finished twin."""
+    """Launches twins off the hot path; `done(asked, served, twin)` gets each finished twin."""
 
-    def __init__(self, st: ProxyState, requests: Counter, done: Callable[[RequestContext, Twin], None]) -> None:
+    def __init__(self, st: ProxyState, requests: Counter, done: Callable[[Asked, Served, Twin], None]) -> None:
         self.st = st
         self.requests = requests
         self.done = done
         self.in_flight: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
 
-    def launch(self, ex: RequestContext) -> bool:
-        """Start the twin of `ex` (and its noise twin) if sampled and the profile has room; never waits."""
-        profile = self.st.profiles.get(ex.profile_name)
-        if profile is None or profile.mode != "shadow" or ex.status != 200 or ex.response is None:
+    def launch(self, asked: Asked, served: Served) -> bool:
+        """Start the twin of the request (and its noise twin) if sampled and the profile has room; never waits."""
+        profile = self.st.profiles.get(asked.profile_name)
+        if profile is None or profile.mode != "shadow" or served.status != 200 or served.response is None:
             return False
         spec = profile.spec
         if spec.noise_rate > 0:
-            self._start(ex, profile, "noise", sampled(ex.seed, spec.noise_rate, "noise"))
-        return self._start(ex, profile, "twin", sampled(ex.seed, spec.sample_rate))
+            self._start(asked, served, profile, "noise", sampled(asked.seed, spec.noise_rate, "noise"))
+        return self._start(asked, served, profile, "twin", sampled(asked.seed, spec.sample_rate))
 
-    def _start(self, ex: RequestContext, profile: Any, kind: str, chosen: bool) -> bool:
-        label = NOISE_PROFILE if kind == "noise" else ex.profile_name
+    def _start(self, asked: Asked, served: Served, profile: Any, kind: str, chosen: bool) -> bool:
+        label = NOISE_PROFILE if kind == "noise" else asked.profile_name
         if not chosen:
             self.requests.labels(label, "sampled_out").inc()
             return False
-        if self.in_flight.get(ex.profile_name, 0) >= profile.spec.max_concurrent:
+        if self.in_flight.get(asked.profile_name, 0) >= profile.spec.max_concurrent:
             self.requests.labels(label, "busy").inc()
             return False
-        self.in_flight[ex.profile_name] = self.in_flight.get(ex.profile_name, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._run(ex, profile, kind))
+        self.in_flight[asked.profile_name] = self.in_flight.get(asked.profile_name, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._run(asked, served, profile, kind))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
 
-    async def _run(self, ex: RequestContext, profile: Any, kind: str = "twin") -> None:
+    async def _run(self, asked: Asked, served: Served, profile: Any, kind: str = "twin") -> None:
         try:
-            twin = await self._twin(ex, profile, perturb=kind == "twin")
+            twin = await self._twin(asked, profile, perturb=kind == "twin")
         finally:
-            self.in_flight[ex.profile_name] -= 1
+            self.in_flight[asked.profile_name] -= 1
         twin.kind = kind
-        label = NOISE_PROFILE if kind == "noise" else ex.profile_name
+        label = NOISE_PROFILE if kind == "noise" else asked.profile_name
         self.requests.labels(label, "answered" if twin.error is None else "failed").inc()
         try:
-            self.done(ex, twin)
+            self.done(asked, served, twin)
         except Exception as exc:  # fail-open: a broken consumer never takes the runner down
             log.warning("shadow_consumer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
-    async def _twin(self, ex: RequestContext, profile: Any, perturb: bool = True) -> Twin:
+    async def _twin(self, asked: Asked, profile: Any, perturb: bool = True) -> Twin:
         st, m = self.st, self.st.metrics
         outcome = None
-        request = ex.request or {}
+        request = asked.request or {}
         if perturb:
             try:
-                outcome = await run_profile(profile, ChatRequest(request), ex.seed, st.services, ex.case)
+                outcome = await run_profile(profile, ChatRequest(request), asked.seed, st.services, asked.case)
             except Exception as exc:  # strict profiles raise; the client was served already
                 return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
             m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
             request = outcome.request.body
         twin = Twin(outcome, twin_body(request))
-        api = ex.api or CHAT
+        api = asked.api or CHAT
         # the twin speaks the client's API (a Responses request's twin is a Responses request)
-        wire = twin_body(api.to_wire(request, ex.wire_request or {}, ex.conversion))
+        wire = twin_body(api.to_wire(request, asked.wire_request or {}, asked.conversion))
         t0 = time.perf_counter()
         try:
-            resp = await st.upstream.send("POST", st.upstream.api_url(api.path), ex.forward_headers,
+            resp = await st.upstream.send("POST", st.upstream.api_url(api.path), asked.forward_headers,
                                           msgspec.json.encode(wire))
             try:
                 data = await resp.aread()

@@ -36,9 +36,9 @@ class InProcessProxy:
         self._thread: threading.Thread | None = None
         self.url = ""
 
-    def _observe(self, ex: Any) -> None:
+    def _observe(self, asked: Any, served: Any) -> None:
         with self._lock:
-            self.exchanges[ex.request_id] = ex
+            self.exchanges[asked.request_id] = served
 
     def take(self, request_id: str | None) -> Any:
         if not request_id:
