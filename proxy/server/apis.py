@@ -41,6 +41,11 @@ class Api:
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def text_through(self) -> Any:  # pragma: no cover - interface
+        """A stream whose plain text is released as it arrives: `feed(bytes)`, `text` (so far),
+        `release(upto) -> bytes`, `answer(whole) -> native answer | None`, `finish(final) -> frames`."""
+        raise NotImplementedError
+
     #: byte strings of which one must appear in a stream that ended properly
     end_markers: tuple[bytes, ...] = ()
 
@@ -56,6 +61,9 @@ class ChatCompletions(Api):
 
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:
         return streaming.emit_stream(answer)
+
+    def text_through(self) -> streaming.TextThrough:
+        return streaming.TextThrough()
 
 
 class Responses(Api):
@@ -81,6 +89,9 @@ class Responses(Api):
 
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:
         return responses.emit_events(answer)
+
+    def text_through(self) -> responses.TextThrough:
+        return responses.TextThrough()
 
 
 CHAT = ChatCompletions()

@@ -374,6 +374,10 @@ class TextThrough:
         self.released = upto
         return out
 
+    def answer(self, whole: bytes) -> dict[str, Any] | None:
+        """The stream's answer, once it ended (`whole`: all its bytes)."""
+        return assemble_events(whole)
+
     def finish(self, final: dict[str, Any]) -> Iterator[bytes]:
         """The rest of the answer `final` (the restored, complete response)."""
         if self.released == 0:

@@ -167,6 +167,66 @@ def assemble_sse(data: bytes) -> dict[str, Any]:
     return asm.result()
 
 
+class TextThrough:
+    """A chat stream whose plain text is released as it arrives (after a role chunk), the rest of the answer —
+    remaining text, or the calls the text turned into — emitted once it is complete."""
+
+    def __init__(self) -> None:
+        self.parser, self.asm = SSEParser(), StreamAssembler()
+        self.base: dict[str, Any] | None = None
+        self.released = 0
+        self.sent_role = False
+
+    @property
+    def text(self) -> str:
+        return (self.asm.choices.get(0) or {}).get("content") or ""
+
+    def feed(self, data: bytes) -> None:
+        for payload in self.parser.feed(data):
+            self.asm.add_payload(payload)
+        if self.base is None and self.asm.id is not None:
+            self.base = {"id": self.asm.id, "object": "chat.completion.chunk", "created": self.asm.created or 0,
+                         "model": self.asm.model or ""}
+
+    def _frame(self, delta: dict[str, Any]) -> bytes:
+        return _frame({**(self.base or {}), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
+    def release(self, upto: int) -> bytes:
+        """Frames for the text up to `upto` not sent yet (b"" before the stream said who it is)."""
+        if self.base is None or upto <= self.released:
+            return b""
+        out = b""
+        if not self.sent_role:
+            out += self._frame({"role": "assistant", "content": ""})
+            self.sent_role = True
+        out += self._frame({"content": self.text[self.released:upto]})
+        self.released = upto
+        return out
+
+    def answer(self, whole: bytes) -> dict[str, Any] | None:
+        """The stream's answer, once it ended (`whole`: all its bytes); None for an empty stream."""
+        for payload in self.parser.flush():
+            self.asm.add_payload(payload)
+        return self.asm.result() if whole.strip() else None
+
+    def finish(self, final: dict[str, Any]) -> Iterator[bytes]:
+        """The rest of the answer `final` (the restored, complete chat.completion), less the text sent."""
+        text, released = self.text, self.released
+        rest = _decode(_encode(final))
+        for choice in rest.get("choices") or []:
+            msg = choice.get("message") or {}
+            if choice.get("index", 0) == 0 and released:
+                content = msg.get("content")
+                if msg.get("tool_calls") or not isinstance(content, str):
+                    msg["content"] = None
+                else:
+                    msg["content"] = content[released:] if content.startswith(text[:released]) else content
+        frames = emit_stream(rest)
+        if self.sent_role:  # the role chunk went out with the first text
+            next(frames, None)
+        yield from frames
+
+
 def _frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 

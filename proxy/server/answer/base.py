@@ -1,0 +1,90 @@
+"""The answer-step interface, and the plan one answer follows (docs/creating-answer-steps.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from litestar.response import Stream
+
+    from toolquake.proxy.server.answer.path import AnswerPath
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
+    from toolquake.proxy.server.upstream import UpstreamResponse
+
+#: what a step needs of one answer (`AnswerStep.needs`):
+#: the complete answer before the client gets any of it (the step may change it)
+WHOLE = "whole"
+#: the stream's events as they arrive (the step writes the client's stream; streamed answers only)
+EVENTS = "events"
+#: the complete answer once it is final (the step reads it, counts, records; it never changes what is sent)
+ANSWER = "answer"
+#: the backend's bytes as relayed, once the client has them and the request was counted
+BYTES = "bytes"
+
+
+class AnswerStep:
+    """One concern of the answer path. One instance per server serves every request: what belongs to one
+    request lives on its `served`, never on `self`. A step fails open: what it may fail at it catches,
+    counts and logs itself, and the client still gets an answer."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, st: ProxyState) -> None:
+        self.st = st
+
+    def needs(self, asked: Asked, served: Served) -> str | None:
+        """What this request's answer needs of the step (WHOLE, EVENTS, ANSWER, BYTES), or None: nothing.
+        Asked once the upstream answered, before any of the answer is read; keep it cheap."""
+        return None
+
+    async def on_answer(self, asked: Asked, served: Served, answer: dict[str, Any]) -> dict[str, Any] | None:
+        """WHOLE, ANSWER: the complete answer, chat-shaped. Return the changed answer, or None (unchanged)."""
+        return None
+
+    def on_stream(self, path: AnswerPath, asked: Asked, served: Served, upstream: UpstreamResponse,
+                  plan: Plan) -> Stream:
+        """EVENTS: the client's stream (a `streams.StreamWriter`'s `response()`)."""
+        raise NotImplementedError
+
+    async def on_bytes(self, asked: Asked, served: Served, relayed: bytes) -> None:
+        """BYTES: the backend's answer as the client got it relayed (a stream's raw SSE body, else the JSON)."""
+
+
+class Plan:
+    """The steps one answer goes through, grouped by what they need, each group in the steps' order."""
+
+    __slots__ = ("whole", "events", "answer", "bytes")
+
+    def __init__(self) -> None:
+        self.whole: list[AnswerStep] = []
+        self.events: AnswerStep | None = None
+        self.answer: list[AnswerStep] = []
+        self.bytes: list[AnswerStep] = []
+
+    def reads(self, asked: Asked) -> bool:
+        """The answer is decoded (a stream assembled): a step or an observer reads it."""
+        return asked.observed or bool(self.whole) or bool(self.answer)
+
+    def keeps(self, asked: Asked) -> bool:
+        """A relayed stream is copied as it passes: someone reads it, or its bytes, afterwards."""
+        return self.reads(asked) or bool(self.bytes)
+
+
+#: the plan of an answer no step needs (shared: a passthrough request allocates none)
+NOTHING = Plan()
+
+
+def make_plan(steps: tuple[AnswerStep, ...], asked: Asked, served: Served) -> Plan:
+    plan = NOTHING
+    for step in steps:
+        need = step.needs(asked, served)
+        if need is None:
+            continue
+        if plan is NOTHING:
+            plan = Plan()
+        if need == EVENTS:
+            if plan.events is None:
+                plan.events = step
+        else:
+            getattr(plan, need).append(step)
+    return plan

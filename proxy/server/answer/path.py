@@ -1,0 +1,70 @@
+"""The answer path of a model route: the steps in their order, the plan of each answer, and which way the
+answer goes to the client (a whole answer, a relayed stream, a stream read whole and rewritten, or a stream
+a step writes as its events arrive)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from toolquake.proxy.server.answer.base import AnswerStep, Plan, make_plan
+from toolquake.proxy.server.answer.conformance import Conformance
+from toolquake.proxy.server.answer.injected import InjectedCalls
+from toolquake.proxy.server.answer.plain import Plain, plain_answer
+from toolquake.proxy.server.answer.repair import Repair
+from toolquake.proxy.server.answer.restore import Restore
+from toolquake.proxy.server.answer.streams import Relay, Rewritten
+from toolquake.proxy.server.answer.text_through import TextThrough
+
+if TYPE_CHECKING:
+    from litestar.response import Stream
+
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
+    from toolquake.proxy.server.upstream import UpstreamResponse
+
+#: every answer step, in the order they run: a repair reads the text before a restore turns text back into
+#: calls, and calls to added tools are judged on the answer as the client would get it
+STEPS: tuple[type[AnswerStep], ...] = (Repair, Restore, InjectedCalls, TextThrough, Conformance)
+
+
+class AnswerPath:
+    def __init__(self, st: ProxyState, steps: tuple[type[AnswerStep], ...] = STEPS) -> None:
+        self.st = st
+        self.steps = tuple(cls(st) for cls in steps)
+
+    async def serve(self, asked: Asked, served: Served, upstream: UpstreamResponse) -> Plain | Stream:
+        """The upstream's answer (its status and headers arrived) on its way to the client."""
+        plan = make_plan(self.steps, asked, served)
+        if asked.stream and 200 <= upstream.status_code < 300 \
+                and "text/event-stream" in upstream.header("content-type"):
+            if plan.events is not None:
+                return plan.events.on_stream(self, asked, served, upstream, plan)
+            if plan.whole:
+                return (await Rewritten(self, asked, served, upstream, plan).prepare()).response()
+            return Relay(self, asked, served, upstream, plan).response()
+        return await plain_answer(self, asked, served, upstream, plan)
+
+    async def rewrite(self, asked: Asked, served: Served, plan: Plan, wire: dict[str, Any]) -> dict[str, Any]:
+        """The complete answer through the steps that need it whole, then those that read it; the answer to
+        send, in wire form (`wire` itself when no step changed it)."""
+        api = asked.api
+        assert api is not None
+        internal = api.answer_to_internal(wire)
+        changed = False
+        for step in plan.whole:
+            new = await step.on_answer(asked, served, internal)
+            if new is not None:
+                internal, changed = new, True
+        served.response = internal = await self.read(asked, served, plan, internal)
+        return api.answer_to_wire(internal, wire) if changed else wire
+
+    async def read(self, asked: Asked, served: Served, plan: Plan, answer: dict[str, Any]) -> dict[str, Any]:
+        """The final answer through the steps that read it (what they return is what observers get)."""
+        for step in plan.answer:
+            new = await step.on_answer(asked, served, answer)
+            if new is not None:
+                answer = new
+        return answer
+
+    async def after_bytes(self, asked: Asked, served: Served, plan: Plan, relayed: bytes) -> None:
+        for step in plan.bytes:
+            await step.on_bytes(asked, served, relayed)
