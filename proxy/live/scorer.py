@@ -235,25 +235,8 @@ class LiveScorer:
             agreement = consistency.compare_answers(job.original, job.answer, tools=origin.request.get("tools"),
                                                     strings=self.strings)
             m.consistency.labels(NOISE_PROFILE if job.arm == "noise" else job.profile, model, agreement.agree).inc()
-        grade, skip = None, None
+        grade = self._grade(job)
         case = origin.case
-        # a noise twin is compared only: its verdict would count an unperturbed answer under the profile
-        if case is not None and job.arm != "noise":
-            if case.category not in scorable_categories() and not is_user_case(case):
-                skip = "unsupported_category"
-            elif is_followup(case, origin.request):
-                skip = "followup"
-            elif job.status != 200 or not isinstance(job.answer, dict):
-                skip = "no_answer"
-            else:
-                try:
-                    grade = self.grader.grade(case, job.answer, job.applied, job.restorers)
-                except Exception as exc:  # fail-open: a scorer bug costs this verdict only
-                    skip = "scorer_error"
-                    log.warning("scoring_failed", request_id=origin.request_id, case=case.id,
-                                error_type=type(exc).__name__, error=str(exc)[:300])
-        if skip is not None:
-            m.skipped.labels(job.profile, skip).inc()
         if grade is not None:
             m.scored.labels(job.profile, model, case.category, "valid" if grade.valid else "invalid").inc()
             if not grade.valid:
@@ -262,10 +245,45 @@ class LiveScorer:
                     m.semantic_flips.labels(job.profile, model).inc()
         if grade is None and agreement is None:
             return None
+        row = self._row(job, agreement)
+        if grade is not None:
+            row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,
+                                                                     grade.taxonomy)
+            row.errors, row.fair_valid, row.semantic_valid = grade.errors, grade.fair_valid, grade.semantic_valid
+        row.scoring_ms = (time.perf_counter() - t0) * 1000
+        return row
+
+    def _grade(self, job: Job) -> Any:
+        """The verdict on a job tied to a case, or None (the reason it was skipped counted)."""
+        origin, case = job.origin, job.origin.case
+        # a noise twin is compared only: its verdict would count an unperturbed answer under the profile
+        if case is None or job.arm == "noise":
+            return None
+        grade, skip = None, None
+        if case.category not in scorable_categories() and not is_user_case(case):
+            skip = "unsupported_category"
+        elif is_followup(case, origin.request):
+            skip = "followup"
+        elif job.status != 200 or not isinstance(job.answer, dict):
+            skip = "no_answer"
+        else:
+            try:
+                grade = self.grader.grade(case, job.answer, job.applied, job.restorers)
+            except Exception as exc:  # fail-open: a scorer bug costs this verdict only
+                skip = "scorer_error"
+                log.warning("scoring_failed", request_id=origin.request_id, case=case.id,
+                            error_type=type(exc).__name__, error=str(exc)[:300])
+        if skip is not None:
+            self.metrics.skipped.labels(job.profile, skip).inc()
+        return grade
+
+    def _row(self, job: Job, agreement: Any) -> Row:
+        """The job's row, before its verdict."""
+        origin, case = job.origin, job.origin.case
         usage = (job.answer or {}).get("usage") or {}
         added = [a.report.get("tokens_added") for a in job.applied]
         keep_text = self.settings.store_contents
-        row = Row(
+        return Row(
             request_id=origin.request_id, profile=job.profile, mode=origin.mode, arm=job.arm, model=origin.model,
             stream=origin.stream and job.arm not in ("twin", "noise"), status=job.status,
             case_id=case.id if case is not None else None,
@@ -282,12 +300,6 @@ class LiveScorer:
             shadow_of=origin.request_id if job.arm in ("twin", "noise") else None, route=origin.route,
             injected_calls=list(origin.injected_calls) if origin.injected_calls and job.arm == "live" else None,
         )
-        if grade is not None:
-            row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,
-                                                                     grade.taxonomy)
-            row.errors, row.fair_valid, row.semantic_valid = grade.errors, grade.fair_valid, grade.semantic_valid
-        row.scoring_ms = (time.perf_counter() - t0) * 1000
-        return row
 
     def _count_recovery(self, job: Job) -> None:
         """Count the verdict on the answer after each injected failure (fail-open: a scorer bug counts no verdict)."""
