@@ -9,7 +9,7 @@ happened to it on the way (the perturbation outcome, the answer, its status, tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from toolquake.perturbers import ChatRequest, Services
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.upstream import Upstream
 
 
-@dataclass(frozen=True, slots=True)
-class Asked:
-    """What one model request (chat completions or Responses) is, once it was decoded.
+class Asked(NamedTuple):
+    """What one model request (chat completions or Responses) is, once it was decoded (immutable: a named tuple,
+    as cheap to make as the request's hot path needs).
 
     `request` is chat-completions shaped whatever the API (the one internal form; None when nobody
     needs it decoded); `api`, `wire_request` and `conversion` say how to speak the client's API again.
@@ -40,12 +40,16 @@ class Asked:
     case: Any = None
     case_header: str | None = None
     request: dict[str, Any] | None = None
-    wire_request: dict[str, Any] | None = field(default=None, repr=False)
-    conversion: Any = field(default=None, repr=False)
+    wire_request: dict[str, Any] | None = None
+    conversion: Any = None
     #: end-to-end client headers (auth included) as sent upstream; for a shadow twin, never logged or stored
-    forward_headers: list[tuple[str, str]] = field(repr=False, default=())  # type: ignore[assignment]
+    forward_headers: list[tuple[str, str]] | tuple[()] = ()
     #: observers will get this request when its answer is finished (the answer is then kept)
     observed: bool = False
+
+    def __repr__(self) -> str:  # never the headers (auth) nor the bodies
+        return (f"Asked(request_id={self.request_id!r}, route={self.route!r}, profile={self.profile_name!r}, "
+                f"stream={self.stream!r}, model={self.model!r}, seed={self.seed!r}, observed={self.observed!r})")
 
     @property
     def route(self) -> str:
