@@ -28,7 +28,6 @@ from toolquake.proxy.server.passthrough import Passthrough
 from toolquake.proxy.server.profiles import Profile, ProfileStore, SharedProfiles
 from toolquake.proxy.server.state import ProxyState
 from toolquake.proxy.server.upstream import UpstreamError, make_upstream
-from toolquake.proxy.server.upstream.base import split_joined_app
 
 log = structlog.get_logger("toolquake.proxy")
 JSON = "application/json"
@@ -237,10 +236,8 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     app.state.proxy = st
     for extension in extensions:
         extension(app, st)
-    # several upstream Set-Cookie headers go out as several (proxy/server/upstream/base.py response_headers)
-    app.asgi_handler = split_joined_app(app.asgi_handler)
-    # requests nothing perturbs or observes skip the framework (proxy/server/lean.py)
-    if server.lean_path:
-        app.asgi_handler = LeanPath(st, {f"/v1/{CHAT.path}": chat_handler, f"/v1/{RESPONSES.path}": responses_handler},
-                                    app.asgi_handler)
+    # the fast path's seam into the framework (proxy/server/lean.py): requests nothing perturbs or observes skip
+    # the framework; the framework's answers write joined Set-Cookie headers as several again
+    LeanPath.install(app, st, {f"/v1/{CHAT.path}": chat_handler, f"/v1/{RESPONSES.path}": responses_handler},
+                     enabled=server.lean_path)
     return app
