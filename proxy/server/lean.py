@@ -5,7 +5,8 @@ perturbs nothing (`off`, `shadow`, or no steps), on a server with no observers (
 needs none of the framework's routing, parameter parsing or response classes: `LeanPath` reads the body itself,
 hands it to the same `ChatHandler.handle` the framework's route calls (the same decoding, errors, forwarding,
 stream relay, metrics and log line) and writes the answer itself. `tests/server/test_lean_path.py` holds it to
-the framework's answers, byte for byte where a client can tell.
+the framework's statuses, headers, bodies, upstream requests, metrics and log lines, and
+`tests/server/test_fast_path_adapter.py` to the framework's bytes on the socket.
 
 **Two seams, one each, both on `LeanPath`:**
 
