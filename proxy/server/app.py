@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Coroutine, Iterable
 
 import structlog
 from litestar import Litestar, Request, Response, get, route
@@ -28,7 +28,6 @@ from toolquake.proxy.server.passthrough import Passthrough
 from toolquake.proxy.server.profiles import Profile, ProfileStore, SharedProfiles
 from toolquake.proxy.server.state import ProxyState
 from toolquake.proxy.server.upstream import UpstreamError, make_upstream
-from toolquake.proxy.server.upstream.base import split_joined_app
 
 log = structlog.get_logger("toolquake.proxy")
 JSON = "application/json"
@@ -91,11 +90,48 @@ def _loop_tasks() -> int:
         return 0
 
 
-def create_app(config: Config, *, admin_token: str | None = None, services: Services | None = None,
-               extensions: Iterable[Extension] = (), shared: Path | None = None) -> Litestar:
-    """Build the Litestar app; each extension (e.g. `toolquake.proxy.live.attach`) is called with the new
-    app and its state, in order, before the app is returned. `shared`: the directory the workers of one
-    server share (`workers.Runtime`), None for a single process."""
+class Lifecycle:
+    """One app's start-up and shutdown: the perturbers' warm-up (and the readiness it holds back), the
+    background tasks (warm-ups, the loop-lag probe, the gauges' refresh), the upstream pool closed last."""
+
+    def __init__(self, st: ProxyState) -> None:
+        self.st = st
+        self.warming = WarmUp([])  # replaced at start-up when [server] warm_up is on
+        self.background: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def warm(self, profiles: list[Profile], progress: WarmUp | None = None) -> None:
+        """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
+        if self.st.config.server.warm_up:
+            self.spawn(_setup_perturbers(self.st, profiles, progress))
+
+    async def refresh_gauges(self) -> None:  # several workers: each keeps its share of the process gauges current
+        while True:
+            self.st.metrics.refresh()
+            await asyncio.sleep(REFRESH_S)
+
+    async def startup(self) -> None:
+        st = self.st
+        configured = [st.profiles.get(n) for n in st.profiles.names()]
+        if st.config.server.warm_up:  # not ready until every configured profile's perturbers are set up (or failed)
+            self.warming = WarmUp([p.name for p in configured if p])
+        self.warm(configured, self.warming)
+        self.spawn(st.metrics.watch_loop_lag())  # cancelled by shutdown()
+        if st.metrics.multiprocess:
+            self.spawn(self.refresh_gauges())
+
+    async def shutdown(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await self.st.upstream.aclose()
+
+
+def _proxy_state(config: Config, admin_token: str | None, services: Services | None,
+                 shared: Path | None) -> ProxyState:
     from toolquake.perturbers.helpers.tokens import make_counter
 
     server = config.server
@@ -109,10 +145,11 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         admin_token=admin_token,
     )
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
-    chat_handler = ChatHandler(st, CHAT)
-    responses_handler = ChatHandler(st, RESPONSES)
-    passthrough = Passthrough(st)
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return st
+
+
+def _model_routes(chat_handler: ChatHandler, responses_handler: ChatHandler) -> list:
+    """The two model routes of each API, with and without a profile in the path."""
 
     @route("/v1/chat/completions", http_method=["POST"], name="chat", status_code=200)
     async def chat(request: Request) -> Response:
@@ -129,6 +166,14 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     @route("/p/{profile:str}/v1/responses", http_method=["POST"], name="responses_profile", status_code=200)
     async def responses_profile(request: Request, profile: str) -> Response:
         return await responses_handler(request, profile)
+
+    return [chat, chat_profile, responses, responses_profile]
+
+
+def _passthrough_routes(st: ProxyState) -> list:
+    """Every other route of the API and the backend's own extras, relayed untouched."""
+    passthrough = Passthrough(st)
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
     @route("/v1/{path:path}", http_method=methods, name="v1_passthrough", status_code=200)
     async def v1_other(request: Request, path: str) -> Response:
@@ -148,16 +193,20 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     async def backend_extras(request: Request, path: str) -> Response:
         return await passthrough(request, st.upstream.root_url(f"extras/{path.lstrip('/')}"), "backend_extra")
 
+    return [v1_other, v1_profile_other, backend_tokenize, backend_extras]
+
+
+def _probe_routes(st: ProxyState, life: Lifecycle) -> list:
+    """Liveness, readiness (held back while the warm-up runs, then the upstream's health) and metrics."""
+
     @get("/healthz", name="healthz")
     async def healthz() -> Response:
         return Response(content=b'{"status":"ok"}', media_type=JSON)
 
-    warming = WarmUp([])  # replaced at start-up when [server] warm_up is on
-
     @get("/readyz", name="readyz")
     async def readyz() -> Response:
-        if not warming.done:
-            return Response(content=error_body(warming.describe(), "server_error", "warming_up"),
+        if not life.warming.done:
+            return Response(content=error_body(life.warming.describe(), "server_error", "warming_up"),
                             status_code=503, media_type=JSON)
         try:
             status = await st.upstream.probe("models")
@@ -173,12 +222,18 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
     async def metrics_route() -> Response:
         return Response(content=st.metrics.exposition(), media_type=st.metrics.content_type)
 
+    return [healthz, readyz, metrics_route]
+
+
+def _exception_handlers(max_body_bytes: int) -> dict:
+    """OpenAI-shaped errors for what the framework raises (404, 405, 413, ...) and for anything unexpected."""
+
     def on_http_exception(_: Request, exc: HTTPException) -> Response:
         status = exc.status_code
         kind = "invalid_request_error" if status < 500 else "server_error"
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
         message = exc.detail if status != 413 else (
-            f"Request body is larger than {server.max_body_bytes} bytes; raise [server] max_body_bytes if needed.")
+            f"Request body is larger than {max_body_bytes} bytes; raise [server] max_body_bytes if needed.")
         return Response(content=error_body(str(message), kind, code), status_code=status, media_type=JSON)
 
     def on_exception(_: Request, exc: Exception) -> Response:
@@ -186,61 +241,36 @@ def create_app(config: Config, *, admin_token: str | None = None, services: Serv
         return Response(content=error_body("Internal proxy error; see the proxy log.", "server_error",
                                            "internal_error"), status_code=500, media_type=JSON)
 
-    background: set[asyncio.Task] = set()
+    return {HTTPException: on_http_exception, Exception: on_exception}
 
-    def warm(profiles: list[Profile], progress: WarmUp | None = None) -> None:
-        """Load what the profiles' perturbers need (pools, models) off the request path, in the background."""
-        if not server.warm_up:
-            return
-        task = asyncio.get_running_loop().create_task(_setup_perturbers(st, profiles, progress))
-        background.add(task)
-        task.add_done_callback(background.discard)
 
-    st.warm = warm
-    st.profiles.on_new = warm
-
-    async def refresh_gauges() -> None:  # several workers: each keeps its share of the process gauges current
-        while True:
-            st.metrics.refresh()
-            await asyncio.sleep(REFRESH_S)
-
-    async def startup() -> None:
-        nonlocal warming
-        configured = [st.profiles.get(n) for n in st.profiles.names()]
-        if server.warm_up:  # not ready until every configured profile's perturbers are set up (or failed)
-            warming = WarmUp([p.name for p in configured if p])
-        warm(configured, warming)
-        lag = asyncio.get_running_loop().create_task(st.metrics.watch_loop_lag())  # cancelled by shutdown()
-        background.add(lag)
-        lag.add_done_callback(background.discard)
-        if st.metrics.multiprocess:
-            task = asyncio.get_running_loop().create_task(refresh_gauges())
-            background.add(task)
-            task.add_done_callback(background.discard)
-
-    async def shutdown() -> None:
-        for task in list(background):
-            task.cancel()
-        await st.upstream.aclose()
-
+def create_app(config: Config, *, admin_token: str | None = None, services: Services | None = None,
+               extensions: Iterable[Extension] = (), shared: Path | None = None) -> Litestar:
+    """Build the Litestar app; each extension (e.g. `toolquake.proxy.live.attach`) is called with the new
+    app and its state, in order, before the app is returned. `shared`: the directory the workers of one
+    server share (`workers.Runtime`), None for a single process."""
+    server = config.server
+    st = _proxy_state(config, admin_token, services, shared)
+    chat_handler = ChatHandler(st, CHAT)
+    responses_handler = ChatHandler(st, RESPONSES)
+    life = Lifecycle(st)
+    st.warm = life.warm
+    st.profiles.on_new = life.warm
     app = Litestar(
-        route_handlers=[chat, chat_profile, responses, responses_profile, v1_other, v1_profile_other,
-                        backend_tokenize, backend_extras,
-                        healthz, readyz, metrics_route, *admin.routes(st)],
-        exception_handlers={HTTPException: on_http_exception, Exception: on_exception},
+        route_handlers=[*_model_routes(chat_handler, responses_handler), *_passthrough_routes(st),
+                        *_probe_routes(st, life), *admin.routes(st)],
+        exception_handlers=_exception_handlers(server.max_body_bytes),
         request_max_body_size=server.max_body_bytes,
-        on_startup=[startup],
-        on_shutdown=[shutdown],
+        on_startup=[life.startup],
+        on_shutdown=[life.shutdown],
         logging_config=None,
         debug=False,
     )
     app.state.proxy = st
     for extension in extensions:
         extension(app, st)
-    # several upstream Set-Cookie headers go out as several (proxy/server/upstream/base.py response_headers)
-    app.asgi_handler = split_joined_app(app.asgi_handler)
-    # requests nothing perturbs or observes skip the framework (proxy/server/lean.py)
-    if server.lean_path:
-        app.asgi_handler = LeanPath(st, {f"/v1/{CHAT.path}": chat_handler, f"/v1/{RESPONSES.path}": responses_handler},
-                                    app.asgi_handler)
+    # the fast path's seam into the framework (proxy/server/lean.py): requests nothing perturbs or observes skip
+    # the framework; the framework's answers write joined Set-Cookie headers as several again
+    LeanPath.install(app, st, {f"/v1/{CHAT.path}": chat_handler, f"/v1/{RESPONSES.path}": responses_handler},
+                     enabled=server.lean_path)
     return app

@@ -1,15 +1,49 @@
-"""The lean path: model requests that nothing perturbs or observes, served ahead of the framework.
+"""The fast path: one adapter between the model routes' handler, the framework and uvicorn.
 
-A `POST /v1/chat/completions` or `/v1/responses` (or `/p/<profile>/v1/...`) whose profile perturbs
-nothing (`off`, `shadow`, or no steps), on a server with no observers (live scoring off), does not need
-the framework's routing, parameter parsing or response classes. `LeanPath` sits in front of the app:
-it reads the body itself and hands it to the same `ChatHandler.handle` the framework route calls (the
-same decoding, errors, forwarding, stream relay, metrics and log line), then writes the answer with
-raw ASGI messages. Everything else goes to the framework unchanged.
+**What it covers.** A `POST /v1/chat/completions` or `/v1/responses` (or `/p/<profile>/v1/...`) whose profile
+perturbs nothing (`off`, `shadow`, or no steps), on a server with no observers (live scoring off). Such a request
+needs none of the framework's routing, parameter parsing or response classes: `LeanPath` reads the body itself,
+hands it to the same `ChatHandler.handle` the framework's route calls (the same decoding, errors, forwarding,
+stream relay, metrics and log line) and writes the answer itself. `tests/server/test_lean_path.py` holds it to
+the framework's statuses, headers, bodies, upstream requests, metrics and log lines, and
+`tests/server/test_fast_path_adapter.py` to the framework's bytes on the socket.
 
-`lean_protocol` goes one step further (`[server] lean_protocol = true`, the default): uvicorn's httptools
-protocol, subclassed, hands the lean path its requests when it starts their task, before any ASGI app;
-the body is taken as it arrived and a whole answer is written head and body in one write.
+**Two seams, one each, both on `LeanPath`:**
+
+- *into the framework*, `LeanPath.install(app, ...)` (called by `create_app`): the one place that replaces
+  Litestar's `app.asgi_handler`, the ASGI callable `Litestar.__call__` awaits for every request once it has set
+  `scope["app"]`. The framework's own handler is kept behind `split_joined_app` (several upstream Set-Cookie
+  headers go out as several) and gets every request the lean path does not take, unchanged. With `[server]
+  lean_path = false` only that wrapper is installed.
+- *into uvicorn*, `LeanPath.protocol()` (`toolquake serve`, `[server] lean_protocol = true`, the default): a
+  subclass of uvicorn's httptools protocol whose `_start_asgi_task(cycle, app)` -- the method uvicorn calls when a
+  request's head is complete, or when a pipelined request's turn comes -- runs `LeanPath.serve` on the request
+  cycle instead of the ASGI app for the requests the lean path takes, before any ASGI hop. Connection limits
+  (proxy/server/limits.py) subclass this protocol in turn.
+
+**How it falls back.** A request the lean path does not take (another route or method, a perturbing or unknown
+profile, observers attached) goes to the framework. Inside the protocol: a body still arriving is read through
+uvicorn's `receive` (100-continue, flow control); an answer uvicorn must write itself (the client gone, the
+transport paused, a header it would refuse) and every stream go through uvicorn's `send`; an exception becomes
+uvicorn's 500, or a closed connection once answering began (`run_asgi`). Where the installed uvicorn lacks
+what the protocol seam uses (`protocol()` returns None), the lean path runs as ASGI instead, answering the
+same; the start-up line `{"event": "lean_path", "served_in": "protocol" | "asgi" | "off"}` says which.
+
+**Why uvicorn internals.** Serving in the protocol skips the ASGI hop through the framework's handler, takes a
+body that already arrived whole as it is, and writes a whole answer's head and body in one socket write
+(uvicorn's `send` writes them apart): 1.07-1.13x requests/s and 0.89-0.92x CPU per request on the passthrough
+path against the same lean path as ASGI (docs/benchmarks.md). uvicorn offers no public hook there.
+
+**Exactly which internals** (`uvicorn.protocols.http.httptools_impl`), listed in `PROTOCOL_INTERNALS` and
+`CYCLE_INTERNALS` and checked by `tests/server/test_fast_path_adapter.py`:
+
+- `HttpToolsProtocol._start_asgi_task(cycle, app)`, overridden (everything not taken goes to `super()`); the
+  protocol's `app` (the loaded app, compared by identity so uvicorn's and the limits' refusal apps pass),
+  `loop` and `tasks` (the server's task set, which graceful shutdown waits on);
+- `RequestResponseCycle`: `run_asgi(app)` (uvicorn's exception wrapper), `scope`, and for the body taken
+  whole and the one write: `body`, `more_body`, `waiting_for_100_continue`, `disconnected`, `response_started`,
+  `response_complete`, `keep_alive`, `flow.write_paused`, `default_headers`, `transport`, `message_event`,
+  `on_response` -- kept in the state uvicorn's own `send` leaves them in.
 """
 
 from __future__ import annotations
@@ -25,15 +59,26 @@ from litestar.response import Stream
 
 from toolquake.proxy.server.chat import Plain
 from toolquake.proxy.server.errors import error_body
-from toolquake.proxy.server.upstream.base import split_joined
+from toolquake.proxy.server.upstream.base import split_joined, split_joined_app
 
 if TYPE_CHECKING:
+    from litestar import Litestar
+
     from toolquake.proxy.server.chat import ChatHandler
     from toolquake.proxy.server.state import ProxyState
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 log = structlog.get_logger("toolquake.proxy")
 _PROFILE_HEADER = b"x-toolquake-profile"
+#: what the protocol seam calls or reads on uvicorn's httptools protocol (`HttpToolsProtocol`)
+PROTOCOL_INTERNALS = ("_start_asgi_task", "app", "loop", "tasks")
+#: what it reads or sets on uvicorn's request cycle (`RequestResponseCycle`): its constructor's parameters the
+#: attributes come from, then the attributes it sets up itself, then its method
+CYCLE_PARAMETERS = frozenset({"scope", "transport", "flow", "message_event", "keep_alive", "on_response",
+                              "default_headers", "expect_100_continue"})
+CYCLE_INTERNALS = ("scope", "transport", "flow", "message_event", "keep_alive", "on_response", "default_headers",
+                   "waiting_for_100_continue", "disconnected", "body", "more_body", "response_started",
+                   "response_complete", "run_asgi")
 
 
 class _TooLarge(Exception):
@@ -45,7 +90,8 @@ class _Disconnected(Exception):
 
 
 class LeanPath:
-    """ASGI app: the lean path for the model routes it can serve, `next_app` for everything else."""
+    """The fast-path adapter: an ASGI app serving the model routes it can take and handing everything else to
+    `next_app` (the framework), installed by `install`; `protocol()` serves the same inside uvicorn."""
 
     def __init__(self, st: ProxyState, handlers: dict[str, ChatHandler], next_app: ASGIApp) -> None:
         self.st = st
@@ -53,6 +99,53 @@ class LeanPath:
         self.handlers = handlers
         self.next_app = next_app
         self.max_body = st.config.server.max_body_bytes
+
+    # -- the seam into the framework ------------------------------------------------------------------------
+    @classmethod
+    def install(cls, app: Litestar, st: ProxyState, handlers: dict[str, ChatHandler], *,
+                enabled: bool) -> LeanPath | None:
+        """Put the lean path (when `enabled`) in front of `app`'s framework handler, which is kept behind
+        `split_joined_app`; the only place `app.asgi_handler` is replaced. The adapter, or None."""
+        framework = split_joined_app(app.asgi_handler)
+        lean = cls(st, handlers, framework) if enabled else None
+        app.asgi_handler = lean or framework
+        return lean
+
+    @staticmethod
+    def of(app: Any) -> LeanPath | None:
+        """The adapter installed in front of `app`, if it still is the app's handler (None once anything else
+        wrapped it: then the protocol seam must not bypass that wrapper)."""
+        handler = getattr(app, "asgi_handler", None)
+        return handler if isinstance(handler, LeanPath) else None
+
+    # -- the seam into uvicorn ------------------------------------------------------------------------------
+    def protocol(self) -> type | None:
+        """uvicorn's httptools protocol, with the requests this adapter takes served when uvicorn starts their
+        task (no ASGI hop through the framework, the body taken as it arrived, a plain answer in one write);
+        None where this uvicorn is not the one this was written for (then the lean path runs as ASGI)."""
+        base = _uvicorn_protocol()
+        if base is None:
+            return None
+        lean = self
+
+        class LeanProtocol(base):  # type: ignore[misc,valid-type]
+            def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+                routed = lean._route(cycle.scope) if app is self.app else None
+                if routed is None:
+                    super()._start_asgi_task(cycle, app)
+                    return
+
+                async def serve(scope: dict, receive: Any, send: Any) -> None:
+                    await lean.serve(routed, scope, receive, send, cycle)
+
+                # uvicorn's own wrapper: an exception becomes a 500 (or a closed connection once answering began)
+                task = self.loop.create_task(cycle.run_asgi(serve))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)
+
+        return LeanProtocol
+
+    # -- routing and serving, shared by both seams -----------------------------------------------------------
 
     def _route(self, scope: dict) -> tuple[ChatHandler, str | None] | None:
         """The handler and the profile named in the path, when the lean path may serve this request."""
@@ -89,9 +182,8 @@ class LeanPath:
 
     async def serve(self, routed: tuple[ChatHandler, str | None], scope: dict, receive: Callable[[], Awaitable[dict]],
                     send: Callable[[dict], Awaitable[None]], cycle: Any = None) -> None:
-        """Serve a routed request with ASGI `receive`/`send`; with uvicorn's request `cycle` (the lean
-        protocol below), a body that already arrived whole is taken as it is and a plain answer goes out
-        in one write."""
+        """Serve a routed request with ASGI `receive`/`send`; with uvicorn's request `cycle` (the protocol
+        seam), a body that already arrived whole is taken as it is and a plain answer goes out in one write."""
         handler, named = routed
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
 
@@ -210,40 +302,24 @@ def _write_plain(response: Plain, cycle: Any) -> bool:
     return True
 
 
-def lean_protocol(app: Any) -> type | None:
-    """uvicorn's httptools protocol, with the requests the lean path serves taken before the ASGI app (no
-    ASGI scope handed through the framework, the body taken as it arrived, a plain answer in one write);
-    None where `app` has no lean path or this uvicorn's request cycle is not the one this was written for
-    (then the lean path runs as ASGI, unchanged in what it answers)."""
-    lean = getattr(app, "asgi_handler", None)
-    if not isinstance(lean, LeanPath):
-        return None
+def _uvicorn_protocol() -> type | None:
+    """uvicorn's httptools protocol, if it has what the protocol seam uses (`PROTOCOL_INTERNALS`' method, the
+    request cycle's constructor taking `CYCLE_PARAMETERS`), else None."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
     except ImportError:  # pragma: no cover - uvicorn[standard] is a dependency
         return None
-    expected = {"scope", "transport", "flow", "message_event", "keep_alive", "on_response", "default_headers",
-                "expect_100_continue"}
     if not callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)) \
-            or not expected <= set(inspect.signature(RequestResponseCycle.__init__).parameters):
+            or not CYCLE_PARAMETERS <= set(inspect.signature(RequestResponseCycle.__init__).parameters):
         return None
+    return HttpToolsProtocol
 
-    class LeanProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
-        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            routed = lean._route(cycle.scope) if app is self.app else None
-            if routed is None:
-                super()._start_asgi_task(cycle, app)
-                return
 
-            async def serve(scope: dict, receive: Any, send: Any) -> None:
-                await lean.serve(routed, scope, receive, send, cycle)
-
-            # uvicorn's own wrapper: an exception becomes a 500 (or a closed connection once answering began)
-            task = self.loop.create_task(cycle.run_asgi(serve))
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
-
-    return LeanProtocol
+def lean_protocol(app: Any) -> type | None:
+    """The protocol seam of the adapter installed in front of `app` (`LeanPath.protocol`); None where `app`
+    has no lean path or this uvicorn lacks what the seam uses."""
+    lean = LeanPath.of(app)
+    return lean.protocol() if lean is not None else None
 
 
 async def _send_plain(response: Plain, send: Callable[[dict], Awaitable[None]]) -> None:

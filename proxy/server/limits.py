@@ -88,169 +88,187 @@ def rejection_counter(app: Any) -> Callable[[str], None] | None:
     return count
 
 
+def _busy_app(server: ServerConfig, count: Callable[[str], None]) -> Callable[..., Any]:
+    """The ASGI app answering a request beyond max_in_flight_requests (the connection stays usable)."""
+    body = error_body(f"The proxy is serving {server.max_in_flight_requests} requests on this worker "
+                      f"([server] max_in_flight_requests); retry in {RETRY_AFTER_S} s.", "server_error",
+                      "too_many_requests")
+    head = {"type": "http.response.start", "status": 503,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                        (b"retry-after", b"%d" % RETRY_AFTER_S)]}
+    end = {"type": "http.response.body", "body": body, "more_body": False}
+
+    async def busy(scope: dict, receive: Any, send: Any) -> None:
+        count("too_many_requests")
+        await send(head)
+        await send(end)
+
+    return busy
+
+
+class _Limits:
+    """The limits, mixed in ahead of uvicorn's protocol by `limited_protocol`, which sets the class attributes
+    below from the [server] section; the protocol behind it in the MRO provides the rest (`loop`, `connections`,
+    `tasks`, `transport`, `parser`, `cycle`, `flow`, `app`, `url`, `headers` and the methods in `_NEEDED`)."""
+
+    header_timeout: float
+    max_header_bytes: int
+    max_url_bytes: int
+    max_connections: int
+    max_requests: int
+    #: reason → the whole answer (`_refusals`)
+    refusals: dict[str, bytes]
+    #: `counted(reason)`: one refusal more in `toolquake_connections_rejected_total`
+    counted: Callable[[str], None]
+    #: the ASGI app answering a request beyond `max_requests`
+    busy: Callable[..., Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: bytes of the request head received so far (counted per read); -1 between heads
+        self._head_seen = 0
+        #: when the head in progress must be complete (loop time)
+        self._head_deadline = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        #: the size of the read being parsed
+        self._chunk = 0
+        #: a refusal raised out of a parser callback
+        self._refusal: str | None = None
+        #: answered and closing: whatever the client still sends is dropped
+        self._refused = False
+
+    # -- connection ---------------------------------------------------------------------------------
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse("too_many_connections")
+            return
+        # the first request's head is due header_timeout after the connection opened
+        self._head_deadline = self.loop.time() + self.header_timeout
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._cancel_timers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._chunk = len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError:
+            if self._refusal is not None:  # a callback below stopped the parser: our answer
+                self._refuse(self._refusal)
+            else:  # a malformed request: uvicorn's own answer
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        if self._head_seen >= 0 and not self._refused:
+            # a head still incomplete after this read: all of the read counts (at most one read too much)
+            self._head_seen += self._chunk
+            if self._head_seen > self.max_header_bytes:
+                self._refuse("header_too_large")
+
+    # -- parser callbacks ---------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_seen < 0:  # a later request on a kept-alive connection: its head is due from now
+            self._head_seen = 0
+            self._head_deadline = self.loop.time() + self.header_timeout
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
+
+    def on_headers_complete(self) -> None:
+        # the URL while it arrives is bounded by the head's cap; its own cap is checked here, once
+        if len(self.url) > self.max_url_bytes:
+            self._stop_parsing("url_too_long")
+        if self._head_seen + self._chunk > self.max_header_bytes and self._head_size() > self.max_header_bytes:
+            self._stop_parsing("header_too_large")
+        self._head_seen = -1
+        super().on_headers_complete()
+
+    def _head_size(self) -> int:
+        """The request head's size as sent (request line, headers, line ends), from what was parsed."""
+        return len(self.url) + 16 + sum(len(name) + len(value) + 4 for name, value in self.headers)
+
+    def _stop_parsing(self, reason: str) -> None:
+        self._refusal = reason
+        raise _Refused(reason)
+
+    # -- requests in flight ---------------------------------------------------------------------------
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if len(self.tasks) >= self.max_requests and app is self.app \
+                and cycle.scope["path"] not in UNLIMITED_PATHS:
+            app = self.busy
+        super()._start_asgi_task(cycle, app)
+
+    # -- timers and refusals --------------------------------------------------------------------------
+    def _head_timer_fired(self) -> None:
+        self._head_timer = None
+        if self._head_seen < 0 or self._refused or self.transport.is_closing():
+            return  # no head in progress: the next request's first byte arms the timer again
+        left = self._head_deadline - self.loop.time()
+        if left > 0:  # the head in progress began after this timer was set
+            self._head_timer = self.loop.call_later(left, self._head_timer_fired)
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # a pipelined head stalled behind an answer still being written: close after that answer
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            self.counted("header_timeout")
+            return
+        if self._head_seen == 0:  # not a byte of a request: nothing to answer
+            self.counted("header_timeout")
+            self._refused = True
+            self._cancel_timers()
+            self.transport.close()
+            return
+        self._refuse("header_timeout")
+
+    def _refuse(self, reason: str) -> None:
+        """Answer `reason`'s error and close: write side first, then drop what still comes for LINGER_S."""
+        self.counted(reason)
+        self._refused = True
+        self._cancel_timers()
+        self._unset_keepalive_if_required()
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            transport.close()  # an answer is being written on this connection: no room for ours
+            return
+        transport.write(self.refusals[reason])
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
+        else:  # pragma: no cover - TLS transports cannot half-close
+            transport.close()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._linger_timer = None
+
+
 def limited_protocol(base: type, server: ServerConfig, count: Callable[[str], None] | None = None) -> type | None:
     """`base` (uvicorn's httptools protocol or a subclass) with the limits of `server` ([server] section);
     `count(reason)` is called for each refusal. None where `base` lacks what this hooks (another uvicorn)."""
     if not all(callable(getattr(base, name, None)) for name in _NEEDED):
         return None
-    refusals = _refusals(server)
-    busy_body = error_body(f"The proxy is serving {server.max_in_flight_requests} requests on this worker "
-                           f"([server] max_in_flight_requests); retry in {RETRY_AFTER_S} s.", "server_error",
-                           "too_many_requests")
-    busy_head = {"type": "http.response.start", "status": 503,
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(busy_body)),
-                             (b"retry-after", b"%d" % RETRY_AFTER_S)]}
-    busy_end = {"type": "http.response.body", "body": busy_body, "more_body": False}
     counted = count or (lambda reason: None)
-
-    async def busy(scope: dict, receive: Any, send: Any) -> None:
-        """The answer to a request beyond max_in_flight_requests (the connection stays usable)."""
-        counted("too_many_requests")
-        await send(busy_head)
-        await send(busy_end)
-
-    class LimitedProtocol(base):  # type: ignore[misc,valid-type]
-        header_timeout = server.header_timeout
-        max_header_bytes = server.max_header_bytes
-        max_url_bytes = server.max_url_bytes
-        max_connections = server.max_client_connections
-        max_requests = server.max_in_flight_requests
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            #: bytes of the request head received so far (counted per read); -1 between heads
-            self._head_seen = 0
-            #: when the head in progress must be complete (loop time)
-            self._head_deadline = 0.0
-            self._head_timer: asyncio.TimerHandle | None = None
-            self._linger_timer: asyncio.TimerHandle | None = None
-            #: the size of the read being parsed
-            self._chunk = 0
-            #: a refusal raised out of a parser callback
-            self._refusal: str | None = None
-            #: answered and closing: whatever the client still sends is dropped
-            self._refused = False
-
-        # -- connection ---------------------------------------------------------------------------------
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > self.max_connections:
-                self._refuse("too_many_connections")
-                return
-            # the first request's head is due header_timeout after the connection opened
-            self._head_deadline = self.loop.time() + self.header_timeout
-            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            super().connection_lost(exc)
-            self._cancel_timers()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            self._chunk = len(data)
-            self._unset_keepalive_if_required()
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
-                return
-            except httptools.HttpParserError:
-                if self._refusal is not None:  # a callback below stopped the parser: our answer
-                    self._refuse(self._refusal)
-                else:  # a malformed request: uvicorn's own answer
-                    self.logger.warning("Invalid HTTP request received.")
-                    self.send_400_response("Invalid HTTP request received.")
-                return
-            if self._head_seen >= 0 and not self._refused:
-                # a head still incomplete after this read: all of the read counts (at most one read too much)
-                self._head_seen += self._chunk
-                if self._head_seen > self.max_header_bytes:
-                    self._refuse("header_too_large")
-
-        # -- parser callbacks ---------------------------------------------------------------------------
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            if self._head_seen < 0:  # a later request on a kept-alive connection: its head is due from now
-                self._head_seen = 0
-                self._head_deadline = self.loop.time() + self.header_timeout
-                if self._head_timer is None:
-                    self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
-
-        def on_headers_complete(self) -> None:
-            # the URL while it arrives is bounded by the head's cap; its own cap is checked here, once
-            if len(self.url) > self.max_url_bytes:
-                self._stop_parsing("url_too_long")
-            if self._head_seen + self._chunk > self.max_header_bytes and self._head_size() > self.max_header_bytes:
-                self._stop_parsing("header_too_large")
-            self._head_seen = -1
-            super().on_headers_complete()
-
-        def _head_size(self) -> int:
-            """The request head's size as sent (request line, headers, line ends), from what was parsed."""
-            return len(self.url) + 16 + sum(len(name) + len(value) + 4 for name, value in self.headers)
-
-        def _stop_parsing(self, reason: str) -> None:
-            self._refusal = reason
-            raise _Refused(reason)
-
-        # -- requests in flight ---------------------------------------------------------------------------
-        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            if len(self.tasks) >= self.max_requests and app is self.app \
-                    and cycle.scope["path"] not in UNLIMITED_PATHS:
-                app = busy
-            super()._start_asgi_task(cycle, app)
-
-        # -- timers and refusals --------------------------------------------------------------------------
-        def _head_timer_fired(self) -> None:
-            self._head_timer = None
-            if self._head_seen < 0 or self._refused or self.transport.is_closing():
-                return  # no head in progress: the next request's first byte arms the timer again
-            left = self._head_deadline - self.loop.time()
-            if left > 0:  # the head in progress began after this timer was set
-                self._head_timer = self.loop.call_later(left, self._head_timer_fired)
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                # a pipelined head stalled behind an answer still being written: close after that answer
-                self.cycle.keep_alive = False
-                self.flow.pause_reading()
-                counted("header_timeout")
-                return
-            if self._head_seen == 0:  # not a byte of a request: nothing to answer
-                counted("header_timeout")
-                self._refused = True
-                self._cancel_timers()
-                self.transport.close()
-                return
-            self._refuse("header_timeout")
-
-        def _refuse(self, reason: str) -> None:
-            """Answer `reason`'s error and close: write side first, then drop what still comes for LINGER_S."""
-            counted(reason)
-            self._refused = True
-            self._cancel_timers()
-            self._unset_keepalive_if_required()
-            transport = self.transport
-            if transport.is_closing():
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                transport.close()  # an answer is being written on this connection: no room for ours
-                return
-            transport.write(refusals[reason])
-            if transport.can_write_eof():
-                transport.write_eof()
-                self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
-            else:  # pragma: no cover - TLS transports cannot half-close
-                transport.close()
-
-        def _cancel_timers(self) -> None:
-            for timer in (self._head_timer, self._linger_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._head_timer = self._linger_timer = None
-
-    LimitedProtocol.__name__ = LimitedProtocol.__qualname__ = f"Limited{base.__name__}"
-    return LimitedProtocol
+    name = f"Limited{base.__name__}"
+    return type(name, (_Limits, base), {
+        "__qualname__": name, "header_timeout": server.header_timeout, "max_header_bytes": server.max_header_bytes,
+        "max_url_bytes": server.max_url_bytes, "max_connections": server.max_client_connections,
+        "max_requests": server.max_in_flight_requests, "refusals": _refusals(server),
+        "counted": staticmethod(counted), "busy": staticmethod(_busy_app(server, counted))})

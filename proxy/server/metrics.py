@@ -46,7 +46,17 @@ class Metrics:
         self._refreshers: list[Callable[[], None]] = []
         self._children: dict[tuple, Any] = {}
         self.models = frozenset(model_allowlist or [])
-        r = self.registry
+        r = self.registry  # registered in this order, which is the order of the exposition
+        self._request_metrics(r)
+        self._step_metrics(r)
+        self._conformance_metrics(r)
+        self._process_metrics(r)
+        self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
+                                      "(non-negative reports only), by the token counter that measured them.",
+                                      ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Each answered request: counts, durations, time to first byte, the proxy's overhead."""
         self.requests = Counter("toolquake_requests",
                                 "Requests answered, by profile, route, status class, stream and model.",
                                 ["profile", "route", "status_class", "stream", "model"], registry=r)
@@ -60,6 +70,10 @@ class Metrics:
                               ["profile", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.overhead = Histogram("toolquake_proxy_overhead_seconds", "Total duration minus upstream duration.",
                                   ["route", "stream"], buckets=OVERHEAD_BUCKETS, registry=r)
+
+    def _step_metrics(self, r: CollectorRegistry) -> None:
+        """What the profiles' steps did to requests, and what failed on the way (perturbers, restores,
+        the upstream); calls to tools the proxy added."""
         self.perturbations = Counter("toolquake_perturbations", "Perturbations applied, by perturber.",
                                      ["perturber"], registry=r)
         self.perturbation_failures = Counter("toolquake_perturbation_failures",
@@ -74,6 +88,9 @@ class Metrics:
         self.injected_calls = Counter("toolquake_injected_tool_calls",
                                       "Calls the model made to tools the proxy added (not the client's), by profile "
                                       "and the perturber that added the tool.", ["profile", "perturber"], registry=r)
+
+    def _conformance_metrics(self, r: CollectorRegistry) -> None:
+        """The backend's answers against the tool-call conformance rules (docs/conformance.md)."""
         self.conformance_violations = Counter(
             "toolquake_conformance_violations", "Tool-call conformance rules the backend's answers broke "
             "(docs/conformance.md), by model, route, stream and rule.", ["model", "route", "stream", "rule"],
@@ -87,6 +104,9 @@ class Metrics:
         self.conformance_failures = Counter(
             "toolquake_conformance_check_failures", "Conformance checks that raised; the answer was served as relayed.",
             ["route"], registry=r)
+
+    def _process_metrics(self, r: CollectorRegistry) -> None:
+        """Connections refused at the limits, requests in flight, the upstream pool, the event loop."""
         self.connections_rejected = Counter(
             "toolquake_connections_rejected", "Client connections and requests the proxy refused at its limits "
             "([server] header_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
@@ -102,9 +122,6 @@ class Metrics:
                                   f"every {LOOP_LAG_INTERVAL_S} s, in each worker: work holding the loop (CPU-bound "
                                   "code on it) delays every request of that worker by as much.",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
-        self.tokens_added = Histogram("toolquake_tokens_added", "Tokens a perturber added to a request "
-                                      "(non-negative reports only), by the token counter that measured them.",
-                                      ["perturber", "counter"], buckets=TOKEN_BUCKETS, registry=r)
 
     def watch_runtime(self, pool_states: Callable[[], dict[str, int]], tasks: Callable[[], int]) -> None:
         """Gauges read from the process: upstream pool connections by state, and event-loop tasks."""
