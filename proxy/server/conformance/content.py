@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolquake.bfcl.decode import JsonSpans
+from toolquake.bfcl.pycall import dotted_name, expression_calls
 
 #: text longer than this is not searched (a call left in the text is short)
 MAX_TEXT = 20_000
@@ -86,28 +87,17 @@ def hermes(text: str, tools: dict[str, Any]) -> Found | None:
     return found
 
 
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
-
-
 def _py_calls(source: str, tools: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
+    """A non-empty Python list of calls by dotted names with literal keyword values (`pycall`), one of them to an
+    offered tool; None otherwise."""
     try:
-        tree = ast.parse(source, mode="eval")
+        nodes = list(expression_calls(source, containers=(ast.List,), bare=False))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
     calls = []
-    for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        name = _dotted(node.func)
-        if name is None:
+    for node in nodes:
+        name = dotted_name(node.func)
+        if node.args or name is None:
             return None
         try:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
