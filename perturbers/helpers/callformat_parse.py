@@ -42,6 +42,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from toolquake.bfcl.jsonscan import json_values
 from toolquake.bfcl.pycall import bfcl_call, call_spans, expression_calls, statement_calls
 
 DECODER_FAILED = "decoder_failed"
@@ -355,25 +356,8 @@ def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decode
 
 def _json_values(text: str) -> list[Any]:
     """Every top-level JSON array or object in `text`, left to right (a broken value: the next one is looked for
-    after the break). Linear time: `JsonSpans` says where each value ends before it is decoded."""
-    from toolquake.bfcl.decode import JsonSpans
-
-    spans = JsonSpans(text)
-    out, i = [], 0
-    for start in spans.openers():
-        if start < i:
-            continue
-        end = spans.end(start)
-        if end < 0:
-            i = max(spans.fail_at(start), start + 1)
-            continue
-        try:
-            out.append(json.loads(text[start:end]))
-        except (ValueError, RecursionError):
-            i = start + 1
-            continue
-        i = end
-    return out
+    after the break), in linear time (`jsonscan.json_values`)."""
+    return [value for _, _, value in json_values(text, skip_broken=True)]
 
 
 def _is_call_object(value: Any) -> bool:
