@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
-from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot
-from toolquake.perturbers.helpers.facts import FACT_KINDS, Fact, filler_text, locate
-from toolquake.perturbers.helpers.filler import SETTINGS, FillerItem, filler_pool
+from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot
+from toolquake.perturbers.helpers.lengthening.facts import FACT_KINDS, Fact, filler_text, locate
+from toolquake.perturbers.helpers.lengthening.filler import SETTINGS, FillerItem, filler_pool
 
 _LEADING = ("system", "developer")
 

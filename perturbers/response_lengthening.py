@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
-from toolquake.perturbers.helpers import record_bank
-from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot, text_cost
-from toolquake.perturbers.helpers.records import RecordSource, find_main_array, render_array, separators_of
+from toolquake.perturbers.helpers.lengthening import record_bank
+from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot, text_cost
+from toolquake.perturbers.helpers.lengthening.records import RecordSource, find_main_array, render_array, separators_of
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 _TOOL_ROLES = ("tool", "function")
@@ -52,7 +52,7 @@ class _Target:
             self.source = RecordSource(value, self.rng, separators_of(content), words=words)
             self.originals = self.source.original_texts()
         else:
-            from toolquake.perturbers.helpers.filler import filler_pool
+            from toolquake.perturbers.helpers.lengthening.filler import filler_pool
 
             self.prose = filler_pool(ctx.services).prose
             self.originals = [content]
@@ -182,7 +182,7 @@ class ResponseLengthening(Perturber):
             raise ValueError("live_records must be 'request' or 'process'")
 
     def setup(self, services: Services) -> None:
-        from toolquake.perturbers.helpers.filler import filler_pool
+        from toolquake.perturbers.helpers.lengthening.filler import filler_pool
 
         filler_pool(services)  # prose blocks for non-JSON responses, loaded once per process
 
