@@ -8,7 +8,7 @@
   (normalisation of case, punctuation, whitespace, US states, number words; or embedding similarity).
 
 `check(case, calls, mode)` takes the model's calls as `[{"name": dotted_name, "arguments": {...}}]`
-(see scorers.decode) or a `DecodeFailure`, and returns a `Verdict`. It never raises on odd calls:
+(see `toolquake.bfcl.decode`) or a `DecodeFailure`, and returns a `Verdict`. It never raises on odd calls:
 where BFCL's own checker would crash, the verdict is invalid with error type `toolquake:checker_error`.
 """
 

@@ -3,7 +3,7 @@
 `parse_strict` accepts exactly what BFCL V4's prompting decoder accepts and fails where it fails:
 the text is stripped of backticks/newlines/spaces and wrapped in `[ ]`, the first
 `<TOOLCALL>…</TOOLCALL>` is taken when the tag is on, then per format: python call syntax
-(`scorers.decode.decode_python`), json (BFCL's two regexes; invalid JSON is *no calls*, not a decode
+(`toolquake.bfcl.decode.decode_python`), json (BFCL's two regexes; invalid JSON is *no calls*, not a decode
 failure), or the first `<functions>…</functions>` block as XML with values converted by their
 `type` attribute. A failure is `decoder_failed`; a decoded value that is not a list of
 `{name: {params}}` is `decoder_wrong_output_format`.
@@ -30,7 +30,9 @@ offered, wherever the model wrote it (prose, fences, a missing `<TOOLCALL>`), wi
 arguments named by the parameter order of the tool's schema; calls to other functions are left out.
 Grading never reads it.
 
-A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
+Python call syntax is read by the one parser of `toolquake.bfcl.pycall` (BFCL's value rules), JSON values in
+text are found by the one scanner of `toolquake.bfcl.jsonscan`: both shared with BFCL's decoder and the
+conformance checker. A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def _run(decode: Callable[[], Any]) -> Decoded:
 # --- python ---------------------------------------------------------------------------------------
 
 def _python(text: str, tool_call_tag: bool = False) -> list[dict[str, Any]]:
-    """BFCL's python decoding of a whole answer (scorers.decode), as {name: arguments} items."""
+    """BFCL's python decoding of a whole answer (`toolquake.bfcl.decode`), as {name: arguments} items."""
     from toolquake.bfcl.decode import DecodeFailure, decode_python
 
     if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares decode_python a quadratic search
