@@ -2,9 +2,9 @@
 
 Two paths:
 * `decode_python(text)`: BFCL's python call syntax (`[f(a=1), g(b='x')]`) through a safe walk of
-  Python's AST, with BFCL's value-resolution rules and quirks (see docs/scoring.md). Nothing is ever
-  evaluated: the arithmetic BFCL computes with `eval` is computed here by a small evaluator that only
-  accepts literal operands and refuses results that would be huge.
+  Python's AST (`pycall.py`, the one parser of call syntax), with BFCL's value-resolution rules and quirks
+  (see docs/scoring.md). Nothing is ever evaluated: the arithmetic BFCL computes with `eval` is computed by
+  a small evaluator that only accepts literal operands and refuses results that would be huge.
 * `calls_from_message(message, name_map)`: an OpenAI chat-completions assistant message (native tool
   calls, the FC path); OpenAI names go back to the corpus's dotted names through `name_map`.
 
@@ -13,13 +13,13 @@ A failure is returned as a `DecodeFailure`, never raised.
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 import re
 from typing import Any
 
 import msgspec
+
+from toolquake.bfcl.pycall import _Unsupported, bfcl_call, expression_calls
 
 DECODER_FAILED = "ast_decoder:decoder_failed"
 WRONG_OUTPUT_FORMAT = "ast_decoder:decoder_wrong_output_format"
@@ -35,189 +35,6 @@ class DecodeFailure(msgspec.Struct, frozen=True):
 Calls = list[dict[str, Any]]
 
 _TOOLCALL = re.compile(r"<TOOLCALL>(.*?)</TOOLCALL>", re.DOTALL)
-
-
-class _Unsupported(ValueError):
-    pass
-
-
-# --- the arithmetic BFCL evaluates (BinOp), over literal operands only --------------------------
-
-_MAX_ITEMS = 1_000_000       # longest sequence / string a BinOp may build
-_MAX_INT_BITS = 1 << 16      # largest integer a BinOp may build
-
-_BINOPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-    ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
-    ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.MatMult: operator.matmul,
-}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert, ast.Not: operator.not_}
-_COMPARE = {
-    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-    ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-}
-
-
-def _size(x: Any) -> int:
-    if isinstance(x, bool):
-        return 1
-    if isinstance(x, int):
-        return x.bit_length() // 16
-    if isinstance(x, (str, bytes, list, tuple, dict, set, frozenset)):
-        return len(x)
-    return 1
-
-
-def _guard_binop(op: type, a: Any, b: Any) -> None:
-    """Refuse operations whose result would be enormous (BFCL would hang or exhaust memory)."""
-    ints = isinstance(a, int) and isinstance(b, int)
-    if op is ast.Pow and ints and b > 0 and abs(a) > 1 and b * abs(a).bit_length() > _MAX_INT_BITS:
-        raise _Unsupported("power too large")
-    if op is ast.LShift and ints and b > _MAX_INT_BITS:
-        raise _Unsupported("shift too large")
-    if op is ast.Mult:
-        for seq, n in ((a, b), (b, a)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and n * len(seq) > _MAX_ITEMS:
-                raise _Unsupported("repetition too large")
-        if ints and a.bit_length() + b.bit_length() > _MAX_INT_BITS:
-            raise _Unsupported("product too large")
-
-
-def _literal(node: ast.AST) -> Any:
-    """Python semantics for a literal expression (what BFCL's eval of a BinOp computes)."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.BinOp):
-        op = type(node.op)
-        left, right = _literal(node.left), _literal(node.right)
-        _guard_binop(op, left, right)
-        result = _BINOPS[op](left, right)
-        if _size(result) > _MAX_ITEMS:
-            raise _Unsupported("result too large")
-        return result
-    if isinstance(node, ast.UnaryOp):
-        return _UNARY[type(node.op)](_literal(node.operand))
-    if isinstance(node, ast.List):
-        return _elements(node.elts)
-    if isinstance(node, ast.Tuple):
-        return tuple(_elements(node.elts))
-    if isinstance(node, ast.Set):
-        return set(_elements(node.elts))
-    if isinstance(node, ast.Dict):
-        out: dict[Any, Any] = {}
-        for k, v in zip(node.keys, node.values):
-            if k is None:
-                out.update(_literal(v))
-            else:
-                out[_literal(k)] = _literal(v)
-        return out
-    if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else _formatted(v) for v in node.values)
-    if isinstance(node, ast.Subscript):
-        return _literal(node.value)[_literal(node.slice)]
-    if isinstance(node, ast.Slice):
-        return slice(*(None if part is None else _literal(part) for part in (node.lower, node.upper, node.step)))
-    if isinstance(node, ast.BoolOp):
-        value = _literal(node.values[0])
-        for sub in node.values[1:]:
-            if (isinstance(node.op, ast.And) and not value) or (isinstance(node.op, ast.Or) and value):
-                return value
-            value = _literal(sub)
-        return value
-    if isinstance(node, ast.Compare):
-        left = _literal(node.left)
-        for op, comp in zip(node.ops, node.comparators):
-            right = _literal(comp)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-    if isinstance(node, ast.IfExp):
-        return _literal(node.body) if _literal(node.test) else _literal(node.orelse)
-    raise _Unsupported(f"{type(node).__name__} inside an arithmetic expression")
-
-
-def _elements(nodes: list[ast.expr]) -> list[Any]:
-    out: list[Any] = []
-    for node in nodes:
-        if isinstance(node, ast.Starred):
-            out.extend(_literal(node.value))
-        else:
-            out.append(_literal(node))
-    if len(out) > _MAX_ITEMS:
-        raise _Unsupported("result too large")
-    return out
-
-
-_CONVERSIONS = {-1: lambda v: v, 115: str, 114: repr, 97: ascii}
-_SPEC_NUMBER = re.compile(r"\d+")
-
-
-def _formatted(node: ast.FormattedValue) -> str:
-    value = _CONVERSIONS[node.conversion](_literal(node.value))
-    spec = _literal(node.format_spec) if node.format_spec is not None else ""
-    if any(len(n) > 4 for n in _SPEC_NUMBER.findall(spec)):
-        raise _Unsupported("format width too large")
-    return format(value, spec)
-
-
-# --- BFCL's value resolution ----------------------------------------------------------------------
-
-
-def _resolve(node: ast.AST) -> Any:
-    if isinstance(node, ast.Constant):
-        return "..." if node.value is Ellipsis else node.value
-    if isinstance(node, ast.UnaryOp):
-        # BFCL negates the operand's constant whatever the operator: +5 → -5, not True → -1
-        operand = node.operand
-        if not isinstance(operand, ast.Constant):
-            raise _Unsupported("unary operator on a non-constant")
-        return -operand.value
-    if isinstance(node, ast.List):
-        return [_resolve(e) for e in node.elts]
-    if isinstance(node, ast.Dict):
-        out = {}
-        for k, v in zip(node.keys, node.values):
-            if k is None:
-                raise _Unsupported("** inside a dict")
-            key = _resolve(k)
-            out[key] = _resolve(v)
-        return out
-    if isinstance(node, ast.BinOp):
-        return _literal(node)
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Call):
-        return ast.unparse(node) if not node.keywords else _resolve_call(node)
-    if isinstance(node, ast.Tuple):
-        return tuple(_resolve(e) for e in node.elts)
-    if isinstance(node, ast.Subscript):
-        return f"{ast.unparse(node.value)}[{ast.unparse(node.slice)}]"
-    raise _Unsupported(f"unsupported syntax: {type(node).__name__}")
-
-
-def _call_name(func: ast.AST) -> str:
-    parts = []
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if isinstance(func, ast.Name):
-        parts.append(func.id)
-    return ".".join(reversed(parts))
-
-
-def _resolve_call(node: ast.Call) -> dict[str, Any]:
-    """A nested call value, in BFCL's shape {name: {keyword: value}} (positional arguments dropped)."""
-    return {_call_name(node.func): {kw.arg: _resolve(kw.value) for kw in node.keywords}}
-
-
-def _to_call(node: ast.Call) -> dict[str, Any]:
-    args: dict[Any, Any] = {}
-    for kw in node.keywords:  # positional arguments are dropped, as BFCL does
-        args[kw.arg] = _resolve(kw.value)
-    return {"name": _call_name(node.func), "arguments": args}
 
 
 def prepare_text(text: str, tool_call_tag: bool = False) -> str:
@@ -247,17 +64,7 @@ def decode_python(text: Any, tool_call_tag: bool = False) -> Calls | DecodeFailu
         return DecodeFailure(f"expected text, got {type(text).__name__}")
     try:
         source = prepare_text(text, tool_call_tag).strip().strip("'")
-        body = ast.parse(source, mode="eval").body
-        if isinstance(body, ast.Call):
-            return [_to_call(body)]
-        if not isinstance(body, (ast.List, ast.Tuple, ast.Set)):
-            raise _Unsupported(f"expected a list of calls, got {type(body).__name__}")
-        calls = []
-        for elem in body.elts:
-            if not isinstance(elem, ast.Call):
-                raise _Unsupported(f"list element is not a call: {type(elem).__name__}")
-            calls.append(_to_call(elem))
-        return calls
+        return [bfcl_call(call) for call in expression_calls(source)]
     except Exception as exc:  # noqa: BLE001 — any failure to decode is a decode failure, as in BFCL
         return DecodeFailure(f"{type(exc).__name__}: {exc}"[:300])
 
@@ -303,110 +110,3 @@ def is_well_formed(calls: Any) -> bool:
             return False
     return True
 
-
-# --- JSON values in free text, in linear time -----------------------------------------------------
-# Finding the JSON values a model left in its text by calling `json.JSONDecoder.raw_decode` at every
-# `{`/`[` is quadratic (each failure builds an error whose line number counts from the text's start, and
-# a value nested in a broken one is scanned again from each of its openings). `JsonSpans` answers "where
-# does the value that opens here end" with a scanner that follows `json`'s grammar (strict strings,
-# NaN/Infinity, ASCII numbers) and remembers every container it has scanned: a container's extent does not
-# depend on what surrounds it, so each character is scanned about once however many openings are asked.
-
-_J_WS = re.compile(r"[ \t\n\r]*+")
-#: an opening bracket that can start a value (what follows it may come next): the others fail at once
-_J_OPENERS = re.compile(r'\{(?=[ \t\n\r]*+["}])|\[(?=[ \t\n\r]*+[-"\[\]{0-9tfnNI])')
-#: one token after optional whitespace (its group): 1 an opening bracket, 2 a string, 3 a number or literal,
-#: 4 a closing bracket, 5 a comma, 6 a colon
-_J_TOKEN = re.compile(r'[ \t\n\r]*+(?:([\[{])|("(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+")|'
-                      r"(-?(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?(?:[eE][-+]?[0-9]++)?|true|false|null|NaN|Infinity|"
-                      r"-Infinity)|([\]}])|(,)|(:))")
-_J_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+')
-#: containers nested deeper than this inside one value are not decoded (json's own limit is about 1,000)
-JSON_MAX_DEPTH = 200
-_FIRST, _VALUE, _KEY, _COLON, _NEXT = range(5)  # what the scanner expects next
-_CLOSER = {"[": "]", "{": "}"}
-
-
-class JsonSpans:
-    """`end(start)`: the index just past the JSON array or object that opens at `text[start]`, as
-    `json.JSONDecoder().raw_decode(text, start)` would decode it, or -1 where it would fail (or where the
-    value nests deeper than JSON_MAX_DEPTH). `fail_at(start)`: where the scan of a failed value stopped."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self._end: dict[int, int] = {}
-        self._fail: dict[int, int] = {}
-
-    def openers(self, pos: int = 0) -> Any:
-        """The positions from `pos` of the `[` and `{` that may open a value, in order (`end` of the others
-        is -1)."""
-        return (m.start() for m in _J_OPENERS.finditer(self.text, pos))
-
-    def scanned(self) -> list[int]:
-        """The starts of the values scanned so far that end, in order (after `end(0)` on a fresh instance whose
-        text is one value: that value and every value nested in it, not the brackets inside its strings)."""
-        return sorted(k for k, v in self._end.items() if v >= 0)
-
-    def fail_at(self, start: int) -> int:
-        """Where the scan of the failed value at `start` stopped (json's error position, near enough)."""
-        return self._fail.get(start, start)
-
-    def end(self, start: int) -> int:
-        known = self._end.get(start)
-        if known is None:
-            self._scan(start)
-            known = self._end.get(start, -1)
-        return known
-
-    def _scan(self, start: int) -> None:
-        text, ends, token = self.text, self._end, _J_TOKEN.match
-        stack = [start]  # the open containers' starts
-        i, state = start + 1, _FIRST
-        while True:
-            m = token(text, i)
-            if m is None:  # a broken string or no token: where json would stop is found below
-                break
-            kind = m.lastindex
-            top = text[stack[-1]]
-            if kind == 4:  # a closing bracket: after a value, or right after the opening
-                if state not in (_FIRST, _NEXT) or text[m.end() - 1] != _CLOSER[top]:
-                    break
-                ends[stack.pop()] = i = m.end()
-                if not stack:
-                    return
-                state = _NEXT
-            elif state == _NEXT:  # "," then a value (or a key)
-                if kind != 5:
-                    break
-                i, state = m.end(), _KEY if top == "{" else _VALUE
-            elif state == _COLON:
-                if kind != 6:
-                    break
-                i, state = m.end(), _VALUE
-            elif state == _KEY or (state == _FIRST and top == "{"):
-                if kind != 2:
-                    break
-                i, state = m.end(), _COLON
-            elif kind == 1:  # a value that is a container
-                at = m.end() - 1
-                known = ends.get(at)
-                if known is not None and known >= 0:
-                    i, state = known, _NEXT
-                elif known is not None or len(stack) >= JSON_MAX_DEPTH:
-                    i = at
-                    break
-                else:
-                    stack.append(at)
-                    i, state = at + 1, _FIRST
-            elif kind in (2, 3):
-                i, state = m.end(), _NEXT
-            else:
-                break
-        i = _J_WS.match(text, i).end()  # type: ignore[union-attr]
-        if m is None and state not in (_NEXT, _COLON) and text.startswith('"', i):
-            # a broken string: json names its bad character, or its quote when it is never closed
-            bad = _J_STRING_BODY.match(text, i + 1).end()  # type: ignore[union-attr]
-            i = bad if bad < len(text) - text.startswith("\\", bad) else i
-        for open_at in stack:  # each open value, scanned alone, stops at the same place
-            ends[open_at] = -1
-            self._fail[open_at] = i

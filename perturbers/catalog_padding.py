@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
-from toolquake.perturbers.helpers.budget import fit
+from toolquake.perturbers.helpers.lengthening.budget import fit
 from toolquake.perturbers.helpers.tokens import EstimateCounter
-from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder, tool_name
+from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
 
 
 @register

@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
-from toolquake.perturbers.helpers import record_bank
-from toolquake.perturbers.helpers.budget import check_position, fit, learned_ratio, slot, text_cost
-from toolquake.perturbers.helpers.records import RecordSource, find_main_array, render_array, separators_of
+from toolquake.perturbers.helpers.lengthening import record_bank
+from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot, text_cost
+from toolquake.perturbers.helpers.lengthening.records import RecordSource, find_main_array, render_array, separators_of
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 _TOOL_ROLES = ("tool", "function")
@@ -52,7 +52,7 @@ class _Target:
             self.source = RecordSource(value, self.rng, separators_of(content), words=words)
             self.originals = self.source.original_texts()
         else:
-            from toolquake.perturbers.helpers.filler import filler_pool
+            from toolquake.perturbers.helpers.lengthening.filler import filler_pool
 
             self.prose = filler_pool(ctx.services).prose
             self.originals = [content]
@@ -182,7 +182,7 @@ class ResponseLengthening(Perturber):
             raise ValueError("live_records must be 'request' or 'process'")
 
     def setup(self, services: Services) -> None:
-        from toolquake.perturbers.helpers.filler import filler_pool
+        from toolquake.perturbers.helpers.lengthening.filler import filler_pool
 
         filler_pool(services)  # prose blocks for non-JSON responses, loaded once per process
 
@@ -233,20 +233,7 @@ class ResponseLengthening(Perturber):
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         counter = ctx.services.token_counter
         messages = request.messages
-        wanted = [
-            i for i, m in enumerate(messages) if m.get("role") in _TOOL_ROLES and isinstance(m.get("content"), str)
-        ]
-        if self.records != "lookalike":  # the responses the next answer is about: none the assistant answered already
-            answered = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"
-                            and not m.get("tool_calls")), default=-1)
-            wanted = [i for i in wanted if i > answered]
-        if self.target == "last":
-            wanted = wanted[-1:]
-        # words for look-alike names: the conversation's own prose
-        words = " ".join(
-            m["content"] for m in messages if isinstance(m.get("content"), str) and m.get("role") not in _TOOL_ROLES
-        )
-        targets, skipped = self._targets(messages, wanted, ctx, words)
+        targets, skipped = self._targets(messages, self._wanted(messages), ctx, _words(messages))
         ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
         if self.budget_scope != "request" or self.records != "lookalike":
             ctx.report.update(budget_scope=self.budget_scope, records=self.records)
@@ -257,47 +244,12 @@ class ResponseLengthening(Perturber):
             if self.records != "lookalike":
                 ctx.report[NOT_PERTURBED] = "no tool message with records or text to pad"
             return request
-        #: which target each drawn unit belongs to (round-robin over the streams that have not run dry)
-        owners: list[int] = []
-        dry: set[int] = set()
-
-        def build(n: int) -> tuple[ChatRequest, list[int]]:
-            new = list(messages)
-            positions = []
-            for k, t in enumerate(targets):
-                content, pos = t.render(self.position, owners[:n].count(k))
-                new[t.index] = {**messages[t.index], "content": content}
-                positions.append(pos)
-            return request.replace(messages=new), positions
-
-        response_scope = self.budget_scope == "response"
-
-        def measure(n: int) -> int:
-            req = build(n)[0]
-            if not response_scope:
-                return counter.count_request(req.body)
-            return sum(counter.count_text(req.messages[t.index]["content"]) for t in targets)
-
-        base = measure(0)
-
-        def costs() -> Iterator[float]:
-            streams = {k: t.stream(t.rng) for k, t in enumerate(targets)}
-            while streams:  # round-robin: the padding is shared evenly between the targets
-                for k in list(streams):
-                    t = targets[k]
-                    try:
-                        text, cost = next(streams[k])
-                    except StopIteration:  # a bank with too few records and nothing to vary
-                        del streams[k]
-                        dry.add(k)
-                        continue
-                    t.units.append(text)
-                    owners.append(k)
-                    yield t.response_cost(text) if response_scope else cost
-
-        result = fit(counter, self.budget_tokens, base, costs(), measure, learned=learned_ratio(ctx.services, counter)
-                     if not response_scope else ctx.services.get(f"response_ratio:{counter.source}", dict))
-        perturbed, positions = build(result.units)
+        padding = _Padding(request, targets, self.position, counter, self.budget_scope == "response")
+        base = padding.measure(0)
+        learned = (ctx.services.get(f"response_ratio:{counter.source}", dict) if padding.response_scope
+                   else learned_ratio(ctx.services, counter))
+        result = fit(counter, self.budget_tokens, base, padding.costs(), padding.measure, learned=learned)
+        perturbed, positions = padding.build(result.units)
         ctx.report.update(
             tokens_added=result.total - base,
             tokens_total=result.total,
@@ -307,24 +259,97 @@ class ResponseLengthening(Perturber):
             counts=result.counts,
         )
         if self.records != "lookalike":
-            detail = [t.sources(owners[:result.units].count(k)) for k, t in enumerate(targets)]
-            kinds = {d["records_source"] for d in detail}
-            if result.total < self.budget_tokens * 0.98:  # fit stops short only when every stream ran dry
-                ctx.report["budget_reached"] = False
-                ctx.report["short_reason"] = (
-                    "the records ran out: the bank's are all used, and look-alikes cannot be made or were all rejected"
-                    if len(dry) == len(targets) else "the counter's counts did not come within 2 % of the budget")
-            ctx.report.update(records_source=kinds.pop() if len(kinds) == 1 else "mixed",
-                              records_bank=sum(d["records_bank"] for d in detail),
-                              records_lookalike=sum(d["records_lookalike"] for d in detail),
-                              records_rejected=sum(d.get("records_rejected", 0) for d in detail),
-                              records_detail=detail)
+            self._report_records(ctx, padding, result.units, result.total)
         if skipped:
             ctx.report["skipped_messages"] = skipped
         if result.units == 0:
             ctx.report["reason"] = "the request is already at or over the budget"
             if self.records != "lookalike":
-                ctx.report[NOT_PERTURBED] = ctx.report["reason"] if not response_scope else \
+                ctx.report[NOT_PERTURBED] = ctx.report["reason"] if not padding.response_scope else \
                     "the response is already at or over the budget, or nothing could pad it"
             return request
         return perturbed
+
+    def _wanted(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The tool messages to pad."""
+        wanted = [
+            i for i, m in enumerate(messages) if m.get("role") in _TOOL_ROLES and isinstance(m.get("content"), str)
+        ]
+        if self.records != "lookalike":  # the responses the next answer is about: none the assistant answered already
+            answered = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"
+                            and not m.get("tool_calls")), default=-1)
+            wanted = [i for i in wanted if i > answered]
+        return wanted[-1:] if self.target == "last" else wanted
+
+    def _report_records(self, ctx: PerturbContext, padding: _Padding, units: int, total: int) -> None:
+        """Where the padding records came from (records "endpoint"/"auto"), and why the budget was not reached."""
+        targets = padding.targets
+        detail = [t.sources(padding.drawn(k, units)) for k, t in enumerate(targets)]
+        kinds = {d["records_source"] for d in detail}
+        if total < self.budget_tokens * 0.98:  # fit stops short only when every stream ran dry
+            ctx.report["budget_reached"] = False
+            ctx.report["short_reason"] = (
+                "the records ran out: the bank's are all used, and look-alikes cannot be made or were all rejected"
+                if len(padding.dry) == len(targets) else "the counter's counts did not come within 2 % of the budget")
+        ctx.report.update(records_source=kinds.pop() if len(kinds) == 1 else "mixed",
+                          records_bank=sum(d["records_bank"] for d in detail),
+                          records_lookalike=sum(d["records_lookalike"] for d in detail),
+                          records_rejected=sum(d.get("records_rejected", 0) for d in detail),
+                          records_detail=detail)
+
+
+def _words(messages: list[dict[str, Any]]) -> str:
+    """Words for look-alike names: the conversation's own prose."""
+    return " ".join(
+        m["content"] for m in messages if isinstance(m.get("content"), str) and m.get("role") not in _TOOL_ROLES
+    )
+
+
+class _Padding:
+    """The tool messages being padded, as `fit` sees them: units drawn round-robin from the targets' streams (the
+    padding is shared evenly between them), the request rebuilt with the first n units drawn, and its cost."""
+
+    def __init__(self, request: ChatRequest, targets: list[_Target], position: int | float, counter: Any,
+                 response_scope: bool) -> None:
+        self.request, self.targets, self.position = request, targets, position
+        self.counter, self.response_scope = counter, response_scope
+        #: which target each drawn unit belongs to
+        self.owners: list[int] = []
+        #: the targets whose streams ran dry
+        self.dry: set[int] = set()
+
+    def drawn(self, k: int, n: int) -> int:
+        """How many of the first n units drawn belong to target k."""
+        return self.owners[:n].count(k)
+
+    def build(self, n: int) -> tuple[ChatRequest, list[int]]:
+        messages = self.request.messages
+        new = list(messages)
+        positions = []
+        for k, t in enumerate(self.targets):
+            content, pos = t.render(self.position, self.drawn(k, n))
+            new[t.index] = {**messages[t.index], "content": content}
+            positions.append(pos)
+        return self.request.replace(messages=new), positions
+
+    def measure(self, n: int) -> int:
+        req = self.build(n)[0]
+        if not self.response_scope:
+            return self.counter.count_request(req.body)
+        return sum(self.counter.count_text(req.messages[t.index]["content"]) for t in self.targets)
+
+    def costs(self) -> Iterator[float]:
+        targets = self.targets
+        streams = {k: t.stream(t.rng) for k, t in enumerate(targets)}
+        while streams:
+            for k in list(streams):
+                t = targets[k]
+                try:
+                    text, cost = next(streams[k])
+                except StopIteration:  # a bank with too few records and nothing to vary
+                    del streams[k]
+                    self.dry.add(k)
+                    continue
+                t.units.append(text)
+                self.owners.append(k)
+                yield t.response_cost(text) if self.response_scope else cost

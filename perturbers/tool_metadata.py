@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
-from toolquake.perturbers.helpers.tool_pool import tool_name
+from toolquake.perturbers.helpers.toolkit.tool_pool import tool_name
 from toolquake.perturbers.tool_removal import expected_functions
 
 KINDS = ("promote", "mislead", "namespace_twin", "paraphrase_target")

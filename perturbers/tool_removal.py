@@ -9,7 +9,7 @@ from typing import Any
 from toolquake.bfcl.convert import openai_name
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber
-from toolquake.perturbers.helpers.tool_pool import tool_name
+from toolquake.perturbers.helpers.toolkit.tool_pool import tool_name
 
 EXPECTED = "expected"
 RANDOM = "random"

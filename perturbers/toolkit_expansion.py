@@ -13,8 +13,8 @@ from toolquake.bfcl.embeddings import signature
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
-from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder, tool_name
-from toolquake.perturbers.helpers.twins import twin_flags
+from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
+from toolquake.perturbers.helpers.toolkit.twins import twin_flags
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,7 +70,7 @@ class ToolkitExpansion(Perturber):
     a generator model (`source="generate"`, seed 001's two-step pipeline, cached by request); `"auto"`
     generates when a generator is configured (`generator_url` or $TOOLQUAKE_GENERATOR_URL) and retrieves
     otherwise. A candidate whose signature has cosine ≥ `max_similarity` to an original tool, that does
-    the same job as one (helpers/twins.py), or whose name is already present, is skipped."""
+    the same job as one (helpers/toolkit/twins.py), or whose name is already present, is skipped."""
 
     name = "toolkit_expansion"
     blocking: ClassVar[bool] = True  # embeddings on CPU, and the generator's HTTP calls

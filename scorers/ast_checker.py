@@ -8,7 +8,7 @@
   (normalisation of case, punctuation, whitespace, US states, number words; or embedding similarity).
 
 `check(case, calls, mode)` takes the model's calls as `[{"name": dotted_name, "arguments": {...}}]`
-(see scorers.decode) or a `DecodeFailure`, and returns a `Verdict`. It never raises on odd calls:
+(see `toolquake.bfcl.decode`) or a `DecodeFailure`, and returns a `Verdict`. It never raises on odd calls:
 where BFCL's own checker would crash, the verdict is invalid with error type `toolquake:checker_error`.
 """
 
@@ -414,50 +414,8 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
         failure = _missing_required(exp, args)
         if failure is not None:
             return failure
-    params = exp.params
-    seen = 0  # flags of the parameters met, added up: required ones in the low bits, expected ones above
-    failure = None
     try:
-        for param, value in args.items():
-            spec = params.get(param)
-            if spec is None:
-                failure = ("simple_function_checker:unexpected_param", "unexpected parameter %r", (param,))
-                break
-            seen += spec.flags
-            code = spec.code
-            if code == _STRING:
-                if type(value) is not str:
-                    failure = _wrong_type(param, str, value)
-                    break
-                if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode()
-                                         if value.isascii() else std(value)) in spec.data:
-                    continue
-                if ctx.equiv is None:
-                    failure = ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
-                    break
-            elif code == _EXACT or code == _FLOAT:
-                if type(value) is int and code == _FLOAT:
-                    value = float(value)
-                if type(value) is not spec.expected:
-                    failure = _wrong_type(param, spec.expected, value)
-                    break
-                if value in spec.data:
-                    continue
-                failure = ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
-                break
-            elif code:  # lists of scalars, every item of the item type
-                if type(value) is list and set(map(type, value)) <= {spec.nested}:
-                    if code == _EXACT_LIST:
-                        if value in spec.data:
-                            continue
-                    elif value in spec.alts or list(map(std, value)) in spec.data:  # as given, or normalised
-                        continue
-                    if ctx.equiv is None:
-                        failure = ("value_error:list/tuple", "%r: %r is none of %s", (param, value, spec.shown))
-                        break
-            failure = _check_param(spec, param, value, ctx)
-            if failure is not None:
-                break
+        seen, failure = _check_args(exp, args, ctx)
     except Exception:
         if not exp.required_first:  # BFCL would have stopped at a missing required parameter first
             failure = _missing_required(exp, args)
@@ -477,6 +435,48 @@ def _check_call(exp: _Expected, name: str, args: dict[Any, Any], ctx: _Ctx) -> F
             if param not in args:
                 return ("simple_function_checker:missing_optional", "missing expected parameter %r", (param,))
     return None
+
+
+def _check_args(exp: _Expected, args: dict[Any, Any], ctx: _Ctx) -> tuple[int, Failure | None]:
+    """Each argument against its parameter, in order, up to the first that fails: (the flags of the parameters
+    met, added up: required ones in the low bits, expected ones above; the failure or None)."""
+    params = exp.params
+    seen = 0
+    for param, value in args.items():
+        spec = params.get(param)
+        if spec is None:
+            return seen, ("simple_function_checker:unexpected_param", "unexpected parameter %r", (param,))
+        seen += spec.flags
+        code = spec.code
+        if code == _STRING:
+            if type(value) is not str:
+                return seen, _wrong_type(param, str, value)
+            if value in spec.raw or (value.encode().translate(_STD_TABLE, _STD_DELETE).decode()
+                                     if value.isascii() else std(value)) in spec.data:
+                continue
+            if ctx.equiv is None:
+                return seen, ("value_error:string", "%r: %r is none of %s (normalised)", (param, value, spec.shown))
+        elif code == _EXACT or code == _FLOAT:
+            if type(value) is int and code == _FLOAT:
+                value = float(value)
+            if type(value) is not spec.expected:
+                return seen, _wrong_type(param, spec.expected, value)
+            if value in spec.data:
+                continue
+            return seen, ("value_error:others", "%r: %r is none of %s", (param, value, spec.shown))
+        elif code:  # lists of scalars, every item of the item type
+            if type(value) is list and set(map(type, value)) <= {spec.nested}:
+                if code == _EXACT_LIST:
+                    if value in spec.data:
+                        continue
+                elif value in spec.alts or list(map(std, value)) in spec.data:  # as given, or normalised
+                    continue
+                if ctx.equiv is None:
+                    return seen, ("value_error:list/tuple", "%r: %r is none of %s", (param, value, spec.shown))
+        failure = _check_param(spec, param, value, ctx)
+        if failure is not None:
+            return seen, failure
+    return seen, None
 
 
 def _find_doc(docs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:

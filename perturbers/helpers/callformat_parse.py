@@ -3,7 +3,7 @@
 `parse_strict` accepts exactly what BFCL V4's prompting decoder accepts and fails where it fails:
 the text is stripped of backticks/newlines/spaces and wrapped in `[ ]`, the first
 `<TOOLCALL>…</TOOLCALL>` is taken when the tag is on, then per format: python call syntax
-(`scorers.decode.decode_python`), json (BFCL's two regexes; invalid JSON is *no calls*, not a decode
+(`toolquake.bfcl.decode.decode_python`), json (BFCL's two regexes; invalid JSON is *no calls*, not a decode
 failure), or the first `<functions>…</functions>` block as XML with values converted by their
 `type` attribute. A failure is `decoder_failed`; a decoded value that is not a list of
 `{name: {params}}` is `decoder_wrong_output_format`.
@@ -30,7 +30,9 @@ offered, wherever the model wrote it (prose, fences, a missing `<TOOLCALL>`), wi
 arguments named by the parameter order of the tool's schema; calls to other functions are left out.
 Grading never reads it.
 
-A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
+Python call syntax is read by the one parser of `toolquake.bfcl.pycall` (BFCL's value rules), JSON values in
+text are found by the one scanner of `toolquake.bfcl.jsonscan`: both shared with BFCL's decoder and the
+conformance checker. A call is `{"name": str, "arguments": dict}` with values as decoded (tuples stay tuples).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+from toolquake.bfcl.jsonscan import json_values
+from toolquake.bfcl.pycall import bfcl_call, call_spans, expression_calls, statement_calls
 
 DECODER_FAILED = "decoder_failed"
 WRONG_OUTPUT_FORMAT = "decoder_wrong_output_format"
@@ -153,7 +158,7 @@ def _run(decode: Callable[[], Any]) -> Decoded:
 # --- python ---------------------------------------------------------------------------------------
 
 def _python(text: str, tool_call_tag: bool = False) -> list[dict[str, Any]]:
-    """BFCL's python decoding of a whole answer (scorers.decode), as {name: arguments} items."""
+    """BFCL's python decoding of a whole answer (`toolquake.bfcl.decode`), as {name: arguments} items."""
     from toolquake.bfcl.decode import DecodeFailure, decode_python
 
     if tool_call_tag and _tag_block(_TOOLCALL, text) is None:  # spares decode_python a quadratic search
@@ -306,24 +311,19 @@ def _unfence(text: str, fired: list[str]) -> str:
     return _FENCE.sub("", text).strip()
 
 
-def _python_statements(text: str) -> str:
-    """Calls written one per line (or `;`-separated) without list brackets, as one bracketed list.
+def _python_statements(text: str) -> list[dict[str, Any]]:
+    """Calls written one per line (or `;`-separated) without list brackets, decoded as BFCL decodes the same
+    calls in one bracketed list (`pycall.statement_calls`), in or out of a <TOOLCALL> block alike."""
+    try:
+        return [{c["name"]: c["arguments"]} for c in map(_bfcl_call, statement_calls(text))]
+    except Exception as exc:  # noqa: BLE001 — as in BFCL's decoder, any failure is a decode failure
+        raise DecodeError(f"{type(exc).__name__}: {exc}"[:300]) from None
 
-    Each call is re-written with `ast.unparse`, which BFCL's value resolution reads back unchanged.
-    """
-    module = ast.parse(text, mode="exec")
-    parts: list[str] = []
-    for stmt in module.body:
-        value = stmt.value if isinstance(stmt, ast.Expr) else None
-        if isinstance(value, (ast.List, ast.Tuple)):
-            parts.extend(ast.unparse(e) for e in value.elts)
-        elif isinstance(value, ast.Call):
-            parts.append(ast.unparse(value))
-        else:
-            raise DecodeError("not a sequence of calls")
-    if len(module.body) < 2:
-        raise DecodeError("not several statements")
-    return "[" + ", ".join(parts) + "]"
+
+def _bfcl_call(node: ast.expr) -> dict[str, Any]:
+    if not isinstance(node, ast.Call):
+        raise DecodeError(f"list element is not a call: {type(node).__name__}")
+    return bfcl_call(node)
 
 
 def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decoded | None) -> list[dict[str, Any]]:
@@ -348,8 +348,8 @@ def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decode
     if "\n" not in unfenced.strip() and ";" not in unfenced:  # statements need a separator
         raise first_error
     try:
-        result = _python_segment(_python_statements(unfenced.strip()), tagged)
-    except (DecodeError, SyntaxError, ValueError):
+        result = _python_statements(unfenced.strip())
+    except DecodeError:
         raise first_error from None
     fired.extend(notes)
     fired.append("python_no_brackets")
@@ -358,25 +358,8 @@ def _python_lenient(segment: str, tagged: bool, fired: list[str], strict: Decode
 
 def _json_values(text: str) -> list[Any]:
     """Every top-level JSON array or object in `text`, left to right (a broken value: the next one is looked for
-    after the break). Linear time: `JsonSpans` says where each value ends before it is decoded."""
-    from toolquake.bfcl.decode import JsonSpans
-
-    spans = JsonSpans(text)
-    out, i = [], 0
-    for start in spans.openers():
-        if start < i:
-            continue
-        end = spans.end(start)
-        if end < 0:
-            i = max(spans.fail_at(start), start + 1)
-            continue
-        try:
-            out.append(json.loads(text[start:end]))
-        except (ValueError, RecursionError):
-            i = start + 1
-            continue
-        i = end
-    return out
+    after the break), in linear time (`jsonscan.json_values`)."""
+    return [value for _, _, value in json_values(text, skip_broken=True)]
 
 
 def _is_call_object(value: Any) -> bool:
@@ -601,58 +584,13 @@ LIVE_NOTES = ("positional_args", "outside_format", "unoffered_function", "unfit_
 _PLACEHOLDER = "__toolquake_arg{}"
 
 
-def _balanced_end(text: str, open_at: int) -> int | None:
-    """The index just past the bracket that closes the one at `open_at` (python strings skipped), or None."""
-    depth, i, n = 0, open_at, len(text)
-    while i < n:
-        ch = text[i]
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif ch in "'\"":
-            quote = ch * 3 if text.startswith(ch * 3, i) else ch
-            i += len(quote)
-            while i < n and not text.startswith(quote, i):
-                i += 2 if text[i] == "\\" else 1
-            if i >= n:
-                return None
-            i += len(quote)
-            continue
-        i += 1
-    return None
-
-
-def _python_call_spans(text: str, names: list[str]) -> list[tuple[str, int, int]]:
-    """(name as written, start, end) of every outermost `name(…)` in `text` for the given names, in order."""
-    if not names:
-        return []
-    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    pattern = re.compile(rf"(?<![\w.])({alternatives})\s*\(")
-    spans: list[tuple[str, int, int]] = []
-    pos = 0
-    for m in pattern.finditer(text):
-        if m.start() < pos:  # inside a call already taken (a nested call is an argument value)
-            continue
-        end = _balanced_end(text, m.end() - 1)
-        if end is None:  # never closed: the rest of the answer is inside it
-            break
-        spans.append((m.group(1), m.start(), end))
-        pos = end
-    return spans
-
-
 def _live_python_call(source: str, shown: str, params: list[str], notes: list[str]) -> dict[str, Any] | None:
     """One `name(…)` source as a call, positional arguments named by `params`; None when it does not fit."""
-    from toolquake.bfcl.decode import DecodeFailure, decode_python
-
     try:
-        node = ast.parse(source, mode="eval").body
+        (node,) = expression_calls(source, containers=())
     except (SyntaxError, ValueError):
         return None
-    if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+    if any(isinstance(a, ast.Starred) for a in node.args):
         return None
     written = [kw.arg for kw in node.keywords]
     if None in written or len(node.args) > len(params):
@@ -662,18 +600,19 @@ def _live_python_call(source: str, shown: str, params: list[str], notes: list[st
         return None  # a parameter given twice
     # positional values go in as placeholder keywords (a parameter may be named like a python keyword)
     keywords = [ast.keyword(arg=_PLACEHOLDER.format(i), value=a) for i, a in enumerate(node.args)] + node.keywords
-    decoded = decode_python(ast.unparse(ast.Call(func=ast.Name(id="f"), args=[], keywords=keywords)))
-    if isinstance(decoded, DecodeFailure) or len(decoded) != 1:
+    try:
+        decoded = bfcl_call(ast.Call(func=node.func, args=[], keywords=keywords))
+    except Exception:  # noqa: BLE001 — a value BFCL's decoder refuses: the call does not fit
         return None
     real = {_PLACEHOLDER.format(i): p for i, p in enumerate(named)}
     if named:
         notes.append("positional_args")
-    return {"name": shown, "arguments": {real.get(k, k): v for k, v in decoded[0]["arguments"].items()}}
+    return {"name": shown, "arguments": {real.get(k, k): v for k, v in decoded["arguments"].items()}}
 
 
 def _live_python(segment: str, offered: dict[str, str], schemas: Schemas, notes: list[str]) -> list[dict[str, Any]]:
     calls = []
-    for written, start, end in _python_call_spans(segment, list(offered)):
+    for written, start, end in call_spans(segment, list(offered)):
         shown = offered[written]
         source = "f" + segment[start + len(written):end]  # a tool name need not be a python name (`get-weather`)
         call = _live_python_call(source, shown, list(schemas.get(shown) or {}), notes)

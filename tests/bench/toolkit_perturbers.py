@@ -54,7 +54,7 @@ t0 = time.perf_counter(); base = rss()
 from toolquake.bfcl.embeddings import get_embedder
 emb = get_embedder(); emb.embed(['warm up'])
 t1 = time.perf_counter(); after_model = rss()
-from toolquake.perturbers.helpers.tool_pool import load_pool
+from toolquake.perturbers.helpers.toolkit.tool_pool import load_pool
 pool = load_pool(emb)
 t2 = time.perf_counter(); after_pool = rss()
 print(json.dumps({'model_s': t1 - t0, 'pool_s': t2 - t1, 'rss_start_mb': base, 'rss_model_mb': after_model,
@@ -68,7 +68,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def startup() -> dict[str, Any]:
-    from toolquake.perturbers.helpers.tool_pool import load_pool
+    from toolquake.perturbers.helpers.toolkit.tool_pool import load_pool
 
     load_pool()  # make sure the disk cache exists, so the fresh process measures a cold read of it
     out = subprocess.run([sys.executable, "-c", STARTUP], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -88,7 +88,7 @@ def apply(perturber: Any, body: dict[str, Any], services: Any, seed: int
 
 def warm_toolkits(services: Any, bodies: list[dict[str, Any]]) -> None:
     """Load model and pool and embed each toolkit's signatures once (they are then cached)."""
-    from toolquake.perturbers.helpers.tool_pool import get_pool, get_shared_embedder
+    from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder
 
     pool, embedder = get_pool(services), get_shared_embedder(services)
     for body in bodies:

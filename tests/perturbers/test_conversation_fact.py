@@ -296,7 +296,7 @@ def test_without_a_case_the_report_says_first_of_kind(fact: str, first: int) -> 
 @pytest.mark.needs_corpus
 def test_the_turn_of_a_miss_func_step_counts_the_turn_that_reveals_functions(backends) -> None:
     from toolquake.bfcl.corpus import load_category
-    from toolquake.perturbers.helpers.facts import turn_of
+    from toolquake.perturbers.helpers.lengthening.facts import turn_of
     from toolquake.proxy.replay.multiturn import ADDITIONAL_FUNCTIONS_PROMPT
 
     cases = list(load_category("multi_turn_miss_func"))[:4]

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import ROOT, recorded
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
-from toolquake.perturbers.helpers.records import find_main_array
+from toolquake.perturbers.helpers.lengthening.records import find_main_array
 from toolquake.perturbers.helpers.tokens import EstimateCounter, make_counter
 
 QUESTION = "What is the cleanliness rating of vehicle 693265999? Answer with the number only."

@@ -15,7 +15,7 @@ from tests.conftest import recorded
 from tests.perturbers.test_lengthening import RESPONSE, car, records_of, tool_request
 from toolquake.perturbers import build
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Services
-from toolquake.perturbers.helpers.records import find_main_array
+from toolquake.perturbers.helpers.lengthening.records import find_main_array
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 RESP = {"budget_scope": "response", "records": "auto", "position": 0.0, "target": "last"}
@@ -79,7 +79,7 @@ def steps(backends: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def bank() -> Any:
-    from toolquake.perturbers.helpers.record_bank import CorpusBank
+    from toolquake.perturbers.helpers.lengthening.record_bank import CorpusBank
 
     loaded = CorpusBank.load()
     if loaded.info.get("error"):

@@ -19,7 +19,7 @@ from tests.conftest import ROOT  # noqa: E402
 from toolquake.bfcl.embeddings import EmbeddingsUnavailable, get_embedder, signature  # noqa: E402
 from toolquake.perturbers.base import Services  # noqa: E402
 from toolquake.perturbers.helpers.tokens import EstimateCounter, make_counter  # noqa: E402
-from toolquake.perturbers.helpers.tool_pool import cache_dir, get_pool, load_pool, read_pool  # noqa: E402
+from toolquake.perturbers.helpers.toolkit.tool_pool import cache_dir, get_pool, load_pool, read_pool  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_pool_is_read_back_from_the_disk_cache_without_model_or_corpus(pool) -> 
     directory = cache_dir(pool.model_id, pool.corpus_version)
     assert (directory / "tools.json").is_file() and (directory / "embeddings.npy").is_file()
     # a fresh process gets the pool from disk alone: no model is loaded, nothing is re-embedded
-    code = ("import sys; from toolquake.perturbers.helpers.tool_pool import read_pool, cache_dir; "
+    code = ("import sys; from toolquake.perturbers.helpers.toolkit.tool_pool import read_pool, cache_dir; "
             f"p = read_pool(cache_dir({pool.model_id!r}, {pool.corpus_version!r})); "
             "print(len(p), 'sentence_transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

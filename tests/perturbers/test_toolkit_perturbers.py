@@ -118,7 +118,7 @@ def test_expansion_on_bfcl_multiple_matches_seed_001_and_adds_no_twin_of_the_rig
 
     from toolquake.bfcl.corpus import case_request, load_category
     from toolquake.bfcl.embeddings import signature
-    from toolquake.perturbers.helpers.tool_pool import get_pool
+    from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool
 
     pool = get_pool(SERVICES)  # its rows are the tools' signature embeddings (checked in test_tool_pool)
     embedder = _embedder()
@@ -158,7 +158,7 @@ def test_expansion_on_bfcl_multiple_matches_seed_001_and_adds_no_twin_of_the_rig
 def test_expansion_is_seeded_related_and_keeps_the_originals() -> None:
     import numpy as np
 
-    from toolquake.perturbers.helpers.tool_pool import get_pool
+    from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool
 
     _, body = bfcl("multiple_2")  # country_info.capital among others
     a, report = apply("toolkit_expansion", {"k": 3}, body, seed=1)
@@ -189,7 +189,7 @@ def _embedder():
 @needs_pool
 @pytest.mark.parametrize("budget,alpha", [(8192, 0.1), (32768, 0.5), (120000, 0.9)])
 def test_padding_reaches_the_budget_with_originals_at_alpha(budget: int, alpha: float) -> None:
-    from toolquake.perturbers.helpers.tool_pool import get_pool
+    from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool
 
     counter = EstimateCounter()
     pool = get_pool(SERVICES)

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolquake.bfcl.decode import JsonSpans
+from toolquake.bfcl.jsonscan import json_values, nested_spans
+from toolquake.bfcl.pycall import dotted_name, expression_calls
 
 #: text longer than this is not searched (a call left in the text is short)
 MAX_TEXT = 20_000
@@ -86,28 +87,17 @@ def hermes(text: str, tools: dict[str, Any]) -> Found | None:
     return found
 
 
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
-
-
 def _py_calls(source: str, tools: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
+    """A non-empty Python list of calls by dotted names with literal keyword values (`pycall`), one of them to an
+    offered tool; None otherwise."""
     try:
-        tree = ast.parse(source, mode="eval")
+        nodes = list(expression_calls(source, containers=(ast.List,), bare=False))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
     calls = []
-    for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        name = _dotted(node.func)
-        if name is None:
+    for node in nodes:
+        name = dotted_name(node.func)
+        if node.args or name is None:
             return None
         try:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
@@ -170,33 +160,19 @@ def json_objects(text: str, tools: dict[str, Any]) -> Found | None:
     """A JSON object (or a list of them) naming an offered tool: {"name": ..., "arguments": {...}}; the first
     that opens in the text, a value nested in another included.
 
-    Linear time: `JsonSpans` finds where each value ends; an outermost value is decoded once and the values
-    nested in it are read from that decoding, in the order they open (brackets inside its strings are not
-    looked at). A value nested deeper than `JSON_MAX_DEPTH` holds no call found."""
+    Linear time (`jsonscan`): each outermost value is decoded once and the values nested in it are read from
+    that decoding, in the order they open (brackets inside its strings are not looked at). A value nested
+    deeper than `JSON_MAX_DEPTH` holds no call found."""
     if not tools:
         return None
-    spans = JsonSpans(text)
-    covered = 0  # the end of the last outermost value decoded
-    for start in spans.openers():
-        if start < covered:
-            continue
-        end = spans.end(start)
-        if end < 0:
-            continue
-        try:
-            value = json.loads(text[start:end], object_pairs_hook=_Pairs)
-        except (ValueError, RecursionError):
-            continue
-        covered = end
+    for start, end, value in json_values(text, object_pairs_hook=_Pairs):
         for k, node in enumerate(_containers(value)):
             if not _calls_in(node, tools):
                 continue
             at, until = start, end
             if k:  # the k-th value that opens in this one: where it is
-                inner = JsonSpans(text[start:end])
-                inner.end(0)
-                at = inner.scanned()[k]
-                at, until = start + at, start + inner.end(at)
+                at, until = nested_spans(text[start:end])[k]
+                at, until = start + at, start + until
             return Found("call_in_content_json", _calls_in(json.loads(text[at:until]), tools), at, until)
     return None
 

@@ -22,7 +22,7 @@ import re
 import string
 from typing import Any, Iterator
 
-from toolquake.perturbers.helpers.budget import text_cost
+from toolquake.perturbers.helpers.lengthening.budget import text_cost
 
 _HOLE = "\u241eTQHOLE{}\u241e"  # a sentinel that never occurs in real data
 _HOLE_RE = re.compile('"\u241eTQHOLE(\\d+)\u241e"')

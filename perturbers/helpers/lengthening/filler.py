@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from toolquake.perturbers.helpers.budget import messages_cost, text_cost
+from toolquake.perturbers.helpers.lengthening.budget import messages_cost, text_cost
 
 # single-turn categories whose cases have ground-truth calls
 FILLER_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",

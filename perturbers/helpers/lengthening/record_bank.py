@@ -36,7 +36,7 @@ def canonical(record: Any) -> str:
 
 def main_records(content: str) -> list[Any] | None:
     """The records of a tool message's main array, or None when the content is no JSON with an array."""
-    from toolquake.perturbers.helpers.records import find_main_array
+    from toolquake.perturbers.helpers.lengthening.records import find_main_array
 
     try:
         value = json.loads(content)
