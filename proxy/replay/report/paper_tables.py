@@ -1,49 +1,51 @@
-"""Seed papers' own measures from replay results, beside the main report (proxy/replay/report.py):
+"""The seed papers' own measures and tables from replay results; every paper-specific name of the report lives
+here (seed 001's Table 2, seed 002's format configurations and Fig. 2, seed 003's Tables 1, 2, 5, 6, 7 and
+Figs. 3 and 4):
 
 - seed 001 Table 2 (right): the error breakdown over the failures the perturbation *caused* — cases valid
   in the baseline and invalid in the arm — in the paper's four classes, with our nine beside them;
 - toolkit expansion: the source that wrote the added tools, and the distribution of their cosine to the
   nearest original (what "related but not equivalent" measured in this run);
-- pairs not perturbed: a scored pair on which every applied step reported `not_perturbed` (a rephrasing
-  rejected by the value check) gets the status `not_perturbed` here: counted apart, out of the accuracy.
+- pairs not perturbed (a rephrasing rejected by the value check): counted apart, out of the accuracy;
+- seed 003's grids (catalog size × position, response size and answer position, conversation size × setting)
+  and seed 002's format configurations, for the tables and the plots.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
+import statistics
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
-from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.perturbers import registry
+from toolquake.proxy.replay.report.rows import Results, step_reports
 from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
-if TYPE_CHECKING:
-    from toolquake.proxy.replay.report import Results
+# the 26 configurations of seed 002 / BFCL V4 format sensitivity, in their published order
+_RETURN_FORMATS = ("python", "json", "verbose_xml", "concise_xml")
+_DOC_FORMATS = ("python", "xml", "json")
 
 
-def row_status(status: str, perturbers: str | None) -> str:
-    """`not_perturbed` for a scored pair that every applied step left unperturbed on purpose, else `status`."""
-    if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
-        return status
-    try:
-        data = json.loads(perturbers) or {}
-        applied = data.get("applied")
-    except (ValueError, AttributeError):
-        return status
-    if isinstance(applied, dict) and data.get(NOT_PERTURBED):  # a multi-turn case: no step was perturbed
-        return NOT_PERTURBED
-    if isinstance(applied, list) and applied and all(NOT_PERTURBED in (a.get("report") or {}) for a in applied):
-        return NOT_PERTURBED
-    return status
+def format_configurations() -> list[dict[str, Any]]:
+    """The 26 format_rewrite parameter sets of seed 002, in BFCL's order (24 combinations, then md, exp)."""
+    out = [{"return_format": r, "tool_call_tag": t, "function_doc_format": d, "prompt_format": "plaintext",
+            "prompt_style": "classic"} for r in _RETURN_FORMATS for t in (True, False) for d in _DOC_FORMATS]
+    base = {"return_format": "python", "tool_call_tag": False, "function_doc_format": "json"}
+    out.append({**base, "prompt_format": "markdown", "prompt_style": "classic"})
+    out.append({**base, "prompt_format": "plaintext", "prompt_style": "experimental"})
+    return out
 
 
-def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
-    """An arm's pairs left unperturbed on purpose, and the share of its answered pairs that were perturbed."""
-    scored = sum(1 for r in rows if r.status == "scored")
-    kept = sum(1 for r in rows if r.status == NOT_PERTURBED)
-    return {"not_perturbed": kept, "perturbed_share": ratio(scored, scored + kept)}
+def format_label(params: dict[str, Any]) -> str:
+    """Seed 002's notation: `{function_doc_format}->{return_format},{has_tool_call_tag}` (+ md / exp)."""
+    label = (f"{params.get('function_doc_format', 'json')}->{params.get('return_format', 'python')},"
+             f"{bool(params.get('tool_call_tag', False))}")
+    if params.get("prompt_format", "plaintext") == "markdown":
+        label += ",md"
+    if params.get("prompt_style", "classic") == "experimental":
+        label += ",exp"
+    return label
 
 
 def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -84,25 +86,6 @@ def _quantile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def step_reports(res: Results, perturber: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """(model, profile, report) of every step of `perturber` applied to a scored pair, read from the files."""
-    for path in res.sources:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
-            rows = db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' AND perturbers LIKE ?",
-                              (f"%{perturber}%",)).fetchall()
-        except sqlite3.DatabaseError:
-            continue
-        finally:
-            db.close()
-        for profile, text in rows:
-            applied = (json.loads(text) or {}).get("applied")
-            for step in applied if isinstance(applied, list) else []:
-                if step.get("name") == perturber:
-                    yield model, profile, step.get("report") or {}
 
 
 def _spread(values: list[float], digits: int = 4) -> dict[str, float] | None:
@@ -187,8 +170,6 @@ def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """BFCL's per-model statistics over the format configurations (arms with format_rewrite): `max_delta` =
     (max − min) accuracy in points, `std` = sample standard deviation in points, `variance` in points²,
     rounded to 2 decimals as BFCL prints them (bfcl-spec §4.6)."""
-    import statistics
-
     out = {}
     for model, data in summary["models"].items():
         accs = [a["accuracy"] for a in _arms_with(data, "format_rewrite").values() if a["accuracy"] is not None]
@@ -219,8 +200,6 @@ def _param(step: dict[str, Any], key: str) -> Any:
     params = step.get("params") or {}
     if key in params:
         return params[key]
-    from toolquake.perturbers import registry
-
     return getattr(registry().get(str(step.get("name"))), key, None)
 
 
@@ -357,6 +336,71 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
             c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
             out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
+
+
+def _params(perturbers: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    for p in perturbers:
+        if p.get("name") == name:
+            return p.get("params") or {}
+    return None
+
+
+def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
+    """Seed 003 Fig. 3 data for one model: budgets, positions, accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model).items() if n}
+    return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
+
+
+def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float], tuple[int, int]]:
+    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
+    pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
+    for arm in summary["models"][model]["arms"].values():
+        params = _params(arm["perturbers"], "catalog_padding")
+        if params is None or not arm["n"]:
+            continue
+        if "budget_tokens" not in params or "position" not in params:
+            continue
+        key = (int(params["budget_tokens"]), round(float(params["position"]), 3))
+        pooled[key][0] += round(arm["accuracy"] * arm["n"])
+        pooled[key][1] += arm["n"]
+    return {k: (v, n) for k, (v, n) in pooled.items()}
+
+
+def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
+    """Seed 002 Fig. 2 data: configuration labels (published order first), models, accuracy per cell."""
+    order = {format_label(c): i for i, c in enumerate(format_configurations())}
+    cells: dict[tuple[str, str], float] = {}
+    for model, data in summary["models"].items():
+        for arm in data["arms"].values():
+            params = _params(arm["perturbers"], "format_rewrite")
+            if params is None or not arm["n"]:
+                continue
+            cells[(format_label(params), model)] = arm["accuracy"]
+    labels = sorted({c for c, _ in cells}, key=lambda c: (order.get(c, len(order)), c))
+    return labels, [m for m in summary["models"] if any(k[1] == m for k in cells)], cells
+
+
+def format_counts(summary: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(valid, scored) per (format configuration, model), the counts behind `format_grid`'s cells."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for model, data in summary["models"].items():
+        for arm in data["arms"].values():
+            params = _params(arm["perturbers"], "format_rewrite")
+            if params is not None and arm["n"]:
+                out[(format_label(params), model)] = (round(arm["accuracy"] * arm["n"]), arm["n"])
+    return out
+
+
+def _budget_label(b: int) -> str:
+    return f"{b // 1024}K" if b % 1024 == 0 else f"{b / 1000:g}K"
+
+
+def budget_ticks(summary: dict[str, Any], model: str, budgets: list[int]) -> list[str]:
+    """The catalog heatmap's budget labels: the nominal budget, and the median tokens its arms actually reached
+    (their reports' `tokens_after`, `padding_reached`), e.g. `32K (≈31.9K)`."""
+    reached = (summary.get("padding_reached") or {}).get(model) or {}
+    return [_budget_label(b) + (f" (≈{reached[str(b)]['median'] / 1000:.1f}K)" if str(b) in reached else "")
+            for b in budgets]
 
 
 def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, Any]:
