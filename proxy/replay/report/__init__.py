@@ -20,7 +20,8 @@ The report is built in layers, each module importing only those below it (a cont
     summary | cases                         the JSON report; the per-case diffs
     families | paper_tables                 perturbation families and recovery; the seed papers' measures
     stats                                   accuracy, intervals, paired tests, trials, flips
-    rows                                    load: results files → rows (every SQLite read)
+    rows | arms                             load: results files → rows (every SQLite read); the experiment
+                                            each step belongs to, as its perturber declares it
     text                                    numbers and stored values as text
 
 This package's namespace re-exports the names the CLI, the scripts and the tests use.

@@ -9,6 +9,7 @@ from toolquake.proxy.replay.report.csv_out import render_cases_csv, render_csv, 
 from toolquake.proxy.replay.report.html import render_html
 from toolquake.proxy.replay.report.json_out import json_text
 from toolquake.proxy.replay.report.markdown import render_markdown
+from toolquake.proxy.replay.report.paper_tables import response_plot_name
 from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots
 from toolquake.proxy.replay.report.rows import load
 from toolquake.proxy.replay.report.stats import BASELINE, flips
@@ -35,9 +36,7 @@ def build(
     pngs = heatmaps(summary) if plots else {}
     if fmt == "html":
         svg = accuracy_plot(summary, "svg") if plots else None
-        fig4 = {f"seed 003 Fig. 4{'a' if k.startswith('response-size') else 'b'}: accuracy by "
-                f"{'response size' if k.startswith('response-size') else 'answer position'}": v
-                for k, v in (response_plots(summary, "svg") if plots else {}).items()}
+        fig4 = {response_plot_name(k): v for k, v in (response_plots(summary, "svg") if plots else {}).items()}
         svgs = {**({"accuracy per arm": svg} if svg else {}), **fig4}
         return render_html(summary, pngs, svgs or None), written
     acc = accuracy_plot(summary, "png") if plots else None

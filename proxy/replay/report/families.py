@@ -11,20 +11,23 @@ import json
 from collections import Counter, defaultdict
 from typing import Any
 
+from toolquake.proxy.replay.report.arms import axes_of, experiment_of
 from toolquake.proxy.replay.report.rows import Results, scored_steps
 from toolquake.proxy.replay.report.text import drop_ci, p_text, pct_ci
 from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.recovery import VERDICTS
 
-#: perturber → the family its arms belong to; an arm of one such step is reported per its `kind` parameter
-FAMILIES = {"tool_failure": "faults", "tool_metadata": "metadata"}
+#: the experiments reported as families (`Perturber.experiment`): an arm of one step of such an experiment is
+#: reported per the value of its perturber's first axis (its `kind`)
+FAMILIES = ("faults", "metadata")
 
 
 def _family(perturbers: list[dict[str, Any]]) -> tuple[str, str] | None:
-    if len(perturbers) != 1 or perturbers[0].get("name") not in FAMILIES:
+    if len(perturbers) != 1 or experiment_of(perturbers[0]) not in FAMILIES:
         return None
     step = perturbers[0]
-    return FAMILIES[step["name"]], str((step.get("params") or {}).get("kind", ""))
+    axes = axes_of(step)
+    return experiment_of(step), (str((step.get("params") or {}).get(axes[0], "")) if axes else "")
 
 
 def _recovery_entries(res: Results) -> tuple[dict[tuple[str, str], list[dict[str, Any]]],

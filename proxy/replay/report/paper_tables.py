@@ -17,10 +17,36 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from toolquake.perturbers import registry
+from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, step_of
 from toolquake.proxy.replay.report.rows import Results, step_reports
 from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
+
+#: the seed papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
+CATALOG = "catalog_size"  # seed 003 challenge 1: the catalog padded to a budget, the original tools at a position
+RESPONSES = "response_size"  # seed 003 challenge 2: the last tool response grown, the answer at a position
+CONVERSATIONS = "conversation_size"  # seed 003 challenge 3: the conversation lengthened, the fact in a setting
+FORMATS = "answer_format"  # seed 002: the format the model answers in and the tools are documented in
+EXPANSION = "related_tools"  # seed 001 §2.2: related but not equivalent tools added to the toolkit
+
+#: the plots' titles, in the papers' words
+CATALOG_HEATMAP_TITLE = ("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, "
+                         "challenge 1)")
+FORMAT_HEATMAP_TITLE = "Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)"
+#: seed 003 Fig. 4: (experiment, file name, x label, title) of its two line plots
+RESPONSE_PLOTS = (
+    ("context_length", "response-size", "tool response budget (tokens)",
+     "Long tool responses: accuracy by response size, answer at the first position (seed 003 Fig. 4a)"),
+    ("answer_position", "response-position", "position of the answer in the response",
+     "Long tool responses: accuracy by answer position at the largest size (seed 003 Fig. 4b)"),
+)
+
+
+def response_plot_name(file_name: str) -> str:
+    """The name of a Fig. 4 plot in the HTML report, from its file name."""
+    size = file_name.startswith("response-size")
+    return f"seed 003 Fig. 4{'a' if size else 'b'}: accuracy by {'response size' if size else 'answer position'}"
+
 
 # the 26 configurations of seed 002 / BFCL V4 format sensitivity, in their published order
 _RETURN_FORMATS = ("python", "json", "verbose_xml", "concise_xml")
@@ -99,7 +125,7 @@ def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "sources": {source: n}, "tools_added", "cosine": {min, p25, median, p75,
     max}, "twins_skipped", "below_band"}}} from what toolkit_expansion reported on each scored pair."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "toolkit_expansion"):
+    for model, profile, report in step_reports(res, names_of(EXPANSION)):
         a = acc.setdefault((model, profile), {"requests": 0, "sources": Counter(), "cosines": [],
                                               "twins_skipped": 0, "below_band": 0})
         a["requests"] += 1
@@ -121,7 +147,7 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {source: n}, "tokens_after": spread,
     "tools_after": spread}}}: the tokens each catalog_padding arm actually reached, by the counter it used."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "catalog_padding"):
+    for model, profile, report in step_reports(res, names_of(CATALOG)):
         a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [], "tools": []})
         a["requests"] += 1
         a["token_counter"][str(report.get("token_counter", "unknown"))] += 1
@@ -132,8 +158,8 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), a in acc.items():
         spec = res.arms.get((model, profile), {}).get("perturbers") or []
-        budget = next((p.get("params", {}).get("budget_tokens") for p in spec if p.get("name") == "catalog_padding"),
-                      None)
+        step = step_of(spec, CATALOG)
+        budget = None if step is None else step.get("params", {}).get("budget_tokens")
         out.setdefault(model, {})[profile] = {
             "requests": a["requests"], "budget_tokens": budget, "token_counter": dict(a["token_counter"]),
             "tokens_after": _spread(a["tokens"], 0), "tools_after": _spread(a["tools"], 1)}
@@ -144,10 +170,10 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {budget: {"requests", "median", "token_counter": {source: n}}}}: the tokens the catalog_padding arms
     of each budget actually reached (their reports' `tokens_after`, all positions pooled), for the heatmap labels."""
     acc: dict[tuple[str, int], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "catalog_padding"):
+    for model, profile, report in step_reports(res, names_of(CATALOG)):
         spec = res.arms.get((model, profile), {}).get("perturbers") or []
-        step = next((s for s in spec if s.get("name") == "catalog_padding"), None)
-        budget = None if step is None else _param(step, "budget_tokens")
+        step = step_of(spec, CATALOG)
+        budget = None if step is None else param(step, "budget_tokens")
         if budget is None or not isinstance(report.get("tokens_after"), int):
             continue
         a = acc.setdefault((model, int(budget)), {"tokens": [], "token_counter": Counter()})
@@ -161,9 +187,9 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def _arms_with(data: dict[str, Any], perturber: str) -> dict[str, dict[str, Any]]:
+def _arms_with(data: dict[str, Any], experiment: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
-            if any(s.get("name") == perturber for s in arm.get("perturbers") or [])}
+            if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])}
 
 
 def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -172,7 +198,7 @@ def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     rounded to 2 decimals as BFCL prints them (bfcl-spec §4.6)."""
     out = {}
     for model, data in summary["models"].items():
-        accs = [a["accuracy"] for a in _arms_with(data, "format_rewrite").values() if a["accuracy"] is not None]
+        accs = [a["accuracy"] for a in _arms_with(data, FORMATS).values() if a["accuracy"] is not None]
         if len(accs) < 2:
             continue
         out[model] = {"configs": len(accs), "max_delta": round((max(accs) - min(accs)) * 100, 2),
@@ -195,14 +221,6 @@ def padding_extremes(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, A
     return _category_extremes(summary, lambda budget, position, grid: True)
 
 
-def _param(step: dict[str, Any], key: str) -> Any:
-    """A step's parameter, else the perturber's default (None when it has neither)."""
-    params = step.get("params") or {}
-    if key in params:
-        return params[key]
-    return getattr(registry().get(str(step.get("name"))), key, None)
-
-
 def position_key(position: Any) -> tuple[int, float]:
     """Sort key of a position: a fraction in [0, 1], or a 1-based index (index 1 is the first slot, like 0.0)."""
     if isinstance(position, bool) or not isinstance(position, (int, float)):
@@ -212,15 +230,16 @@ def position_key(position: Any) -> tuple[int, float]:
     return (0, float(position))
 
 
-def grid_arms(data: dict[str, Any], perturber: str, *keys: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(profile, {key: value}, arm) of one model's scored arms with `perturber`, its parameters `keys` read from the
-    arm's definition (the perturber's default when the arm leaves one out); arms lacking a budget are skipped."""
+def grid_arms(data: dict[str, Any], experiment: str, *keys: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(profile, {key: value}, arm) of one model's scored arms with a step of `experiment`, its parameters `keys`
+    read from the arm's definition (the perturber's default when the arm leaves one out); arms lacking a budget are
+    skipped."""
     out = []
     for p, arm in data["arms"].items():
-        step = next((s for s in arm.get("perturbers") or [] if s.get("name") == perturber), None)
+        step = step_of(arm.get("perturbers") or [], experiment)
         if step is None or not arm["n"]:
             continue
-        values = {k: _param(step, k) for k in keys}
+        values = {k: param(step, k) for k in keys}
         if values.get("budget_tokens") is None:
             continue
         out.append((p, values, arm))
@@ -232,7 +251,7 @@ def _category_extremes(summary: dict[str, Any], keep: Any) -> dict[str, dict[str
     selects (grid: every (budget, position) of the model's arms)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
-        arms = grid_arms(data, "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(data, CATALOG, "budget_tokens", "position")
         grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
         per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
         for p, v, arm in arms:
@@ -257,7 +276,7 @@ def padding_same_position(summary: dict[str, Any]) -> dict[str, dict[str, dict[s
     the arms have it, else the first); each entry names the `position`."""
     out = _category_extremes(summary, lambda b, p, grid: p == _fixed_position(grid))
     for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
         fixed = _fixed_position([(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms])
         for entry in cats.values():
             entry["position"] = fixed
@@ -269,7 +288,7 @@ def padding_same_budget(summary: dict[str, Any]) -> dict[str, dict[str, dict[str
     (the paper's 120K); each entry names the `budget_tokens`."""
     out = _category_extremes(summary, lambda b, p, grid: b == max(x for x, _ in grid))
     for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
         largest = max(int(v["budget_tokens"]) for _, v, _ in arms)
         for entry in cats.values():
             entry["budget_tokens"] = largest
@@ -288,7 +307,7 @@ def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[st
     and Max / Min / deg / deg_relative over the points} (an experiment needs two points)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
-        arms = grid_arms(data, "response_lengthening", "budget_tokens", "position")
+        arms = grid_arms(data, RESPONSES, "budget_tokens", "position")
         if not arms:
             continue
         first = min((v["position"] for _, v, _ in arms), key=position_key)
@@ -324,8 +343,8 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         cells: dict[tuple[str, int], dict[str, Any]] = {}
-        for p, v, arm in grid_arms(data, "conversation_lengthening", "budget_tokens", "setting"):
-            step = next(s for s in arm["perturbers"] if s.get("name") == "conversation_lengthening")
+        for p, v, arm in grid_arms(data, CONVERSATIONS, "budget_tokens", "setting"):
+            step = step_of(arm["perturbers"], CONVERSATIONS) or {}
             fact = (step.get("params") or {}).get("fact")
             group = f"fact {fact}" if fact not in (None, "any") else f"setting {v['setting']}"
             c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0})
@@ -338,11 +357,9 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
     return out
 
 
-def _params(perturbers: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
-    for p in perturbers:
-        if p.get("name") == name:
-            return p.get("params") or {}
-    return None
+def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any] | None:
+    step = step_of(perturbers, experiment)
+    return None if step is None else step.get("params") or {}
 
 
 def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
@@ -355,7 +372,7 @@ def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float
     """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
-        params = _params(arm["perturbers"], "catalog_padding")
+        params = _params(arm["perturbers"], CATALOG)
         if params is None or not arm["n"]:
             continue
         if "budget_tokens" not in params or "position" not in params:
@@ -372,7 +389,7 @@ def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tup
     cells: dict[tuple[str, str], float] = {}
     for model, data in summary["models"].items():
         for arm in data["arms"].values():
-            params = _params(arm["perturbers"], "format_rewrite")
+            params = _params(arm["perturbers"], FORMATS)
             if params is None or not arm["n"]:
                 continue
             cells[(format_label(params), model)] = arm["accuracy"]
@@ -385,7 +402,7 @@ def format_counts(summary: dict[str, Any]) -> dict[tuple[str, str], tuple[int, i
     out: dict[tuple[str, str], tuple[int, int]] = {}
     for model, data in summary["models"].items():
         for arm in data["arms"].values():
-            params = _params(arm["perturbers"], "format_rewrite")
+            params = _params(arm["perturbers"], FORMATS)
             if params is not None and arm["n"]:
                 out[(format_label(params), model)] = (round(arm["accuracy"] * arm["n"]), arm["n"])
     return out

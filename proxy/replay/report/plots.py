@@ -8,6 +8,9 @@ from typing import Any
 
 from toolquake.proxy.escape import plot_text
 from toolquake.proxy.replay.report.paper_tables import (
+    CATALOG_HEATMAP_TITLE,
+    FORMAT_HEATMAP_TITLE,
+    RESPONSE_PLOTS,
     budget_ticks,
     format_counts,
     format_grid,
@@ -50,8 +53,7 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
                         ax.text(j, i, _cell_text(v, counts.get((budgets[j], positions[i]))), ha="center",
                                 va="center", fontsize=7)
         fig.colorbar(im, ax=axes[0].tolist(), label="AST accuracy")
-        fig.suptitle("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, challenge 1)",
-                     fontsize=10)
+        fig.suptitle(CATALOG_HEATMAP_TITLE, fontsize=10)
         out["heatmap-catalog.png"] = _png(fig, plt)
     labels, models, cells = format_grid(summary)
     if labels:
@@ -67,7 +69,7 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
                     ax.text(j, i, _cell_text(v, counts.get((labels[i], models[j]))), ha="center", va="center",
                             fontsize=6.5)
         fig.colorbar(im, ax=ax, label="AST accuracy")
-        ax.set_title("Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)", fontsize=10)
+        ax.set_title(FORMAT_HEATMAP_TITLE, fontsize=10)
         out["heatmap-formats.png"] = _png(fig, plt)
     return out
 
@@ -78,11 +80,7 @@ def response_plots(summary: dict[str, Any], fmt: str = "png") -> dict[str, bytes
     the plots the response_lengthening arms support."""
     exps = summary.get("response_experiments") or {}
     out: dict[str, bytes] = {}
-    for name, key, xlabel, title in (
-            ("context_length", "response-size", "tool response budget (tokens)",
-             "Long tool responses: accuracy by response size, answer at the first position (seed 003 Fig. 4a)"),
-            ("answer_position", "response-position", "position of the answer in the response",
-             "Long tool responses: accuracy by answer position at the largest size (seed 003 Fig. 4b)")):
+    for name, key, xlabel, title in RESPONSE_PLOTS:
         lines = [(m, e[name]) for m, e in exps.items() if name in e]
         if not lines:
             continue

@@ -134,14 +134,17 @@ def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:
             yield model, profile, case_id, perturbers
 
 
-def step_reports(res: Results, perturber: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """(model, profile, report) of every step of `perturber` applied to a scored pair, read from the files."""
+def step_reports(res: Results, names: list[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(model, profile, report) of every step of the perturbers `names` applied to a scored pair, from the files."""
+    if not names:
+        return
+    like = " OR ".join("perturbers LIKE ?" for _ in names)
     for path in res.sources:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = _model(db)
-            rows = db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' AND perturbers LIKE ?",
-                              (f"%{perturber}%",)).fetchall()
+            rows = db.execute(f"SELECT profile, perturbers FROM results WHERE status = 'scored' AND ({like})",
+                              [f"%{n}%" for n in names]).fetchall()
         except sqlite3.DatabaseError:
             continue
         finally:
@@ -149,7 +152,7 @@ def step_reports(res: Results, perturber: str) -> Iterator[tuple[str, str, dict[
         for profile, text in rows:
             applied = (json.loads(text) or {}).get("applied")
             for step in applied if isinstance(applied, list) else []:
-                if step.get("name") == perturber:
+                if step.get("name") in names:
                     yield model, profile, step.get("report") or {}
 
 
