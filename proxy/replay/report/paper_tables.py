@@ -451,6 +451,11 @@ def _share(x: float | None) -> str:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the tables these measures add to the report."""
+    return [*_seed001_tables(summary), *_seed003_tables(summary), *_format_and_padding_tables(summary)]
+
+
+def _seed001_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Seed 001 Table 2 (right), the pairs not perturbed, the toolkit expansion."""
     out = []
     caused = summary.get("caused_errors") or {}
     fine_cols = [t for t in TAXONOMY if any(arm["fine_counts"].get(t) for m in caused.values() for arm in m.values())]
@@ -480,6 +485,12 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
                     ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
                      "twins skipped", "below band"], rows))
+    return out
+
+
+def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Seed 003 Tables 1, 5, 6 (catalog padding), 7 (long tool responses) and 2 (long conversations)."""
+    out = []
     for key, title, fixed in (
             ("padding_extremes", "Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per "
              "category", None),
@@ -514,6 +525,12 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
                     "the needed fact sits) and conversation size", ["model", "setting", *(_k(b) for b in budgets)],
                     rows))
+    return out
+
+
+def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Format sensitivity (seed 002) and the tokens the catalog-padding arms reached."""
+    out = []
     rows = [[model, str(f["configs"]), f"{f['max_delta']:.2f}", f"{f['std']:.2f}", f"{f['variance']:.2f}"]
             for model, f in (summary.get("format_sensitivity") or {}).items()]
     if rows:

@@ -87,8 +87,12 @@ def _taxonomy_columns(summary: dict[str, Any]) -> list[str]:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table in the report."""
+    return [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
+            *family_tables(summary), *paper_tables(summary)]
+
+
+def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     baseline = summary["baseline"]
-    out = []
     models = summary["models"]
     profiles = list(dict.fromkeys(p for data in models.values() for p in data["arms"]))
     header = ["model", *profiles]
@@ -102,57 +106,47 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             row.append("" if arm is None else acc(arm["accuracy"]) + drop)
             ci_row.append("" if arm is None else ci(arm.get("accuracy_ci")))
         rows += [row, ci_row]
-    out.append((f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
-                "on the row below)", header, rows))
+    return (f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
+            "on the row below)", header, rows)
 
+
+def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     cols = _taxonomy_columns(summary)
     rows = []
-    for model, data in models.items():
+    for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
             failures = sum(arm["errors"].values())
-            if p == baseline or not failures:
+            if p == summary["baseline"] or not failures:
                 continue
             rows.append([model, p, str(failures), *(f"{arm['errors'].get(c, 0) / failures:.2f}" for c in cols)])
             cis = arm.get("errors_ci") or {}
             rows.append([model, f"{p} 95 % CI", "",
                          *(ci(cis[c] if c in cis else wilson_ci(0, failures)) for c in cols)])
-    if rows:
-        out.append(
-            (
-                "Error analysis of perturbed arms (share of each error type among failures; 95 % Wilson intervals "
-                "on the row below)",
-                ["model", "profile", "failures", *cols],
-                rows,
-            )
-        )
+    if not rows:
+        return []
+    return [("Error analysis of perturbed arms (share of each error type among failures; 95 % Wilson intervals "
+             "on the row below)", ["model", "profile", "failures", *cols], rows)]
 
+
+def _arms_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     rows = []
-    for model, data in models.items():
+    for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
             failed = ", ".join(f"{k} {v}" for k, v in arm["failed_codes"].items())
-            rows.append(
-                [
-                    model,
-                    p,
-                    str(arm["n"]),
-                    acc(arm["accuracy"]),
-                    acc(arm["fair_accuracy"]),
-                    acc(arm["semantic_accuracy"]),
-                    str(arm["failed"]) + (f" ({failed})" if failed else ""),
-                    ci(arm.get("accuracy_ci")),
-                    ci(arm.get("fair_accuracy_ci")),
-                    ci(arm.get("semantic_accuracy_ci")),
-                ]
-            )
-    out.append(
-        (
-            "Arms: scored pairs, accuracy in the three scoring modes, failed pairs, 95 % Wilson intervals",
+            rows.append([model, p, str(arm["n"]), acc(arm["accuracy"]), acc(arm["fair_accuracy"]),
+                         acc(arm["semantic_accuracy"]), str(arm["failed"]) + (f" ({failed})" if failed else ""),
+                         ci(arm.get("accuracy_ci")), ci(arm.get("fair_accuracy_ci")),
+                         ci(arm.get("semantic_accuracy_ci"))])
+    return ("Arms: scored pairs, accuracy in the three scoring modes, failed pairs, 95 % Wilson intervals",
             ["model", "profile", "n", "bfcl", "fair", "semantic", "failed", "bfcl CI", "fair CI", "semantic CI"],
-            rows,
-        )
-    )
+            rows)
 
+
+def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    baseline = summary["baseline"]
+    models = summary["models"]
     categories = sorted({c for data in models.values() for arm in data["arms"].values() for c in arm["by_category"]})
+    out = []
     for model, data in models.items():
         rows = []
         for p, arm in data["arms"].items():
@@ -169,7 +163,7 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             rows.append([p, *cells])
         out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
                     ["profile", *categories], rows))
-    return out + family_tables(summary) + paper_tables(summary)
+    return out
 
 
 #: the two directions of a flip, as the per-case diffs write them
