@@ -7,8 +7,8 @@ given: it builds a new one with `request.replace(...)` and shallow copies of wha
 Everything the rest of toolquake relies on about a perturber is declared on `Perturber` below:
 how `apply` runs (plain, `blocking` in a worker thread, or `async def`), whether it rewrites the
 answer (`rewrites_response` + `restore`), how it changes the expected answer (`expected_answer`),
-and what grading should read instead of the restored answer (`answer_decodes`). Nothing outside
-this package asks for a perturber by name.
+what grading should read instead of the restored answer (`answer_decodes`), and which experiment of the
+report its arms belong to (`experiment`, `axes`). Nothing outside this package asks for a perturber by name.
 """
 
 from __future__ import annotations
@@ -129,6 +129,11 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: step may use. The admin API refuses a profile that sets one to anything but its default (or the value the
     #: operator configured for that step); a test fails for a parameter with such a name left undeclared.
     operator_only: ClassVar[frozenset[str]] = frozenset()
+    #: the experiment this step's arms belong to in reports (e.g. "catalog_size"): the arms of one experiment form
+    #: its grid or its family; "" for none. Reports find their arms by this, never by a perturber's name.
+    experiment: ClassVar[str] = ""
+    #: the parameters that place an arm in its experiment: a grid's axes, or a family's kind
+    axes: ClassVar[tuple[str, ...]] = ()
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest | Awaitable[ChatRequest]:
         """Return the perturbed request. May be `async def` (the pipeline awaits what it returns)."""

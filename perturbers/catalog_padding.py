@@ -20,6 +20,8 @@ class CatalogPadding(Perturber):
     fraction `position` of the distractors."""
 
     name = "catalog_padding"
+    experiment = "catalog_size"
+    axes = ("budget_tokens", "position")
     blocking: ClassVar[bool] = True  # embeddings and (for the upstream counter) HTTP token counts
     budget_tokens: int = 32768
     position: float = 0.5

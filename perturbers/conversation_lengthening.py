@@ -23,6 +23,8 @@ class ConversationLengthening(Perturber):
     `fact`, the filler follows the earlier user turn / tool response that holds what the answer needs."""
 
     name = "conversation_lengthening"
+    experiment = "conversation_size"
+    axes = ("budget_tokens", "setting", "fact")
     blocking: ClassVar[bool] = True
     budget_tokens: int = 20000
     #: "unstructured": user/assistant prose turns; "structured": assistant tool calls with tool results

@@ -114,6 +114,8 @@ class FormatRewrite(Perturber):
     """Tools moved into the system prompt in one of BFCL V4's call formats; text answers parsed back."""
 
     name = "format_rewrite"
+    experiment = "answer_format"
+    axes = ("function_doc_format", "return_format", "tool_call_tag", "prompt_format", "prompt_style")
     rewrites_response: ClassVar[bool] = True
     streams_text: ClassVar[bool] = True
 

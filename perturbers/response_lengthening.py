@@ -150,6 +150,8 @@ class ResponseLengthening(Perturber):
     record(s) first at `position`; padding records invented (look-alikes) or real ones of the same endpoint."""
 
     name = "response_lengthening"
+    experiment = "response_size"
+    axes = ("budget_tokens", "position")
     blocking: ClassVar[bool] = True
     #: "process" pads one client's responses with what another client's tools returned: the operator decides that
     operator_only: ClassVar[frozenset[str]] = frozenset({"live_records"})

@@ -157,6 +157,8 @@ class ToolFailure(Perturber):
     (`target="each"`), with a failure of the given `kind`."""
 
     name = "tool_failure"
+    experiment = "faults"
+    axes = ("kind",)
     kind: str = "timeout"
     target: str = "last"
     probability_each: float = 0.5

@@ -98,6 +98,8 @@ class ToolMetadata(Perturber):
     description shortened and reworded)."""
 
     name = "tool_metadata"
+    experiment = "metadata"
+    axes = ("kind",)
     #: in a worker thread: rewording a client's description is linear, but word by word in Python, and a
     #: description may be megabytes long; the event loop keeps serving meanwhile
     blocking: ClassVar[bool] = True

@@ -73,6 +73,7 @@ class ToolkitExpansion(Perturber):
     the same job as one (helpers/toolkit/twins.py), or whose name is already present, is skipped."""
 
     name = "toolkit_expansion"
+    experiment = "related_tools"
     blocking: ClassVar[bool] = True  # embeddings on CPU, and the generator's HTTP calls
     #: a host to send prompts to, a directory to write to, an environment variable to send as a key: the operator's
     operator_only: ClassVar[frozenset[str]] = frozenset({"generator_url", "cache_dir", "api_key_env"})

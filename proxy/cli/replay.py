@@ -72,6 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "skipped, failed ones are retried; a killed run loses nothing that was recorded. Exit "
                     "status: 0 all pairs scored, 1 some pairs failed (recorded; rerun to retry), 2 bad "
                     "arguments or unreachable backend, 3 stopped because the backend went away.")
+    _what_to_replay(p)
+    _how_to_send(p)
+    p.set_defaults(func=run)
+
+
+def _what_to_replay(p: argparse.ArgumentParser) -> None:
+    """Where to send, which profiles and cases, where the results go."""
     p.add_argument("--backend", help="the model server's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
                    "(checked before starting; also where the model name comes from)")
     p.add_argument("--profiles", required=True,
@@ -98,6 +105,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "bad lines are reported and skipped (`toolquake cases validate FILE`)")
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N cases of each BFCL category (file order; --cases files are replayed whole)")
+
+
+def _how_to_send(p: argparse.ArgumentParser) -> None:
+    """How each request is sent and graded."""
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--model", help="model name to send (default: the first model the backend lists)")
     p.add_argument("--shard", help="I/N: only cases whose position in the selection is I modulo N (0-based); "
@@ -127,4 +138,3 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'upstream', 'estimate' or 'tokenizer:/path/tokenizer.json'; the source used is recorded in "
                         "the results file")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
-    p.set_defaults(func=run)

@@ -338,6 +338,26 @@ def summarize(path: str | Path) -> dict[str, Any]:
     the accuracy and the paired comparison, as in the replay report; `perturbed_share` = n / (n + not_perturbed).
     """
     rows = read_rows(path)
+    arms = _arm_counts(rows)
+    _with_paired(arms, rows)
+    consistency, consistency_ci = _agreement([r for r in rows if r["arm"] != "noise"])
+    noise, noise_ci = _agreement([r for r in rows if r["arm"] == "noise"])
+    if noise:
+        pooled, pooled_ci = _agreement([{**r, "profile": NOISE_PROFILE} for r in rows if r["arm"] == "noise"])
+        noise.update(pooled)
+        noise_ci.update(pooled_ci)
+    conformance: dict[str, dict[str, int]] = {}
+    for v in read_violations(path):
+        by_rule = conformance.setdefault(v["model"] or "none", {})
+        by_rule[v["rule"]] = by_rule.get(v["rule"], 0) + 1
+    return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
+            "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci,
+            "conformance": {m: dict(sorted(r.items(), key=lambda kv: (-kv[1], kv[0])))
+                            for m, r in sorted(conformance.items())}}
+
+
+def _arm_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per profile: scored rows, accuracy with its interval, per category, error types; rows not perturbed apart."""
     arms: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["valid"] is None:
@@ -369,6 +389,11 @@ def summarize(path: str | Path) -> dict[str, Any]:
             cat["accuracy_ci"] = wilson_ci(cat_correct, cat["n"])
         arm["errors"] = dict(sorted(arm["errors"].items(), key=lambda kv: (-kv[1], kv[0])))
         arm["errors_ci"] = {k: wilson_ci(v, arm["n"] - correct) for k, v in arm["errors"].items()}
+    return arms
+
+
+def _with_paired(arms: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Each arm's drop against `off` and its paired comparison, overall and per category."""
     # the latest verdict of each (profile, case id): the pairs of the paired comparison against off
     latest: dict[str, dict[str, tuple[str, bool]]] = {}
     for r in rows:
@@ -384,20 +409,6 @@ def summarize(path: str | Path) -> dict[str, Any]:
             cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
             cmp = (_paired(latest.get("off", {}), latest.get(name_, {}), name) if b and name_ != "off" else None)
             cat["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
-    consistency, consistency_ci = _agreement([r for r in rows if r["arm"] != "noise"])
-    noise, noise_ci = _agreement([r for r in rows if r["arm"] == "noise"])
-    if noise:
-        pooled, pooled_ci = _agreement([{**r, "profile": NOISE_PROFILE} for r in rows if r["arm"] == "noise"])
-        noise.update(pooled)
-        noise_ci.update(pooled_ci)
-    conformance: dict[str, dict[str, int]] = {}
-    for v in read_violations(path):
-        by_rule = conformance.setdefault(v["model"] or "none", {})
-        by_rule[v["rule"]] = by_rule.get(v["rule"], 0) + 1
-    return {"db": str(path), "rows": len(rows), "arms": dict(sorted(arms.items())),
-            "consistency": consistency, "consistency_ci": consistency_ci, "noise": noise, "noise_ci": noise_ci,
-            "conformance": {m: dict(sorted(r.items(), key=lambda kv: (-kv[1], kv[0])))
-                            for m, r in sorted(conformance.items())}}
 
 
 def not_perturbed(perturbers: Any) -> bool:
@@ -460,70 +471,95 @@ def _p(p: float) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as Markdown: seed 001 Table 2 shape (accuracy, drop vs off in brackets), errors, consistency."""
-    md = md_text  # every name in it (profiles, models, categories, error types, rules) came from traffic
-    lines = [f"# Live results: {md(summary['db'])} ({summary['rows']} rows)", ""]
-    arms = summary["arms"]
-    if arms:
-        lines += ["| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
-                  "paired cases | valid→invalid | invalid→valid | McNemar p | drop ≠ 0 at 0.05 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name, arm in arms.items():
-            drop = "" if arm["drop_vs_off"] is None or name == "off" else f" ({arm['drop_vs_off'] * 100:+.0f}%)"
-            cmp = arm.get("paired")
-            stats = (f"{_pct(arm['drop_vs_off'])} {_pct_ci(arm['drop_vs_off_ci'], True)} | {cmp['n']} | "
-                     f"{cmp['valid_to_invalid']} | {cmp['invalid_to_valid']} | {_p(cmp['p_value'])} | "
-                     f"{'yes' if cmp['significant'] else 'no'}") if cmp else "– | – | – | – | – | –"
-            lines.append(f"| {md(name)} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
-                         f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} |")
-        lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off | accuracy 95 % CI | "
-                  "drop 95 % CI |", "|---|---|---:|---:|---:|---:|---:|"]
-        for name, arm in arms.items():
-            for cat, c in sorted(arm["by_category"].items()):
-                lines.append(f"| {md(name)} | {md(cat)} | {c['n']} | {_pct(c['accuracy'])} | "
-                             f"{_pct(c['drop_vs_off'])} | {_pct_ci(c.get('accuracy_ci'))} | "
-                             f"{_pct_ci(c.get('drop_vs_off_ci'), True)} |")
-        lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share | "
-                  "share 95 % CI |", "|---|---|---:|---:|---:|"]
-        for name, arm in arms.items():
-            failures = sum(arm["errors"].values())
-            for kind, count in arm["errors"].items():
-                lines.append(f"| {md(name)} | {md(kind)} | {count} | {_pct(count / failures)} | "
-                             f"{_pct_ci((arm.get('errors_ci') or {}).get(kind))} |")
-        kept = [(name, arm) for name, arm in arms.items() if arm.get("not_perturbed")]
-        if kept:
-            lines += ["", "## Pairs not perturbed (served unchanged, e.g. a rephrasing rejected by the value check; "
-                      "out of the accuracy)", "", "| profile | scored (perturbed) | not perturbed | share perturbed |",
-                      "|---|---:|---:|---:|"]
-            lines += [f"| {md(name)} | {arm['n']} | {arm['not_perturbed']} | {_pct(arm['perturbed_share'])} |"
-                      for name, arm in kept]
+    lines = [f"# Live results: {md_text(summary['db'])} ({summary['rows']} rows)", ""]
+    if summary["arms"]:
+        lines += _arms_md(summary["arms"])
     else:
         lines.append("No scored answers with a known case.")
-    if summary["consistency"]:
-        floor = (summary.get("noise") or {}).get(NOISE_PROFILE)
-        lines += ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent | "
-                  "consistent 95 % CI | exact 95 % CI | disagree rate | noise floor (all noise twins) | net of noise |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        cis = summary.get("consistency_ci") or {}
-        for name, c in summary["consistency"].items():
-            ci = cis.get(name) or {}
-            net = "–" if floor is None else f"{(c['rate_disagree'] - floor['rate_disagree']) * 100:+.1f}%"
-            lines.append(f"| {md(name)} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
-                         f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
-                         f"{_pct_ci(ci.get('rate_exact'))} | {_pct(c['rate_disagree'])} "
-                         f"{_pct_ci(ci.get('rate_disagree'))} | "
-                         f"{'–' if floor is None else _pct(floor['rate_disagree'])} | {net} |")
-    if summary.get("noise"):
-        lines += ["", "## Noise floor (unperturbed twins: the model disagreeing with itself)", "",
-                  "| sampled from | n | exact | semantic | disagree | disagree rate | disagree 95 % CI |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for name, c in summary["noise"].items():
-            ci = (summary.get("noise_ci") or {}).get(name) or {}
-            lines.append(f"| {md('all (' + name + ')' if name == NOISE_PROFILE else name)} | {c['n']} | {c['exact']} | "
-                         f"{c['semantic']} | {c['disagree']} | {_pct(c['rate_disagree'])} | "
-                         f"{_pct_ci(ci.get('rate_disagree'))} |")
-    if summary.get("conformance"):
-        lines += ["", "## Backend conformance (tool-call format rules broken; docs/conformance.md)", "",
-                  "| model | rule | violations |", "|---|---|---:|"]
-        for model, by_rule in summary["conformance"].items():
-            lines += [f"| {md(model)} | {md(rule)} | {n} |" for rule, n in by_rule.items()]
+    lines += _consistency_md(summary) + _noise_md(summary) + _conformance_md(summary)
     return "\n".join(lines) + "\n"
+
+
+# every name in these tables (profiles, models, categories, error types, rules) came from traffic: `md_text`
+
+
+def _arms_md(arms: dict[str, Any]) -> list[str]:
+    md = md_text
+    lines = ["| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
+             "paired cases | valid→invalid | invalid→valid | McNemar p | drop ≠ 0 at 0.05 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, arm in arms.items():
+        drop = "" if arm["drop_vs_off"] is None or name == "off" else f" ({arm['drop_vs_off'] * 100:+.0f}%)"
+        cmp = arm.get("paired")
+        stats = (f"{_pct(arm['drop_vs_off'])} {_pct_ci(arm['drop_vs_off_ci'], True)} | {cmp['n']} | "
+                 f"{cmp['valid_to_invalid']} | {cmp['invalid_to_valid']} | {_p(cmp['p_value'])} | "
+                 f"{'yes' if cmp['significant'] else 'no'}") if cmp else "– | – | – | – | – | –"
+        lines.append(f"| {md(name)} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
+                     f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} |")
+    lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off | accuracy 95 % CI | "
+              "drop 95 % CI |", "|---|---|---:|---:|---:|---:|---:|"]
+    for name, arm in arms.items():
+        for cat, c in sorted(arm["by_category"].items()):
+            lines.append(f"| {md(name)} | {md(cat)} | {c['n']} | {_pct(c['accuracy'])} | "
+                         f"{_pct(c['drop_vs_off'])} | {_pct_ci(c.get('accuracy_ci'))} | "
+                         f"{_pct_ci(c.get('drop_vs_off_ci'), True)} |")
+    lines += ["", "## Error types (share of failures)", "", "| profile | error type | count | share | "
+              "share 95 % CI |", "|---|---|---:|---:|---:|"]
+    for name, arm in arms.items():
+        failures = sum(arm["errors"].values())
+        for kind, count in arm["errors"].items():
+            lines.append(f"| {md(name)} | {md(kind)} | {count} | {_pct(count / failures)} | "
+                         f"{_pct_ci((arm.get('errors_ci') or {}).get(kind))} |")
+    kept = [(name, arm) for name, arm in arms.items() if arm.get("not_perturbed")]
+    if kept:
+        lines += ["", "## Pairs not perturbed (served unchanged, e.g. a rephrasing rejected by the value check; "
+                  "out of the accuracy)", "", "| profile | scored (perturbed) | not perturbed | share perturbed |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {md(name)} | {arm['n']} | {arm['not_perturbed']} | {_pct(arm['perturbed_share'])} |"
+                  for name, arm in kept]
+    return lines
+
+
+def _consistency_md(summary: dict[str, Any]) -> list[str]:
+    if not summary["consistency"]:
+        return []
+    md = md_text
+    floor = (summary.get("noise") or {}).get(NOISE_PROFILE)
+    lines = ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent | "
+             "consistent 95 % CI | exact 95 % CI | disagree rate | noise floor (all noise twins) | net of noise |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cis = summary.get("consistency_ci") or {}
+    for name, c in summary["consistency"].items():
+        ci = cis.get(name) or {}
+        net = "–" if floor is None else f"{(c['rate_disagree'] - floor['rate_disagree']) * 100:+.1f}%"
+        lines.append(f"| {md(name)} | {c['n']} | {c['exact']} | {c['semantic']} | {c['disagree']} | "
+                     f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
+                     f"{_pct_ci(ci.get('rate_exact'))} | {_pct(c['rate_disagree'])} "
+                     f"{_pct_ci(ci.get('rate_disagree'))} | "
+                     f"{'–' if floor is None else _pct(floor['rate_disagree'])} | {net} |")
+    return lines
+
+
+def _noise_md(summary: dict[str, Any]) -> list[str]:
+    if not summary.get("noise"):
+        return []
+    md = md_text
+    lines = ["", "## Noise floor (unperturbed twins: the model disagreeing with itself)", "",
+             "| sampled from | n | exact | semantic | disagree | disagree rate | disagree 95 % CI |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, c in summary["noise"].items():
+        ci = (summary.get("noise_ci") or {}).get(name) or {}
+        lines.append(f"| {md('all (' + name + ')' if name == NOISE_PROFILE else name)} | {c['n']} | {c['exact']} | "
+                     f"{c['semantic']} | {c['disagree']} | {_pct(c['rate_disagree'])} | "
+                     f"{_pct_ci(ci.get('rate_disagree'))} |")
+    return lines
+
+
+def _conformance_md(summary: dict[str, Any]) -> list[str]:
+    if not summary.get("conformance"):
+        return []
+    lines = ["", "## Backend conformance (tool-call format rules broken; docs/conformance.md)", "",
+             "| model | rule | violations |", "|---|---|---:|"]
+    for model, by_rule in summary["conformance"].items():
+        lines += [f"| {md_text(model)} | {md_text(rule)} | {n} |" for rule, n in by_rule.items()]
+    return lines

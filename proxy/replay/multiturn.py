@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -91,6 +92,20 @@ async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], head
     return data, resp.headers.get("x-toolquake-request-id"), latency_ms
 
 
+@dataclass
+class _Play:
+    """What every step of one case's run sends with, and where its calls are executed."""
+
+    http: httpx.AsyncClient
+    url: str
+    headers: dict[str, str]
+    world: Any
+    model: str
+    extra_body: Mapping[str, Any] | None
+    keep_contents: bool
+    max_steps: int
+
+
 async def run_case(case: Any, base_url: str, *, model: str = "default", profile: str | None = None,
                    headers: Mapping[str, str] | None = None, client: httpx.AsyncClient | None = None,
                    backends: Backends | None = None, max_steps: int = MAXIMUM_STEPS, keep_contents: bool = False,
@@ -106,15 +121,9 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
     classes = list(case.extra.get("involved_classes") or [])
     if not classes:
         raise ValueError(f"{case.id} is not a multi-turn case (no involved_classes)")
-    held = case.extra.get("missed_function") or {}
-    functions = [dict(f) for f in case.functions]
-    tools, name_map = tools_for(case, functions)
     send_headers = {**(headers or {}), "X-Toolquake-Case": case.id}
     if profile:
         send_headers["X-Toolquake-Profile"] = profile
-    url = base_url.rstrip("/") + "/chat/completions"
-    result = MultiTurnResult(case_id=case.id)
-    messages: list[dict[str, Any]] = []
     own_client = client is None
     http = client or httpx.AsyncClient(timeout=timeout_s)
     try:
@@ -124,53 +133,73 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
         if own_client:
             await http.aclose()
         raise
+    play = _Play(http, base_url.rstrip("/") + "/chat/completions", send_headers, world, model, extra_body,
+                 keep_contents, max_steps)
     try:
-        for t, turn_messages in enumerate(case.turns):
-            if str(t) in held:
-                functions.extend(dict(f) for f in held[str(t)])
-                tools, name_map = tools_for(case, functions)
-                if not turn_messages:
-                    turn_messages = [{"role": "user", "content": ADDITIONAL_FUNCTIONS_PROMPT}]
-            messages.extend(dict(m) for m in turn_messages)
-            steps: list[Step] = []
-            result.turns.append(steps)
-            for n in itertools.count():
-                body: dict[str, Any] = {**(extra_body or {}), "model": model, "messages": list(messages)}
-                if tools:
-                    body["tools"] = tools
-                try:
-                    data, request_id, latency_ms = await _query(http, url, body, send_headers)
-                except _QueryFailed as exc:
-                    result.error = f"turn {t}, step {n}: {exc}"[:500]
-                    result.error_code = exc.code
-                    return result
-                choice = data["choices"][0]
-                message = choice.get("message") if isinstance(choice, dict) else None
-                message = message if isinstance(message, dict) else {}
-                assistant = _assistant_message(message, t, n)
-                messages.append(assistant)
-                decoded = calls_from_message(assistant, name_map)
-                text = message.get("content") if keep_contents else None
-                meta = dict(request_id=request_id, latency_ms=round(latency_ms, 3),
-                            prompt_tokens=_usage(data, "prompt_tokens"),
-                            completion_tokens=_usage(data, "completion_tokens"))
-                if isinstance(decoded, DecodeFailure) or not decoded:
-                    reason = decoded.reason if isinstance(decoded, DecodeFailure) else "no call"
-                    steps.append(Step(decode_error=reason, text=text, **meta))
-                    break
-                results = await asyncio.to_thread(world.execute, [Call.of(c) for c in decoded])
-                steps.append(Step(calls=decoded, text=text, results=results, **meta))
-                for tc, output in zip(assistant["tool_calls"], results):
-                    messages.append({"role": "tool", "tool_call_id": tc["id"], "content": output})
-                if n + 1 > max_steps:
-                    result.force_terminated = True
-                    return result
-        return result
+        return await _play_turns(case, play)
     finally:
         await asyncio.to_thread(world.close)
         if own_client:
             await http.aclose()
 
+
+async def _play_turns(case: Any, play: _Play) -> MultiTurnResult:
+    """The case's turns in order, the functions held back by BFCL added at their turn."""
+    held = case.extra.get("missed_function") or {}
+    functions = [dict(f) for f in case.functions]
+    tools, name_map = tools_for(case, functions)
+    result = MultiTurnResult(case_id=case.id)
+    messages: list[dict[str, Any]] = []
+    for t, turn_messages in enumerate(case.turns):
+        if str(t) in held:
+            functions.extend(dict(f) for f in held[str(t)])
+            tools, name_map = tools_for(case, functions)
+            if not turn_messages:
+                turn_messages = [{"role": "user", "content": ADDITIONAL_FUNCTIONS_PROMPT}]
+        messages.extend(dict(m) for m in turn_messages)
+        steps: list[Step] = []
+        result.turns.append(steps)
+        if not await _play_turn(play, t, messages, tools, name_map, steps, result):
+            return result
+    return result
+
+
+async def _play_turn(play: _Play, t: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                     name_map: dict[str, str], steps: list[Step], result: MultiTurnResult) -> bool:
+    """Steps of turn `t` until the model makes no call; False when the run stops here (an HTTP failure, or more
+    than `max_steps` steps: `result` says which)."""
+    for n in itertools.count():
+        body: dict[str, Any] = {**(play.extra_body or {}), "model": play.model, "messages": list(messages)}
+        if tools:
+            body["tools"] = tools
+        try:
+            data, request_id, latency_ms = await _query(play.http, play.url, body, play.headers)
+        except _QueryFailed as exc:
+            result.error = f"turn {t}, step {n}: {exc}"[:500]
+            result.error_code = exc.code
+            return False
+        choice = data["choices"][0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+        message = message if isinstance(message, dict) else {}
+        assistant = _assistant_message(message, t, n)
+        messages.append(assistant)
+        decoded = calls_from_message(assistant, name_map)
+        text = message.get("content") if play.keep_contents else None
+        meta = dict(request_id=request_id, latency_ms=round(latency_ms, 3),
+                    prompt_tokens=_usage(data, "prompt_tokens"),
+                    completion_tokens=_usage(data, "completion_tokens"))
+        if isinstance(decoded, DecodeFailure) or not decoded:
+            reason = decoded.reason if isinstance(decoded, DecodeFailure) else "no call"
+            steps.append(Step(decode_error=reason, text=text, **meta))
+            return True
+        results = await asyncio.to_thread(play.world.execute, [Call.of(c) for c in decoded])
+        steps.append(Step(calls=decoded, text=text, results=results, **meta))
+        for tc, output in zip(assistant["tool_calls"], results):
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": output})
+        if n + 1 > play.max_steps:
+            result.force_terminated = True
+            return False
+    return True  # pragma: no cover (itertools.count never ends)
 
 
 def _summary(result: MultiTurnResult) -> dict[str, Any]:

@@ -35,8 +35,12 @@ from typing import Any
 import httpx
 import msgspec
 
+from toolquake.bfcl.corpus import case_request
+from toolquake.proxy.live.grader import Grader
+from toolquake.proxy.live.usercases import is_user_case, request_body
 from toolquake.proxy.replay.errors import ReplayError
 from toolquake.proxy.replay.inproc import InProcessProxy
+from toolquake.proxy.replay.multiturn import replay_fields
 from toolquake.proxy.replay.progress import Progress
 from toolquake.proxy.replay.selection import expand_profiles, results_name, select_cases
 from toolquake.proxy.replay.store import Record, ResultsFile
@@ -168,127 +172,141 @@ def load_user_cases(paths: list[str], say: Callable[[str], None]) -> list[Any]:
     return loaded.cases
 
 
+class _Sender:
+    """The pairs of one run sent through the proxy by `options.concurrency` workers, each result committed as it
+    comes; `MAX_CONSECUTIVE_UNREACHABLE` connection failures in a row stop the run (a rerun resumes it)."""
+
+    def __init__(self, options: Options, proxy_url: str, client: httpx.AsyncClient, model: str,
+                 in_process: InProcessProxy | None) -> None:
+        self.options, self.proxy_url, self.client, self.model = options, proxy_url, client, model
+        self.in_process = in_process
+        self.grader = Grader(semantic=options.semantic)
+        self.headers = _auth(options)
+        self.unreachable = 0
+        self.stop = asyncio.Event()
+
+    def sampling(self, case_id: str, trial: int) -> dict[str, Any]:
+        """temperature, max_tokens, and with --trials > 1 the trial's seed (`trial_seed`)."""
+        seed = trial_seed(case_id, trial) if self.options.trials > 1 else None
+        return {k: v for k, v in (("temperature", self.options.temperature), ("max_tokens", self.options.max_tokens),
+                                  ("seed", seed)) if v is not None}
+
+    async def multi_turn(self, case: Any, profile: str, trial: int) -> Record:
+        """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
+        extra = self.sampling(case.id, trial)
+        fields = await replay_fields(case, f"{self.proxy_url}/p/{profile}/v1", model=self.model, client=self.client,
+                                     headers=self.headers, extra_body=extra,
+                                     take=self.in_process.take if self.in_process is not None else None)
+        return Record(case_id=case.id, profile=profile, category=case.category, trial=trial, **fields)
+
+    async def one(self, case: Any, profile: str, trial: int) -> Record:
+        """One (case, profile, trial): the request, the proxy's record of what it perturbed, the grade."""
+        if case.is_multi_turn:
+            return await self.multi_turn(case, profile, trial)
+        body = request_body(case, self.model) if is_user_case(case) else case_request(case, model=self.model)
+        body.update(self.sampling(case.id, trial))
+        rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
+        t0 = time.perf_counter()
+        try:
+            r = await self.client.post(f"{self.proxy_url}/p/{profile}/v1/chat/completions", json=body,
+                                       headers={**self.headers, CASE_HEADER: case.id})
+        except httpx.TimeoutException as exc:
+            rec.error_code, rec.error = "timeout", f"{type(exc).__name__}: no answer in {self.options.timeout:.0f} s"
+            return rec
+        except httpx.HTTPError as exc:
+            rec.error_code, rec.error = "unreachable", f"{type(exc).__name__}: {exc}"[:500]
+            return rec
+        rec.latency_ms = (time.perf_counter() - t0) * 1000
+        rec.http_status = r.status_code
+        rec.request_id = r.headers.get("x-toolquake-request-id")
+        ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
+        outcome = ex.outcome if ex is not None else None
+        if outcome is not None:
+            rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
+                                          for a in outcome.applied],
+                              "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+        return await self.graded(rec, case, r, outcome)
+
+    async def graded(self, rec: Record, case: Any, r: httpx.Response, outcome: Any) -> Record:
+        """The record of an answered request: an error row for a failed answer, else scored by the grader."""
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = None
+        if r.status_code != 200 or not isinstance(answer, dict):
+            err = (answer or {}).get("error") if isinstance(answer, dict) else None
+            err = err if isinstance(err, dict) else {}
+            rec.error_code = str(err.get("code") or f"http_{r.status_code}")
+            rec.error = str(err.get("message") or r.text)[:500]
+            return rec
+        rec.answer = answer
+        usage = answer.get("usage") or {}
+        rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        applied = list(outcome.applied) if outcome is not None else []
+        restorers = list(outcome.restorers) if outcome is not None else []
+        try:
+            grade = await asyncio.to_thread(self.grader.grade, case, answer, applied, restorers)
+        except Exception as exc:  # a scorer bug costs this pair only; it is retried on the next run
+            rec.error_code, rec.error = "scorer_error", f"{type(exc).__name__}: {exc}"[:500]
+            return rec
+        rec.status = "scored"
+        rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
+                                                                 grade.taxonomy)
+        rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
+        return rec
+
+    async def worker(self, queue: asyncio.Queue[tuple[Any, str, int]], results: ResultsFile, progress: Progress,
+                     summary: Summary) -> None:
+        while not self.stop.is_set():
+            try:
+                case, profile, trial = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            rec = await self.one(case, profile, trial)
+            results.record(rec)
+            summary.sent += 1
+            if rec.status == "error":
+                summary.failed += 1
+            progress.advance(profile, rec.valid if rec.status == "scored" else None)
+            self.count_unreachable(rec, summary)
+
+    def count_unreachable(self, rec: Record, summary: Summary) -> None:
+        if rec.error_code != "unreachable":
+            self.unreachable = 0
+            return
+        self.unreachable += 1
+        if self.unreachable >= MAX_CONSECUTIVE_UNREACHABLE:
+            summary.aborted = (f"{MAX_CONSECUTIVE_UNREACHABLE} requests in a row could not reach "
+                               f"the proxy or backend ({rec.error}); stopped. Rerun the same command "
+                               "to resume.")
+            self.stop.set()
+
+
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
                     progress: Progress, model: str, in_process: InProcessProxy | None,
                     summary: Summary) -> None:
-    from toolquake.bfcl.corpus import case_request
-    from toolquake.proxy.live.grader import Grader
-    from toolquake.proxy.live.usercases import is_user_case, request_body
-
-    grader = Grader(semantic=options.semantic)
-    headers = _auth(options)
     queue: asyncio.Queue[tuple[Any, str, int]] = asyncio.Queue()
     for pair in pairs:
         queue.put_nowait(pair)
-    state = {"unreachable": 0}
-    stop = asyncio.Event()
     limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
-
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-
-        def sampling(case_id: str, trial: int) -> dict[str, Any]:
-            """temperature, max_tokens, and with --trials > 1 the trial's seed (`trial_seed`)."""
-            seed = trial_seed(case_id, trial) if options.trials > 1 else None
-            return {k: v for k, v in (("temperature", options.temperature), ("max_tokens", options.max_tokens),
-                                      ("seed", seed)) if v is not None}
-
-        async def multi_turn(case: Any, profile: str, trial: int) -> Record:
-            """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
-            from toolquake.proxy.replay.multiturn import replay_fields
-
-            extra = sampling(case.id, trial)
-            fields = await replay_fields(case, f"{proxy_url}/p/{profile}/v1", model=model, client=client,
-                                         headers=headers, extra_body=extra,
-                                         take=in_process.take if in_process is not None else None)
-            return Record(case_id=case.id, profile=profile, category=case.category, trial=trial, **fields)
-
-        async def one(case: Any, profile: str, trial: int) -> Record:
-            if case.is_multi_turn:
-                return await multi_turn(case, profile, trial)
-            body = request_body(case, model) if is_user_case(case) else case_request(case, model=model)
-            body.update(sampling(case.id, trial))
-            rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
-            t0 = time.perf_counter()
-            try:
-                r = await client.post(f"{proxy_url}/p/{profile}/v1/chat/completions", json=body,
-                                      headers={**headers, CASE_HEADER: case.id})
-            except httpx.TimeoutException as exc:
-                rec.error_code, rec.error = "timeout", f"{type(exc).__name__}: no answer in {options.timeout:.0f} s"
-                return rec
-            except httpx.HTTPError as exc:
-                rec.error_code, rec.error = "unreachable", f"{type(exc).__name__}: {exc}"[:500]
-                return rec
-            rec.latency_ms = (time.perf_counter() - t0) * 1000
-            rec.http_status = r.status_code
-            rec.request_id = r.headers.get("x-toolquake-request-id")
-            ex = in_process.take(rec.request_id) if in_process is not None else None
-            if ex is not None and ex.outcome is not None:
-                rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
-                                              for a in ex.outcome.applied],
-                                  "skipped": list(ex.outcome.skipped), "failed": list(ex.outcome.failed)}
-            try:
-                answer = r.json()
-            except ValueError:
-                answer = None
-            if r.status_code != 200 or not isinstance(answer, dict):
-                err = (answer or {}).get("error") if isinstance(answer, dict) else None
-                err = err if isinstance(err, dict) else {}
-                rec.error_code = str(err.get("code") or f"http_{r.status_code}")
-                rec.error = str(err.get("message") or r.text)[:500]
-                return rec
-            rec.answer = answer
-            usage = answer.get("usage") or {}
-            rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            applied = list(ex.outcome.applied) if ex is not None and ex.outcome is not None else []
-            restorers = list(ex.outcome.restorers) if ex is not None and ex.outcome is not None else []
-            try:
-                grade = await asyncio.to_thread(grader.grade, case, answer, applied, restorers)
-            except Exception as exc:  # a scorer bug costs this pair only; it is retried on the next run
-                rec.error_code, rec.error = "scorer_error", f"{type(exc).__name__}: {exc}"[:500]
-                return rec
-            rec.status = "scored"
-            rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
-                                                                     grade.taxonomy)
-            rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
-            return rec
-
-        async def worker() -> None:
-            while not stop.is_set():
-                try:
-                    case, profile, trial = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                rec = await one(case, profile, trial)
-                results.record(rec)
-                summary.sent += 1
-                if rec.status == "error":
-                    summary.failed += 1
-                progress.advance(profile, rec.valid if rec.status == "scored" else None)
-                if rec.error_code == "unreachable":
-                    state["unreachable"] += 1
-                    if state["unreachable"] >= MAX_CONSECUTIVE_UNREACHABLE:
-                        summary.aborted = (f"{MAX_CONSECUTIVE_UNREACHABLE} requests in a row could not reach "
-                                           f"the proxy or backend ({rec.error}); stopped. Rerun the same command "
-                                           "to resume.")
-                        stop.set()
-                else:
-                    state["unreachable"] = 0
-
-        await asyncio.gather(*(worker() for _ in range(max(1, options.concurrency))))
+        sender = _Sender(options, proxy_url, client, model, in_process)
+        await asyncio.gather(*(sender.worker(queue, results, progress, summary)
+                               for _ in range(max(1, options.concurrency))))
 
 
-def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
-    """Check the backend, plan the pairs, send what is left, record everything; returns a summary."""
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+def _check_options(options: Options) -> None:
     if options.concurrency < 1:
         raise ReplayError("--concurrency must be at least 1")
     if options.trials < 1:
         raise ReplayError("--trials must be at least 1")
     if options.backend is None and options.proxy is None:
         raise ReplayError("give --backend URL (and optionally --proxy URL)")
-    headers = _auth(options)
-    # reachability first: a clear error before anything else happens
+
+
+def _reach(options: Options, headers: dict[str, str]) -> str:
+    """The proxy (when --proxy) ready and the backend up, checked first for a clear error; the model's name."""
     if options.proxy:
         r = _check_reachable(f"{options.proxy.rstrip('/')}/readyz", "proxy", {})
         if r.status_code != 200:
@@ -300,36 +318,26 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
             model = discover_model(options.backend, headers)
         else:  # any HTTP answer will do: the backend is up
             _check_reachable(f"{options.backend.rstrip('/')}/models", "backend", headers)
-    model = model or "default"
+    return model or "default"
+
+
+def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
+    """Check the backend, plan the pairs, send what is left, record everything; returns a summary."""
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    _check_options(options)
+    # reachability first: a clear error before anything else happens
+    model = _reach(options, _auth(options))
     config, arms, cases = prepare(options, say)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
-    out = Path(options.out)
-    results = ResultsFile(out / results_name(options.shard))
+    results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
-        results.claim(model, options.backend or options.proxy or "")
-        results.register_arms(_profile_specs(config, arms))
-        results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
-                          "limit": str(options.limit or ""),
-                          "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
-        trials = max(options.trials, int(results.meta().get("trials") or 1))
-        results.set_meta({"trials": str(trials)})
-        if not options.proxy:
-            results.set_meta({"token_counter": _token_counter(config, say)})
+        _start_file(results, options, config, arms, model, say)
         done = results.scored_pairs()
         pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
         summary = Summary(path=results.path, model=model, arms=arms,
                           skipped=len(cases) * len(arms) * options.trials - len(pairs))
-        if options.proxy and any(_changes_expectation(config, p) for p in arms):
-            say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
-                "expected tool or rewrite the answer format are graded on the client's answer only")
-        if options.proxy and any(_injects_failures(config, p) for p in arms):
-            say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
-                "rows get no recovery verdicts")
-        if any(_injects_failures(config, p) for p in arms) and not any(_has_tool_results(c) for c in cases):
-            say("replay: note: no selected case is multi-turn or holds a tool result, so the tool_failure arms "
-                "(fail-*) change nothing here; select multi_turn categories (e.g. --categories multi_turn_base) "
-                "or cases with tool results")
+        _notes(options, config, arms, cases, say)
         times = f" × {options.trials} trials" if options.trials > 1 else ""
         say(f"replay: {len(cases)} cases × {len(arms)} profiles{times}, model {model!r}; {summary.skipped} pairs "
             f"already scored in {results.path}")
@@ -337,23 +345,56 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
             say("replay: note: --trials with temperature 0 (or none) measures only the backend's own "
                 "nondeterminism; pass --temperature to sample")
         if pairs:
-            in_process = None
-            proxy_url = options.proxy.rstrip("/") if options.proxy else None
-            if proxy_url is None:
-                in_process = InProcessProxy(config, fail_open=options.fail_open)
-                proxy_url = in_process.start()
-            totals = {a: len(cases) * options.trials for a in arms}
-            tallies = results.tallies()
-            try:
-                with Progress(arms, totals, tallies, enabled=options.progress) as progress:
-                    asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary))
-            finally:
-                if in_process is not None:
-                    in_process.stop()
+            _send(options, config, results, pairs, {a: len(cases) * options.trials for a in arms}, model, summary)
         summary.tallies = results.tallies()
         return summary
     finally:
         results.close()
+
+
+def _start_file(results: ResultsFile, options: Options, config: Any, arms: list[str], model: str,
+                say: Callable[[str], None]) -> None:
+    """Claim the results file for this model and record the arms and the run's settings (a rerun must match)."""
+    results.claim(model, options.backend or options.proxy or "")
+    results.register_arms(_profile_specs(config, arms))
+    results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
+                      "limit": str(options.limit or ""),
+                      "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
+    trials = max(options.trials, int(results.meta().get("trials") or 1))
+    results.set_meta({"trials": str(trials)})
+    if not options.proxy:
+        results.set_meta({"token_counter": _token_counter(config, say)})
+
+
+def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say: Callable[[str], None]) -> None:
+    """What this run cannot see or change, said before it starts."""
+    if options.proxy and any(_changes_expectation(config, p) for p in arms):
+        say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
+            "expected tool or rewrite the answer format are graded on the client's answer only")
+    if options.proxy and any(_injects_failures(config, p) for p in arms):
+        say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
+            "rows get no recovery verdicts")
+    if any(_injects_failures(config, p) for p in arms) and not any(_has_tool_results(c) for c in cases):
+        say("replay: note: no selected case is multi-turn or holds a tool result, so the tool_failure arms "
+            "(fail-*) change nothing here; select multi_turn categories (e.g. --categories multi_turn_base) "
+            "or cases with tool results")
+
+
+def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple[Any, str, int]],
+          totals: dict[str, int], model: str, summary: Summary) -> None:
+    """Send the pairs through the proxy (started here unless --proxy names one), with the progress line."""
+    in_process = None
+    proxy_url = options.proxy.rstrip("/") if options.proxy else None
+    if proxy_url is None:
+        in_process = InProcessProxy(config, fail_open=options.fail_open)
+        proxy_url = in_process.start()
+    tallies = results.tallies()
+    try:
+        with Progress(list(totals), totals, tallies, enabled=options.progress) as progress:
+            asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary))
+    finally:
+        if in_process is not None:
+            in_process.stop()
 
 
 def _token_counter(config: Any, say: Callable[[str], None]) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live.results import VERDICT_COLUMNS, create_private, sql_value
 from toolquake.proxy.replay.errors import ReplayError
 
@@ -73,6 +74,22 @@ CREATE TABLE IF NOT EXISTS results (
     PRIMARY KEY (case_id, profile, trial)
 );
 """
+
+
+def row_status(status: str, perturbers: str | None) -> str:
+    """`not_perturbed` for a scored pair that every applied step left unperturbed on purpose, else `status`."""
+    if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
+        return status
+    try:
+        data = json.loads(perturbers) or {}
+        applied = data.get("applied")
+    except (ValueError, AttributeError):
+        return status
+    if isinstance(applied, dict) and data.get(NOT_PERTURBED):  # a multi-turn case: no step was perturbed
+        return NOT_PERTURBED
+    if isinstance(applied, list) and applied and all(NOT_PERTURBED in (a.get("report") or {}) for a in applied):
+        return NOT_PERTURBED
+    return status
 
 
 class ResultsFile:
@@ -150,8 +167,6 @@ class ResultsFile:
 
     def tallies(self) -> dict[str, tuple[int, int]]:
         """profile → (scored, valid), pairs left unperturbed on purpose not counted (as in the report)."""
-        from toolquake.proxy.replay.paper_tables import row_status
-
         out: dict[str, tuple[int, int]] = {}
         for p, valid, perturbers in self.db.execute("SELECT profile, valid, perturbers FROM results "
                                                     "WHERE status = 'scored'"):

@@ -1,57 +1,59 @@
 """Report sections for the perturbation families of issue #19: accuracy per kind against the baseline
 (`@faults`, `@metadata`), and the recovery after failed tool results that multi-turn replays score.
 
-`report.summarize` adds `recovery_numbers` and `family_numbers` to the JSON report; `report.tables`
-appends `tables` (Markdown and HTML); `report.render_csv` appends `csv_columns` / `csv_cells`.
+`summarize` adds `recovery` and `families` to the JSON report; `tables` adds their tables (Markdown and HTML);
+the CSV appends `csv_columns` / `csv_cells`.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import Counter, defaultdict
 from typing import Any
 
+from toolquake.proxy.replay.report.arms import axes_of, experiment_of
+from toolquake.proxy.replay.report.rows import Results, scored_steps
+from toolquake.proxy.replay.report.text import drop_ci, p_text, pct_ci
 from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.recovery import VERDICTS
 
-#: perturber → the family its arms belong to; an arm of one such step is reported per its `kind` parameter
-FAMILIES = {"tool_failure": "faults", "tool_metadata": "metadata"}
+#: the experiments reported as families (`Perturber.experiment`): an arm of one step of such an experiment is
+#: reported per the value of its perturber's first axis (its `kind`)
+FAMILIES = ("faults", "metadata")
 
 
 def _family(perturbers: list[dict[str, Any]]) -> tuple[str, str] | None:
-    if len(perturbers) != 1 or perturbers[0].get("name") not in FAMILIES:
+    if len(perturbers) != 1 or experiment_of(perturbers[0]) not in FAMILIES:
         return None
     step = perturbers[0]
-    return FAMILIES[step["name"]], str((step.get("params") or {}).get("kind", ""))
+    axes = axes_of(step)
+    return experiment_of(step), (str((step.get("params") or {}).get(axes[0], "")) if axes else "")
 
 
-def recovery_numbers(res: Any) -> dict[str, Any]:
-    """{"models": {model: {profile: {kind, cases, failures, recovered, recovered_share, recovered_ci, verdicts,
-    errors}}}} from the `recovery` verdicts of scored multi-turn rows (each (model, profile, case) once)."""
+def _recovery_entries(res: Results) -> tuple[dict[tuple[str, str], list[dict[str, Any]]],
+                                             dict[tuple[str, str], set[str]]]:
+    """The `recovery` entries stored with scored rows, per (model, profile), each (model, profile, case) once."""
     seen: set[tuple[str, str, str]] = set()
     entries: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     cases: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for path in res.sources:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    for model, profile, case_id, perturbers in scored_steps(res):
+        if (model, profile, case_id) in seen:
+            continue
+        seen.add((model, profile, case_id))
         try:
-            model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
-            # with `replay --trials`, trial 0 (as every other per-case number of the report)
-            first = " AND trial = 0" if any(r[1] == "trial" for r in db.execute("PRAGMA table_info(results)")) else ""
-            for profile, case_id, perturbers in db.execute(
-                    f"SELECT profile, case_id, perturbers FROM results WHERE status = 'scored'{first} ORDER BY rowid"):
-                if (model, profile, case_id) in seen:
-                    continue
-                seen.add((model, profile, case_id))
-                try:
-                    found = (json.loads(perturbers) or {}).get("recovery") if perturbers else None
-                except ValueError:
-                    found = None
-                if isinstance(found, list) and found:
-                    entries[(model, profile)] += [e for e in found if isinstance(e, dict)]
-                    cases[(model, profile)].add(case_id)
-        finally:
-            db.close()
+            found = (json.loads(perturbers) or {}).get("recovery") if perturbers else None
+        except ValueError:
+            found = None
+        if isinstance(found, list) and found:
+            entries[(model, profile)] += [e for e in found if isinstance(e, dict)]
+            cases[(model, profile)].add(case_id)
+    return entries, cases
+
+
+def recovery_numbers(res: Results) -> dict[str, Any]:
+    """{"models": {model: {profile: {kind, cases, failures, recovered, recovered_share, recovered_ci, verdicts,
+    errors}}}} from the `recovery` verdicts of scored multi-turn rows (each (model, profile, case) once)."""
+    entries, cases = _recovery_entries(res)
     models: dict[str, dict[str, Any]] = {}
     for (model, profile), found in entries.items():
         judged = [e for e in found if "verdict" in e]
@@ -91,9 +93,10 @@ def family_numbers(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """The family and recovery tables (title, header, rows); none when the report has no such arm."""
-    from toolquake.proxy.replay.report import drop_ci, p_text, pct_ci
+    return [*_family_table(summary), *_recovery_table(summary)]
 
-    out = []
+
+def _family_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     baseline = summary["baseline"]
     rows = []
     for e in summary.get("families") or []:
@@ -102,11 +105,15 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                      "" if e["valid_to_invalid"] is None else str(e["valid_to_invalid"]),
                      "" if e["invalid_to_valid"] is None else str(e["invalid_to_valid"]),
                      "" if e["p_value"] is None else p_text(e["p_value"])])
-    if rows:
-        out.append((f"Perturbation families: accuracy per kind against `{baseline}` (failed tool results, "
-                    "misleading tool metadata; 95 % intervals)",
-                    ["model", "family", "kind", "profile", "n", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
-                     "valid→invalid", "invalid→valid", "McNemar p"], rows))
+    if not rows:
+        return []
+    return [(f"Perturbation families: accuracy per kind against `{baseline}` (failed tool results, "
+             "misleading tool metadata; 95 % intervals)",
+             ["model", "family", "kind", "profile", "n", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
+              "valid→invalid", "invalid→valid", "McNemar p"], rows)]
+
+
+def _recovery_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     recovery = (summary.get("recovery") or {}).get("models") or {}
     seen = [v for arms in recovery.values() for arm in arms.values() for v in arm["verdicts"]]
     cols = [v for v in VERDICTS if v in seen] + sorted(set(seen) - set(VERDICTS))
@@ -116,14 +123,14 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             rows.append([model, p, arm["kind"], str(arm["cases"]), str(arm["failures"]),
                          pct_ci(arm["recovered_share"], arm["recovered_ci"]),
                          *(str(arm["verdicts"].get(c, 0)) for c in cols)])
-    if rows:
-        out.append(("Recovery after failed tool results (multi-turn replay: answers after an injected failure that "
-                    "did what its kind calls for; 95 % Wilson intervals; docs/perturbers-faults.md)",
-                    ["model", "profile", "kind", "cases", "failures", "recovered [95 % CI]", *cols], rows))
-    return out
+    if not rows:
+        return []
+    return [("Recovery after failed tool results (multi-turn replay: answers after an injected failure that "
+             "did what its kind calls for; 95 % Wilson intervals; docs/perturbers-faults.md)",
+             ["model", "profile", "kind", "cases", "failures", "recovered [95 % CI]", *cols], rows)]
 
 
-#: the columns `render_csv` appends when the results hold recovery verdicts
+#: the columns the CSV appends when the results hold recovery verdicts
 CSV_COLUMNS = ["Tool Failure Recovered", "Recovered CI Low", "Recovered CI High", "Tool Failures"]
 
 

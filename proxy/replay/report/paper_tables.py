@@ -1,49 +1,77 @@
-"""Seed papers' own measures from replay results, beside the main report (proxy/replay/report.py):
+"""The seed papers' own measures and tables from replay results; every paper-specific name of the report lives
+here (seed 001's Table 2, seed 002's format configurations and Fig. 2, seed 003's Tables 1, 2, 5, 6, 7 and
+Figs. 3 and 4):
 
 - seed 001 Table 2 (right): the error breakdown over the failures the perturbation *caused* — cases valid
   in the baseline and invalid in the arm — in the paper's four classes, with our nine beside them;
 - toolkit expansion: the source that wrote the added tools, and the distribution of their cosine to the
   nearest original (what "related but not equivalent" measured in this run);
-- pairs not perturbed: a scored pair on which every applied step reported `not_perturbed` (a rephrasing
-  rejected by the value check) gets the status `not_perturbed` here: counted apart, out of the accuracy.
+- pairs not perturbed (a rephrasing rejected by the value check): counted apart, out of the accuracy;
+- seed 003's grids (catalog size × position, response size and answer position, conversation size × setting)
+  and seed 002's format configurations, for the tables and the plots.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
+import statistics
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
-from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, step_of
+from toolquake.proxy.replay.report.rows import Results, step_reports
 from toolquake.scorers.aggregate import ratio, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
-if TYPE_CHECKING:
-    from toolquake.proxy.replay.report import Results
+#: the seed papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
+CATALOG = "catalog_size"  # seed 003 challenge 1: the catalog padded to a budget, the original tools at a position
+RESPONSES = "response_size"  # seed 003 challenge 2: the last tool response grown, the answer at a position
+CONVERSATIONS = "conversation_size"  # seed 003 challenge 3: the conversation lengthened, the fact in a setting
+FORMATS = "answer_format"  # seed 002: the format the model answers in and the tools are documented in
+EXPANSION = "related_tools"  # seed 001 §2.2: related but not equivalent tools added to the toolkit
+
+#: the plots' titles, in the papers' words
+CATALOG_HEATMAP_TITLE = ("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, "
+                         "challenge 1)")
+FORMAT_HEATMAP_TITLE = "Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)"
+#: seed 003 Fig. 4: (experiment, file name, x label, title) of its two line plots
+RESPONSE_PLOTS = (
+    ("context_length", "response-size", "tool response budget (tokens)",
+     "Long tool responses: accuracy by response size, answer at the first position (seed 003 Fig. 4a)"),
+    ("answer_position", "response-position", "position of the answer in the response",
+     "Long tool responses: accuracy by answer position at the largest size (seed 003 Fig. 4b)"),
+)
 
 
-def row_status(status: str, perturbers: str | None) -> str:
-    """`not_perturbed` for a scored pair that every applied step left unperturbed on purpose, else `status`."""
-    if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
-        return status
-    try:
-        data = json.loads(perturbers) or {}
-        applied = data.get("applied")
-    except (ValueError, AttributeError):
-        return status
-    if isinstance(applied, dict) and data.get(NOT_PERTURBED):  # a multi-turn case: no step was perturbed
-        return NOT_PERTURBED
-    if isinstance(applied, list) and applied and all(NOT_PERTURBED in (a.get("report") or {}) for a in applied):
-        return NOT_PERTURBED
-    return status
+def response_plot_name(file_name: str) -> str:
+    """The name of a Fig. 4 plot in the HTML report, from its file name."""
+    size = file_name.startswith("response-size")
+    return f"seed 003 Fig. 4{'a' if size else 'b'}: accuracy by {'response size' if size else 'answer position'}"
 
 
-def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
-    """An arm's pairs left unperturbed on purpose, and the share of its answered pairs that were perturbed."""
-    scored = sum(1 for r in rows if r.status == "scored")
-    kept = sum(1 for r in rows if r.status == NOT_PERTURBED)
-    return {"not_perturbed": kept, "perturbed_share": ratio(scored, scored + kept)}
+# the 26 configurations of seed 002 / BFCL V4 format sensitivity, in their published order
+_RETURN_FORMATS = ("python", "json", "verbose_xml", "concise_xml")
+_DOC_FORMATS = ("python", "xml", "json")
+
+
+def format_configurations() -> list[dict[str, Any]]:
+    """The 26 format_rewrite parameter sets of seed 002, in BFCL's order (24 combinations, then md, exp)."""
+    out = [{"return_format": r, "tool_call_tag": t, "function_doc_format": d, "prompt_format": "plaintext",
+            "prompt_style": "classic"} for r in _RETURN_FORMATS for t in (True, False) for d in _DOC_FORMATS]
+    base = {"return_format": "python", "tool_call_tag": False, "function_doc_format": "json"}
+    out.append({**base, "prompt_format": "markdown", "prompt_style": "classic"})
+    out.append({**base, "prompt_format": "plaintext", "prompt_style": "experimental"})
+    return out
+
+
+def format_label(params: dict[str, Any]) -> str:
+    """Seed 002's notation: `{function_doc_format}->{return_format},{has_tool_call_tag}` (+ md / exp)."""
+    label = (f"{params.get('function_doc_format', 'json')}->{params.get('return_format', 'python')},"
+             f"{bool(params.get('tool_call_tag', False))}")
+    if params.get("prompt_format", "plaintext") == "markdown":
+        label += ",md"
+    if params.get("prompt_style", "classic") == "experimental":
+        label += ",exp"
+    return label
 
 
 def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -86,25 +114,6 @@ def _quantile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def step_reports(res: Results, perturber: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """(model, profile, report) of every step of `perturber` applied to a scored pair, read from the files."""
-    for path in res.sources:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            model = dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
-            rows = db.execute("SELECT profile, perturbers FROM results WHERE status = 'scored' AND perturbers LIKE ?",
-                              (f"%{perturber}%",)).fetchall()
-        except sqlite3.DatabaseError:
-            continue
-        finally:
-            db.close()
-        for profile, text in rows:
-            applied = (json.loads(text) or {}).get("applied")
-            for step in applied if isinstance(applied, list) else []:
-                if step.get("name") == perturber:
-                    yield model, profile, step.get("report") or {}
-
-
 def _spread(values: list[float], digits: int = 4) -> dict[str, float] | None:
     if not values:
         return None
@@ -116,7 +125,7 @@ def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "sources": {source: n}, "tools_added", "cosine": {min, p25, median, p75,
     max}, "twins_skipped", "below_band"}}} from what toolkit_expansion reported on each scored pair."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "toolkit_expansion"):
+    for model, profile, report in step_reports(res, names_of(EXPANSION)):
         a = acc.setdefault((model, profile), {"requests": 0, "sources": Counter(), "cosines": [],
                                               "twins_skipped": 0, "below_band": 0})
         a["requests"] += 1
@@ -138,7 +147,7 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {source: n}, "tokens_after": spread,
     "tools_after": spread}}}: the tokens each catalog_padding arm actually reached, by the counter it used."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "catalog_padding"):
+    for model, profile, report in step_reports(res, names_of(CATALOG)):
         a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [], "tools": []})
         a["requests"] += 1
         a["token_counter"][str(report.get("token_counter", "unknown"))] += 1
@@ -149,8 +158,8 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), a in acc.items():
         spec = res.arms.get((model, profile), {}).get("perturbers") or []
-        budget = next((p.get("params", {}).get("budget_tokens") for p in spec if p.get("name") == "catalog_padding"),
-                      None)
+        step = step_of(spec, CATALOG)
+        budget = None if step is None else step.get("params", {}).get("budget_tokens")
         out.setdefault(model, {})[profile] = {
             "requests": a["requests"], "budget_tokens": budget, "token_counter": dict(a["token_counter"]),
             "tokens_after": _spread(a["tokens"], 0), "tools_after": _spread(a["tools"], 1)}
@@ -161,10 +170,10 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {budget: {"requests", "median", "token_counter": {source: n}}}}: the tokens the catalog_padding arms
     of each budget actually reached (their reports' `tokens_after`, all positions pooled), for the heatmap labels."""
     acc: dict[tuple[str, int], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, "catalog_padding"):
+    for model, profile, report in step_reports(res, names_of(CATALOG)):
         spec = res.arms.get((model, profile), {}).get("perturbers") or []
-        step = next((s for s in spec if s.get("name") == "catalog_padding"), None)
-        budget = None if step is None else _param(step, "budget_tokens")
+        step = step_of(spec, CATALOG)
+        budget = None if step is None else param(step, "budget_tokens")
         if budget is None or not isinstance(report.get("tokens_after"), int):
             continue
         a = acc.setdefault((model, int(budget)), {"tokens": [], "token_counter": Counter()})
@@ -178,20 +187,18 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def _arms_with(data: dict[str, Any], perturber: str) -> dict[str, dict[str, Any]]:
+def _arms_with(data: dict[str, Any], experiment: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
-            if any(s.get("name") == perturber for s in arm.get("perturbers") or [])}
+            if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])}
 
 
 def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """BFCL's per-model statistics over the format configurations (arms with format_rewrite): `max_delta` =
     (max − min) accuracy in points, `std` = sample standard deviation in points, `variance` in points²,
     rounded to 2 decimals as BFCL prints them (bfcl-spec §4.6)."""
-    import statistics
-
     out = {}
     for model, data in summary["models"].items():
-        accs = [a["accuracy"] for a in _arms_with(data, "format_rewrite").values() if a["accuracy"] is not None]
+        accs = [a["accuracy"] for a in _arms_with(data, FORMATS).values() if a["accuracy"] is not None]
         if len(accs) < 2:
             continue
         out[model] = {"configs": len(accs), "max_delta": round((max(accs) - min(accs)) * 100, 2),
@@ -214,16 +221,6 @@ def padding_extremes(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, A
     return _category_extremes(summary, lambda budget, position, grid: True)
 
 
-def _param(step: dict[str, Any], key: str) -> Any:
-    """A step's parameter, else the perturber's default (None when it has neither)."""
-    params = step.get("params") or {}
-    if key in params:
-        return params[key]
-    from toolquake.perturbers import registry
-
-    return getattr(registry().get(str(step.get("name"))), key, None)
-
-
 def position_key(position: Any) -> tuple[int, float]:
     """Sort key of a position: a fraction in [0, 1], or a 1-based index (index 1 is the first slot, like 0.0)."""
     if isinstance(position, bool) or not isinstance(position, (int, float)):
@@ -233,15 +230,16 @@ def position_key(position: Any) -> tuple[int, float]:
     return (0, float(position))
 
 
-def grid_arms(data: dict[str, Any], perturber: str, *keys: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(profile, {key: value}, arm) of one model's scored arms with `perturber`, its parameters `keys` read from the
-    arm's definition (the perturber's default when the arm leaves one out); arms lacking a budget are skipped."""
+def grid_arms(data: dict[str, Any], experiment: str, *keys: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(profile, {key: value}, arm) of one model's scored arms with a step of `experiment`, its parameters `keys`
+    read from the arm's definition (the perturber's default when the arm leaves one out); arms lacking a budget are
+    skipped."""
     out = []
     for p, arm in data["arms"].items():
-        step = next((s for s in arm.get("perturbers") or [] if s.get("name") == perturber), None)
+        step = step_of(arm.get("perturbers") or [], experiment)
         if step is None or not arm["n"]:
             continue
-        values = {k: _param(step, k) for k in keys}
+        values = {k: param(step, k) for k in keys}
         if values.get("budget_tokens") is None:
             continue
         out.append((p, values, arm))
@@ -253,7 +251,7 @@ def _category_extremes(summary: dict[str, Any], keep: Any) -> dict[str, dict[str
     selects (grid: every (budget, position) of the model's arms)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
-        arms = grid_arms(data, "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(data, CATALOG, "budget_tokens", "position")
         grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
         per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
         for p, v, arm in arms:
@@ -278,7 +276,7 @@ def padding_same_position(summary: dict[str, Any]) -> dict[str, dict[str, dict[s
     the arms have it, else the first); each entry names the `position`."""
     out = _category_extremes(summary, lambda b, p, grid: p == _fixed_position(grid))
     for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
         fixed = _fixed_position([(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms])
         for entry in cats.values():
             entry["position"] = fixed
@@ -290,7 +288,7 @@ def padding_same_budget(summary: dict[str, Any]) -> dict[str, dict[str, dict[str
     (the paper's 120K); each entry names the `budget_tokens`."""
     out = _category_extremes(summary, lambda b, p, grid: b == max(x for x, _ in grid))
     for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], "catalog_padding", "budget_tokens", "position")
+        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
         largest = max(int(v["budget_tokens"]) for _, v, _ in arms)
         for entry in cats.values():
             entry["budget_tokens"] = largest
@@ -309,7 +307,7 @@ def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[st
     and Max / Min / deg / deg_relative over the points} (an experiment needs two points)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
-        arms = grid_arms(data, "response_lengthening", "budget_tokens", "position")
+        arms = grid_arms(data, RESPONSES, "budget_tokens", "position")
         if not arms:
             continue
         first = min((v["position"] for _, v, _ in arms), key=position_key)
@@ -345,8 +343,8 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         cells: dict[tuple[str, int], dict[str, Any]] = {}
-        for p, v, arm in grid_arms(data, "conversation_lengthening", "budget_tokens", "setting"):
-            step = next(s for s in arm["perturbers"] if s.get("name") == "conversation_lengthening")
+        for p, v, arm in grid_arms(data, CONVERSATIONS, "budget_tokens", "setting"):
+            step = step_of(arm["perturbers"], CONVERSATIONS) or {}
             fact = (step.get("params") or {}).get("fact")
             group = f"fact {fact}" if fact not in (None, "any") else f"setting {v['setting']}"
             c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0})
@@ -357,6 +355,69 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
             c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
             out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
+
+
+def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any] | None:
+    step = step_of(perturbers, experiment)
+    return None if step is None else step.get("params") or {}
+
+
+def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
+    """Seed 003 Fig. 3 data for one model: budgets, positions, accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model).items() if n}
+    return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
+
+
+def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float], tuple[int, int]]:
+    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
+    pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
+    for arm in summary["models"][model]["arms"].values():
+        params = _params(arm["perturbers"], CATALOG)
+        if params is None or not arm["n"]:
+            continue
+        if "budget_tokens" not in params or "position" not in params:
+            continue
+        key = (int(params["budget_tokens"]), round(float(params["position"]), 3))
+        pooled[key][0] += round(arm["accuracy"] * arm["n"])
+        pooled[key][1] += arm["n"]
+    return {k: (v, n) for k, (v, n) in pooled.items()}
+
+
+def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
+    """Seed 002 Fig. 2 data: configuration labels (published order first), models, accuracy per cell."""
+    order = {format_label(c): i for i, c in enumerate(format_configurations())}
+    cells: dict[tuple[str, str], float] = {}
+    for model, data in summary["models"].items():
+        for arm in data["arms"].values():
+            params = _params(arm["perturbers"], FORMATS)
+            if params is None or not arm["n"]:
+                continue
+            cells[(format_label(params), model)] = arm["accuracy"]
+    labels = sorted({c for c, _ in cells}, key=lambda c: (order.get(c, len(order)), c))
+    return labels, [m for m in summary["models"] if any(k[1] == m for k in cells)], cells
+
+
+def format_counts(summary: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(valid, scored) per (format configuration, model), the counts behind `format_grid`'s cells."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for model, data in summary["models"].items():
+        for arm in data["arms"].values():
+            params = _params(arm["perturbers"], FORMATS)
+            if params is not None and arm["n"]:
+                out[(format_label(params), model)] = (round(arm["accuracy"] * arm["n"]), arm["n"])
+    return out
+
+
+def _budget_label(b: int) -> str:
+    return f"{b // 1024}K" if b % 1024 == 0 else f"{b / 1000:g}K"
+
+
+def budget_ticks(summary: dict[str, Any], model: str, budgets: list[int]) -> list[str]:
+    """The catalog heatmap's budget labels: the nominal budget, and the median tokens its arms actually reached
+    (their reports' `tokens_after`, `padding_reached`), e.g. `32K (≈31.9K)`."""
+    reached = (summary.get("padding_reached") or {}).get(model) or {}
+    return [_budget_label(b) + (f" (≈{reached[str(b)]['median'] / 1000:.1f}K)" if str(b) in reached else "")
+            for b in budgets]
 
 
 def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -390,6 +451,11 @@ def _share(x: float | None) -> str:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the tables these measures add to the report."""
+    return [*_seed001_tables(summary), *_seed003_tables(summary), *_format_and_padding_tables(summary)]
+
+
+def _seed001_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Seed 001 Table 2 (right), the pairs not perturbed, the toolkit expansion."""
     out = []
     caused = summary.get("caused_errors") or {}
     fine_cols = [t for t in TAXONOMY if any(arm["fine_counts"].get(t) for m in caused.values() for arm in m.values())]
@@ -419,6 +485,12 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Toolkit expansion: source of the added tools and their cosine to the nearest original tool",
                     ["model", "profile", "source", "requests", "tools added", "min", "p25", "median", "p75", "max",
                      "twins skipped", "below band"], rows))
+    return out
+
+
+def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Seed 003 Tables 1, 5, 6 (catalog padding), 7 (long tool responses) and 2 (long conversations)."""
+    out = []
     for key, title, fixed in (
             ("padding_extremes", "Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per "
              "category", None),
@@ -453,6 +525,12 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
                     "the needed fact sits) and conversation size", ["model", "setting", *(_k(b) for b in budgets)],
                     rows))
+    return out
+
+
+def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Format sensitivity (seed 002) and the tokens the catalog-padding arms reached."""
+    out = []
     rows = [[model, str(f["configs"]), f"{f['max_delta']:.2f}", f"{f['std']:.2f}", f"{f['variance']:.2f}"]
             for model, f in (summary.get("format_sensitivity") or {}).items()]
     if rows:

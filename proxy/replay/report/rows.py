@@ -1,0 +1,177 @@
+"""Load: replay results files (proxy/replay/store.py) read into rows, and the stored columns the report reads
+later (applied steps' reports, answers). Every SQLite read of the report is here; read-only, so it is safe while
+a replay is still writing."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolquake.proxy.replay.store import row_status
+
+
+@dataclass
+class Row:
+    model: str
+    profile: str
+    case_id: str
+    category: str
+    status: str
+    valid: bool | None
+    taxonomy: str | None
+    error_type: str | None
+    error_code: str | None
+    fair_valid: bool | None
+    semantic_valid: bool | None
+    #: index into Results.sources of the file the row was read from (for the per-case details)
+    source: int = -1
+    #: the trial number (`replay --trials`; 0 without, and in files written before it)
+    trial: int = 0
+
+
+@dataclass
+class Results:
+    rows: list[Row] = field(default_factory=list)
+    #: (model, profile) → the profile's definition when it was replayed
+    arms: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    sources: list[Path] = field(default_factory=list)
+    duplicates: int = 0
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(m for m, _ in self.arms))
+
+    def profiles(self, model: str) -> list[str]:
+        return [p for m, p in self.arms if m == model]
+
+
+def result_files(paths: list[str | Path]) -> list[Path]:
+    """Replay files in each path: the file itself, or every replay*.sqlite in a directory."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted(p.glob("replay*.sqlite"))
+            if not found:
+                raise FileNotFoundError(f"{p}: no replay results (replay*.sqlite) in this directory")
+            files.extend(found)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+    return files
+
+
+def _bool(v: Any) -> bool | None:
+    return None if v is None else bool(v)
+
+
+def trial_column(db: sqlite3.Connection) -> str:
+    """`trial` in files written since `--trials` (schema 2), the constant 0 in older ones."""
+    return "trial" if any(r[1] == "trial" for r in db.execute("PRAGMA table_info(results)")) else "0"
+
+
+def _model(db: sqlite3.Connection) -> str:
+    return dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
+
+
+def load(paths: list[str | Path]) -> Results:
+    """Read and merge replay results (read-only; safe while a replay is still writing)."""
+    res = Results()
+    seen: dict[tuple[str, str, str, int], int] = {}
+    for path in result_files(paths):
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            _load_file(db, res, seen)
+        except sqlite3.DatabaseError as exc:
+            raise ValueError(f"{path}: not a replay results file ({exc})") from None
+        finally:
+            db.close()
+        res.sources.append(path)
+    return res
+
+
+def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, str, int], int]) -> None:
+    """One file's arms and rows into `res`; a (model, profile, case, trial) seen before counts once (a scored row
+    wins over a failed one)."""
+    meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    model = meta.get("model", "unknown")
+    for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
+        res.arms.setdefault((model, profile), json.loads(spec))
+    for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
+                        f"fair_valid, semantic_valid, {trial_column(db)}, perturbers FROM results "
+                        "ORDER BY rowid"):
+        row = Row(model, r[0], r[1], r[2], row_status(r[3], r[11]), _bool(r[4]), r[5], r[6],
+                  r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]))
+        key = (model, row.profile, row.case_id, row.trial)
+        if key in seen:
+            res.duplicates += 1
+            if res.rows[seen[key]].status != "scored" and row.status == "scored":
+                res.rows[seen[key]] = row
+            continue
+        seen[key] = len(res.rows)
+        res.rows.append(row)
+        res.arms.setdefault((model, row.profile), {"mode": "unknown", "perturbers": []})
+
+
+def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:
+    """(model, profile, case id, stored `perturbers` JSON) of every scored row of trial 0, file by file in
+    the order written."""
+    for path in res.sources:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = _model(db)
+            # with `replay --trials`, trial 0 (as every other per-case number of the report)
+            first = " AND trial = 0" if any(r[1] == "trial" for r in db.execute("PRAGMA table_info(results)")) else ""
+            rows = db.execute(f"SELECT profile, case_id, perturbers FROM results WHERE status = 'scored'{first} "
+                              "ORDER BY rowid").fetchall()
+        finally:
+            db.close()
+        for profile, case_id, perturbers in rows:
+            yield model, profile, case_id, perturbers
+
+
+def step_reports(res: Results, names: list[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(model, profile, report) of every step of the perturbers `names` applied to a scored pair, from the files."""
+    if not names:
+        return
+    like = " OR ".join("perturbers LIKE ?" for _ in names)
+    for path in res.sources:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = _model(db)
+            rows = db.execute(f"SELECT profile, perturbers FROM results WHERE status = 'scored' AND ({like})",
+                              [f"%{n}%" for n in names]).fetchall()
+        except sqlite3.DatabaseError:
+            continue
+        finally:
+            db.close()
+        for profile, text in rows:
+            applied = (json.loads(text) or {}).get("applied")
+            for step in applied if isinstance(applied, list) else []:
+                if step.get("name") in names:
+                    yield model, profile, step.get("report") or {}
+
+
+def stored_answers(res: Results, wanted: dict[int, set[tuple[str, str]]]) -> dict[tuple[int, str, str],
+                                                                                 tuple[Any, Any]]:
+    """{(source, profile, case id): (answer, perturbers)} of trial 0 of the wanted pairs of each source file."""
+    stored: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+    for src, pairs in wanted.items():
+        db = sqlite3.connect(f"file:{res.sources[src]}?mode=ro", uri=True)
+        try:
+            trial = trial_column(db)
+            for profile, case_id in sorted(pairs):
+                row = db.execute(f"SELECT answer, perturbers FROM results WHERE profile = ? AND case_id = ? "
+                                 f"AND {trial} = 0", (profile, case_id)).fetchone()
+                if row is not None:
+                    stored[(src, profile, case_id)] = (
+                        None if row[0] is None else json.loads(row[0]),
+                        None if row[1] is None else json.loads(row[1]),
+                    )
+        finally:
+            db.close()
+    return stored

@@ -1,0 +1,179 @@
+"""Statistics: each arm's accuracy with its intervals, categories, error types and failed pairs; the paired test
+against the baseline; repeated trials; the cases whose verdict flipped.
+
+Accuracy counts scored pairs only; pairs that failed (backend or perturber errors) are reported beside it as
+`failed`, so an arm whose perturber could not run never shows up as a drop. With repeated trials, every number
+but `trials` is trial 0's (one answer per case: the tests assume independent cases).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.replay.report.rows import Results, Row
+from toolquake.scorers.aggregate import (
+    mcnemar,
+    paired_drop_ci,
+    pass_at_k,
+    pass_hat_k,
+    ratio,
+    relative_drop,
+    spread,
+    wilson_ci,
+)
+
+BASELINE = "off"
+ALPHA = 0.05
+
+
+def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
+    """An arm's pairs left unperturbed on purpose, and the share of its answered pairs that were perturbed."""
+    scored = sum(1 for r in rows if r.status == "scored")
+    kept = sum(1 for r in rows if r.status == NOT_PERTURBED)
+    return {"not_perturbed": kept, "perturbed_share": ratio(scored, scored + kept)}
+
+
+def arm_numbers(rows: list[Row]) -> dict[str, Any]:
+    scored = [r for r in rows if r.status == "scored"]
+    valid = sum(1 for r in scored if r.valid)
+    by_cat: dict[str, list[Row]] = defaultdict(list)
+    for r in scored:
+        by_cat[r.category].append(r)
+    errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
+    failed = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    fair = [r for r in scored if r.fair_valid is not None]
+    fair_valid = sum(1 for r in fair if r.fair_valid)
+    has_semantic = any(r.semantic_valid is not None for r in scored)
+    semantic_valid = sum(1 for r in scored if r.valid or r.semantic_valid)
+    failures = len(scored) - valid
+    return {
+        "n": len(scored),
+        "accuracy": ratio(valid, len(scored)),
+        "accuracy_ci": wilson_ci(valid, len(scored)),
+        "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs)),
+                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs))}
+                        for c, rs in sorted(by_cat.items())},
+        "errors": dict(sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))),
+        # Wilson interval of each error type's share among the arm's failures
+        "errors_ci": {k: wilson_ci(v, failures) for k, v in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))},
+        "failed": sum(failed.values()),
+        **perturbed_counts(rows),
+        "failed_codes": dict(sorted(failed.items())),
+        "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
+        "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
+        # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
+        "semantic_accuracy": ratio(semantic_valid, len(scored)) if has_semantic else None,
+        "semantic_accuracy_ci": wilson_ci(semantic_valid, len(scored)) if has_semantic else None,
+    }
+
+
+def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
+    """The arm against the baseline on the cases both scored ({case id: valid} each): the 2×2 table,
+    McNemar's exact p-value, and the relative drop on these cases with its approximate 95 % interval."""
+    cases = [c for c in arm if c in base]
+    both = sum(1 for c in cases if base[c] and arm[c])
+    lost = sum(1 for c in cases if base[c] and not arm[c])
+    gained = sum(1 for c in cases if not base[c] and arm[c])
+    neither = len(cases) - both - lost - gained
+    p = mcnemar(lost, gained)
+    ci = paired_drop_ci(both, lost, gained, neither)
+    return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
+            "both_invalid": neither, "p_value": p, "significant": p < ALPHA,
+            "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
+            "drop_ci": None if ci is None else list(ci)}
+
+
+def _verdicts(rows: list[Row], category: str | None = None) -> dict[str, bool]:
+    return {r.case_id: bool(r.valid) for r in rows if r.status == "scored" and (category is None or
+                                                                                r.category == category)}
+
+
+def with_drops(arms: dict[str, dict[str, Any]], baseline: str, rows: dict[str, list[Row]] | None = None) -> None:
+    base = arms.get(baseline)
+    rows = rows or {}
+    base_rows = rows.get(baseline, [])
+    for p, arm in arms.items():
+        arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
+        cmp = paired(_verdicts(base_rows), _verdicts(rows.get(p, []))) if base and p != baseline else None
+        arm["paired"] = cmp
+        arm["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
+        for name, cat in arm["by_category"].items():
+            b = base["by_category"].get(name) if base else None
+            cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
+            cat_cmp = (paired(_verdicts(base_rows, name), _verdicts(rows.get(p, []), name))
+                       if b and p != baseline else None)
+            cat["drop_vs_off_ci"] = cat_cmp["drop_ci"] if cat_cmp else None
+
+
+def arms_summary(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
+    """The report's core: {"arms", "models", "baseline", "sources", "duplicates", "flips"} (see `summarize`)."""
+    by_arm: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    all_trials: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in res.rows:
+        all_trials[(r.model, r.profile)].append(r)
+        if r.trial == 0:
+            by_arm[(r.model, r.profile)].append(r)
+    models: dict[str, dict[str, Any]] = {}
+    for model in res.models:
+        arms = {p: arm_numbers(by_arm.get((model, p), [])) for p in res.profiles(model)}
+        with_drops(arms, baseline, {p: by_arm.get((model, p), []) for p in res.profiles(model)})
+        for p, arm in arms.items():
+            arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
+            arm["trials"] = trial_numbers(all_trials.get((model, p), []))
+        models[model] = {"arms": arms}
+    single = len(models) == 1
+    flat = {(p if single else f"{p} [{m}]"): arm for m, data in models.items() for p, arm in data["arms"].items()}
+    return {"arms": flat, "models": models, "baseline": baseline, "sources": [str(s) for s in res.sources],
+            "duplicates": res.duplicates,
+            "flips": [{k: v for k, v in f.items() if not k.startswith("_")} for f in flips(res, baseline)]}
+
+
+def trial_numbers(rows: list[Row]) -> dict[str, Any] | None:
+    """Repeated trials of one arm (None with a single trial): each trial's accuracy, their mean and spread,
+    and pass^k / pass@k for k = 1..K over the cases (tau-bench's definitions, `scorers/aggregate.py`)."""
+    scored = [r for r in rows if r.status == "scored"]
+    k_max = max((r.trial for r in rows), default=0) + 1
+    if k_max < 2:
+        return None
+    per_trial = []
+    for t in range(k_max):
+        mine = [r for r in scored if r.trial == t]
+        per_trial.append({"trial": t, "n": len(mine), "accuracy": ratio(sum(1 for r in mine if r.valid), len(mine))})
+    by_case: dict[str, list[bool]] = defaultdict(list)
+    for r in scored:
+        by_case[r.case_id].append(bool(r.valid))
+    counts = [(len(v), sum(v)) for v in by_case.values()]
+    accs = [t["accuracy"] for t in per_trial if t["accuracy"] is not None]
+    return {"k": k_max, "cases": len(by_case), "complete_cases": sum(1 for n, _ in counts if n == k_max),
+            "per_trial": per_trial, "accuracy": spread(accs),
+            "pass_hat_k": {str(k): pass_hat_k(counts, k) for k in range(1, k_max + 1)},
+            "pass_at_k": {str(k): pass_at_k(counts, k) for k in range(1, k_max + 1)}}
+
+
+def flips(res: Results, baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Every case whose verdict differs between an arm and the baseline (both scored), arm by arm.
+
+    `direction` is valid_to_invalid (the perturbation broke it) or invalid_to_valid; `error_type` is the
+    invalid side's (the arm's, or the baseline's for invalid_to_valid).
+    """
+    first = [r for r in res.rows if r.trial == 0]
+    by_key = {(r.model, r.profile, r.case_id): r for r in first if r.status == "scored"}
+    out = []
+    for model in res.models:
+        for p in res.profiles(model):
+            if p == baseline:
+                continue
+            for r in first:
+                if r.model != model or r.profile != p or r.status != "scored":
+                    continue
+                base = by_key.get((model, baseline, r.case_id))
+                if base is None or bool(base.valid) == bool(r.valid):
+                    continue
+                wrong = base if r.valid else r
+                out.append({"model": model, "profile": p, "case_id": r.case_id, "category": r.category,
+                            "direction": "invalid_to_valid" if r.valid else "valid_to_invalid",
+                            "error_type": wrong.taxonomy or wrong.error_type or "unknown",
+                            "_sources": (r.source, base.source)})
+    return out

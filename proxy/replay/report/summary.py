@@ -1,0 +1,23 @@
+"""The JSON report: the statistics of every arm, then the families' and the papers' sections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolquake.proxy.replay.report.families import family_numbers, recovery_numbers
+from toolquake.proxy.replay.report.paper_tables import sections
+from toolquake.proxy.replay.report.rows import Results
+from toolquake.proxy.replay.report.stats import BASELINE, arms_summary
+
+
+def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
+    """The JSON report: {"arms": {profile: {"n", "accuracy", "by_category", "errors", ...}}, "models": {...}}.
+
+    With one model, `arms` is keyed by profile; with several, by "profile [model]", and `models`
+    holds each model's arms keyed by profile. `drop_vs_off` is the relative change against the
+    baseline profile's accuracy (None without one).
+    """
+    summary = arms_summary(res, baseline)
+    summary.update(families=family_numbers(summary), recovery=recovery_numbers(res))
+    summary.update(sections(res, baseline, summary))
+    return summary

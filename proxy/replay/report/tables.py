@@ -1,0 +1,177 @@
+"""The report's tables, each (title, header, rows) of text cells, in the order every format shows them: the summary
+(largest drop first), repeated trials, accuracy per arm, error types, arms in the three scoring modes, categories,
+then the families' and the papers' tables."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from toolquake.proxy.replay.report.families import tables as family_tables
+from toolquake.proxy.replay.report.paper_tables import tables as paper_tables
+from toolquake.proxy.replay.report.stats import ALPHA
+from toolquake.proxy.replay.report.text import acc, ci, compact, drop_ci, p_text, pct_ci, rel
+from toolquake.scorers.aggregate import wilson_ci
+from toolquake.scorers.taxonomy import TAXONOMY
+
+
+def _spec_text(perturbers: list[dict[str, Any]]) -> str:
+    text = "; ".join(f"{a.get('name')}({compact(a.get('params') or {})})" for a in perturbers) or "none"
+    return text if len(text) <= 120 else text[:120] + " …"
+
+
+def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Which perturbations hurt this model most: the arms against the baseline, largest drop first."""
+    baseline = summary["baseline"]
+    entries = [(m, p, a) for m, data in summary["models"].items() for p, a in data["arms"].items()
+               if p != baseline and a.get("paired")]
+    entries.sort(key=lambda e: (e[2]["drop_vs_off"] is None, e[2]["drop_vs_off"] or 0.0, e[0], e[1]))
+    rows = []
+    for model, p, arm in entries:
+        cmp = arm["paired"]
+        rows.append([model, p, _spec_text(arm.get("perturbers") or []), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
+                     drop_ci(arm["drop_vs_off"], arm["drop_vs_off_ci"]), str(cmp["n"]),
+                     str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
+                     "yes" if cmp["significant"] else "no"])
+    return (f"Summary: which perturbations hurt most (largest relative drop against `{baseline}` first)",
+            ["model", "profile", "perturbation", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
+             "paired cases", "valid→invalid", "invalid→valid", "McNemar p", f"drop ≠ 0 at {ALPHA}"], rows)
+
+
+def trials_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Repeated trials: per arm, the accuracy of each trial, mean ± standard deviation [min, max],
+    pass^k and pass@k for k = 1..K. No rows when no arm has more than one trial."""
+    entries = [(m, p, a["trials"]) for m, data in summary["models"].items() for p, a in data["arms"].items()
+               if a.get("trials")]
+    k_max = max((t["k"] for _, _, t in entries), default=0)
+    rows = []
+    for model, p, t in entries:
+        spread_ = t["accuracy"]
+        mean = "–" if spread_["mean"] is None else (f"{spread_['mean']:.3f}" + ("" if spread_["std"] is None else
+                                                                              f" ± {spread_['std']:.3f}"))
+        span = "" if spread_["min"] is None else f"[{spread_['min']:.3f}, {spread_['max']:.3f}]"
+        rows.append([model, p, str(t["k"]), f"{t['complete_cases']}/{t['cases']}",
+                     " ".join(acc(x["accuracy"]) for x in t["per_trial"]), mean, span,
+                     *(acc(t["pass_hat_k"].get(str(k))) for k in range(1, k_max + 1)),
+                     *(acc(t["pass_at_k"].get(str(k))) for k in range(2, k_max + 1))])
+    header = ["model", "profile", "trials", "cases with every trial", "accuracy per trial", "mean ± sd",
+              "[min, max]", *(f"pass^{k}" for k in range(1, k_max + 1)), *(f"pass@{k}" for k in range(2, k_max + 1))]
+    return ("Repeated trials: accuracy of each trial, its mean and spread; pass^k (all k of k trials right) and "
+            "pass@k (at least one right), tau-bench's estimators over the cases", header, rows)
+
+
+def headline(summary: dict[str, Any]) -> list[str]:
+    """One sentence per model: the arm that hurt most, and whether that is distinguishable from noise."""
+    out = []
+    for model, data in summary["models"].items():
+        arms = [(p, a) for p, a in data["arms"].items() if a.get("paired") and a["drop_vs_off"] is not None]
+        if not arms:
+            continue
+        p, a = min(arms, key=lambda pa: pa[1]["drop_vs_off"])
+        sig = [q for q, b in arms if b["paired"]["significant"] and b["drop_vs_off"] < 0]
+        if a["drop_vs_off"] >= 0:
+            out.append(f"{model}: no arm scored below `{summary['baseline']}` (the lowest, `{p}`: "
+                       f"{drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}, McNemar p = "
+                       f"{p_text(a['paired']['p_value'])}).")
+            continue
+        out.append(f"{model}: `{p}` hurt most ({drop_ci(a['drop_vs_off'], a['drop_vs_off_ci'])}, McNemar p = "
+                   f"{p_text(a['paired']['p_value'])}); {len(sig)} of {len(arms)} arms lower accuracy "
+                   f"distinguishably from zero at {ALPHA}" + (f" ({', '.join(sig)})" if sig else "") + ".")
+    return out
+
+
+def _taxonomy_columns(summary: dict[str, Any]) -> list[str]:
+    seen = {k for data in summary["models"].values() for arm in data["arms"].values() for k in arm["errors"]}
+    return [t for t in TAXONOMY if t in seen] + sorted(seen - set(TAXONOMY))
+
+
+def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table in the report."""
+    return [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
+            *family_tables(summary), *paper_tables(summary)]
+
+
+def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    baseline = summary["baseline"]
+    models = summary["models"]
+    profiles = list(dict.fromkeys(p for data in models.values() for p in data["arms"]))
+    header = ["model", *profiles]
+    rows = []
+    for model, data in models.items():
+        row = [model]
+        ci_row = [f"{model} 95 % CI"]
+        for p in profiles:
+            arm = data["arms"].get(p)
+            drop = "" if arm is None or p == baseline else rel(arm["drop_vs_off"])
+            row.append("" if arm is None else acc(arm["accuracy"]) + drop)
+            ci_row.append("" if arm is None else ci(arm.get("accuracy_ci")))
+        rows += [row, ci_row]
+    return (f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
+            "on the row below)", header, rows)
+
+
+def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    cols = _taxonomy_columns(summary)
+    rows = []
+    for model, data in summary["models"].items():
+        for p, arm in data["arms"].items():
+            failures = sum(arm["errors"].values())
+            if p == summary["baseline"] or not failures:
+                continue
+            rows.append([model, p, str(failures), *(f"{arm['errors'].get(c, 0) / failures:.2f}" for c in cols)])
+            cis = arm.get("errors_ci") or {}
+            rows.append([model, f"{p} 95 % CI", "",
+                         *(ci(cis[c] if c in cis else wilson_ci(0, failures)) for c in cols)])
+    if not rows:
+        return []
+    return [("Error analysis of perturbed arms (share of each error type among failures; 95 % Wilson intervals "
+             "on the row below)", ["model", "profile", "failures", *cols], rows)]
+
+
+def _arms_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    rows = []
+    for model, data in summary["models"].items():
+        for p, arm in data["arms"].items():
+            failed = ", ".join(f"{k} {v}" for k, v in arm["failed_codes"].items())
+            rows.append([model, p, str(arm["n"]), acc(arm["accuracy"]), acc(arm["fair_accuracy"]),
+                         acc(arm["semantic_accuracy"]), str(arm["failed"]) + (f" ({failed})" if failed else ""),
+                         ci(arm.get("accuracy_ci")), ci(arm.get("fair_accuracy_ci")),
+                         ci(arm.get("semantic_accuracy_ci"))])
+    return ("Arms: scored pairs, accuracy in the three scoring modes, failed pairs, 95 % Wilson intervals",
+            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed", "bfcl CI", "fair CI", "semantic CI"],
+            rows)
+
+
+def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    baseline = summary["baseline"]
+    models = summary["models"]
+    categories = sorted({c for data in models.values() for arm in data["arms"].values() for c in arm["by_category"]})
+    out = []
+    for model, data in models.items():
+        rows = []
+        for p, arm in data["arms"].items():
+            cells = []
+            for c in categories:
+                cat = arm["by_category"].get(c)
+                cells.append(
+                    ""
+                    if cat is None
+                    else f"{acc(cat['accuracy'])} (n={cat['n']})"
+                    + ("" if p == baseline else rel(cat.get("drop_vs_off")))
+                    + (f" {ci(cat['accuracy_ci'])}" if cat.get("accuracy_ci") else "")
+                )
+            rows.append([p, *cells])
+        out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
+                    ["profile", *categories], rows))
+    return out
+
+
+#: the two directions of a flip, as the per-case diffs write them
+DIRECTION = {"valid_to_invalid": "valid → invalid", "invalid_to_valid": "invalid → valid"}
+
+
+def flip_groups(summary: dict[str, Any]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for f in summary.get("flips") or []:
+        groups[(f["model"], f["profile"])].append(f)
+    return [(m, p, fs) for (m, p), fs in groups.items()]
