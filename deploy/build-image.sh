@@ -113,8 +113,11 @@ case ",$EXTRAS," in *,local,*)
   if [ "$BUILD_IMAGE" = "$BASE_IMAGE" ] && [ -z "$prebuilt" ]; then
     if ! podman image exists localhost/toolquake-build:bookworm; then
       log "no prebuilt llama_cpp_python-$version wheel: a build base with gcc, g++ and cmake (once)"
+      # an empty build context: the Containerfile copies nothing (the repository, with its venv, is not sent)
+      context=$(mktemp -d)
       printf 'FROM %s\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc g++ cmake make && rm -rf /var/lib/apt/lists/*\n' \
-        "$BASE_IMAGE" | podman build -q -t localhost/toolquake-build:bookworm -f - . >/dev/null
+        "$BASE_IMAGE" | podman build -q -t localhost/toolquake-build:bookworm -f - "$context" >/dev/null
+      rmdir "$context"
     fi
     BUILD_IMAGE=localhost/toolquake-build:bookworm
   fi;;
