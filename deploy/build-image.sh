@@ -28,13 +28,15 @@ log() { echo "build-image: $*" >&2; }
 
 # ---- 1. the engine ------------------------------------------------------------------------------------
 # catatonit: the pause process of a pod's infra container (`podman kube play`)
+# golang-github-containernetworking-plugin-dnsname: service names inside a compose network (podman-compose)
 if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null \
-   || ! command -v catatonit >/dev/null; then
+   || ! command -v catatonit >/dev/null || ! [ -x /usr/lib/cni/dnsname ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing podman buildah runc debootstrap catatonit"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      podman buildah runc debootstrap catatonit uidmap fuse-overlayfs slirp4netns >&2
+      podman buildah runc debootstrap catatonit uidmap fuse-overlayfs slirp4netns \
+      golang-github-containernetworking-plugin-dnsname >&2
   else
     log "podman/runc/debootstrap missing and cannot be installed here (needs root and apt-get)"
     exit 3
@@ -94,6 +96,32 @@ if [ -z "${PYTHON_IMAGE:-}" ] || [ -z "${BUILD_IMAGE:-}" ]; then
     BUILD_IMAGE=${BUILD_IMAGE:-$BASE_IMAGE}
   fi
 fi
+# prebuilt wheels the build looks in before compiling or downloading (deploy/Dockerfile, WHEELS_DIRS): the
+# llama.cpp wheel `make install-local` caches, torch's CPU wheel in a local PIP_FIND_LINKS directory
+wheel_dirs=()
+for dir in "${TOOLQUAKE_WHEELS:-$CACHE/wheels/llama-portable}" ${PIP_FIND_LINKS:-}; do
+  [ -d "$dir" ] && wheel_dirs+=("$dir")
+done
+# EXTRAS=local with no prebuilt llama.cpp wheel compiles it: a Debian build base needs gcc, g++ and cmake
+case ",$EXTRAS," in *,local,*)
+  version=$(sed -n 's/^llama-cpp-python==\([^ \\]*\).*/\1/p' "deploy/requirements/$(echo "$EXTRAS" | tr , -).txt" \
+            2>/dev/null || true)
+  prebuilt=""
+  for dir in "${wheel_dirs[@]}"; do
+    for whl in "$dir/llama_cpp_python-${version:-none}-"*.whl; do [ -e "$whl" ] && prebuilt=$whl; done
+  done
+  if [ "$BUILD_IMAGE" = "$BASE_IMAGE" ] && [ -z "$prebuilt" ]; then
+    if ! podman image exists localhost/toolquake-build:bookworm; then
+      log "no prebuilt llama_cpp_python-$version wheel: a build base with gcc, g++ and cmake (once)"
+      # an empty build context: the Containerfile copies nothing (the repository, with its venv, is not sent)
+      context=$(mktemp -d)
+      printf 'FROM %s\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc g++ cmake make && rm -rf /var/lib/apt/lists/*\n' \
+        "$BASE_IMAGE" | podman build -q -t localhost/toolquake-build:bookworm -f - "$context" >/dev/null
+      rmdir "$context"
+    fi
+    BUILD_IMAGE=localhost/toolquake-build:bookworm
+  fi;;
+esac
 if [ "${1:-}" = "--setup-only" ]; then
   echo "PYTHON_IMAGE=$PYTHON_IMAGE BUILD_IMAGE=$BUILD_IMAGE"
   exit 0
@@ -102,11 +130,11 @@ fi
 # ---- 4. the image -------------------------------------------------------------------------------------
 # the host's trust store and pip configuration, read-only, for the RUN steps only
 mounts=()
-for f in /etc/ssl/certs/ca-certificates.crt /etc/pip.conf /etc/xdg/pip; do
+for f in /etc/ssl/certs/ca-certificates.crt /etc/pip.conf /etc/xdg/pip "${wheel_dirs[@]}"; do
   [ -e "$f" ] && mounts+=(-v "$f:$f:ro")
 done
 log "building $IMAGE from deploy/Dockerfile (PYTHON_IMAGE=$PYTHON_IMAGE BUILD_IMAGE=$BUILD_IMAGE EXTRAS=$EXTRAS)"
 podman build --format docker -f deploy/Dockerfile -t "$IMAGE" "${mounts[@]}" \
   --build-arg PYTHON_IMAGE="$PYTHON_IMAGE" --build-arg BUILD_IMAGE="$BUILD_IMAGE" \
-  --build-arg EXTRAS="$EXTRAS" --build-arg BAKE_CORPUS="$BAKE_CORPUS" \
+  --build-arg EXTRAS="$EXTRAS" --build-arg BAKE_CORPUS="$BAKE_CORPUS" --build-arg WHEELS_DIRS="${wheel_dirs[*]}" \
   ${TORCH_INDEX_URL:+--build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL"} .

