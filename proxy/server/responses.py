@@ -22,13 +22,11 @@ from typing import Any, Iterator
 
 import msgspec
 
-from toolquake.proxy.server.streaming import SSEParser, read_events
+from toolquake.proxy.server.streaming import FINAL_EVENTS, SSEParser, read_events
 
 _encode = msgspec.json.encode
 _ids = itertools.count(1)
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
-FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
-
 
 @dataclass
 class Conversion:

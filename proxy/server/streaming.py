@@ -15,6 +15,8 @@ from typing import Any, Iterable, Iterator
 import msgspec
 
 DONE = b"[DONE]"
+# The Responses API events that end a stream and carry the whole response object.
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 

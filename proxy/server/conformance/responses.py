@@ -7,9 +7,7 @@ from typing import Any
 from toolquake.proxy.server.conformance.arguments import Offered, check_arguments
 from toolquake.proxy.server.conformance.chat import content_rules
 from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
-from toolquake.proxy.server.streaming import SSEParser, decode_event
-
-FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+from toolquake.proxy.server.streaming import FINAL_EVENTS, SSEParser, decode_event
 
 
 def _text(output: Any) -> str:
