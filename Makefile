@@ -105,7 +105,7 @@ lock: install
 LINT_SITE := build/lint-site
 lint: install
 	$(BIN)/ruff check .
-	rm -rf $(LINT_SITE) && $(BIN)/pip install -q --no-deps --no-build-isolation --target $(LINT_SITE) .
+	rm -rf $(LINT_SITE) build/lib && $(BIN)/pip install -q --no-deps --no-build-isolation --target $(LINT_SITE) .
 	cd $(LINT_SITE) && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)

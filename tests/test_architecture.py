@@ -25,6 +25,9 @@ SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site")
+    # setuptools builds in the checkout's build/lib and keeps what is there: a module deleted or moved since the
+    # last build would otherwise still be installed (and checked) here
+    shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
