@@ -9,6 +9,7 @@ converts its wire form to the one internal, chat-shaped form and back.
 
 from __future__ import annotations
 
+import codecs
 import random
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -58,6 +59,23 @@ def header(headers: list[tuple[str, str]], name: str) -> str | None:
 def invalid_json(exc: Exception) -> ProxyError:
     reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
     return ProxyError(400, f"Request body is not valid JSON: {reason}", code="invalid_json")
+
+
+#: bytes of a large body checked as UTF-8 at a time (never a whole second copy of it as text)
+_UTF8_SLICE = 1 << 16
+
+
+def check_utf8(raw: bytes) -> None:
+    """Raise UnicodeDecodeError where `raw` is not UTF-8: the typed decode does not look inside the fields it
+    skips, and a body that is not UTF-8 is not JSON. Linear; in slices beyond 64 KiB."""
+    if raw.isascii():
+        return
+    if len(raw) <= _UTF8_SLICE:
+        raw.decode()
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    for i in range(0, len(raw), _UTF8_SLICE):
+        decoder.decode(raw[i:i + _UTF8_SLICE], final=i + _UTF8_SLICE >= len(raw))
 
 
 def error_response(exc: ProxyError, extra_headers: dict[str, str] | None = None) -> Response:
@@ -152,7 +170,12 @@ class ChatHandler:
                           Asked(request_id, t0, api, stream=stream, model=model))
         case_header = header(headers, "x-toolquake-case")
         read, case = self._reads(profile, case_header, typed)
-        if not read:  # nobody reads the request: validated only
+        if not read:  # nobody reads the request: validated only (its bytes as UTF-8 too), and forwarded as it is
+            try:
+                check_utf8(raw)
+            except UnicodeDecodeError as exc:
+                raise Refused(invalid_json(exc), Asked(request_id, t0, api, profile, stream, model,
+                                                       case_header=case_header)) from None
             return Asked(request_id, t0, api, profile, stream, model, case_header=case_header,
                          forward_headers=request_headers(headers))
         return self._decode(Asked(request_id, t0, api, profile, stream, model, case_header=case_header,

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
+from tests.conftest import recorded
 from tests.live.test_live_responses import message_of_response
 from tests.live.test_live_scoring import MODEL, expected_verdict, gt_calls, send, wrong_value
 from tests.live.test_shadow import MESSAGES, TOOLS, metric, wait_for
+from tests.server.test_proxy_core import tag
 from toolquake.proxy import live
 from toolquake.proxy.live import recording, results
 from toolquake.proxy.server import lean
@@ -115,3 +118,26 @@ def test_default_server_scores_matched_requests_and_decodes_the_others_once(prox
         v == "valid" for _, _, (v, _) in sent.values())
     assert metric(proxy, "toolquake_scored_total") == 3
     assert metric(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 4
+
+
+@pytest.mark.parametrize("extra", [(), ("--no-scoring",)], ids=["default", "no-scoring"])
+def test_a_body_that_is_not_utf8_is_refused_though_nothing_decodes_it_whole(proxy_factory, fake_upstream, extra):
+    """The typed decode skips the fields the proxy does not read without looking inside them; a body that is not
+    UTF-8 is still refused (400 invalid_json, as a decoded one is), never forwarded."""
+    proxy = proxy_factory(None, None, None, *extra)
+    messages = b'"messages": [{"role": "user", "content": "hi"}]'
+    large = ('{"note": "' + "\u00e9" * 40_000 + '", ').encode() + messages + b"}"  # 80 KB of two-byte characters
+    cut = 65_536 + 1  # past the first 64 KiB slice, the second byte of a two-byte character replaced
+    bodies = {"a key": b'{"\xffmodel": "m", ' + messages + b"}",
+              "a skipped value, beyond the first 64 KiB": large[:cut] + b"\xff" + large[cut + 1:],
+              "a character cut short at the end of a skipped value": b'{"note": "\xc3", ' + messages + b"}"}
+    for what, raw in bodies.items():
+        t = tag()
+        r = httpx.post(f"{proxy.url}/v1/chat/completions", content=raw,
+                       headers={"content-type": "application/json", "x-test-tag": t})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (what, r.text[:300])
+        assert recorded(fake_upstream, t) == [], what
+    t = tag()  # the same large body, valid: relayed
+    r = httpx.post(f"{proxy.url}/v1/chat/completions", content=large,
+                   headers={"content-type": "application/json", "x-test-tag": t})
+    assert r.status_code == 200 and len(recorded(fake_upstream, t)) == 1
