@@ -493,14 +493,15 @@ def main() -> None:
         results["corpus_cases"] = corpus_cases(proxy.url)
         for conns in [int(c) for c in args.concurrency.split(",")]:
             results["load"][conns] = load_rounds(arms, pids, fake, conns, args, load, every_pid, waited)
-        for name, (path, payload) in workloads.items():  # CPU per request at 64 connections
+        for name, (path, payload) in workloads.items():  # CPU per request at 64 connections, arms alternating
             results["cpu"][name] = {}
-            for arm in pids:
-                rs = []
-                for _ in range(args.rounds):
+            per_arm: dict[str, list[dict]] = {arm: [] for arm in pids}
+            for _ in range(args.rounds):
+                for arm in pids:
                     waited.append(settle(every_pid))
-                    rs.append(cpu_per_request(arms[arm], pids[arm], 64, args.seconds, load, path=path,
-                                              payload=payload))
+                    per_arm[arm].append(cpu_per_request(arms[arm], pids[arm], 64, args.seconds, load, path=path,
+                                                        payload=payload))
+            for arm, rs in per_arm.items():
                 results["cpu"][name][arm] = {
                     "cpu_ms_per_request": statistics.median(r["cpu_ms_per_request"] for r in rs),
                     "rps": statistics.median(r["rps"] for r in rs),
