@@ -117,12 +117,11 @@ class CaseResolver:
         index = self.index
         if index is None or sent not in self.tool_sets:
             return None
-        ids = index.lookup(messages)
-        if not ids:
-            return None
-        from toolquake.bfcl.corpus import load_case
+        for case_id in index.lookup(messages):
+            if self._names.get(case_id, sent) != sent:  # its tools are known (all are, once indexed): not these
+                continue
+            from toolquake.bfcl.corpus import load_case
 
-        for case_id in ids:
             case = load_case(case_id)
             if self.tool_names(case) == sent:
                 return case
