@@ -53,7 +53,8 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
                 # the default location is not usable here (read-only cache dir...): serve and count anyway
                 log.warning("results_store_unavailable", path=str(path), error=str(exc)[:300])
         scorer = LiveScorer(st, settings, store)
-        st.observers.append(scorer.observe)
+        # it reads only requests tied to a case or of a shadow or perturbing profile: the rest are served undecoded
+        st.case_observers.append(scorer.observe)
         if store is not None:
             st.conformance_sinks.append(_store_violations(store, scorer))
 

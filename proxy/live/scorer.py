@@ -1,9 +1,10 @@
 """The live scorer: a bounded queue of answers to score and the workers that grade, count and store them.
 
-The server hands every finished request to `LiveScorer.observe`, which only enqueues (full →
-dropped and counted) and returns. Workers grade in a thread (proxy/live/grader.py), update the
-Prometheus counters and append a row to the results store. Shadow profiles launch a perturbed twin
-(proxy/live/shadow.py) whose answer is compared with the original (scorers/consistency.py).
+The server hands every finished request to `LiveScorer.observe` (decoded only when it is tied to a case or
+its profile shadows or perturbs it), which only enqueues (full → dropped and counted) and returns. Workers
+grade in a thread (proxy/live/grader.py), update the Prometheus counters and append a row to the results
+store. Shadow profiles launch a perturbed twin (proxy/live/shadow.py) whose answer is compared with the original
+(scorers/consistency.py).
 
 Which answers are scored against ground truth: those of requests tied to a single-turn BFCL case or a
 user case (`--cases`) whose messages are the case's own turn — a follow-up request of the same
@@ -125,7 +126,9 @@ class LiveScorer:
         self.shadow = ShadowRunner(st, self.metrics.shadow, self._twin_done)
         self.workers: list[asyncio.Task] = []
 
-    # -- called on the event loop by the app, after the client was answered: enqueue and go
+    # -- called on the event loop by the app, after the client was answered: enqueue and go. A case observer
+    # (`ProxyState.case_observers`): it gets every request, decoded (`asked.request`) when tied to a case or of a
+    # shadow or perturbing profile; any other is only counted as not scored
     def observe(self, asked: Asked, served: Served) -> None:
         if asked.mode == "shadow":
             if asked.case is not None:
@@ -141,7 +144,7 @@ class LiveScorer:
         if asked.case is None:
             # an X-Toolquake-Case naming no case we have (unknown, malformed, too long): served, never scored
             reason = "unknown_case" if asked.case_header else "unlabeled"
-            self.metrics.skipped.labels(asked.profile_name, reason).inc()
+            self.st.metrics.child(self.metrics.skipped, asked.profile_name, reason).inc()
             if failures:  # an agent's conversation, not a BFCL case: its recovery still counts
                 self._enqueue(Job(Origin.of(asked, served), asked.profile_name, "live", served.response, None, applied,
                                   [], served.status, served.upstream_s or 0.0, served.total_s, failures=failures,

@@ -355,10 +355,15 @@ class UserCases:
     def __init__(self, cases: Iterable[Case]) -> None:
         self.by_id: dict[str, Case] = {}
         self.by_key: dict[str, Case] = {}
+        names: set[frozenset[str]] = set()
         for case in cases:
             self.by_id[case.id] = case
             req = case.extra["request"]
-            self.by_key.setdefault(conversation_key(req["messages"], req.get("tools") or []), case)
+            tools = req.get("tools") or []
+            self.by_key.setdefault(conversation_key(req["messages"], tools), case)
+            names.add(frozenset(str(_tool_name(t)) for t in tools))
+        #: the tool names of each case (as `conversation_key` names them): a request with other tools matches none
+        self.tool_sets = frozenset(names)
 
     def __len__(self) -> int:
         return len(self.by_id)

@@ -14,6 +14,7 @@ import msgspec
 
 from toolquake.proxy.server import responses, streaming
 from toolquake.proxy.server.protocol import request_decoder, responses_request_decoder
+from toolquake.proxy.server.state import CaseHint
 
 
 class Api:
@@ -25,6 +26,11 @@ class Api:
     def to_internal(self, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """The chat-shaped body, and whatever `to_wire` needs to write a changed one back."""
         return body, None
+
+    def case_hint(self, typed: Any) -> CaseHint:  # pragma: no cover - interface
+        """From the typed decode (`decoder`): the first user message and the tool names of the chat-shaped body
+        `to_internal` would give, without decoding the body whole."""
+        raise NotImplementedError
 
     def to_wire(self, chat: dict[str, Any], original: dict[str, Any], conversion: Any) -> dict[str, Any]:
         return chat
@@ -56,6 +62,10 @@ class ChatCompletions(Api):
     decoder = request_decoder
     end_markers = (b"[DONE]",)
 
+    def case_hint(self, typed: Any) -> CaseHint:
+        first = next(([{"role": "user", "content": m.content}] for m in typed.messages if m.role == "user"), [])
+        return CaseHint(first, frozenset(t.function.name for t in typed.tools or ()))
+
     def assemble(self, data: bytes) -> dict[str, Any] | None:
         return streaming.assemble_sse(data) if data.strip() else None
 
@@ -77,6 +87,12 @@ class Responses(Api):
 
     def to_wire(self, chat: dict[str, Any], original: dict[str, Any], conversion: Any) -> dict[str, Any]:
         return responses.from_chat(chat, original, conversion)
+
+    def case_hint(self, typed: Any) -> CaseHint:
+        # the input's items as `to_chat` turns them into messages (the tools are named by the typed decode)
+        chat, _ = responses.to_chat({"instructions": typed.instructions, "input": typed.input})
+        return CaseHint(chat["messages"], frozenset(t.name for t in typed.tools or ()
+                                                    if t.type == "function" and isinstance(t.name, str)))
 
     def answer_to_internal(self, answer: dict[str, Any]) -> dict[str, Any]:
         return responses.answer_to_chat(answer)

@@ -9,9 +9,10 @@ converts its wire form to the one internal, chat-shaped form and back.
 
 from __future__ import annotations
 
+import codecs
 import random
 import time
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
 import structlog
@@ -25,8 +26,11 @@ from toolquake.proxy.server.answer.plain import JSON, Plain
 from toolquake.proxy.server.apis import Api
 from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.pipeline import PerturbationFailed, run_profile, seed_for
-from toolquake.proxy.server.state import Asked, ProxyState, Served
+from toolquake.proxy.server.state import UNDECIDED, Asked, ProxyState, Served
 from toolquake.proxy.server.upstream import UpstreamError, UpstreamResponse, request_headers
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.profiles import Profile
 
 __all__ = ["ChatHandler", "Plain", "client_headers", "error_response", "send_upstream", "unknown_profile"]
 
@@ -55,6 +59,23 @@ def header(headers: list[tuple[str, str]], name: str) -> str | None:
 def invalid_json(exc: Exception) -> ProxyError:
     reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
     return ProxyError(400, f"Request body is not valid JSON: {reason}", code="invalid_json")
+
+
+#: bytes of a large body checked as UTF-8 at a time (never a whole second copy of it as text)
+_UTF8_SLICE = 1 << 16
+
+
+def check_utf8(raw: bytes) -> None:
+    """Raise UnicodeDecodeError where `raw` is not UTF-8: the typed decode does not look inside the fields it
+    skips, and a body that is not UTF-8 is not JSON. Linear; in slices beyond 64 KiB."""
+    if raw.isascii():
+        return
+    if len(raw) <= _UTF8_SLICE:
+        raw.decode()
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    for i in range(0, len(raw), _UTF8_SLICE):
+        decoder.decode(raw[i:i + _UTF8_SLICE], final=i + _UTF8_SLICE >= len(raw))
 
 
 def error_response(exc: ProxyError, extra_headers: dict[str, str] | None = None) -> Response:
@@ -133,24 +154,58 @@ class ChatHandler:
         """Decode the request: what it is, from here on fixed. A request refused on the way is logged with
         what was known of it by then."""
         st, api = self.st, self.api
+        st.metrics.child(st.metrics.request_decodes, "typed").inc()
         try:
-            req = api.decoder.decode(raw)
+            typed = api.decoder.decode(raw)
         except msgspec.ValidationError as exc:
             raise Refused(ProxyError(400, f"Invalid request body: {exc}", code="invalid_type"),
                           Asked(request_id, t0, api)) from None
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise Refused(invalid_json(exc), Asked(request_id, t0, api)) from None
-        stream, model = bool(req.stream), req.model
+        stream, model = bool(typed.stream), typed.model
         name = profile_name or header(headers, "x-toolquake-profile") or st.config.server.default_profile
         profile = st.profiles.get(name)
         if profile is None:
             raise Refused(unknown_profile(name, st.profiles.names()),
                           Asked(request_id, t0, api, stream=stream, model=model))
-        observed = bool(st.observers)
         case_header = header(headers, "x-toolquake-case")
-        if not observed and (profile.mode != "perturb" or not profile.steps):  # nobody reads the request
+        read, case = self._reads(profile, case_header, typed)
+        if not read:  # nobody reads the request: validated only (its bytes as UTF-8 too), and forwarded as it is
+            try:
+                check_utf8(raw)
+            except UnicodeDecodeError as exc:
+                raise Refused(invalid_json(exc), Asked(request_id, t0, api, profile, stream, model,
+                                                       case_header=case_header)) from None
             return Asked(request_id, t0, api, profile, stream, model, case_header=case_header,
                          forward_headers=request_headers(headers))
+        return self._decode(Asked(request_id, t0, api, profile, stream, model, case_header=case_header,
+                                  forward_headers=request_headers(headers),
+                                  observed=bool(st.observers or st.case_observers)), headers, raw, case)
+
+    def _reads(self, profile: Profile, case_header: str | None, typed: Any) -> tuple[bool, Any]:
+        """Whether the request must be decoded whole (its profile perturbs it, or an observer reads it), and its
+        case when that is known without decoding it (else UNDECIDED: the decoded request decides)."""
+        st = self.st
+        if st.observers or (profile.mode == "perturb" and profile.steps):
+            return True, UNDECIDED
+        if not st.case_observers:
+            return False, None
+        if profile.mode == "shadow":  # every request of a shadow profile gets a twin
+            return True, UNDECIDED
+        if st.case_resolver is None:
+            return False, None
+        try:
+            case = st.case_resolver.quick(case_header, self.api.case_hint(typed))
+        except Exception as exc:  # fail-open: an unknown case never breaks the request
+            log.warning("case_resolution_failed", error_type=type(exc).__name__)
+            return False, None
+        return case is not None, case
+
+    def _decode(self, light: Asked, headers: list[tuple[str, str]], raw: bytes, case: Any) -> Asked:
+        """The request decoded whole (for its perturbers and observers), its case (resolved here when still
+        UNDECIDED) and its seed."""
+        st, api = self.st, self.api
+        st.metrics.child(st.metrics.request_decodes, "whole").inc()
         try:
             body = _decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -160,20 +215,19 @@ class ChatHandler:
             error = None if isinstance(body, dict) else \
                 ProxyError(400, "Request body must be a JSON object.", code="invalid_type")
         if error is not None:
-            raise Refused(error, Asked(request_id, t0, api, profile, stream, model, case_header=case_header,
-                                       observed=observed))
+            raise Refused(error, light._replace(forward_headers=()))
         request, conversion = api.to_internal(body)
         chat = ChatRequest(request)
-        case = None
-        if st.case_resolver is not None:
-            try:
-                case = st.case_resolver(case_header, chat)
-            except Exception as exc:  # fail-open: an unknown case never breaks the request
-                log.warning("case_resolution_failed", error_type=type(exc).__name__)
+        if case is UNDECIDED:
+            case = None
+            if st.case_resolver is not None:
+                try:
+                    case = st.case_resolver(light.case_header, chat)
+                except Exception as exc:  # fail-open: an unknown case never breaks the request
+                    log.warning("case_resolution_failed", error_type=type(exc).__name__)
         seed = seed_for(header(headers, "x-toolquake-seed"), raw,
                         conversation=header(headers, "x-toolquake-conversation"), request=chat)
-        return Asked(request_id, t0, api, profile, stream, model, seed, case, case_header, request, body, conversion,
-                     request_headers(headers), observed)
+        return light._replace(seed=seed, case=case, request=request, wire_request=body, conversion=conversion)
 
     async def _serve(self, asked: Asked, served: Served, raw: bytes) -> Plain | Stream:
         st, profile, api = self.st, asked.profile, self.api

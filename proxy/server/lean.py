@@ -1,7 +1,8 @@
 """The fast path: one adapter between the model routes' handler, the framework and uvicorn.
 
 **What it covers.** A `POST /v1/chat/completions` or `/v1/responses` (or `/p/<profile>/v1/...`) whose profile
-perturbs nothing (`off`, `shadow`, or no steps), on a server with no observers (live scoring off). Such a request
+perturbs nothing (`off`, `shadow`, or no steps), on a server with no observer of every request (a recording, the
+replay's): live scoring's case observer does not count, it reads only requests tied to a case. Such a request
 needs none of the framework's routing, parameter parsing or response classes: `LeanPath` reads the body itself,
 hands it to the same `ChatHandler.handle` the framework's route calls (the same decoding, errors, forwarding,
 stream relay, metrics and log line) and writes the answer itself. `tests/server/test_lean_path.py` holds it to
@@ -22,10 +23,10 @@ the framework's statuses, headers, bodies, upstream requests, metrics and log li
   (proxy/server/limits.py) subclass this protocol in turn.
 
 **How it falls back.** A request the lean path does not take (another route or method, a perturbing or unknown
-profile, observers attached) goes to the framework. Inside the protocol: a body still arriving is read through
-uvicorn's `receive` (100-continue, flow control); an answer uvicorn must write itself (the client gone, the
-transport paused, a header it would refuse) and every stream go through uvicorn's `send`; an exception becomes
-uvicorn's 500, or a closed connection once answering began (`run_asgi`). Where the installed uvicorn lacks
+profile, an observer of every request attached) goes to the framework. Inside the protocol: a body still arriving
+is read through uvicorn's `receive` (100-continue, flow control); an answer uvicorn must write itself (the client
+gone, the transport paused, a header it would refuse) and every stream go through uvicorn's `send`; an exception
+becomes uvicorn's 500, or a closed connection once answering began (`run_asgi`). Where the installed uvicorn lacks
 what the protocol seam uses (`protocol()` returns None), the lean path runs as ASGI instead, answering the
 same; the start-up line `{"event": "lean_path", "served_in": "protocol" | "asgi" | "off"}` says which.
 
@@ -149,7 +150,7 @@ class LeanPath:
 
     def _route(self, scope: dict) -> tuple[ChatHandler, str | None] | None:
         """The handler and the profile named in the path, when the lean path may serve this request."""
-        if scope["type"] != "http" or scope["method"] != "POST" or self.st.observers:
+        if scope["type"] != "http" or scope["method"] != "POST" or self.st.observers:  # case observers: taken
             return None
         path: str = scope["path"]
         named = None

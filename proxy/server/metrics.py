@@ -70,6 +70,11 @@ class Metrics:
                               ["profile", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.overhead = Histogram("toolquake_proxy_overhead_seconds", "Total duration minus upstream duration.",
                                   ["route", "stream"], buckets=OVERHEAD_BUCKETS, registry=r)
+        self.request_decodes = Counter(
+            "toolquake_request_decodes", "Model request bodies decoded, by kind: `typed` (the fields the proxy "
+            "validates; every request once), `whole` (the whole body, for a profile that perturbs it or an observer "
+            "that reads it: live scoring reads only requests tied to a case or of a shadow profile).", ["kind"],
+            registry=r)
 
     def _step_metrics(self, r: CollectorRegistry) -> None:
         """What the profiles' steps did to requests, and what failed on the way (perturbers, restores,

@@ -9,7 +9,7 @@ happened to it on the way (the perturbation outcome, the answer, its status, tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from toolquake.perturbers import ChatRequest, Services
@@ -44,7 +44,8 @@ class Asked(NamedTuple):
     conversion: Any = None
     #: end-to-end client headers (auth included) as sent upstream; for a shadow twin, never logged or stored
     forward_headers: list[tuple[str, str]] | tuple[()] = ()
-    #: observers will get this request when its answer is finished (the answer is then kept)
+    #: observers read this request decoded, and its answer (which is then kept); False: the request was only
+    #: validated, and only the case observers get it (with `request` None)
     observed: bool = False
 
     def __repr__(self) -> str:  # never the headers (auth) nor the bodies
@@ -91,6 +92,36 @@ class Served:
 
 #: called with each finished request; must return quickly (enqueue and go)
 Observer = Callable[[Asked, Served], None]
+
+
+class CaseHint(NamedTuple):
+    """What the typed decode of a request tells about its case before the body is decoded whole: its first user
+    message (a one-message list, empty when it has none; the whole converted list for the Responses API) and
+    the names of its tools, as the decoded request would give them."""
+
+    messages: list[dict[str, Any]]
+    tools: frozenset[str]
+
+
+class Undecided:
+    """`CaseResolver.quick`'s answer when only the request decoded whole can tell its case."""
+
+    def __repr__(self) -> str:
+        return "UNDECIDED"
+
+
+UNDECIDED = Undecided()
+
+
+class CaseResolver(Protocol):
+    """Ties a request to a case (set by an extension that knows a corpus: `live.attach`)."""
+
+    def __call__(self, header: str | None, request: ChatRequest) -> Any:
+        """(X-Toolquake-Case header, the decoded request) -> its case, or None."""
+
+    def quick(self, header: str | None, hint: CaseHint) -> Any:
+        """The same answer from the header or the hint, before the body is decoded whole: the case, None (no case
+        can match), or UNDECIDED (decode it and ask `__call__`). Runs for every request: cheap look-ups only."""
 #: called with a finished request and its conformance violations (only when there are some); must return quickly
 ConformanceSink = Callable[[Asked, Served, list[Any]], None]
 
@@ -103,9 +134,13 @@ class ProxyState:
     metrics: Metrics
     services: Services
     admin_token: str | None = None
+    #: get every finished request, decoded, with its answer (recording, replay)
     observers: list[Observer] = field(default_factory=list)
-    #: (X-Toolquake-Case header, request) -> case or None; set by an extension that knows a corpus
-    case_resolver: Callable[[str | None, ChatRequest], Any] | None = None
+    #: get every finished request too, but read only those tied to a case or of a profile that perturbs or
+    #: shadows (live scoring): those are decoded and `observed`; any other is served undecoded and reaches them
+    #: with `asked.request` None and its answer unread
+    case_observers: list[Observer] = field(default_factory=list)
+    case_resolver: CaseResolver | None = None
     conformance_sinks: list[ConformanceSink] = field(default_factory=list)
     #: schedules perturbers' setup() for new profiles, in the background (set by create_app)
     warm: Callable[[list[Profile]], None] | None = None

@@ -1,10 +1,11 @@
 """A/B of proxy configurations in one run: the same load, alternating rounds, one proxy per arm.
 
 `python -m tests.bench.ab --arm aiohttp='upstream_client = "aiohttp"' --arm native='upstream_client = "native"'`
-starts the fake upstream and one single-worker proxy per arm (each arm's lines go under `[server]`;
-scoring off), then runs alternating wrk rounds (asyncio client without wrk) over the arms at each
-concurrency: passthrough, and streaming with `--stream` (the proxy benchmark's request, three tools;
-`--no-tools` without them). `--ref NAME=GITREF` adds an arm running the code of another commit (e.g.
+starts the fake upstream and one single-worker proxy per arm (each arm's lines go under `[server]`; scoring off,
+or on as `toolquake serve` has it by default with `--scoring`), then runs alternating wrk rounds (asyncio client
+without wrk) over the arms at each concurrency: passthrough, and streaming with `--stream` (the proxy benchmark's
+request, three tools; `--no-tools` without them; `--body realistic`: a 500-character user message and two
+tools; `--body tiny`: a bare "hi"). `--ref NAME=GITREF` adds an arm running the code of another commit (e.g.
 `--ref before=origin/main~3`, with the default configuration's [server]): the commit is exported and
 installed with `pip install --no-deps --target` into a temporary folder and served from there, so a
 change is A/B'd against the code before it in the same run. It prints, per arm, the medians of req/s,
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.bench.proxy_overhead import BODIES, cpu_per_request, proc_tree, run_asyncio, run_wrk
 from tests.conftest import ROOT, Proc, free_port, start_fake_upstream, start_process, start_proxy
 
 
@@ -60,9 +61,14 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--stream", action="store_true", help="also a streaming workload")
     ap.add_argument("--no-tools", action="store_true", help="the request without its tools (a text answer)")
+    ap.add_argument("--body", choices=sorted(BODIES), default="bench", help="the request body (default: bench, the "
+                    "proxy benchmark's)")
+    ap.add_argument("--scoring", action="store_true", help="live scoring on in every arm, as `toolquake serve` has "
+                    "it by default (content matching against the corpus when it is pulled)")
     args = ap.parse_args()
     if not args.arm and not args.ref:
         ap.error("give at least one --arm or --ref")
+    scoring = "" if args.scoring else "[scoring]\nenabled = false\n"
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream()
     procs = {}
@@ -71,13 +77,14 @@ def main() -> None:
         for spec in args.ref:
             name, _, ref = spec.partition("=")
             site = install_ref(ref, Path(tmp.name) / name)
-            procs[name] = start_ref_proxy(site, fake.url, "[server]\n[scoring]\nenabled = false\n")
+            procs[name] = start_ref_proxy(site, fake.url, f"[server]\n{scoring}")
         for spec in args.arm:
             name, _, lines = spec.partition("=")
-            procs[name] = start_proxy(fake.url, f"[server]\n{lines}\n[scoring]\nenabled = false\n")
+            procs[name] = start_proxy(fake.url, f"[server]\n{lines}\n{scoring}")
         for proc in procs.values():
             run_asyncio(proc.url, 4, 1.0)
-        body = {k: v for k, v in BODY.items() if k != "tools"} if args.no_tools else BODY
+        body = BODIES[args.body]
+        body = {k: v for k, v in body.items() if k != "tools"} if args.no_tools else body
         workloads = {"passthrough": json.dumps(body).encode()}
         if args.stream:
             workloads["streaming"] = json.dumps({**body, "stream": True}).encode()

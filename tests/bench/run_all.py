@@ -18,8 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 #: `ab` compares configurations given on its command line, `granian_ab` needs granian (not a dependency):
-#: both are run by hand (docs/benchmarks.md has their command lines)
-NOT_BENCHMARKS = {"run_all", "soak", "ab", "granian_ab"}
+#: both are run by hand (docs/benchmarks.md has their command lines); `no_metrics` is an arm of proxy_overhead
+NOT_BENCHMARKS = {"run_all", "soak", "ab", "granian_ab", "no_metrics"}
 
 
 def main() -> int:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from toolquake.bfcl import corpus
 from toolquake.bfcl.convert import from_openai_tools, to_openai_tools
@@ -220,6 +222,22 @@ def test_case_index_ties_a_reworded_whitespace_variant_to_its_case() -> None:
     # base and long_context share their first query: both ids come back
     shared = index.lookup(corpus.load_case("multi_turn_base_0").turns[0])
     assert "multi_turn_base_0" in shared and "multi_turn_long_context_0" in shared
+
+
+def test_query_normalisation_splits_on_exactly_what_a_regex_whitespace_run_matches() -> None:
+    r"""normalize_query collapses whitespace with str.split(); the index's keys must be those of `re.sub(r"\s+")`:
+    the two agree on every code point, and so on every text."""
+    space = re.compile(r"\s")
+    assert [c for c in range(sys.maxunicode + 1) if (space.fullmatch(chr(c)) is not None) != chr(c).isspace()] == []
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"))
+       | st.text(alphabet=" \t\n\r\x0b\x0c\x1c\x85\xa0\u2028\u3000aB\u0130"))
+def test_query_normalisation_is_the_regex_form(text: str) -> None:
+    import unicodedata
+
+    expected = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    assert corpus.normalize_query(text) == expected
 
 
 @pytest.mark.needs_corpus

@@ -1,6 +1,6 @@
 """Observe: every finished request counted (requests, duration, upstream time, overhead), logged in one
-line, and handed to the observers (live scoring, recording, replay). Runs for every request, refused
-ones included (those are not observed)."""
+line, and handed to the observers (recording, replay: those read; live scoring: every request, read or not).
+Runs for every request, refused ones included (those are not observed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import structlog
 from toolquake.proxy.server import logs
 
 if TYPE_CHECKING:
-    from toolquake.proxy.server.state import Asked, ProxyState, Served
+    from toolquake.proxy.server.state import Asked, Observer, ProxyState, Served
 
 log = structlog.get_logger("toolquake.proxy")
 
@@ -29,12 +29,19 @@ def finish(st: ProxyState, asked: Asked, served: Served, observe: bool = True) -
         m.child(m.upstream_duration, route, s).observe(served.upstream_s)
         m.child(m.overhead, route, s).observe(max(served.total_s - served.upstream_s, 0.0))
     logs.info(log, "request", _event(st, asked, served))
-    if observe and asked.observed and asked.request is not None:
-        for observer in st.observers:
-            try:
-                observer(asked, served)
-            except Exception as exc:  # fail-open: scoring never breaks serving
-                log.warning("observer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+    if not observe:
+        return
+    if asked.observed and asked.request is not None:
+        _hand(st.observers, asked, served)
+    _hand(st.case_observers, asked, served)  # every request: those nobody read come undecoded
+
+
+def _hand(observers: list[Observer], asked: Asked, served: Served) -> None:
+    for observer in observers:
+        try:
+            observer(asked, served)
+        except Exception as exc:  # fail-open: scoring never breaks serving
+            log.warning("observer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
 
 def _event(st: ProxyState, asked: Asked, served: Served) -> dict[str, Any]:
