@@ -35,6 +35,8 @@ def finish(st: ProxyState, asked: Asked, served: Served, observe: bool = True) -
                 observer(asked, served)
             except Exception as exc:  # fail-open: scoring never breaks serving
                 log.warning("observer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+    if served.trace is not None:  # after the observers: a scorer holds the span open for its verdict
+        served.trace.finish(asked, served)
 
 
 def _event(st: ProxyState, asked: Asked, served: Served) -> dict[str, Any]:
