@@ -117,8 +117,8 @@ def _verdict_attributes(job: Job, grade: Any, agreement: Any) -> dict[str, Any]:
     prefix = {"twin": "toolquake.shadow.", "noise": "toolquake.noise."}.get(job.arm, "toolquake.verdict.")
     case = job.origin.case
     out: dict[str, Any] = {"toolquake.score.arm": job.arm}
-    if agreement is not None:
-        out[prefix + "agree"] = bool(agreement.agree)
+    if agreement is not None:  # agree: the calls are the same (exactly or semantically); agreement says which
+        out[prefix + "agree"], out[prefix + "agreement"] = agreement.consistent, agreement.agree
     if grade is not None:
         out.update({prefix + "case_id": case.id, prefix + "category": case.category, prefix + "valid": grade.valid,
                     prefix + "error_type": grade.error_type, prefix + "taxonomy": grade.taxonomy,

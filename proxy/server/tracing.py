@@ -262,6 +262,14 @@ class RequestTrace:
         except Exception as exc:
             self.tracing.failed(exc)
 
+    def client_got(self, wire: dict[str, Any]) -> None:
+        """A rewritten answer in the client's wire form: the response id the client sees."""
+        if self.recording and isinstance(wire.get("id"), str):
+            try:
+                self.span.set_attribute("gen_ai.response.id", wire["id"])
+            except Exception as exc:
+                self.tracing.failed(exc)
+
     def finish(self, asked: Asked, served: Served) -> None:
         """The request's last byte was sent (or it was refused): what happened to it, and its end time."""
         try:

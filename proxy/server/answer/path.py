@@ -59,7 +59,12 @@ class AnswerPath:
             if new is not None:
                 internal, changed = new, True
         served.response = internal = await self.read(asked, served, plan, internal)
-        return api.answer_to_wire(internal, wire) if changed else wire
+        if not changed:
+            return wire
+        sent = api.answer_to_wire(internal, wire)
+        if served.trace is not None:  # the id the client got (a Responses answer keeps its first answer's id)
+            served.trace.client_got(sent)
+        return sent
 
     async def read(self, asked: Asked, served: Served, plan: Plan, answer: dict[str, Any]) -> dict[str, Any]:
         """The final answer through the steps that read it (what they return is what observers get)."""
