@@ -32,6 +32,7 @@ from opentelemetry.util.re import parse_env_headers
 from prometheus_client import Counter
 
 from toolquake import __version__
+from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import ConfigError, TracingConfig
 
 if TYPE_CHECKING:
@@ -105,6 +106,22 @@ def _number(otel: dict[str, str], *keys: str) -> float | None:
     return None
 
 
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting event loop takes it now, not at the next switch interval (5 ms)
+
+
+class Exporter(OTLPSpanExporter):
+    """The SDK's OTLP/HTTP exporter (its endpoint, headers, compression, retries and timeout) sending spans
+    encoded by `otlp.encode`; the SDK's own encoding where this SDK has no transport to hand the bytes to."""
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        client = getattr(self, "_client", None)
+        if client is None or getattr(self, "_shutdown", False) or not hasattr(client, "export"):
+            return super().export(spans)
+        result = client.export(otlp.encode(spans, pause=_yield_gil))
+        return SpanExportResult.SUCCESS if getattr(result, "success", False) else SpanExportResult.FAILURE
+
+
 class CountedExporter(SpanExporter):
     """The OTLP exporter, fail-open: spans it could not send (collector down, refused, an exception) are
     counted, never raised into the batch processor's thread."""
@@ -166,7 +183,7 @@ class Tracing:
         compression = otel.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or otel.get("OTEL_EXPORTER_OTLP_COMPRESSION")
         headers = otel.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or otel.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
         try:
-            exporter = OTLPSpanExporter(
+            exporter = Exporter(
                 endpoint=self.endpoint, headers=dict(parse_env_headers(headers, liberal=True)),
                 timeout=_number(otel, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
                 compression=Compression(compression.strip().lower()) if compression else None)
@@ -209,7 +226,7 @@ class Tracing:
 class RequestTrace:
     """The span of one model request and what it takes to end it. Every method fails open."""
 
-    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording")
+    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording", "pending")
 
     def __init__(self, tracing: Tracing, span: Span, t0: float, ns0: int) -> None:
         self.tracing, self.span, self.t0, self.ns0 = tracing, span, t0, ns0
@@ -218,6 +235,8 @@ class RequestTrace:
         self.ended = False
         self.upstream: Span | None = None
         self.recording = span.is_recording()
+        #: attributes gathered on the way, set on the span in one call when the request finishes
+        self.pending: dict[str, Any] = {}
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
@@ -244,7 +263,7 @@ class RequestTrace:
             model = asked.model or ""
             span.update_name(f"chat {model}".strip())
             if self.recording:
-                span.set_attributes(request_attributes(asked, served))
+                self.pending.update(request_attributes(asked, served))
             path = f"/v1/{api.path}" if api is not None else "/v1"
             self.upstream = self.child(f"POST {path}", SpanKind.CLIENT, served.t_upstream,
                                        {"http.request.method": "POST", "url.path": path, **self.tracing.server})
@@ -258,17 +277,14 @@ class RequestTrace:
         if not self.recording or answer is None:
             return
         try:
-            self.span.set_attributes(answer_attributes(answer))
+            self.pending.update(answer_attributes(answer))
         except Exception as exc:
             self.tracing.failed(exc)
 
     def client_got(self, wire: dict[str, Any]) -> None:
         """A rewritten answer in the client's wire form: the response id the client sees."""
         if self.recording and isinstance(wire.get("id"), str):
-            try:
-                self.span.set_attribute("gen_ai.response.id", wire["id"])
-            except Exception as exc:
-                self.tracing.failed(exc)
+            self.pending["gen_ai.response.id"] = wire["id"]
 
     def finish(self, asked: Asked, served: Served) -> None:
         """The request's last byte was sent (or it was refused): what happened to it, and its end time."""
@@ -281,12 +297,14 @@ class RequestTrace:
                 up_end = (served.t_upstream or self.t0) + (served.upstream_s or 0.0)
                 self.upstream.end(end_time=self.at(up_end if served.upstream_s is not None else end))
             if self.recording:
+                pending = self.pending
                 if self.upstream is None:
-                    self.span.set_attributes(request_attributes(asked, served))
-                self.span.set_attributes(finish_attributes(asked, served))
+                    pending.update(request_attributes(asked, served))
+                pending.update(finish_attributes(served))
                 if served.status >= 500 or served.status == 0:
                     self.span.set_status(StatusCode.ERROR)
-                    self.span.set_attribute("error.type", str(served.status))
+                    pending["error.type"] = str(served.status)
+                self.span.set_attributes(pending)
                 if self.tracing.config.contents and asked.request is not None:
                     self.contents(asked, served)
             self.end_ns = self.at(end)
@@ -470,9 +488,8 @@ def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def finish_attributes(asked: Asked, served: Served) -> dict[str, Any]:
-    out: dict[str, Any] = {"http.response.status_code": served.status, "toolquake.route": asked.route,
-                           "toolquake.profile": asked.profile_name, "toolquake.request_id": asked.request_id}
+def finish_attributes(served: Served) -> dict[str, Any]:
+    out: dict[str, Any] = {"http.response.status_code": served.status}
     if served.upstream_s is not None:
         out["toolquake.upstream_ms"] = round(served.upstream_s * 1000, 3)
         out["toolquake.overhead_ms"] = round(max(served.total_s - served.upstream_s, 0.0) * 1000, 3)

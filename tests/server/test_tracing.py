@@ -114,3 +114,44 @@ def test_tracing_settings_from_file_and_environment(tmp_path):
     cfg.write_text('[tracing]\nOTEL_NOT_A_KEY = "x"\n')
     with pytest.raises(ConfigError, match="OTEL_NOT_A_KEY"):
         load_config(cfg, env={})
+
+
+def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
+    """proxy/server/otlp.py's ExportTraceServiceRequest, decoded by the official protobuf classes, equals the
+    SDK's own encoding of the same spans (remote and local parents, trace state, every attribute type, status)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
+
+    from toolquake.proxy.server import otlp
+    from toolquake.proxy.server.tracing import _GETTER, PROPAGATOR
+
+    finished: list = []
+
+    class Keep(SpanExporter):
+        def export(self, spans):
+            finished.extend(spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "t", "n": 3}))
+    provider.add_span_processor(SimpleSpanProcessor(Keep()))
+    tracer = provider.get_tracer("toolquake", "0.1.0")
+    parent = PROPAGATOR.extract([("traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01"), ("tracestate", "v=1")],
+                                getter=_GETTER)
+    attrs = {"s": "é ✓", "i": 7, "neg": -5, "big": 2**62, "f": 1.5, "t": True, "no": False, "strs": ["a", "b"],
+             "ints": [1, -2], "empty": []}
+    for kind in (SpanKind.SERVER, SpanKind.INTERNAL):
+        root = tracer.start_span("chat m", context=parent if kind == SpanKind.SERVER else None, kind=kind,
+                                 attributes=attrs)
+        child = tracer.start_span("POST /v1/x", context=set_span_in_context(root), kind=SpanKind.CLIENT)
+        child.set_status(StatusCode.ERROR, "boom")
+        child.end()
+        root.set_status(StatusCode.OK)
+        root.end()
+    tracer.start_span("bare").end()
+    ours = ExportTraceServiceRequest.FromString(otlp.encode(finished))
+    assert ours == encode_spans(finished)
+    assert len(ours.resource_spans[0].scope_spans[0].spans) == 5
