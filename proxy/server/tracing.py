@@ -226,7 +226,8 @@ class Tracing:
 class RequestTrace:
     """The span of one model request and what it takes to end it. Every method fails open."""
 
-    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording", "pending")
+    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording", "pending",
+                 "context")
 
     def __init__(self, tracing: Tracing, span: Span, t0: float, ns0: int) -> None:
         self.tracing, self.span, self.t0, self.ns0 = tracing, span, t0, ns0
@@ -237,6 +238,7 @@ class RequestTrace:
         self.recording = span.is_recording()
         #: attributes gathered on the way, set on the span in one call when the request finishes
         self.pending: dict[str, Any] = {}
+        self.context = set_span_in_context(span)  # the parent of every child span
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
@@ -245,15 +247,19 @@ class RequestTrace:
     def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, start: float | None = None,
               attributes: dict[str, Any] | None = None) -> Span:
         tracer = self.tracing.tracer
-        return tracer.start_span(name, context=set_span_in_context(self.span), kind=kind, attributes=attributes,
+        return tracer.start_span(name, context=self.context, kind=kind, attributes=attributes,
                                  start_time=self.at(start) if start is not None else None)
 
     @staticmethod
     def forward(span: Span, headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """`headers` with the client's trace headers replaced by `span`'s context (for the backend)."""
-        carrier: dict[str, str] = {}
-        PROPAGATOR.inject(carrier, context=set_span_in_context(span))
-        return [*(h for h in headers if h[0].lower() not in TRACE_HEADERS), *carrier.items()]
+        """`headers` with the client's trace headers replaced by `span`'s context (for the backend), written as
+        the W3C propagator writes them (tests/server/test_tracing.py reads them back)."""
+        ctx = span.get_span_context()
+        out = [h for h in headers if h[0].lower() not in TRACE_HEADERS]
+        out.append(("traceparent", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"))
+        if ctx.trace_state:
+            out.append(("tracestate", ctx.trace_state.to_header()))
+        return out
 
     def sending(self, asked: Asked, served: Served, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """The request goes upstream: its attributes, and the upstream call's span, whose context the backend

@@ -30,6 +30,8 @@ import pytest
 from tests.conftest import Proc, free_port, recorded, start_proxy
 from toolquake.proxy.backend.local import die_with_parent_preexec
 
+pytestmark = pytest.mark.slow  # Phoenix takes 20-60 s to start on 2 cores
+
 CACHE = Path(os.environ.get("TOOLQUAKE_CACHE") or Path.home() / ".cache" / "toolquake")
 PHOENIX = Path(os.environ.get("TOOLQUAKE_PHOENIX") or CACHE / "phoenix" / "venv" / "bin" / "phoenix")
 PROJECT = "toolquake-tests"
