@@ -4,6 +4,7 @@ tests/bench/otlp_sink.py), and with `--ref NAME=GITREF` the code of another comm
 in alternating rounds, passthrough and streaming, on the lean path (profile `off`, scoring off).
 
     python -m tests.bench.tracing_overhead [--ref before=GITREF] [--seconds 3] [--rounds 5] [--concurrency 1,64]
+        [--unsampled] [--no-stream]
 
 Prints, per workload and concurrency, the medians of req/s, p50 and the proxy's CPU per request (its own
 /proc counters, the exporter's thread included), each arm's ratio to the first, and the CPU that tracing on
@@ -29,9 +30,9 @@ from tests.conftest import free_port, start_fake_upstream, start_process, start_
 OFF = "[server]\n[scoring]\nenabled = false\n"
 
 
-def on(sink: str) -> str:
+def on(sink: str, sampler: str = "always_on") -> str:
     return (f'{OFF}[tracing]\nenabled = true\nOTEL_EXPORTER_OTLP_ENDPOINT = "{sink}"\n'
-            'OTEL_TRACES_SAMPLER = "always_on"\n')
+            f'OTEL_TRACES_SAMPLER = "{sampler}"\n')
 
 
 def main() -> None:
@@ -40,6 +41,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--unsampled", action="store_true",
+                    help="also an arm with tracing on and every request left out by the sampler (always_off)")
+    ap.add_argument("--no-stream", action="store_true", help="passthrough only")
     args = ap.parse_args()
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream()
@@ -50,13 +54,16 @@ def main() -> None:
     try:
         procs["off"] = start_proxy(fake.url, OFF)
         procs["on"] = start_proxy(fake.url, on(sink.url))
+        if args.unsampled:
+            procs["unsampled"] = start_proxy(fake.url, on(sink.url, "always_off"))
         for spec in args.ref:
             name, _, ref = spec.partition("=")
             procs[name] = start_ref_proxy(install_ref(ref, Path(tmp.name) / name), fake.url, OFF)
         for proc in procs.values():
             run_asyncio(proc.url, 4, 1.0)
-        workloads = {"passthrough": json.dumps(BODY).encode(), "streaming": json.dumps({**BODY, "stream": True})
-                     .encode()}
+        workloads = {"passthrough": json.dumps(BODY).encode()}
+        if not args.no_stream:
+            workloads["streaming"] = json.dumps({**BODY, "stream": True}).encode()
         for work, payload in workloads.items():
             for conns in [int(c) for c in args.concurrency.split(",")]:
                 compare(procs, work, payload, conns, args.rounds, args.seconds, load)
