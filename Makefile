@@ -8,16 +8,16 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings install-local corpus tools lint test test-fast bench demo clean image test-image \
+.PHONY: install install-embeddings install-local phoenix corpus tools lint test test-fast bench demo clean image test-image \
 	lock containers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# core + dev + replay/multi-turn extras (light: no torch)
+# core + dev + replay/multi-turn/tracing extras (light: no torch)
 $(VENV)/.core: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,replay,multiturn]'
+	$(BIN)/pip install -q -e '.[dev,replay,multiturn,tracing]'
 	touch $@
 
 install: $(VENV)/.core
@@ -53,6 +53,17 @@ $(VENV)/.local: $(VENV)/.core
 	touch $@
 
 install-local: $(VENV)/.local
+
+# Arize Phoenix, in a virtual environment of its own (its dependencies are pinned apart from the project's): the
+# tracing test (tests/server/test_tracing_phoenix.py) starts `phoenix serve` from it and reads the spans back
+PHOENIX_VERSION := 20.26.1
+PHOENIX_VENV := $(TOOLQUAKE_CACHE)/phoenix/venv
+$(PHOENIX_VENV)/.installed-$(PHOENIX_VERSION):
+	$(PY) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/pip install -q 'arize-phoenix==$(PHOENIX_VERSION)'
+	touch $@
+
+phoenix: $(PHOENIX_VENV)/.installed-$(PHOENIX_VERSION)
 
 # --with-backends: BFCL's multi-turn API simulators too (the cached wheel installed --no-deps)
 corpus: install
@@ -109,7 +120,7 @@ lint: install
 	cd $(LINT_SITE) && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
-test: install-embeddings corpus tools install-local containers
+test: install-embeddings corpus tools install-local containers phoenix
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     from toolquake.proxy import live
     from toolquake.proxy.live import recording
     from toolquake.proxy.server import logs, workers
-    from toolquake.proxy.server.app import create_app
+    from toolquake.proxy.server.app import create_app, tracer
+    from toolquake.proxy.server.config import ConfigError
     from toolquake.proxy.server.lean import lean_protocol
     from toolquake.proxy.server.limits import limited_protocol, rejection_counter
 
@@ -47,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
+    if config.tracing.enabled:  # the tracing extra and the OTEL_* settings, checked before serving
+        try:
+            tracer(config)
+        except ConfigError as exc:
+            sys.exit(f"toolquake: {exc}")
     raise_open_files(server.max_client_connections + server.max_connections + SPARE_FILES)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
 

@@ -56,13 +56,15 @@ class Origin:
     case_header: str | None
     route: str = "-"
     injected_calls: tuple[str, ...] = ()
+    #: the request's span (proxy/server/tracing.py) when traced: the verdict is added to it
+    trace: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, asked: Asked, served: Served) -> Origin:
         # the header only says how the case was found; a header naming no case (it may be long) is not kept
         header = asked.case_header if asked.case is not None else None
         return cls(asked.request_id, asked.mode, asked.model, asked.stream, asked.request or {}, asked.case, header,
-                   asked.route, served.injected_calls)
+                   asked.route, served.injected_calls, served.trace)
 
 
 @dataclass
@@ -108,6 +110,21 @@ def _safe_report(report: dict[str, Any]) -> dict[str, Any]:
         return type(v).__name__
 
     return {k: keep(v) for k, v in report.items()}
+
+
+def _verdict_attributes(job: Job, grade: Any, agreement: Any) -> dict[str, Any]:
+    """A job's verdict as span attributes: the client's answer under toolquake.verdict.*, a shadow twin's under
+    toolquake.shadow.*, a noise twin's under toolquake.noise.* (docs/tracing.md)."""
+    prefix = {"twin": "toolquake.shadow.", "noise": "toolquake.noise."}.get(job.arm, "toolquake.verdict.")
+    case = job.origin.case
+    out: dict[str, Any] = {"toolquake.score.arm": job.arm}
+    if agreement is not None:  # agree: the calls are the same (exactly or semantically); agreement says which
+        out[prefix + "agree"], out[prefix + "agreement"] = agreement.consistent, agreement.agree
+    if grade is not None:
+        out.update({prefix + "case_id": case.id, prefix + "category": case.category, prefix + "valid": grade.valid,
+                    prefix + "error_type": grade.error_type, prefix + "taxonomy": grade.taxonomy,
+                    prefix + "fair_valid": grade.fair_valid, prefix + "semantic_valid": grade.semantic_valid})
+    return out
 
 
 class LiveScorer:
@@ -189,6 +206,9 @@ class LiveScorer:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
             self.metrics.dropped.labels(job.profile).inc()
+            return
+        if job.origin.trace is not None:  # the request's span waits for this verdict (released in _work)
+            job.origin.trace.hold()
 
     def _start(self) -> None:
         if not self.workers:
@@ -207,6 +227,8 @@ class LiveScorer:
                             error=str(exc)[:300])
             finally:
                 self.queue.task_done()
+                if job.origin.trace is not None:
+                    job.origin.trace.release()
 
     async def _process(self, job: Job) -> None:
         await asyncio.to_thread(self._score_and_store, job)
@@ -248,6 +270,8 @@ class LiveScorer:
                     m.semantic_flips.labels(job.profile, model).inc()
         if grade is None and agreement is None:
             return None
+        if origin.trace is not None:
+            origin.trace.scored(f"score {job.arm}", t0, time.perf_counter(), _verdict_attributes(job, grade, agreement))
         row = self._row(job, agreement)
         if grade is not None:
             row.expected, row.valid, row.error_type, row.taxonomy = (grade.expected, grade.valid, grade.error_type,

@@ -54,6 +54,16 @@ class Twin:
     kind: str = "twin"
 
 
+def _twin_attributes(kind: str, outcome: Outcome | None) -> dict[str, Any]:
+    """The twin span's own attributes: its kind, and the perturbation it carries (proxy/server/tracing.py)."""
+    from toolquake.proxy.server.tracing import perturbation_attributes  # only when tracing is on
+
+    attrs: dict[str, Any] = {"toolquake.shadow.kind": kind}
+    if outcome is not None:
+        attrs.update(perturbation_attributes(outcome))
+    return attrs
+
+
 def sampled(seed: int, rate: float, salt: str = "shadow") -> bool:
     if rate >= 1.0:
         return True
@@ -99,6 +109,8 @@ class ShadowRunner:
             self.requests.labels(label, "busy").inc()
             return False
         self.in_flight[asked.profile_name] = self.in_flight.get(asked.profile_name, 0) + 1
+        if served.trace is not None:  # the request's span waits for the twin's consistency
+            served.trace.hold()
         task = asyncio.get_running_loop().create_task(self._run(asked, served, profile, kind))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -106,18 +118,23 @@ class ShadowRunner:
 
     async def _run(self, asked: Asked, served: Served, profile: Any, kind: str = "twin") -> None:
         try:
-            twin = await self._twin(asked, profile, perturb=kind == "twin")
+            try:
+                twin = await self._twin(asked, profile, perturb=kind == "twin", kind=kind, trace=served.trace)
+            finally:
+                self.in_flight[asked.profile_name] -= 1
+            twin.kind = kind
+            label = NOISE_PROFILE if kind == "noise" else asked.profile_name
+            self.requests.labels(label, "answered" if twin.error is None else "failed").inc()
+            try:
+                self.done(asked, served, twin)
+            except Exception as exc:  # fail-open: a broken consumer never takes the runner down
+                log.warning("shadow_consumer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
         finally:
-            self.in_flight[asked.profile_name] -= 1
-        twin.kind = kind
-        label = NOISE_PROFILE if kind == "noise" else asked.profile_name
-        self.requests.labels(label, "answered" if twin.error is None else "failed").inc()
-        try:
-            self.done(asked, served, twin)
-        except Exception as exc:  # fail-open: a broken consumer never takes the runner down
-            log.warning("shadow_consumer_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+            if served.trace is not None:
+                served.trace.release()
 
-    async def _twin(self, asked: Asked, profile: Any, perturb: bool = True) -> Twin:
+    async def _twin(self, asked: Asked, profile: Any, perturb: bool = True, kind: str = "twin",
+                    trace: Any = None) -> Twin:
         st, m = self.st, self.st.metrics
         outcome = None
         request = asked.request or {}
@@ -132,10 +149,21 @@ class ShadowRunner:
         api = asked.api or CHAT
         # the twin speaks the client's API (a Responses request's twin is a Responses request)
         wire = twin_body(api.to_wire(request, asked.wire_request or {}, asked.conversion))
+        span, headers = None, asked.forward_headers
+        if trace is not None:
+            span, headers = trace.call(f"shadow {kind}", asked, headers, _twin_attributes(kind, outcome))
+        try:
+            return await self._send(asked, twin, outcome, wire, headers)
+        finally:
+            if trace is not None:
+                trace.called(span, twin.status, twin.answer, {"toolquake.shadow.error": twin.error})
+
+    async def _send(self, asked: Asked, twin: Twin, outcome: Outcome | None, wire: dict[str, Any],
+                    headers: list[tuple[str, str]]) -> Twin:
+        st, m, api = self.st, self.st.metrics, asked.api or CHAT
         t0 = time.perf_counter()
         try:
-            resp = await st.upstream.send("POST", st.upstream.api_url(api.path), asked.forward_headers,
-                                          msgspec.json.encode(wire))
+            resp = await st.upstream.send("POST", st.upstream.api_url(api.path), headers, msgspec.json.encode(wire))
             try:
                 data = await resp.aread()
             finally:

@@ -44,6 +44,7 @@ from toolquake.proxy.replay.multiturn import replay_fields
 from toolquake.proxy.replay.progress import Progress
 from toolquake.proxy.replay.selection import expand_profiles, results_name, select_cases
 from toolquake.proxy.replay.store import Record, ResultsFile
+from toolquake.proxy.replay.tracing import ReplayTraces
 
 CASE_HEADER = "X-Toolquake-Case"
 #: this many connection failures in a row means the backend (or proxy) is down: stop, resume later
@@ -177,9 +178,10 @@ class _Sender:
     comes; `MAX_CONSECUTIVE_UNREACHABLE` connection failures in a row stop the run (a rerun resumes it)."""
 
     def __init__(self, options: Options, proxy_url: str, client: httpx.AsyncClient, model: str,
-                 in_process: InProcessProxy | None) -> None:
+                 in_process: InProcessProxy | None, traces: ReplayTraces | None = None) -> None:
         self.options, self.proxy_url, self.client, self.model = options, proxy_url, client, model
         self.in_process = in_process
+        self.traces = traces
         self.grader = Grader(semantic=options.semantic)
         self.headers = _auth(options)
         self.unreachable = 0
@@ -191,25 +193,37 @@ class _Sender:
         return {k: v for k, v in (("temperature", self.options.temperature), ("max_tokens", self.options.max_tokens),
                                   ("seed", seed)) if v is not None}
 
-    async def multi_turn(self, case: Any, profile: str, trial: int) -> Record:
+    async def multi_turn(self, case: Any, profile: str, trial: int, traced: dict[str, str]) -> Record:
         """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
         extra = self.sampling(case.id, trial)
         fields = await replay_fields(case, f"{self.proxy_url}/p/{profile}/v1", model=self.model, client=self.client,
-                                     headers=self.headers, extra_body=extra,
+                                     headers={**self.headers, **traced}, extra_body=extra,
                                      take=self.in_process.take if self.in_process is not None else None)
         return Record(case_id=case.id, profile=profile, category=case.category, trial=trial, **fields)
 
     async def one(self, case: Any, profile: str, trial: int) -> Record:
-        """One (case, profile, trial): the request, the proxy's record of what it perturbed, the grade."""
+        """One (case, profile, trial): the request, the proxy's record of what it perturbed, the grade; under its
+        own span (the case's trace) when the run is traced."""
+        if self.traces is None:
+            return await self._one(case, profile, trial, {})
+        span, traced = self.traces.arm(case, profile, trial)
+        rec = None
+        try:
+            rec = await self._one(case, profile, trial, traced)
+            return rec
+        finally:
+            self.traces.done(span, case, trial, rec)
+
+    async def _one(self, case: Any, profile: str, trial: int, traced: dict[str, str]) -> Record:
         if case.is_multi_turn:
-            return await self.multi_turn(case, profile, trial)
+            return await self.multi_turn(case, profile, trial, traced)
         body = request_body(case, self.model) if is_user_case(case) else case_request(case, model=self.model)
         body.update(self.sampling(case.id, trial))
         rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
         t0 = time.perf_counter()
         try:
             r = await self.client.post(f"{self.proxy_url}/p/{profile}/v1/chat/completions", json=body,
-                                       headers={**self.headers, CASE_HEADER: case.id})
+                                       headers={**self.headers, CASE_HEADER: case.id, **traced})
         except httpx.TimeoutException as exc:
             rec.error_code, rec.error = "timeout", f"{type(exc).__name__}: no answer in {self.options.timeout:.0f} s"
             return rec
@@ -284,14 +298,14 @@ class _Sender:
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
                     progress: Progress, model: str, in_process: InProcessProxy | None,
-                    summary: Summary) -> None:
+                    summary: Summary, traces: ReplayTraces | None = None) -> None:
     queue: asyncio.Queue[tuple[Any, str, int]] = asyncio.Queue()
     for pair in pairs:
         queue.put_nowait(pair)
     limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        sender = _Sender(options, proxy_url, client, model, in_process)
+        sender = _Sender(options, proxy_url, client, model, in_process, traces)
         await asyncio.gather(*(sender.worker(queue, results, progress, summary)
                                for _ in range(max(1, options.concurrency))))
 
@@ -389,12 +403,15 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
         in_process = InProcessProxy(config, fail_open=options.fail_open)
         proxy_url = in_process.start()
     tallies = results.tallies()
+    traces = ReplayTraces(config, pairs) if config.tracing.enabled else None
     try:
         with Progress(list(totals), totals, tallies, enabled=options.progress) as progress:
-            asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary))
+            asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary, traces))
     finally:
         if in_process is not None:
             in_process.stop()
+        if traces is not None:
+            traces.close()
 
 
 def _token_counter(config: Any, say: Callable[[str], None]) -> str:

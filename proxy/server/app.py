@@ -20,7 +20,7 @@ from toolquake.perturbers import Services
 from toolquake.proxy.server import admin
 from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
-from toolquake.proxy.server.config import Config
+from toolquake.proxy.server.config import Config, ConfigError
 from toolquake.proxy.server.errors import error_body
 from toolquake.proxy.server.lean import LeanPath
 from toolquake.proxy.server.metrics import REFRESH_S, Metrics
@@ -123,10 +123,14 @@ class Lifecycle:
         self.spawn(st.metrics.watch_loop_lag())  # cancelled by shutdown()
         if st.metrics.multiprocess:
             self.spawn(self.refresh_gauges())
+        if st.tracing is not None:  # in each worker (after the fork): the batch processor's thread is its own
+            st.tracing.start()
 
     async def shutdown(self) -> None:
         for task in list(self.background):
             task.cancel()
+        if self.st.tracing is not None:  # after live scoring's shutdown (its verdicts end the spans they held)
+            await asyncio.to_thread(self.st.tracing.shutdown)
         await self.st.upstream.aclose()
 
 
@@ -145,7 +149,20 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
         admin_token=admin_token,
     )
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
+    if config.tracing.enabled:
+        st.tracing = tracer(config, st.metrics)
     return st
+
+
+def tracer(config: Config, metrics: Metrics | None = None) -> Any:
+    """The server's tracer (`[tracing] enabled`); a ConfigError that says what to do when it cannot be made
+    (the `tracing` extra missing, a bad OTEL_* setting). Without `metrics`: only checks the settings."""
+    try:
+        from toolquake.proxy.server.tracing import Tracing
+    except ImportError as exc:
+        raise ConfigError(f"[tracing] enabled needs the tracing extra ({exc.name} is not installed): "
+                          "pip install 'toolquake[tracing]'") from None
+    return Tracing(config.tracing, metrics or Metrics(), config.server.upstream)
 
 
 def _model_routes(chat_handler: ChatHandler, responses_handler: ChatHandler) -> list:

@@ -128,6 +128,8 @@ class ChatHandler:
         st = self.st
         request_id, t0 = new_request_id(), time.perf_counter()
         served, asked = Served(), None
+        if st.tracing is not None:
+            served.trace = st.tracing.begin(headers, t0)
         st.metrics.in_flight.inc()
         streamed = False  # a streamed answer finishes (and leaves in_flight) in its background task
         try:
@@ -247,5 +249,7 @@ class ChatHandler:
                 send_raw = _encode(api.to_wire(served.sent, asked.wire_request or {}, asked.conversion))
         served.sent_raw = send_raw
         served.t_upstream = time.perf_counter()
-        upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), asked.forward_headers, send_raw)
+        headers = asked.forward_headers if served.trace is None else \
+            served.trace.sending(asked, served, asked.forward_headers)
+        upstream = await send_upstream(st, "POST", st.upstream.api_url(api.path), headers, send_raw)
         return await self.answers.serve(asked, served, upstream)

@@ -212,11 +212,42 @@ class RecordConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
                 raise ValueError(f"redact pattern {pattern!r}: {exc}") from None
 
 
+#: the OpenTelemetry SDK's own variables that `[tracing]` also takes as keys (the environment's value wins)
+OTEL_KEYS = (
+    "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    "OTEL_BSP_EXPORT_TIMEOUT",
+)
+
+
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenTelemetry traces (`[tracing]`, docs/tracing.md): a GenAI span per proxied model request, exported over
+    OTLP/HTTP in batches off the request path. The exporter, sampler and resource are set by the SDK's `OTEL_*`
+    variables, or by the same names as keys of this table (`otel`, filled from them; the environment wins)."""
+
+    enabled: bool = False
+    #: prompt and answer contents in spans (gen_ai.input.messages, gen_ai.output.messages), redacted as the
+    #: recording is (docs/own-cases.md); off: no content of a request or an answer is ever exported
+    contents: bool = False
+    #: OTEL_* keys given in the file (the names above)
+    otel: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.otel) - set(OTEL_KEYS))
+        if unknown:
+            raise ValueError(f"unknown OTEL_* key(s) {', '.join(unknown)}; known: {', '.join(OTEL_KEYS)}")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     profiles: dict[str, ProfileSpec] = {}
     scoring: ScoringConfig = msgspec.field(default_factory=ScoringConfig)
     record: RecordConfig = msgspec.field(default_factory=RecordConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 # environment variable -> (server field, type)
@@ -272,10 +303,24 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
         if value is not None:
             server[key] = value
     raw["server"] = server
+    raw["tracing"] = _tracing(dict(raw.get("tracing") or {}), env)
     config = _decode(raw, str(source))
     load_plugins(config.server.plugins)
     validate_profiles(config.profiles)
     return config
+
+
+def _tracing(table: dict[str, Any], env: Any) -> dict[str, Any]:
+    """`[tracing]` with its OTEL_* keys gathered under `otel`, the environment over the file
+    (TOOLQUAKE_TRACING, TOOLQUAKE_TRACING_CONTENTS, and the SDK's own OTEL_* variables)."""
+    otel = {k: str(table.pop(k)) for k in list(table) if k.startswith("OTEL_")}
+    otel.update({k: env[k] for k in OTEL_KEYS if env.get(k)})
+    for var, key in (("TOOLQUAKE_TRACING", "enabled"), ("TOOLQUAKE_TRACING_CONTENTS", "contents")):
+        if env.get(var):
+            table[key] = env[var].strip().lower() in ("1", "true", "yes", "on")
+    if otel:
+        table["otel"] = otel
+    return table
 
 
 def load_plugins(modules: list[str]) -> None:

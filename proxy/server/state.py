@@ -88,6 +88,8 @@ class Served:
     #: conformance rules the backend's answer broke (conformance.Violation), and the rule a `repair` fixed
     violations: list[Any] = field(default=())  # type: ignore[assignment]
     repaired: str | None = None
+    #: the request's span (tracing.RequestTrace) when `[tracing]` is on, else None
+    trace: Any = None
 
 
 #: called with each finished request; must return quickly (enqueue and go)
@@ -144,3 +146,5 @@ class ProxyState:
     conformance_sinks: list[ConformanceSink] = field(default_factory=list)
     #: schedules perturbers' setup() for new profiles, in the background (set by create_app)
     warm: Callable[[list[Profile]], None] | None = None
+    #: the tracer (proxy/server/tracing.py) when `[tracing] enabled`, else None
+    tracing: Any = None

@@ -58,27 +58,37 @@ class InjectedCalls(AnswerStep):
                                     *({"role": "tool", "tool_call_id": c.get("id", ""),
                                        "content": UNAVAILABLE.format(name=_call_name(c))} for c in bad)]}
             request.pop("stream_options", None)
-            previous, followup = answer, await self._ask_again(asked, request)
+            if served.trace is not None:
+                served.trace.tools_answered(bad)
+            previous, followup = answer, await self._ask_again(asked, served, request, round_ + 1)
             if followup is None:  # the follow-up failed: the client gets the answer without the added calls
                 return _strip(previous, {id(c) for c in bad})
             answer = followup
         return answer
 
-    async def _ask_again(self, asked: Asked, request: dict[str, Any]) -> dict[str, Any] | None:
-        api, upstream = asked.api, self.st.upstream
+    async def _ask_again(self, asked: Asked, served: Served, request: dict[str, Any],
+                         round_: int) -> dict[str, Any] | None:
+        api, upstream, trace = asked.api, self.st.upstream, served.trace
         assert api is not None
         wire = api.to_wire(request, {**(asked.wire_request or {}), "stream": False}, asked.conversion)
+        span, headers = (None, asked.forward_headers) if trace is None else \
+            trace.call(f"POST /v1/{api.path}", asked, asked.forward_headers, {"toolquake.followup.round": round_})
+        status, answer = 0, None
         try:
-            resp = await upstream.send("POST", upstream.api_url(api.path), asked.forward_headers, _encode(wire))
+            resp = await upstream.send("POST", upstream.api_url(api.path), headers, _encode(wire))
             try:
                 data = await resp.aread()
             finally:
                 await resp.aclose()
+            status = resp.status_code
             answer = _decode(data) if resp.status_code == 200 else None
         except (UpstreamError, msgspec.DecodeError, RecursionError) as exc:
             log.warning("injected_followup_failed", request_id=asked.request_id, error_type=type(exc).__name__)
-            return None
-        return api.answer_to_internal(answer) if isinstance(answer, dict) else None
+            answer = None
+        answer = api.answer_to_internal(answer) if isinstance(answer, dict) else None
+        if trace is not None:
+            trace.called(span, status, answer)
+        return answer
 
 
 def _calls(answer: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -29,11 +29,12 @@ def finish(st: ProxyState, asked: Asked, served: Served, observe: bool = True) -
         m.child(m.upstream_duration, route, s).observe(served.upstream_s)
         m.child(m.overhead, route, s).observe(max(served.total_s - served.upstream_s, 0.0))
     logs.info(log, "request", _event(st, asked, served))
-    if not observe:
-        return
-    if asked.observed and asked.request is not None:
-        _hand(st.observers, asked, served)
-    _hand(st.case_observers, asked, served)  # every request: those nobody read come undecoded
+    if observe:
+        if asked.observed and asked.request is not None:
+            _hand(st.observers, asked, served)
+        _hand(st.case_observers, asked, served)  # every request: those nobody read come undecoded
+    if served.trace is not None:  # after the observers: a scorer holds the span open for its verdict
+        served.trace.finish(asked, served)
 
 
 def _hand(observers: list[Observer], asked: Asked, served: Served) -> None:

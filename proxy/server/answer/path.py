@@ -14,6 +14,7 @@ from toolquake.proxy.server.answer.repair import Repair
 from toolquake.proxy.server.answer.restore import Restore
 from toolquake.proxy.server.answer.streams import Relay, Rewritten
 from toolquake.proxy.server.answer.text_through import TextThrough
+from toolquake.proxy.server.answer.trace import Trace
 
 if TYPE_CHECKING:
     from litestar.response import Stream
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.upstream import UpstreamResponse
 
 #: every answer step, in the order they run: a repair reads the text before a restore turns text back into
-#: calls, and calls to added tools are judged on the answer as the client would get it
-STEPS: tuple[type[AnswerStep], ...] = (Repair, Restore, InjectedCalls, TextThrough, Conformance)
+#: calls, and calls to added tools are judged on the answer as the client would get it; the trace reads the answer
+#: the client got
+STEPS: tuple[type[AnswerStep], ...] = (Repair, Restore, InjectedCalls, TextThrough, Conformance, Trace)
 
 
 class AnswerPath:
@@ -34,6 +36,8 @@ class AnswerPath:
     async def serve(self, asked: Asked, served: Served, upstream: UpstreamResponse) -> Plain | Stream:
         """The upstream's answer (its status and headers arrived) on its way to the client."""
         plan = make_plan(self.steps, asked, served)
+        if plan.bytes and served.trace is not None:  # the span waits for the checks after the last byte
+            served.trace.hold()
         if asked.stream and 200 <= upstream.status_code < 300 \
                 and "text/event-stream" in upstream.header("content-type"):
             if plan.events is not None:
@@ -55,7 +59,12 @@ class AnswerPath:
             if new is not None:
                 internal, changed = new, True
         served.response = internal = await self.read(asked, served, plan, internal)
-        return api.answer_to_wire(internal, wire) if changed else wire
+        if not changed:
+            return wire
+        sent = api.answer_to_wire(internal, wire)
+        if served.trace is not None:  # the id the client got (a Responses answer keeps its first answer's id)
+            served.trace.client_got(sent)
+        return sent
 
     async def read(self, asked: Asked, served: Served, plan: Plan, answer: dict[str, Any]) -> dict[str, Any]:
         """The final answer through the steps that read it (what they return is what observers get)."""
@@ -66,5 +75,9 @@ class AnswerPath:
         return answer
 
     async def after_bytes(self, asked: Asked, served: Served, plan: Plan, relayed: bytes) -> None:
-        for step in plan.bytes:
-            await step.on_bytes(asked, served, relayed)
+        try:
+            for step in plan.bytes:
+                await step.on_bytes(asked, served, relayed)
+        finally:
+            if served.trace is not None:
+                served.trace.release()

@@ -1,0 +1,541 @@
+"""OpenTelemetry traces (`[tracing]`, docs/tracing.md): one span per proxied model request, following the GenAI
+semantic conventions (`gen_ai.*`) plus toolquake's own attributes (`toolquake.*`), with child spans for the
+upstream call, the proxy's follow-ups, shadow twins and scoring.
+
+Imported only when tracing is on (the `tracing` extra: opentelemetry-sdk and its OTLP/HTTP exporter). Spans go
+to a batch processor whose thread exports them; nothing on the request path waits on the collector, and an
+exporter that fails or raises is counted (`toolquake_tracing_failures_total{stage="export"}`), never raised.
+The client's `traceparent`/`tracestate` are honoured (the request span joins the agent's trace) and each call
+the proxy makes upstream carries its own span's context. A request's span ends at the request's last byte but
+is exported once what is judged after it (conformance, live verdict, shadow consistency) has been added to it:
+each of those holds the span (`hold`/`release`); a trace dropped unreleased ends its span when collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from urllib.parse import urlsplit
+
+import msgspec
+import structlog
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider, sampling
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.re import parse_env_headers
+from prometheus_client import Counter
+
+from toolquake import __version__
+from toolquake.proxy.server import otlp
+from toolquake.proxy.server.config import ConfigError, TracingConfig
+
+if TYPE_CHECKING:
+    from toolquake.proxy.server.metrics import Metrics
+    from toolquake.proxy.server.state import Asked, Served
+
+log = structlog.get_logger("toolquake.tracing")
+PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+#: string values of a perturber's report exported as they are (others only when numbers or booleans)
+REPORT_STRINGS = frozenset({"kind", "target", "source", "token_counter", "config", "parse", "fact_kind",
+                            "not_perturbed", "skipped"})
+_SAMPLERS = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF,
+             "parentbased_always_on": sampling.ParentBased(sampling.ALWAYS_ON),
+             "parentbased_always_off": sampling.ParentBased(sampling.ALWAYS_OFF)}
+_encode = msgspec.json.encode
+
+
+class _HeaderList(Getter):
+    """Reads the W3C trace headers from a request's header list."""
+
+    def get(self, carrier: list[tuple[str, str]], key: str) -> list[str] | None:
+        found = [v for k, v in carrier if k.lower() == key]
+        return found or None
+
+    def keys(self, carrier: list[tuple[str, str]]) -> list[str]:
+        return [k for k, _ in carrier]
+
+
+_GETTER = _HeaderList()
+
+
+def sampler(name: str, arg: str) -> sampling.Sampler:
+    """OTEL_TRACES_SAMPLER / _ARG as the SDK reads them (parent-based always-on by default)."""
+    name = (name or "parentbased_always_on").strip().lower()
+    if name in _SAMPLERS:
+        return _SAMPLERS[name]
+    if name in ("traceidratio", "parentbased_traceidratio"):
+        try:
+            ratio = float(arg) if arg else 1.0
+        except ValueError:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1")
+        ratio_sampler = sampling.TraceIdRatioBased(ratio)
+        return ratio_sampler if name == "traceidratio" else sampling.ParentBased(ratio_sampler)
+    raise ConfigError(f"OTEL_TRACES_SAMPLER={name!r}: use one of {', '.join(_SAMPLERS)}, traceidratio, "
+                      "parentbased_traceidratio")
+
+
+def endpoint(otel: dict[str, str]) -> str:
+    """The OTLP/HTTP traces URL (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as is, else the base endpoint + /v1/traces)."""
+    protocol = otel.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or otel.get("OTEL_EXPORTER_OTLP_PROTOCOL") \
+        or "http/protobuf"
+    if protocol.strip().lower() != "http/protobuf":
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: toolquake exports OTLP over HTTP "
+                          "(http/protobuf) only; point it at the collector's HTTP port (4318)")
+    if otel.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return otel["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = otel.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+    return base.rstrip("/") + "/v1/traces"
+
+
+def _number(otel: dict[str, str], *keys: str) -> float | None:
+    for key in keys:
+        if otel.get(key):
+            try:
+                return float(otel[key])
+            except ValueError:
+                raise ConfigError(f"{key}={otel[key]!r} is not a number") from None
+    return None
+
+
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting event loop takes it now, not at the next switch interval (5 ms)
+
+
+class Exporter(OTLPSpanExporter):
+    """The SDK's OTLP/HTTP exporter (its endpoint, headers, compression, retries and timeout) sending spans
+    encoded by `otlp.encode`; the SDK's own encoding where this SDK has no transport to hand the bytes to."""
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        client = getattr(self, "_client", None)
+        if client is None or getattr(self, "_shutdown", False) or not hasattr(client, "export"):
+            return super().export(spans)
+        result = client.export(otlp.encode(spans, pause=_yield_gil))
+        return SpanExportResult.SUCCESS if getattr(result, "success", False) else SpanExportResult.FAILURE
+
+
+class CountedExporter(SpanExporter):
+    """The OTLP exporter, fail-open: spans it could not send (collector down, refused, an exception) are
+    counted, never raised into the batch processor's thread."""
+
+    def __init__(self, inner: SpanExporter, failures: Any) -> None:
+        self.inner = inner
+        self.failures = failures
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:
+            log.warning("trace_export_failed", error_type=type(exc).__name__)
+            result = SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS:
+            self.failures.inc(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        try:
+            self.inner.shutdown()
+        except Exception:  # shutting down: nothing left to count
+            pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return self.inner.force_flush(timeout_millis)
+        except Exception:
+            return False
+
+
+class Tracing:
+    """One server's tracer (one per worker process: `start` runs at the app's start-up, after any fork).
+    `redact`: set by `live.attach` when `contents` is on (prompts and answers are exported redacted, or not at
+    all)."""
+
+    def __init__(self, config: TracingConfig, metrics: Metrics, upstream: str) -> None:
+        self.config = config
+        otel = config.otel
+        self.endpoint = endpoint(otel)
+        self.sampler = sampler(otel.get("OTEL_TRACES_SAMPLER", ""), otel.get("OTEL_TRACES_SAMPLER_ARG", ""))
+        failures = Counter("toolquake_tracing_failures", "Tracing that failed, fail-open: spans the exporter could "
+                           "not send (stage=export), requests whose tracing raised and were served without it "
+                           "(stage=span).", ["stage"], registry=metrics.registry)
+        self.export_failures, self.span_failures = failures.labels("export"), failures.labels("span")
+        url = urlsplit(upstream)  # never its user:password, path or query
+        self.server = {"server.address": url.hostname or "", "server.port": url.port or
+                       (443 if url.scheme == "https" else 80)}
+        self.redact: Callable[[Any], Any] | None = None
+        self.provider: TracerProvider | None = None
+        self.tracer: Any = None
+
+    def start(self) -> None:
+        """The provider, its batch processor and the OTLP/HTTP exporter (fails only on a bad setting)."""
+        otel = self.config.otel
+        attributes = dict(parse_env_headers(otel.get("OTEL_RESOURCE_ATTRIBUTES", ""), liberal=True))
+        attributes["service.name"] = otel.get("OTEL_SERVICE_NAME") or attributes.get("service.name") or "toolquake"
+        attributes.setdefault("service.version", __version__)
+        compression = otel.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or otel.get("OTEL_EXPORTER_OTLP_COMPRESSION")
+        headers = otel.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or otel.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
+        try:
+            exporter = Exporter(
+                endpoint=self.endpoint, headers=dict(parse_env_headers(headers, liberal=True)),
+                timeout=_number(otel, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
+                compression=Compression(compression.strip().lower()) if compression else None)
+        except ValueError as exc:
+            raise ConfigError(f"[tracing]: {exc}") from None
+        bsp = {k: int(v) for k, v in (("schedule_delay_millis", _number(otel, "OTEL_BSP_SCHEDULE_DELAY")),
+                                      ("max_queue_size", _number(otel, "OTEL_BSP_MAX_QUEUE_SIZE")),
+                                      ("max_export_batch_size", _number(otel, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")),
+                                      ("export_timeout_millis", _number(otel, "OTEL_BSP_EXPORT_TIMEOUT")))
+               if v is not None}
+        self.provider = TracerProvider(sampler=self.sampler, resource=Resource.create(attributes))
+        self.provider.add_span_processor(BatchSpanProcessor(CountedExporter(exporter, self.export_failures), **bsp))
+        self.tracer = self.provider.get_tracer("toolquake", __version__)
+        log.info("tracing", endpoint=self.endpoint, service=attributes["service.name"], contents=self.config.contents)
+
+    def shutdown(self) -> None:
+        """Export what is left (bounded by the exporter's timeout), then stop the processor's thread."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+    def begin(self, headers: list[tuple[str, str]], t0: float) -> RequestTrace | None:
+        """The span of a model request that just arrived (a child of the client's span when it sent one)."""
+        if self.tracer is None:
+            return None
+        try:
+            parent = PROPAGATOR.extract(headers, getter=_GETTER)
+            ns0 = time.time_ns() - int((time.perf_counter() - t0) * 1e9)
+            span = self.tracer.start_span("chat", context=parent, kind=SpanKind.SERVER, start_time=ns0,
+                                          attributes=self.server)
+            return RequestTrace(self, span, t0, ns0)
+        except Exception as exc:
+            self.failed(exc)
+            return None
+
+    def failed(self, exc: BaseException) -> None:
+        self.span_failures.inc()
+        log.warning("tracing_failed", error_type=type(exc).__name__, error=str(exc)[:200])
+
+
+class RequestTrace:
+    """The span of one model request and what it takes to end it. Every method fails open."""
+
+    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording", "pending",
+                 "context")
+
+    def __init__(self, tracing: Tracing, span: Span, t0: float, ns0: int) -> None:
+        self.tracing, self.span, self.t0, self.ns0 = tracing, span, t0, ns0
+        self.end_ns: int | None = None
+        self.holds = 1  # the request itself, until its last byte
+        self.ended = False
+        self.upstream: Span | None = None
+        self.recording = span.is_recording()
+        #: attributes gathered on the way, set on the span in one call when the request finishes
+        self.pending: dict[str, Any] = {}
+        self.context = set_span_in_context(span)  # the parent of every child span
+
+    def at(self, t: float) -> int:
+        """A perf_counter() time of this request as the epoch nanoseconds spans take."""
+        return self.ns0 + int((t - self.t0) * 1e9)
+
+    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, start: float | None = None,
+              attributes: dict[str, Any] | None = None) -> Span:
+        tracer = self.tracing.tracer
+        return tracer.start_span(name, context=self.context, kind=kind, attributes=attributes,
+                                 start_time=self.at(start) if start is not None else None)
+
+    @staticmethod
+    def forward(span: Span, headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`headers` with the client's trace headers replaced by `span`'s context (for the backend), written as
+        the W3C propagator writes them (tests/server/test_tracing.py reads them back)."""
+        ctx = span.get_span_context()
+        out = [h for h in headers if h[0].lower() not in TRACE_HEADERS]
+        out.append(("traceparent", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"))
+        if ctx.trace_state:
+            out.append(("tracestate", ctx.trace_state.to_header()))
+        return out
+
+    def sending(self, asked: Asked, served: Served, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The request goes upstream: its attributes, and the upstream call's span, whose context the backend
+        gets. Returns the headers to send."""
+        try:
+            span, api = self.span, asked.api
+            model = asked.model or ""
+            span.update_name(f"chat {model}".strip())
+            if self.recording:
+                self.pending.update(request_attributes(asked, served))
+            path = f"/v1/{api.path}" if api is not None else "/v1"
+            self.upstream = self.child(f"POST {path}", SpanKind.CLIENT, served.t_upstream,
+                                       {"http.request.method": "POST", "url.path": path, **self.tracing.server})
+            return self.forward(self.upstream, headers)
+        except Exception as exc:
+            self.tracing.failed(exc)
+            return headers
+
+    def answered(self, asked: Asked, served: Served, answer: dict[str, Any] | None) -> None:
+        """The final answer (chat-shaped), as the client got it: the response's gen_ai attributes."""
+        if not self.recording or answer is None:
+            return
+        try:
+            self.pending.update(answer_attributes(answer))
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def client_got(self, wire: dict[str, Any]) -> None:
+        """A rewritten answer in the client's wire form: the response id the client sees."""
+        if self.recording and isinstance(wire.get("id"), str):
+            self.pending["gen_ai.response.id"] = wire["id"]
+
+    def finish(self, asked: Asked, served: Served) -> None:
+        """The request's last byte was sent (or it was refused): what happened to it, and its end time."""
+        try:
+            if asked.model and self.upstream is None:  # refused before it went upstream
+                self.span.update_name(f"chat {asked.model}")
+            end = self.t0 + served.total_s
+            if self.upstream is not None:
+                self.upstream.set_attribute("http.response.status_code", served.status)
+                up_end = (served.t_upstream or self.t0) + (served.upstream_s or 0.0)
+                self.upstream.end(end_time=self.at(up_end if served.upstream_s is not None else end))
+            if self.recording:
+                pending = self.pending
+                if self.upstream is None:
+                    pending.update(request_attributes(asked, served))
+                pending.update(finish_attributes(served))
+                if served.status >= 500 or served.status == 0:
+                    self.span.set_status(StatusCode.ERROR)
+                    pending["error.type"] = str(served.status)
+                self.span.set_attributes(pending)
+                if self.tracing.config.contents and asked.request is not None:
+                    self.contents(asked, served)
+            self.end_ns = self.at(end)
+        except Exception as exc:
+            self.tracing.failed(exc)
+            self.end_ns = time.time_ns()
+        self.release()
+
+    def contents(self, asked: Asked, served: Served) -> None:
+        """Prompt and answer, redacted off the event loop (the span waits for them); none without a redactor."""
+        redact = self.tracing.redact
+        if redact is None:
+            return
+        request, answer = asked.request or {}, served.response
+        self.hold()
+
+        def work() -> None:
+            try:
+                self.span.set_attributes(content_attributes(redact, request, answer))
+            except Exception as exc:
+                self.tracing.failed(exc)
+
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, work).add_done_callback(lambda _: loop.call_soon_threadsafe(self.release))
+
+    def hold(self) -> None:
+        """Something will still add to this span (a check after the last byte, a verdict, a twin)."""
+        self.holds += 1
+
+    def release(self) -> None:
+        self.holds -= 1
+        if self.holds <= 0 and self.end_ns is not None:
+            self._end()
+
+    def _end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            self.span.end(end_time=self.end_ns)
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def __del__(self) -> None:  # a trace dropped with a hold never released: its span still ends
+        if not self.ended and self.end_ns is not None:
+            self._end()
+
+    def call(self, name: str, asked: Asked, headers: Iterable[tuple[str, str]],
+             attributes: dict[str, Any]) -> tuple[Span | None, list[tuple[str, str]]]:
+        """A call the proxy makes upstream for this request (a follow-up, a shadow twin): its span, a child of the
+        request's, and the headers that carry its context to the backend."""
+        try:
+            attrs = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", **self.tracing.server,
+                     **({"gen_ai.request.model": asked.model} if asked.model else {}), **attributes}
+            span = self.child(name, SpanKind.CLIENT, attributes=attrs)
+            return span, self.forward(span, headers)
+        except Exception as exc:
+            self.tracing.failed(exc)
+            return None, list(headers)
+
+    def called(self, span: Span | None, status: int, answer: dict[str, Any] | None = None,
+               attributes: dict[str, Any] | None = None) -> None:
+        """The call's answer came back (or failed: status 0)."""
+        if span is None:
+            return
+        try:
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", status)
+                if answer is not None:
+                    span.set_attributes(answer_attributes(answer))
+                if attributes:
+                    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+                if status == 0 or status >= 400:
+                    span.set_status(StatusCode.ERROR)
+            span.end()
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def tools_answered(self, calls: list[dict[str, Any]]) -> None:
+        """Calls to tools the proxy added, answered by the proxy itself (an execute_tool span each)."""
+        try:
+            for call in calls:
+                name = str((call.get("function") or {}).get("name"))
+                self.child(f"execute_tool {name}", attributes={
+                    "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.type": "function",
+                    "gen_ai.tool.call.id": str(call.get("id") or ""), "toolquake.tool.injected": True}).end()
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def scored(self, name: str, start: float, end: float, attributes: dict[str, Any]) -> None:
+        """A verdict (from the scoring thread): its own span, and its attributes on the request's."""
+        try:
+            kept = {k: v for k, v in attributes.items() if v is not None}
+            self.child(name, start=start, attributes=kept).end(end_time=self.at(end))
+            self.note(kept)
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def note(self, attributes: dict[str, Any]) -> None:
+        """Attributes judged after the last byte (conformance, verdicts); from any thread."""
+        if not self.recording:
+            return
+        try:
+            self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+
+def request_attributes(asked: Asked, served: Served) -> dict[str, Any]:
+    """What the request is and what the profile did to it."""
+    out: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
+                           "gen_ai.request.stream": asked.stream, "toolquake.request_id": asked.request_id,
+                           "toolquake.route": asked.route, "toolquake.profile": asked.profile_name,
+                           "toolquake.mode": asked.mode}
+    if asked.model:
+        out["gen_ai.request.model"] = asked.model
+    request = asked.request
+    if request is not None:
+        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
+                          ("max_tokens", "gen_ai.request.max_tokens"), ("seed", "gen_ai.request.seed"),
+                          ("max_completion_tokens", "gen_ai.request.max_tokens")):
+            value = request.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[attr] = value
+        tools = [t for t in request.get("tools") or [] if isinstance(t, dict)]
+        out["toolquake.tools"] = len(tools)
+        out["toolquake.seed"] = str(asked.seed)
+    if asked.case is not None:
+        out["toolquake.case_id"] = str(getattr(asked.case, "id", ""))
+    outcome = served.outcome
+    if outcome is not None:
+        out.update(perturbation_attributes(outcome))
+    return out
+
+
+def perturbation_attributes(outcome: Any) -> dict[str, Any]:
+    """The steps applied, and their key report fields: numbers and booleans, the few identifier-valued fields,
+    the tools each added (never text that came from the request)."""
+    out: dict[str, Any] = {"toolquake.perturbers": [a.name for a in outcome.applied],
+                           "toolquake.perturbed": bool(outcome.changed)}
+    if outcome.failed:
+        out["toolquake.perturbers_failed"] = list(outcome.failed)
+    tokens = 0
+    for applied in outcome.applied:
+        prefix = f"toolquake.perturber.{applied.name}."
+        for key, value in applied.report.items():
+            if isinstance(value, bool) or (isinstance(value, (int, float)) and value == value):
+                out[prefix + key] = value
+            elif key in REPORT_STRINGS and isinstance(value, str) and len(value) <= 128:
+                out[prefix + key] = value
+        if applied.added_tools:
+            out[prefix + "tools_added"] = list(applied.added_tools)
+        added = applied.report.get("tokens_added")
+        if isinstance(added, int) and not isinstance(added, bool):
+            tokens += added
+    out["toolquake.tokens_added"] = tokens
+    return out
+
+
+def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
+    """gen_ai.response.* and gen_ai.usage.* of a chat-shaped answer (both APIs' answers take this form)."""
+    out: dict[str, Any] = {}
+    if isinstance(answer.get("model"), str):
+        out["gen_ai.response.model"] = answer["model"]
+    if isinstance(answer.get("id"), str):
+        out["gen_ai.response.id"] = answer["id"]
+    choices = [c for c in answer.get("choices") or [] if isinstance(c, dict)]
+    reasons = [str(c.get("finish_reason")) for c in choices if c.get("finish_reason")]
+    if reasons:
+        out["gen_ai.response.finish_reasons"] = reasons
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
+                          ("completion_tokens", "gen_ai.usage.output_tokens")):
+            if isinstance(usage.get(key), int):
+                out[attr] = usage[key]
+    calls = [c for c in ((choices[0].get("message") or {}).get("tool_calls") or [])
+             if isinstance(c, dict)] if choices else []
+    names = [str((c.get("function") or {}).get("name")) for c in calls]
+    out["toolquake.answer.tool_calls"] = names
+    return out
+
+
+def finish_attributes(served: Served) -> dict[str, Any]:
+    out: dict[str, Any] = {"http.response.status_code": served.status}
+    if served.upstream_s is not None:
+        out["toolquake.upstream_ms"] = round(served.upstream_s * 1000, 3)
+        out["toolquake.overhead_ms"] = round(max(served.total_s - served.upstream_s, 0.0) * 1000, 3)
+    if served.injected_calls:
+        out["toolquake.injected_calls"] = list(served.injected_calls)
+    if served.repaired:
+        out["toolquake.conformance.repaired"] = served.repaired
+    return out
+
+
+def content_attributes(redact: Callable[[Any], Any], request: dict[str, Any],
+                       answer: dict[str, Any] | None) -> dict[str, str]:
+    """gen_ai.input.messages, gen_ai.output.messages and gen_ai.tool.definitions, every string redacted."""
+    messages = [genai_message(m) for m in request.get("messages") or [] if isinstance(m, dict)]
+    out = {"gen_ai.input.messages": _encode(redact(messages)).decode()}
+    if request.get("tools"):
+        out["gen_ai.tool.definitions"] = _encode(redact(request["tools"])).decode()
+    if answer is not None:
+        outputs = [{**genai_message(c.get("message") or {}), "finish_reason": str(c.get("finish_reason") or "stop")}
+                   for c in answer.get("choices") or [] if isinstance(c, dict)]
+        out["gen_ai.output.messages"] = _encode(redact(outputs)).decode()
+    return out
+
+
+def genai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message in the GenAI conventions' form: a role and its parts (text, tool calls, a tool's result)."""
+    role = str(message.get("role") or "assistant")
+    content = message.get("content")
+    parts: list[dict[str, Any]] = []
+    if role == "tool":
+        parts.append({"type": "tool_call_response", "id": str(message.get("tool_call_id") or ""),
+                      "response": content})
+    elif isinstance(content, str):
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        parts.extend({"type": "text", "content": p.get("text")} for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or []:
+        if isinstance(call, dict):
+            fn = call.get("function") or {}
+            parts.append({"type": "tool_call", "id": str(call.get("id") or ""), "name": str(fn.get("name") or ""),
+                          "arguments": fn.get("arguments")})
+    return {"role": role, "parts": parts}

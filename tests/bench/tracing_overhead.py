@@ -1,0 +1,147 @@
+"""Tracing's cost, A/B in one run: the proxy with tracing off, with tracing on (every request sampled,
+`OTEL_TRACES_SAMPLER=always_on`, exported over OTLP/HTTP in batches to a sink that accepts and drops,
+tests/bench/otlp_sink.py), and with `--ref NAME=GITREF` the code of another commit (the code before tracing),
+in alternating rounds, passthrough and streaming, on the lean path (profile `off`, scoring off).
+
+    python -m tests.bench.tracing_overhead [--ref before=GITREF] [--seconds 3] [--rounds 5] [--concurrency 1,64]
+        [--unsampled] [--no-stream]
+
+Prints, per workload and concurrency, the medians of req/s, p50 and the proxy's CPU per request (its own
+/proc counters, the exporter's thread included), each arm's ratio to the first, and the CPU that tracing on
+adds per request over tracing off (issue #33's goal: at most 0.05 ms on passthrough), and how many exports
+the sink took (spans did leave the proxy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from tests.bench.ab import install_ref, start_ref_proxy
+from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.conftest import free_port, start_fake_upstream, start_process, start_proxy
+
+OFF = "[server]\n[scoring]\nenabled = false\n"
+
+
+def on(sink: str, sampler: str = "always_on") -> str:
+    return (f'{OFF}[tracing]\nenabled = true\nOTEL_EXPORTER_OTLP_ENDPOINT = "{sink}"\n'
+            f'OTEL_TRACES_SAMPLER = "{sampler}"\n')
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref", action="append", default=[], help="NAME=GITREF: an arm serving that commit's code")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--unsampled", action="store_true",
+                    help="also an arm with tracing on and every request left out by the sampler (always_off)")
+    ap.add_argument("--no-stream", action="store_true", help="passthrough only")
+    args = ap.parse_args()
+    load = run_wrk if shutil.which("wrk") else run_asyncio
+    fake = start_fake_upstream()
+    port = free_port()
+    sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
+    tmp = tempfile.TemporaryDirectory(prefix="toolquake-trace-ab-")
+    procs = {}
+    try:
+        procs["off"] = start_proxy(fake.url, OFF)
+        procs["on"] = start_proxy(fake.url, on(sink.url))
+        if args.unsampled:
+            procs["unsampled"] = start_proxy(fake.url, on(sink.url, "always_off"))
+        for spec in args.ref:
+            name, _, ref = spec.partition("=")
+            procs[name] = start_ref_proxy(install_ref(ref, Path(tmp.name) / name), fake.url, OFF)
+        for proc in procs.values():
+            run_asyncio(proc.url, 4, 1.0)
+        workloads = {"passthrough": json.dumps(BODY).encode()}
+        if not args.no_stream:
+            workloads["streaming"] = json.dumps({**BODY, "stream": True}).encode()
+        for work, payload in workloads.items():
+            for conns in [int(c) for c in args.concurrency.split(",")]:
+                compare(procs, work, payload, conns, args.rounds, args.seconds, load)
+        print(f"\nsink: {httpx.get(sink.url + '/_sink').json()}")
+        f = floor()
+        print(f"floor, per request, in this process: the SDK's two spans {f['sdk_spans_us']:.1f} µs; encoding them "
+              f"{f['encode_ours_us']:.1f} µs (toolquake's encoder), {f['encode_sdk_us']:.1f} µs (the SDK's)")
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        sink.stop()
+        fake.stop()
+        tmp.cleanup()
+
+
+def floor(n: int = 3000) -> dict[str, float]:
+    """In this process, µs of CPU per request for what tracing cannot do without: the SDK's two spans of a
+    passthrough request (25 attributes, finished into a processor that drops them), and encoding them for
+    OTLP with toolquake's encoder and with the SDK's."""
+    import time
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.trace import SpanKind, set_span_in_context
+
+    from toolquake.proxy.server import otlp
+
+    kept: list = []
+
+    class Keep(SpanExporter):
+        def export(self, spans):
+            if len(kept) < 1024:
+                kept.extend(spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(Keep()))
+    tracer = provider.get_tracer("toolquake")
+    attrs = {f"toolquake.attribute_{i}": (i if i % 2 else f"value-{i}") for i in range(25)}
+    t0 = time.process_time()
+    for _ in range(n):
+        span = tracer.start_span("chat fake", kind=SpanKind.SERVER, attributes=attrs)
+        tracer.start_span("POST /v1/chat/completions", context=set_span_in_context(span), kind=SpanKind.CLIENT,
+                          attributes={"http.request.method": "POST", "server.port": 1}).end()
+        span.end()
+    spans_us = (time.process_time() - t0) / n * 1e6
+    t0 = time.process_time()
+    otlp.encode(kept)
+    ours = (time.process_time() - t0) / len(kept) * 2e6
+    t0 = time.process_time()
+    encode_spans(kept).SerializeToString()
+    sdks = (time.process_time() - t0) / len(kept) * 2e6
+    return {"sdk_spans_us": spans_us, "encode_ours_us": ours, "encode_sdk_us": sdks}
+
+
+def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, seconds: float, load) -> None:
+    rounds: dict[str, list[dict]] = {n: [] for n in procs}
+    for _ in range(rounds_n):
+        for name, proc in procs.items():
+            rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, seconds, load,
+                                                payload=payload))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
+           for n, rs in rounds.items()}
+    # the added CPU, round by round (each `on` round against the `off` round next to it), then its median
+    added = statistics.median(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]
+                              for a, b in zip(rounds["on"], rounds["off"]))
+    print(f"\n{work}, {conns} connections, medians of {rounds_n} alternating rounds of {seconds:g} s")
+    print("| arm | req/s | p50 | CPU per request | vs off (req/s, CPU) | non-2xx |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, m in med.items():
+        bad = sum(r["non2xx"] for r in rounds[n])
+        rps, cpu = m["rps"] / med["off"]["rps"], m["cpu_ms_per_request"] / med["off"]["cpu_ms_per_request"]
+        print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
+              f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
+    print(f"tracing on adds {added * 1000:.1f} µs of proxy CPU per request (median of the paired rounds; "
+          f"goal for passthrough: ≤ 50 µs)")
+
+
+if __name__ == "__main__":
+    main()
