@@ -188,7 +188,8 @@ class ChatHandler:
         """Whether the request must be decoded whole (its profile perturbs it, or an observer reads it), and its
         case when that is known without decoding it (else UNDECIDED: the decoded request decides)."""
         st = self.st
-        if st.observers or (profile.mode == "perturb" and profile.steps):
+        if st.observers or (profile.mode == "perturb" and profile.steps) or \
+                (st.tracing is not None and st.tracing.config.contents):  # spans with contents carry the request
             return True, UNDECIDED
         if not st.case_observers:
             return False, None
