@@ -79,7 +79,8 @@ class MultiTurnResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     turns: list[list[Step]] = msgspec.field(default_factory=list)
     force_terminated: bool = False
     error: str | None = None            # the run stopped: the model could not be queried
-    error_code: str | None = None       # "unreachable", "timeout", "http_<status>", "bad_response"
+    error_code: str | None = None       # "unreachable", "timeout", the error's code or "http_<status>", "bad_response"
+    error_status: int | None = None     # the HTTP status of the failed request (None: no answer, or a 200)
 
 
 class MultiTurnVerdict(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,8 +1,12 @@
 """Statistics: each arm's accuracy with its intervals, categories, error types and failed pairs; the paired test
 against the baseline; repeated trials; the cases whose verdict flipped.
 
-Accuracy counts scored pairs only; pairs that failed (backend or perturber errors) are reported beside it as
-`failed`, so an arm whose perturber could not run never shows up as a drop. With repeated trials, every number
+A pair whose request failed on the backend's side (refused, timed out after retries, unreadable: replay scores it
+as BFCL scores an inference error, proxy/replay/failures.py) is a scored, invalid pair with its `error_code`: it
+counts in the accuracy, the intervals and the paired tests, and `failed` / `failed_codes` say how many and why;
+`answered_accuracy` is the accuracy over the other pairs. Pairs not scored yet (toolquake's or the network's
+failures, retried on the next run) are in none of the numbers: `unscored` / `unscored_codes`, so an arm whose
+perturber could not run never shows up as a drop. With repeated trials, every number
 but `trials` is trial 0's (one answer per case: the tests assume independent cases).
 """
 
@@ -42,7 +46,10 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
     for r in scored:
         by_cat[r.category].append(r)
     errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
-    failed = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    failed = Counter(r.error_code for r in scored if r.error_code)
+    unscored = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    answered = [r for r in scored if not r.error_code]
+    answered_valid = sum(1 for r in answered if r.valid)
     fair = [r for r in scored if r.fair_valid is not None]
     fair_valid = sum(1 for r in fair if r.fair_valid)
     has_semantic = any(r.semantic_valid is not None for r in scored)
@@ -53,7 +60,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "accuracy": ratio(valid, len(scored)),
         "accuracy_ci": wilson_ci(valid, len(scored)),
         "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs)),
-                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs))}
+                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs)),
+                            "failed": sum(1 for r in rs if r.error_code)}
                         for c, rs in sorted(by_cat.items())},
         "errors": dict(sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))),
         # Wilson interval of each error type's share among the arm's failures
@@ -61,6 +69,11 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "failed": sum(failed.values()),
         **perturbed_counts(rows),
         "failed_codes": dict(sorted(failed.items())),
+        "answered": len(answered),
+        "answered_accuracy": ratio(answered_valid, len(answered)),
+        "answered_accuracy_ci": wilson_ci(answered_valid, len(answered)),
+        "unscored": sum(unscored.values()),
+        "unscored_codes": dict(sorted(unscored.items())),
         "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
         "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
