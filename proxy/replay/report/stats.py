@@ -84,7 +84,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
 
 def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
     """The arm against the baseline on the cases both scored ({case id: valid} each): the 2×2 table,
-    McNemar's exact p-value, and the relative drop on these cases with its approximate 95 % interval."""
+    McNemar's exact p-value, both accuracies on these cases, and the relative drop on them with its approximate
+    95 % interval."""
     cases = [c for c in arm if c in base]
     both = sum(1 for c in cases if base[c] and arm[c])
     lost = sum(1 for c in cases if base[c] and not arm[c])
@@ -94,6 +95,7 @@ def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
     ci = paired_drop_ci(both, lost, gained, neither)
     return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
             "both_invalid": neither, "p_value": p, "significant": p < ALPHA,
+            "accuracy": ratio(both + gained, len(cases)), "baseline_accuracy": ratio(both + lost, len(cases)),
             "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
             "drop_ci": None if ci is None else list(ci)}
 
@@ -104,19 +106,22 @@ def _verdicts(rows: list[Row], category: str | None = None) -> dict[str, bool]:
 
 
 def with_drops(arms: dict[str, dict[str, Any]], baseline: str, rows: dict[str, list[Row]] | None = None) -> None:
+    """Each arm's relative drop against the baseline, overall and per category, paired: on the cases both scored
+    (an arm that left some pairs unperturbed, or has pairs not scored yet, is compared on its own cases only)."""
     base = arms.get(baseline)
     rows = rows or {}
     base_rows = rows.get(baseline, [])
     for p, arm in arms.items():
-        arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
         cmp = paired(_verdicts(base_rows), _verdicts(rows.get(p, []))) if base and p != baseline else None
+        arm["drop_vs_off"] = cmp["drop"] if cmp else relative_drop(arm["accuracy"], base["accuracy"] if base else None)
         arm["paired"] = cmp
         arm["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
-            cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
             cat_cmp = (paired(_verdicts(base_rows, name), _verdicts(rows.get(p, []), name))
                        if b and p != baseline else None)
+            cat["drop_vs_off"] = (cat_cmp["drop"] if cat_cmp else
+                                  relative_drop(cat["accuracy"], b["accuracy"] if b else None))
             cat["drop_vs_off_ci"] = cat_cmp["drop_ci"] if cat_cmp else None
 
 

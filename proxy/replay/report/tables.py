@@ -108,8 +108,9 @@ def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[
             row.append("" if arm is None else acc(arm["accuracy"]) + drop)
             ci_row.append("" if arm is None else ci(arm.get("accuracy_ci")))
         rows += [row, ci_row]
-    return (f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
-            "on the row below)", header, rows)
+    return (f"AST accuracy per arm (in brackets the relative change against `{baseline}` on the same cases: both "
+            "arms' accuracy over the cases both scored, so an arm that left some unperturbed is compared on the "
+            "ones it perturbed; 95 % Wilson intervals on the row below)", header, rows)
 
 
 def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
