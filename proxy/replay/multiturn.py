@@ -28,7 +28,15 @@ from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live import recovery
 from toolquake.proxy.replay.failures import BAD_RESPONSE, Failed, is_model_failure, post
-from toolquake.scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
+from toolquake.scorers.multiturn import (
+    BACKEND_ERROR,
+    MAXIMUM_STEPS,
+    MultiTurnResult,
+    Step,
+    check,
+    final_call,
+    long_context_of,
+)
 
 __all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
 
@@ -223,10 +231,11 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
 
     `status` is "scored" with BFCL's verdict (error type, taxonomy: state_mismatch, response_mismatch,
     force_terminated, decode_failure, inference_error: a request failed on the backend's side, its code in
-    `error_code`), or "error" when a request failed on the proxy's or the network's side (retried on the
-    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy);
-    after a tool result a step replaced with a failure, the answer's recovery verdict is kept in
-    `perturbers.recovery` (turn, step, kind, tool, verdict, recovered).
+    `error_code`) and, in `answer.final_call`, seed 003's AST verdict on the last turn's calls
+    (`scorers.multiturn.final_call`: {"valid", "error_type", "turn"}), or "error" when a request failed on the
+    proxy's or the network's side (retried on the next run). `take(request_id)` collects what the perturbers
+    did at each step (the in-process proxy); after a tool result a step replaced with a failure, the answer's
+    recovery verdict is kept in `perturbers.recovery` (turn, step, kind, tool, verdict, recovered).
     """
     try:
         result = await run_case(case, base_url, model=model, client=client, headers=headers, extra_body=extra_body,
@@ -274,5 +283,7 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
     verdict = await asyncio.to_thread(check, case, result, strict=strict, backends=backends)
     if verdict.error_type == BACKEND_ERROR:  # not the model's fault: retried on the next run
         return {**fields, "status": "error", "error_code": "backend_error", "error": verdict.errors[0][:500]}
+    final = final_call(case, result)  # seed 003 challenge 3's AST verdict on the last turn, beside BFCL's
+    fields["answer"]["final_call"] = {"valid": final.valid, "error_type": final.error_type, "turn": final.turn}
     return {**fields, "status": "scored", "valid": verdict.valid, "error_type": verdict.error_type,
             "taxonomy": verdict.taxonomy, "errors": list(verdict.errors)}

@@ -346,8 +346,10 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
     """Seed 003 Table 2 (challenge 3): accuracy with its 95 % Wilson interval per model, setting and conversation
     budget, from the conversation_lengthening arms; the setting is the arm's `fact` (where the needed fact sits)
     when the arm names one other than `any`, else its `setting`. Arms in the same cell are pooled.
-    {model: {setting: {budget: {"profiles", "n", "valid", "failed", "accuracy", "accuracy_ci"}}}}; `failed` = the
-    conversations whose requests failed on the backend's side, counted in n as wrong."""
+    {model: {setting: {budget: {"profiles", "n", "valid", "failed", "accuracy", "accuracy_ci", "final_call"}}}};
+    `failed` = the conversations whose requests failed on the backend's side, counted in n as wrong; `final_call`
+    = {"n", "valid", "accuracy", "accuracy_ci"} of the AST verdict on each conversation's last turn, as seed 003
+    scores challenge 3 (rows recorded before it have none)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         cells: dict[tuple[str, int], dict[str, Any]] = {}
@@ -360,8 +362,16 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
             c["n"] += arm["n"]
             c["failed"] += arm["failed"]
             c["valid"] += round(arm["accuracy"] * arm["n"])
+            final = arm.get("final_call")
+            if final:
+                c.setdefault("final_call", {"n": 0, "valid": 0})
+                c["final_call"]["n"] += final["n"]
+                c["final_call"]["valid"] += final["valid"]
         for (group, budget), c in sorted(cells.items()):
             c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
+            if "final_call" in c:
+                f = c["final_call"]
+                f.update(accuracy=ratio(f["valid"], f["n"]), accuracy_ci=wilson_ci(f["valid"], f["n"]))
             out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
 
@@ -541,13 +551,28 @@ def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
                     ["model", "experiment", "held fixed", "points", *_EXTREME_HEADER], rows))
     conv = summary.get("conversation_grid") or {}
     budgets = sorted({int(b) for groups in conv.values() for cells in groups.values() for b in cells})
-    rows = [[model, group, *(_conversation_cell(cells[str(b)]) if str(b) in cells else ""
-                             for b in budgets)]
-            for model, groups in conv.items() for group, cells in groups.items()]
+    rows = []
+    for model, groups in conv.items():
+        for group, cells in groups.items():
+            rows.append([model, group, "BFCL, whole conversation",
+                         *(_conversation_cell(cells[str(b)]) if str(b) in cells else "" for b in budgets)])
+            if any("final_call" in c for c in cells.values()):
+                rows.append([model, group, "AST, final call (the paper's score)",
+                             *(_conversation_cell(cells[str(b)]["final_call"]) if "final_call" in cells.get(str(b), {})
+                               else "" for b in budgets)])
     if rows:
         out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
-                    "the needed fact sits) and conversation size", ["model", "setting", *(_k(b) for b in budgets)],
-                    rows))
+                    "the needed fact sits) and conversation size; BFCL's verdict on the whole conversation, and "
+                    "beside it the AST verdict on the calls of the last turn, as the paper scores it",
+                    ["model", "setting", "verdict", *(_k(b) for b in budgets)], rows))
+    rows = [[model, p, str(arm["final_call"]["n"]), _acc_ci({"accuracy": arm["final_call"]["bfcl_accuracy"],
+                                                             "accuracy_ci": arm["final_call"]["bfcl_accuracy_ci"]}),
+             _acc_ci(arm["final_call"])]
+            for model, data in summary["models"].items() for p, arm in data["arms"].items() if arm.get("final_call")]
+    if rows:
+        out.append(("Multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of the "
+                    "last turn's calls (seed 003 challenge 3's final-call score) [95 % Wilson]",
+                    ["model", "profile", "conversations", "BFCL, whole conversation", "AST, final call"], rows))
     return out
 
 
@@ -614,4 +639,7 @@ def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
         for group, cells in groups.items():
             for budget, c in cells.items():
                 point("seed 003 Table 2", model, group, "", f"accuracy at {budget} tokens", c, "+".join(c["profiles"]))
+                if "final_call" in c:
+                    point("seed 003 Table 2", model, group, "", f"final-call AST accuracy at {budget} tokens",
+                          c["final_call"], "+".join(c["profiles"]))
     return rows

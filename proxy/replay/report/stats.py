@@ -74,12 +74,26 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "answered_accuracy_ci": wilson_ci(answered_valid, len(answered)),
         "unscored": sum(unscored.values()),
         "unscored_codes": dict(sorted(unscored.items())),
+        "final_call": final_call_numbers(scored),
         "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
         "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
         "semantic_accuracy": ratio(semantic_valid, len(scored)) if has_semantic else None,
         "semantic_accuracy_ci": wilson_ci(semantic_valid, len(scored)) if has_semantic else None,
     }
+
+
+def final_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
+    """Seed 003 challenge 3's AST verdict on each conversation's last turn, over the arm's scored multi-turn rows
+    that have one: {"n", "valid", "accuracy", "accuracy_ci"}, and BFCL's whole-conversation verdict over the same
+    rows (`bfcl_accuracy`, `bfcl_accuracy_ci`); None when no row has one."""
+    mine = [r for r in scored if r.final_valid is not None]
+    if not mine:
+        return None
+    valid, bfcl = sum(1 for r in mine if r.final_valid), sum(1 for r in mine if r.valid)
+    return {"n": len(mine), "valid": valid, "accuracy": ratio(valid, len(mine)),
+            "accuracy_ci": wilson_ci(valid, len(mine)), "bfcl_accuracy": ratio(bfcl, len(mine)),
+            "bfcl_accuracy_ci": wilson_ci(bfcl, len(mine))}
 
 
 def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
