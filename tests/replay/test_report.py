@@ -219,7 +219,9 @@ def test_csv_is_bfcl_shaped_and_html_embeds_the_heatmaps(shards):
     off = next(r for r in table[1:] if r[3] == "off")
     assert off[1] == f"{_expected(records, 'off')['accuracy'] * 100:.2f}%"
     page = report("--format", "html", *dirs)
-    assert page.count("data:image/png;base64,") == 2 and "<table>" in page
+    # the catalog heatmap (pooled, then one per subset: multiple, simple_python) and the format heatmap
+    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+    assert "<h3>heatmap-catalog-multiple.png</h3>" in page and "<h3>heatmap-catalog-simple_python.png</h3>" in page
 
 
 def test_several_models_get_their_own_arms(tmp_path):

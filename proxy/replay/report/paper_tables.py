@@ -33,8 +33,6 @@ EXPANSION = "related_tools"  # seed 001 §2.2: related but not equivalent tools 
 FAILED_CLASS = "request failed"
 
 #: the plots' titles, in the papers' words
-CATALOG_HEATMAP_TITLE = ("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, "
-                         "challenge 1)")
 FORMAT_HEATMAP_TITLE = "Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)"
 #: seed 003 Fig. 4: (experiment, file name, x label, title) of its two line plots
 RESPONSE_PLOTS = (
@@ -381,25 +379,51 @@ def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any]
     return None if step is None else step.get("params") or {}
 
 
-def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
-    """Seed 003 Fig. 3 data for one model: budgets, positions, accuracy per (budget, position)."""
-    cells = {k: v / n for k, (v, n) in padding_counts(summary, model).items() if n}
+def padding_grid(summary: dict[str, Any], model: str, category: str | None = None
+                 ) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
+    """Seed 003 Fig. 3 data for one model (one subset with `category`, else all pooled): budgets, positions,
+    accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model, category).items() if n}
     return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
 
 
-def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float], tuple[int, int]]:
-    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
+def padding_counts(summary: dict[str, Any], model: str, category: str | None = None
+                   ) -> dict[tuple[int, float], tuple[int, int]]:
+    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled; with
+    `category`, that subset's pairs only."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
         params = _params(arm["perturbers"], CATALOG)
-        if params is None or not arm["n"]:
+        numbers = arm if category is None else arm["by_category"].get(category)
+        if params is None or not numbers or not numbers["n"]:
             continue
         if "budget_tokens" not in params or "position" not in params:
             continue
         key = (int(params["budget_tokens"]), round(float(params["position"]), 3))
-        pooled[key][0] += round(arm["accuracy"] * arm["n"])
-        pooled[key][1] += arm["n"]
+        pooled[key][0] += round(numbers["accuracy"] * numbers["n"])
+        pooled[key][1] += numbers["n"]
     return {k: (v, n) for k, (v, n) in pooled.items()}
+
+
+#: seed 003's figure of each BFCL subset in challenge 1 (one heatmap per model each; Fig. 5 averages them)
+CATALOG_FIGURES = {"live_simple": "Fig. 3", "simple": "Fig. 6", "simple_python": "Fig. 6", "multiple": "Fig. 7"}
+
+
+def catalog_categories(summary: dict[str, Any]) -> list[str]:
+    """The subsets the catalog-padding arms scored, the paper's figure order first (live_simple, simple,
+    multiple), then the others by name."""
+    found = {c for data in summary["models"].values() for arm in data["arms"].values()
+             if _params(arm["perturbers"], CATALOG) is not None for c, n in arm["by_category"].items() if n["n"]}
+    order = list(CATALOG_FIGURES)
+    return sorted(found, key=lambda c: (order.index(c) if c in order else len(order), c))
+
+
+def catalog_heatmap_title(category: str | None) -> str:
+    """The title of the catalog heatmap of one subset (None: every subset pooled)."""
+    if category is None:
+        return "Seed 003 challenge 1, all subsets: accuracy (valid/scored), catalog size × position"
+    figure = CATALOG_FIGURES.get(category)
+    return f"Seed 003 {figure or 'challenge 1'}, {category}: accuracy (valid/scored), catalog size × position"
 
 
 def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
