@@ -238,12 +238,7 @@ class _Sender:
         if not failed.counts:
             return rec
         applied = list(outcome.applied) if outcome is not None else []
-        grade = self.grader.failed(case, applied)
-        rec.status = "scored"
-        rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
-                                                                 grade.taxonomy)
-        rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
-        return rec
+        return _scored(rec, self.grader.failed(case, applied))
 
     async def graded(self, rec: Record, case: Any, r: httpx.Response, outcome: Any) -> Record:
         """The record of an answered request: an answer that is not a JSON object is the model's failure, else it
@@ -265,11 +260,7 @@ class _Sender:
         except Exception as exc:  # a scorer bug costs this pair only; it is retried on the next run
             rec.error_code, rec.error = "scorer_error", f"{type(exc).__name__}: {exc}"[:500]
             return rec
-        rec.status = "scored"
-        rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
-                                                                 grade.taxonomy)
-        rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
-        return rec
+        return _scored(rec, grade)
 
     async def worker(self, queue: asyncio.Queue[tuple[Any, str, int]], results: ResultsFile, progress: Progress,
                      summary: Summary) -> None:
@@ -298,6 +289,15 @@ class _Sender:
                                f"the proxy or backend ({rec.error}); stopped. Rerun the same command "
                                "to resume.")
             self.stop.set()
+
+
+def _scored(rec: Record, grade: Any) -> Record:
+    """`rec` with the grader's verdict: final (a rerun never sends the pair again)."""
+    rec.status = "scored"
+    rec.expected, rec.valid = grade.expected, grade.valid
+    rec.error_type, rec.taxonomy = grade.error_type, grade.taxonomy
+    rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
+    return rec
 
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,

@@ -210,3 +210,34 @@ def test_sigkill_then_resume_counts_every_refused_and_answered_pair_once(refusin
     db = sqlite3.connect(out / "replay.sqlite")
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
+
+
+@pytest.mark.parametrize("status,code,counts", [
+    (400, "context_length_exceeded", True), (400, "exceed_context_size_error", True), (413, "http_413", True),
+    (422, "BadRequestError", True), (500, "injected", True), (504, "upstream_timeout", True), (None, "timeout", True),
+    (502, "upstream_invalid_response", True), (200, "bad_response", True),
+    (None, "unreachable", False), (502, "upstream_unreachable", False), (503, "injected", False),
+    (429, "rate_limit_exceeded", False), (401, "invalid_api_key", False), (404, "model_not_found", False),
+    (500, "perturbation_failed", False), (500, "internal_error", False), (404, "unknown_profile", False),
+    (413, "request_too_large", False), (None, "scorer_error", False), (None, "backend_error", False),
+])
+def test_which_failures_are_the_backend_s(status, code, counts):
+    """The backend's failures count as wrong answers; the proxy's, the network's and access failures are retried."""
+    from toolquake.proxy.replay.failures import is_model_failure
+
+    assert is_model_failure(status, code) is counts
+
+
+@pytest.mark.parametrize("body,code", [
+    ({"error": {"message": "too long", "type": "invalid_request_error", "code": "context_length_exceeded"}},
+     "context_length_exceeded"),
+    ({"error": {"code": 400, "message": "exceeds the context", "type": "exceed_context_size_error"}},
+     "exceed_context_size_error"),  # llama.cpp
+    ({"object": "error", "message": "maximum context length", "type": "BadRequestError", "code": 400},
+     "BadRequestError"),  # vLLM's older flat body
+    ({"detail": "nope"}, "http_400"),
+])
+def test_the_code_of_an_error_answer(body, code):
+    from toolquake.proxy.replay.failures import error_of
+
+    assert error_of(httpx.Response(400, json=body))[0] == code
