@@ -49,6 +49,25 @@ def _args(fake, out) -> list[str]:
             "simple_python,multiple", "--limit", str(LIMIT), "--out", str(out)]
 
 
+def scored_counter(db_path):
+    """A function counting the scored rows recorded so far (0 while the store is locked)."""
+    count_all = row_counter(db_path)
+
+    def count() -> int:
+        if not count_all():
+            return 0
+        try:
+            db = sqlite3.connect(db_path, timeout=5)
+            try:
+                return db.execute("SELECT COUNT(*) FROM results WHERE status = 'scored'").fetchone()[0]
+            finally:
+                db.close()
+        except sqlite3.OperationalError:
+            return 0
+
+    return count
+
+
 def report(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout
@@ -188,22 +207,29 @@ def test_a_refused_multi_turn_step_is_bfcl_s_inference_error(refusing, tmp_path)
 
 @pytest.mark.needs_corpus
 @pytest.mark.slow
-def test_sigkill_then_resume_counts_every_refused_and_answered_pair_once(refusing, tmp_path):
+def test_sigkill_then_resume_retries_the_503s_and_counts_every_refused_and_answered_pair_once(refusing, tmp_path):
     fake, cases, _ = refusing
     out = tmp_path / "run"
     args = [sys.executable, "-m", "toolquake", "replay", "--no-progress", *_args(fake, out), "--concurrency", "4",
             "--header", "X-Fake-Fault: delay:40"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     total = len(cases) * len(PROFILES)
-    count = row_counter(out / "replay.sqlite")
-    kills = kill_at_random_points(args, env, count, total, random.Random(31), rounds=4, max_step=10)
-    assert kills >= 2 and count() < total
+    # first the backend is overloaded (503: come back later): every pair is an error row, not scored
+    r = subprocess.run([*args[:-2], "--header", "X-Fake-Fault: status:503", "--model", "fake-model"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert {(x["status"], x["http_status"]) for x in rows(out)} == {("error", 503)} and len(rows(out)) == total
+    scored = scored_counter(out / "replay.sqlite")
+    kills = kill_at_random_points(args, env, scored, total, random.Random(31), rounds=4, max_step=10)
+    assert kills >= 2 and scored() < total
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     stored = rows(out)
     pairs = [(x["case_id"], x["profile"]) for x in stored]
     assert len(pairs) == len(set(pairs)) == total
-    assert all(x["status"] == "scored" and x["attempts"] == 1 for x in stored)  # a refusal is never sent again
+    # every 503 was retried until scored; a scored pair (a refusal too) was never sent again: one 503 attempt and
+    # one attempt that scored it, whatever the kills interrupted
+    assert all(x["status"] == "scored" and x["attempts"] == 2 for x in stored)
     assert sum(1 for x in stored if x["error_code"] == REFUSED) == sum(
         1 for c in cases for p in PROFILES if p == "pad-8k-p10" or len(c.functions) > MAX_TOOLS)
     check_report(json.loads(report("--format", "json", str(out))), stored)
