@@ -79,7 +79,8 @@ class MultiTurnResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     turns: list[list[Step]] = msgspec.field(default_factory=list)
     force_terminated: bool = False
     error: str | None = None            # the run stopped: the model could not be queried
-    error_code: str | None = None       # "unreachable", "timeout", "http_<status>", "bad_response"
+    error_code: str | None = None       # "unreachable", "timeout", the error's code or "http_<status>", "bad_response"
+    error_status: int | None = None     # the HTTP status of the failed request (None: no answer, or a 200)
 
 
 class MultiTurnVerdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +115,48 @@ def long_context_of(case: Any) -> bool:
 def ground_truth_calls(case: Any) -> list[list[Call]]:
     """The ground truth per turn, parsed safely (positional arguments kept, as BFCL executes them)."""
     return [[parse_call(text) for text in turn] for turn in case.ground_truth]
+
+
+def _as_possible_answer(call: Call, functions: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ground-truth call as BFCL's possible answer: each argument its one allowed value (a positional one named by
+    the function's parameter order)."""
+    doc = next((f for f in functions if f.get("name") == call.name), {})
+    names = list(((doc.get("parameters") or {}).get("properties") or {}))
+    args = {names[i] if i < len(names) else f"arg{i}": v for i, v in enumerate(call.args)}
+    args.update(call.kwargs)
+    return {call.name: {k: [_allowed(v)] for k, v in args.items()}}
+
+
+def _allowed(value: Any) -> Any:
+    """A value as BFCL's possible answers write it inside a parameter: a dict's values each a one-item list."""
+    if isinstance(value, dict):
+        return {k: [_allowed(v)] for k, v in value.items()}
+    if isinstance(value, list):
+        return [_allowed(v) for v in value]
+    return value
+
+
+def final_call(case: Any, result: MultiTurnResult) -> MultiTurnVerdict:
+    """Seed 003 challenge 3's score of a conversation: the calls the model made in its last turn (the paper's llm_n
+    on u_n), all steps together, against that turn's ground truth, by BFCL's AST checker (one call: its `multiple`
+    dispatch; several: `parallel`, in any order; none: valid iff no call). `turn` is the last turn's index."""
+    from toolquake.scorers.ast_checker import check_calls
+
+    last = len(case.ground_truth) - 1
+    if result.error is not None:
+        return _fail(INFERENCE_ERROR, f"the model could not be queried: {result.error}", turn=last)
+    if len(result.turns) <= last:
+        return _fail(FORCE_TERMINATED, f"the run stopped before the last turn ({len(result.turns)} of {last + 1})",
+                     turn=last)
+    functions = [dict(f) for f in case.functions]
+    for held in (case.extra.get("missed_function") or {}).values():
+        functions += [dict(f) for f in held]
+    calls = [c for step in result.turns[last] if step.calls and is_well_formed(step.calls) for c in step.calls]
+    expected = [_as_possible_answer(parse_call(text), functions) for text in case.ground_truth[last]]
+    category = "irrelevance" if not expected else ("parallel" if len(expected) > 1 else "multiple")
+    v = check_calls(functions, expected or None, category, calls)
+    return MultiTurnVerdict(valid=v.valid, error_type=v.error_type, errors=list(v.errors), taxonomy=v.taxonomy,
+                            turn=last)
 
 
 def held_out_names(case: Any) -> dict[int, set[str]]:

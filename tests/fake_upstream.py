@@ -38,6 +38,9 @@ with an event-stream content type and no bytes), `no-done` (a stream that ends c
 final event), `drop` (the request is read and recorded, then the connection closed without a byte of answer),
 `drop-reused` (the same, only when the request came on a connection that already carried one).
 
+A small context (`--max-tools N`): a chat request with more than N tools gets 400 with OpenAI's error code
+`context_length_exceeded`, as from a backend whose context cannot hold the catalog.
+
 Cookies (`X-Fake-Cookies: N`): the answer carries N `Set-Cookie` headers, each with an Expires date (which
 holds a comma), as a load balancer's sticky-session cookies do.
 
@@ -81,6 +84,8 @@ TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
 #: the connections (client address and port) that carried a request, for `drop-reused`
 PEERS: set[tuple] = set()
 MODEL = "fake-model"
+#: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
+MAX_TOOLS: int | None = None
 #: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
 TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
 _TOKENIZE_CHOICES = {"both": TOKENIZE_ROUTES.copy(), "vllm": {"/tokenize"}, "llamacpp": {"/extras/tokenize/count"},
@@ -530,6 +535,14 @@ async def app(scope, receive, send) -> None:
     return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
 
 
+def context_length_exceeded(tools: int) -> bytes:
+    """OpenAI's answer to a request longer than the model's context (`--max-tools`)."""
+    return _enc({"error": {"message": f"This model's maximum context length is exceeded: the request has {tools} "
+                                      f"tools, more than the {MAX_TOOLS} that fit. Please reduce the length of the "
+                                      "messages or functions.", "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded"}})
+
+
 def _deep(ident: bytes, key: bytes, depth: str) -> bytes:
     """`deep-json:N`: valid JSON, an object whose `key` holds N nested lists."""
     n = int(depth) if depth else 100_000
@@ -541,6 +554,8 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         body = _dec(raw)
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
+    if MAX_TOOLS is not None and len(body.get("tools") or []) > MAX_TOOLS:
+        return await _send(send, 400, context_length_exceeded(len(body["tools"])))
     resp = completion(
         flaky(choose_answer(
             body,
@@ -822,7 +837,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents (see module docstring)"
     )
+    parser.add_argument("--max-tools", type=int, default=None, metavar="N",
+                        help="refuse a chat request with more than N tools with 400 context_length_exceeded, as a "
+                             "backend whose context is too small for the catalog does")
     args = parser.parse_args(argv)
+    global MAX_TOOLS
+    MAX_TOOLS = args.max_tools
     if args.trajectories:
         with open(args.trajectories) as f:
             for line in f:

@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{arm:<{width}}  {n:>5}  {valid / n:.3f}" if n else f"{arm:<{width}}  {n:>5}  -")
     print(f"results: {summary.path} (sent {summary.sent}, failed {summary.failed}, already scored "
           f"{summary.skipped}); `toolquake report {summary.path.parent}` for the tables", file=sys.stderr)
+    if summary.model_failures:
+        print(f"toolquake: {summary.model_failures} request(s) failed on the backend's side (refused, timed out "
+              "after retries or unreadable): scored as wrong answers, as BFCL scores an inference error; "
+              "`toolquake report` gives their codes", file=sys.stderr)
     if summary.aborted:
         print(f"toolquake: {summary.aborted}", file=sys.stderr)
         return 3
@@ -69,8 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Send every (case, profile) pair through the proxy (started in this process, or --proxy) "
                     "with the X-Toolquake-Case header, grade the answers with the BFCL-compatible scorer and "
                     "record them in a SQLite file in --out. Rerunning the same command resumes: scored pairs are "
-                    "skipped, failed ones are retried; a killed run loses nothing that was recorded. Exit "
-                    "status: 0 all pairs scored, 1 some pairs failed (recorded; rerun to retry), 2 bad "
+                    "skipped, failed ones are retried; a killed run loses nothing that was recorded. A request the "
+                    "backend refuses (e.g. 400 context_length_exceeded), that times out or gets a 500 three times, "
+                    "or whose answer is unreadable is scored as a wrong answer, as BFCL scores an inference error; "
+                    "a failure of the proxy, the network or access (502, 503, 429, 401) is retried on the next run "
+                    "instead. Exit status: 0 all pairs scored, 1 some pairs failed on the proxy's or network's side "
+                    "(recorded; rerun to retry), 2 bad "
                     "arguments or unreachable backend, 3 stopped because the backend went away.")
     _what_to_replay(p)
     _how_to_send(p)

@@ -73,8 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "arms support them; seed 003's Tables 1, 5, 6 (catalog padding), 7 with Fig. 4's line plots "
                     "(long tool responses) and 2 (long conversations); for `@faults` and "
                     "`@metadata` arms, accuracy per kind and the recovered share after failed tool results "
-                    "(multi-turn replays, 95 % Wilson intervals). Accuracy counts scored pairs; failed pairs are "
-                    "listed beside it.")
+                    "(multi-turn replays, 95 % Wilson intervals). Requests that failed on the backend's side "
+                    "(refused, e.g. context_length_exceeded; timed out or 500 after retries; unreadable) count as "
+                    "wrong answers, as BFCL counts them, listed by code, with the accuracy over the answered "
+                    "requests beside; pairs not scored yet (the proxy's or network's failures) are in no number.")
     p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
     p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
                    help="md (default; heatmap PNGs written next to --out), html (one file, heatmaps embedded), "

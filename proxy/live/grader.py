@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.pipeline import Applied
 
 
+#: the error type (and taxonomy) of a request that got no usable answer (BFCL: `Error during inference`)
+INFERENCE_ERROR = "inference_error"
+
+
 @dataclass
 class Grade:
     expected: str
@@ -64,13 +68,7 @@ class Grader:
         from toolquake.scorers.ast_checker import check, check_calls
 
         kind = grading_category(case)
-        expected = "ground_truth"
-        if "irrelevance" in kind:
-            expected = "irrelevance"
-        elif kind == "live_relevance":
-            expected = "relevance"
-        elif expects_no_call(case, applied):
-            expected = "irrelevance"
+        expected = expected_answer(case, applied)
         message = consistency.answer_message(answer) or {}
         calls = calls_from_message(message, self.name_map(case))
         strict_lenient = rewritten_decodes(restorers or [])
@@ -89,6 +87,26 @@ class Grader:
         if self.semantic and not v.valid and expected == "ground_truth":
             sem = check(case, calls, mode="semantic").valid
         return Grade(expected, v.valid, v.error_type, v.taxonomy, list(v.errors), fair, sem)
+
+
+    def failed(self, case: Any, applied: list[Applied]) -> Grade:
+        """BFCL's verdict on a request that got no usable answer (its "Error during inference: ..."): that decodes
+        to no call, so it is wrong wherever a call is expected and right where none is (irrelevance)."""
+        expected = expected_answer(case, applied)
+        if expected == "irrelevance":
+            return Grade(expected, True, None, None, [], True, None)
+        errors = ["the request got no usable answer (scored as BFCL scores an inference error)"]
+        return Grade(expected, False, INFERENCE_ERROR, INFERENCE_ERROR, errors, False, None)
+
+
+def expected_answer(case: Any, applied: list[Applied]) -> str:
+    """`ground_truth`, `irrelevance` (the case's category, or a step took the expected tool away) or `relevance`."""
+    kind = grading_category(case)
+    if "irrelevance" in kind:
+        return "irrelevance"
+    if kind == "live_relevance":
+        return "relevance"
+    return "irrelevance" if expects_no_call(case, applied) else "ground_truth"
 
 
 def rewritten_decodes(restorers: list[tuple[Any, Any]]) -> tuple[Any, Any] | None:

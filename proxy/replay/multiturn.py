@@ -27,7 +27,16 @@ from toolquake.bfcl.decode import DecodeFailure, calls_from_message
 from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live import recovery
-from toolquake.scorers.multiturn import BACKEND_ERROR, MAXIMUM_STEPS, MultiTurnResult, Step, check, long_context_of
+from toolquake.proxy.replay.failures import BAD_RESPONSE, Failed, is_model_failure, post
+from toolquake.scorers.multiturn import (
+    BACKEND_ERROR,
+    MAXIMUM_STEPS,
+    MultiTurnResult,
+    Step,
+    check,
+    final_call,
+    long_context_of,
+)
 
 __all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
 
@@ -66,29 +75,26 @@ def _usage(body: Mapping[str, Any], key: str) -> int | None:
 
 
 class _QueryFailed(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, status: int | None = None):
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
 async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
                  ) -> tuple[dict[str, Any], str | None, float]:
+    """One step's request (a timeout, 500 or 504 sent again, `failures.post`); its answer, request id, latency."""
     t0 = time.perf_counter()
-    try:
-        resp = await client.post(url, json=body, headers=headers)
-    except httpx.TimeoutException as exc:
-        raise _QueryFailed("timeout", f"{type(exc).__name__}: no answer from {url}") from None
-    except httpx.HTTPError as exc:
-        raise _QueryFailed("unreachable", f"{type(exc).__name__}: {exc}") from None
+    resp = await post(client, url, body, headers)
+    if isinstance(resp, Failed):
+        raise _QueryFailed(resp.code, f"{resp.message} (from {url})"[:500], resp.http_status)
     latency_ms = (time.perf_counter() - t0) * 1000
-    if resp.status_code != 200:
-        raise _QueryFailed(f"http_{resp.status_code}", f"HTTP {resp.status_code} from {url}: {resp.text[:300]}")
     try:
         data = resp.json()
     except ValueError:
         data = None
     if not isinstance(data, dict) or not data.get("choices"):
-        raise _QueryFailed("bad_response", f"{url} answered without choices")
+        raise _QueryFailed(BAD_RESPONSE, f"{url} answered without choices", resp.status_code)
     return data, resp.headers.get("x-toolquake-request-id"), latency_ms
 
 
@@ -115,7 +121,8 @@ async def run_case(case: Any, base_url: str, *, model: str = "default", profile:
 
     `base_url` is the OpenAI base URL (`http://proxy:8080/v1` or `.../p/<profile>/v1`); `profile`, when
     given, is sent as `X-Toolquake-Profile`. Every request carries `X-Toolquake-Case: <case id>`.
-    An HTTP failure stops the run (`result.error`, scored as `multi_turn:inference_error`).
+    A failed request stops the run (`result.error`, `error_code`, `error_status`; scored as
+    `multi_turn:inference_error` when `failures.is_model_failure` says it is the backend's).
     """
     backends = backends or shared()
     classes = list(case.extra.get("involved_classes") or [])
@@ -176,7 +183,7 @@ async def _play_turn(play: _Play, t: int, messages: list[dict[str, Any]], tools:
             data, request_id, latency_ms = await _query(play.http, play.url, body, play.headers)
         except _QueryFailed as exc:
             result.error = f"turn {t}, step {n}: {exc}"[:500]
-            result.error_code = exc.code
+            result.error_code, result.error_status = exc.code, exc.status
             return False
         choice = data["choices"][0]
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -223,10 +230,12 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
     """One multi-turn (case, profile) pair for the replay driver: its results-row fields.
 
     `status` is "scored" with BFCL's verdict (error type, taxonomy: state_mismatch, response_mismatch,
-    force_terminated, decode_failure), or "error" when the model could not be queried (retried on the
-    next run). `take(request_id)` collects what the perturbers did at each step (the in-process proxy);
-    after a tool result a step replaced with a failure, the answer's recovery verdict is kept in
-    `perturbers.recovery` (turn, step, kind, tool, verdict, recovered).
+    force_terminated, decode_failure, inference_error: a request failed on the backend's side, its code in
+    `error_code`) and, in `answer.final_call`, seed 003's AST verdict on the last turn's calls
+    (`scorers.multiturn.final_call`: {"valid", "error_type", "turn"}), or "error" when a request failed on the
+    proxy's or the network's side (retried on the next run). `take(request_id)` collects what the perturbers
+    did at each step (the in-process proxy); after a tool result a step replaced with a failure, the answer's
+    recovery verdict is kept in `perturbers.recovery` (turn, step, kind, tool, verdict, recovered).
     """
     try:
         result = await run_case(case, base_url, model=model, client=client, headers=headers, extra_body=extra_body,
@@ -267,11 +276,14 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,
         "completion_tokens": sum(s.completion_tokens or 0 for s in steps) or None,
     }
-    if result.error is not None:
-        return {**fields, "status": "error", "error_code": result.error_code or "inference_error",
-                "error": result.error}
+    if result.error is not None and not is_model_failure(result.error_status, result.error_code or ""):
+        return {**fields, "status": "error", "error_code": result.error_code or "unreachable", "error": result.error}
+    if result.error is not None:  # the backend's failure: BFCL's multi_turn:inference_error, scored below
+        fields.update(error_code=result.error_code, error=result.error, http_status=result.error_status)
     verdict = await asyncio.to_thread(check, case, result, strict=strict, backends=backends)
     if verdict.error_type == BACKEND_ERROR:  # not the model's fault: retried on the next run
         return {**fields, "status": "error", "error_code": "backend_error", "error": verdict.errors[0][:500]}
+    final = final_call(case, result)  # seed 003 challenge 3's AST verdict on the last turn, beside BFCL's
+    fields["answer"]["final_call"] = {"valid": final.valid, "error_type": final.error_type, "turn": final.turn}
     return {**fields, "status": "scored", "valid": verdict.valid, "error_type": verdict.error_type,
             "taxonomy": verdict.taxonomy, "errors": list(verdict.errors)}

@@ -12,7 +12,9 @@ answer a step decoded from text is graded on its strict and lenient decodes).
 
 Exactly-once: each finished pair is one SQLite transaction keyed by (case_id, profile, trial). A rerun
 with the same `--out` skips scored pairs and retries failed ones; a pair in flight when the process
-was killed was never committed and is simply sent again.
+was killed was never committed and is simply sent again. A request that failed on the backend's side
+(refused, timed out or 500 after retries, unreadable: proxy/replay/failures.py) is scored as BFCL scores
+an inference error, so it is final; one that failed on the proxy's or the network's side is retried.
 
 Repeated trials (`--trials K`): each (case, profile) is sent K times, trial t carrying the sampling
 seed `trial_seed(case_id, t)` — the same in every arm, so arms differ only by the perturbation, and
@@ -39,6 +41,7 @@ from toolquake.bfcl.corpus import case_request
 from toolquake.proxy.live.grader import Grader
 from toolquake.proxy.live.usercases import is_user_case, request_body
 from toolquake.proxy.replay.errors import ReplayError
+from toolquake.proxy.replay.failures import BAD_RESPONSE, Failed, post
 from toolquake.proxy.replay.inproc import InProcessProxy
 from toolquake.proxy.replay.multiturn import replay_fields
 from toolquake.proxy.replay.progress import Progress
@@ -86,7 +89,10 @@ class Summary:
     arms: list[str]
     sent: int = 0
     skipped: int = 0
+    #: pairs left unscored (toolquake's or the network's failures): retried on the next run
     failed: int = 0
+    #: pairs whose request failed on the backend's side, scored as BFCL scores an inference error
+    model_failures: int = 0
     aborted: str | None = None
     tallies: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -221,38 +227,43 @@ class _Sender:
         body.update(self.sampling(case.id, trial))
         rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
         t0 = time.perf_counter()
-        try:
-            r = await self.client.post(f"{self.proxy_url}/p/{profile}/v1/chat/completions", json=body,
-                                       headers={**self.headers, CASE_HEADER: case.id, **traced})
-        except httpx.TimeoutException as exc:
-            rec.error_code, rec.error = "timeout", f"{type(exc).__name__}: no answer in {self.options.timeout:.0f} s"
-            return rec
-        except httpx.HTTPError as exc:
-            rec.error_code, rec.error = "unreachable", f"{type(exc).__name__}: {exc}"[:500]
-            return rec
+        r = await post(self.client, f"{self.proxy_url}/p/{profile}/v1/chat/completions", body,
+                       {**self.headers, CASE_HEADER: case.id, **traced}, self.options.timeout,
+                       self.in_process.take if self.in_process is not None else None)
+        if isinstance(r, Failed) and r.http_status is None:  # no answer at all: nothing to take from the proxy
+            return await self.failed(rec, case, r, None)
         rec.latency_ms = (time.perf_counter() - t0) * 1000
-        rec.http_status = r.status_code
-        rec.request_id = r.headers.get("x-toolquake-request-id")
+        rec.request_id = r.headers.get("x-toolquake-request-id") if not isinstance(r, Failed) else r.request_id
         ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
         outcome = ex.outcome if ex is not None else None
         if outcome is not None:
             rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
                                           for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+        if isinstance(r, Failed):
+            return await self.failed(rec, case, r, outcome)
+        rec.http_status = r.status_code
         return await self.graded(rec, case, r, outcome)
 
+    async def failed(self, rec: Record, case: Any, failed: Failed, outcome: Any) -> Record:
+        """A request that got no usable answer: scored as BFCL scores an inference error when the failure is the
+        backend's (`failures.is_model_failure`), else an error row, retried on the next run."""
+        rec.http_status, rec.error_code, rec.error = failed.http_status, failed.code, failed.message
+        if not failed.counts:
+            return rec
+        applied = list(outcome.applied) if outcome is not None else []
+        return _scored(rec, self.grader.failed(case, applied))
+
     async def graded(self, rec: Record, case: Any, r: httpx.Response, outcome: Any) -> Record:
-        """The record of an answered request: an error row for a failed answer, else scored by the grader."""
+        """The record of an answered request: an answer that is not a JSON object is the model's failure, else it
+        is scored by the grader."""
         try:
             answer = r.json()
         except ValueError:
             answer = None
-        if r.status_code != 200 or not isinstance(answer, dict):
-            err = (answer or {}).get("error") if isinstance(answer, dict) else None
-            err = err if isinstance(err, dict) else {}
-            rec.error_code = str(err.get("code") or f"http_{r.status_code}")
-            rec.error = str(err.get("message") or r.text)[:500]
-            return rec
+        if not isinstance(answer, dict):
+            return await self.failed(rec, case, Failed(BAD_RESPONSE, f"the answer is not a JSON object: {r.text}"[:500],
+                                                       r.status_code, counts=True), outcome)
         rec.answer = answer
         usage = answer.get("usage") or {}
         rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -263,11 +274,7 @@ class _Sender:
         except Exception as exc:  # a scorer bug costs this pair only; it is retried on the next run
             rec.error_code, rec.error = "scorer_error", f"{type(exc).__name__}: {exc}"[:500]
             return rec
-        rec.status = "scored"
-        rec.expected, rec.valid, rec.error_type, rec.taxonomy = (grade.expected, grade.valid, grade.error_type,
-                                                                 grade.taxonomy)
-        rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
-        return rec
+        return _scored(rec, grade)
 
     async def worker(self, queue: asyncio.Queue[tuple[Any, str, int]], results: ResultsFile, progress: Progress,
                      summary: Summary) -> None:
@@ -281,6 +288,8 @@ class _Sender:
             summary.sent += 1
             if rec.status == "error":
                 summary.failed += 1
+            elif rec.error_code:
+                summary.model_failures += 1
             progress.advance(profile, rec.valid if rec.status == "scored" else None)
             self.count_unreachable(rec, summary)
 
@@ -294,6 +303,15 @@ class _Sender:
                                f"the proxy or backend ({rec.error}); stopped. Rerun the same command "
                                "to resume.")
             self.stop.set()
+
+
+def _scored(rec: Record, grade: Any) -> Record:
+    """`rec` with the grader's verdict: final (a rerun never sends the pair again)."""
+    rec.status = "scored"
+    rec.expected, rec.valid = grade.expected, grade.valid
+    rec.error_type, rec.taxonomy = grade.error_type, grade.taxonomy
+    rec.errors, rec.fair_valid, rec.semantic_valid = list(grade.errors), grade.fair_valid, grade.semantic_valid
+    return rec
 
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,

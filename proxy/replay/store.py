@@ -1,6 +1,7 @@
 """The results file of one replay (one shard): one SQLite row per (case, profile, trial), committed exactly once.
 
-A scored row is final; an error row is replaced by the next attempt (and `attempts` counts them).
+A scored row is final; an error row is replaced by the next attempt (and `attempts` counts them). A request
+that failed on the backend's side is a scored row with its `error_code` (proxy/replay/failures.py).
 The verdict columns are the live results store's (`VERDICT_COLUMNS`), encoded the same way.
 `trial` is 0 without `--trials`; schema 1 files (keyed (case, profile), before `--trials`) are
 migrated in place when opened for writing (their rows become trial 0) and read as such by reports.

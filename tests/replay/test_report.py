@@ -117,7 +117,7 @@ def _expected(records: list[Record], profile: str) -> dict:
         "accuracy": sum(r.valid for r in scored) / len(scored),
         "by_category": by_cat,
         "errors": Counter(r.taxonomy for r in scored if not r.valid),
-        "failed": sum(1 for r in records if r.profile == profile and r.status == "error"),
+        "unscored": sum(1 for r in records if r.profile == profile and r.status == "error"),
         "fair": sum(bool(r.fair_valid) for r in scored) / len(scored),
     }
 
@@ -133,13 +133,21 @@ def test_json_report_merges_shards_and_matches_the_stored_verdicts(shards):
         assert arm["n"] == want["n"]
         assert arm["accuracy"] == pytest.approx(want["accuracy"])
         assert arm["errors"] == dict(want["errors"])
-        assert arm["failed"] == want["failed"]
+        assert arm["unscored"] == want["unscored"] and arm["failed"] == 0  # no scored row holds an error code
         assert arm["fair_accuracy"] == pytest.approx(want["fair"])
         assert {c: (v["n"], pytest.approx(v["accuracy"])) for c, v in arm["by_category"].items()} == want["by_category"]
         if profile == "off":
             assert arm["drop_vs_off"] == 0.0
-        else:
-            assert arm["drop_vs_off"] == pytest.approx((want["accuracy"] - base) / base)
+        else:  # paired: both accuracies over the cases both scored
+            assert base and arm["drop_vs_off"] == pytest.approx(_paired_drop(records, profile))
+
+
+def _paired_drop(records: list[Record], profile: str) -> float:
+    off = {r.case_id: r.valid for r in records if r.profile == "off" and r.status == "scored"}
+    mine = {r.case_id: r.valid for r in records if r.profile == profile and r.status == "scored"}
+    both = [c for c in mine if c in off]
+    acc, acc_off = sum(mine[c] for c in both) / len(both), sum(off[c] for c in both) / len(both)
+    return (acc - acc_off) / acc_off
 
 
 def test_markdown_has_table_2_with_relative_drops_and_the_error_breakdown(shards, tmp_path):
@@ -164,7 +172,7 @@ def test_markdown_has_table_2_with_relative_drops_and_the_error_breakdown(shards
     text = out.read_text()
     base = _expected(records, "off")["accuracy"]
     shuffled = _expected(records, "shuffled")
-    drop = round((shuffled["accuracy"] - base) / base * 100)
+    drop = round(_paired_drop(records, "shuffled") * 100)
     assert f"| m1 | {base:.3f} | {shuffled['accuracy']:.3f} ({drop:+d}%) |" in text
     failures = sum(shuffled["errors"].values())
     header = next(line for line in text.splitlines() if line.startswith("| model | profile | failures |"))
@@ -211,7 +219,9 @@ def test_csv_is_bfcl_shaped_and_html_embeds_the_heatmaps(shards):
     off = next(r for r in table[1:] if r[3] == "off")
     assert off[1] == f"{_expected(records, 'off')['accuracy'] * 100:.2f}%"
     page = report("--format", "html", *dirs)
-    assert page.count("data:image/png;base64,") == 2 and "<table>" in page
+    # the catalog heatmap (pooled, then one per subset: multiple, simple_python) and the format heatmap
+    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+    assert "<h3>heatmap-catalog-multiple.png</h3>" in page and "<h3>heatmap-catalog-simple_python.png</h3>" in page
 
 
 def test_several_models_get_their_own_arms(tmp_path):

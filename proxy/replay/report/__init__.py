@@ -4,8 +4,10 @@ Everything is computed from the verdicts stored by `toolquake replay` (proxy/rep
 directories (or files) are merged, e.g. the shards of one run, or runs of different models; a
 (model, profile, case) pair found twice counts once (a scored row wins over a failed one).
 
-Accuracy counts scored pairs only; pairs that failed (backend or perturber errors) are reported
-beside it as `failed`, so an arm whose perturber could not run never shows up as a drop.
+A request that failed on the backend's side is a scored, invalid pair (as BFCL counts an inference error):
+it counts in every number and is reported by code as `failed`, with the accuracy over the answered
+requests beside. Pairs not scored yet (toolquake's or the network's failures) are in no number
+(`unscored`), so an arm whose perturber could not run never shows up as a drop.
 
 With repeated trials (`replay --trials K`), the accuracies, intervals, paired tests and per-case diffs
 are those of trial 0 (one answer per case, as without --trials: the tests assume independent cases);

@@ -14,7 +14,10 @@ from toolquake.proxy.replay.report.paper_tables import CSV_TABLES_COLUMNS, csv_r
 
 #: the statistics columns `--csv-stats` appends to the BFCL-shaped CSV
 CSV_STATS_COLUMNS = ["Overall Acc CI Low", "Overall Acc CI High", "Drop vs Baseline", "Drop CI Low", "Drop CI High",
-                     "Paired N", "Valid to Invalid", "Invalid to Valid", "McNemar p", "Significant"]
+                     "Paired N", "Valid to Invalid", "Invalid to Valid", "McNemar p", "Significant",
+                     # requests that failed on the backend's side (counted in N as wrong), their codes, and the
+                     # accuracy over the answered requests only
+                     "Failed", "Failed Codes", "Answered N", "Answered Acc"]
 
 
 #: with repeated trials, `--csv-stats` also appends these (k = the number of trials)
@@ -47,7 +50,9 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
             cmp = arm.get("paired") or {}
             extra = [pct(ci[0]), pct(ci[1]), pct(arm.get("drop_vs_off")), pct(dci[0]), pct(dci[1]),
                      cmp.get("n", "N/A"), cmp.get("valid_to_invalid", "N/A"), cmp.get("invalid_to_valid", "N/A"),
-                     "N/A" if not cmp else f"{cmp['p_value']:.6g}", "N/A" if not cmp else str(cmp["significant"])]
+                     "N/A" if not cmp else f"{cmp['p_value']:.6g}", "N/A" if not cmp else str(cmp["significant"]),
+                     arm["failed"], " ".join(f"{k}:{v}" for k, v in arm["failed_codes"].items()), arm["answered"],
+                     pct(arm["answered_accuracy"])]
             if trial_cols:
                 t = arm.get("trials") or {}
                 acc = t.get("accuracy") or {}

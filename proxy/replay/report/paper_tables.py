@@ -29,9 +29,10 @@ CONVERSATIONS = "conversation_size"  # seed 003 challenge 3: the conversation le
 FORMATS = "answer_format"  # seed 002: the format the model answers in and the tools are documented in
 EXPANSION = "related_tools"  # seed 001 §2.2: related but not equivalent tools added to the toolkit
 
+#: seed 001 Table 2's class of a caused failure whose request failed on the backend's side (not one of the paper's)
+FAILED_CLASS = "request failed"
+
 #: the plots' titles, in the papers' words
-CATALOG_HEATMAP_TITLE = ("Large tool catalog: accuracy (valid/scored) by catalog size × position (seed 003, "
-                         "challenge 1)")
 FORMAT_HEATMAP_TITLE = "Format sensitivity: accuracy (valid/scored), configuration × model (seed 002)"
 #: seed 003 Fig. 4: (experiment, file name, x label, title) of its two line plots
 RESPONSE_PLOTS = (
@@ -88,7 +89,7 @@ def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str
             continue
         fine = r.taxonomy or "unclassified"
         classes, fines = counts[(r.model, r.profile)]
-        classes[PAPER_CLASS.get(fine, "unclassified")] += 1
+        classes[PAPER_CLASS.get(fine, FAILED_CLASS if r.error_code else "unclassified")] += 1
         fines[fine] += 1
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model in res.models:
@@ -254,14 +255,17 @@ def _category_extremes(summary: dict[str, Any], keep: Any) -> dict[str, dict[str
         arms = grid_arms(data, CATALOG, "budget_tokens", "position")
         grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
         per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        failed: dict[tuple[str, str], int] = {}
         for p, v, arm in arms:
             if not keep(int(v["budget_tokens"]), v["position"], grid):
                 continue
             for cat, numbers in arm["by_category"].items():
                 if numbers["accuracy"] is not None:
                     per_cat[cat].append((numbers["accuracy"], p))
+                    failed[(cat, p)] = numbers.get("failed", 0)
         for cat, values in sorted(per_cat.items()):
-            out.setdefault(model, {})[cat] = _extremes(values)
+            e = out.setdefault(model, {})[cat] = _extremes(values)
+            e.update(max_failed=failed[(cat, e["max_arm"])], min_failed=failed[(cat, e["min_arm"])])
     return out
 
 
@@ -296,7 +300,8 @@ def padding_same_budget(summary: dict[str, Any]) -> dict[str, dict[str, dict[str
 
 
 def _point(p: str, arm: dict[str, Any], **where: Any) -> dict[str, Any]:
-    return {"profile": p, **where, "n": arm["n"], "accuracy": arm["accuracy"], "accuracy_ci": arm["accuracy_ci"]}
+    return {"profile": p, **where, "n": arm["n"], "accuracy": arm["accuracy"], "accuracy_ci": arm["accuracy_ci"],
+            "failed": arm["failed"]}
 
 
 def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -339,7 +344,10 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
     """Seed 003 Table 2 (challenge 3): accuracy with its 95 % Wilson interval per model, setting and conversation
     budget, from the conversation_lengthening arms; the setting is the arm's `fact` (where the needed fact sits)
     when the arm names one other than `any`, else its `setting`. Arms in the same cell are pooled.
-    {model: {setting: {budget: {"profiles", "n", "valid", "accuracy", "accuracy_ci"}}}}"""
+    {model: {setting: {budget: {"profiles", "n", "valid", "failed", "accuracy", "accuracy_ci", "final_call"}}}};
+    `failed` = the conversations whose requests failed on the backend's side, counted in n as wrong; `final_call`
+    = {"n", "valid", "accuracy", "accuracy_ci"} of the AST verdict on each conversation's last turn, as seed 003
+    scores challenge 3 (rows recorded before it have none)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         cells: dict[tuple[str, int], dict[str, Any]] = {}
@@ -347,12 +355,21 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
             step = step_of(arm["perturbers"], CONVERSATIONS) or {}
             fact = (step.get("params") or {}).get("fact")
             group = f"fact {fact}" if fact not in (None, "any") else f"setting {v['setting']}"
-            c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0})
+            c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0, "failed": 0})
             c["profiles"].append(p)
             c["n"] += arm["n"]
+            c["failed"] += arm["failed"]
             c["valid"] += round(arm["accuracy"] * arm["n"])
+            final = arm.get("final_call")
+            if final:
+                c.setdefault("final_call", {"n": 0, "valid": 0})
+                c["final_call"]["n"] += final["n"]
+                c["final_call"]["valid"] += final["valid"]
         for (group, budget), c in sorted(cells.items()):
             c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
+            if "final_call" in c:
+                f = c["final_call"]
+                f.update(accuracy=ratio(f["valid"], f["n"]), accuracy_ci=wilson_ci(f["valid"], f["n"]))
             out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
 
@@ -362,25 +379,51 @@ def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any]
     return None if step is None else step.get("params") or {}
 
 
-def padding_grid(summary: dict[str, Any], model: str) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
-    """Seed 003 Fig. 3 data for one model: budgets, positions, accuracy per (budget, position)."""
-    cells = {k: v / n for k, (v, n) in padding_counts(summary, model).items() if n}
+def padding_grid(summary: dict[str, Any], model: str, category: str | None = None
+                 ) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
+    """Seed 003 Fig. 3 data for one model (one subset with `category`, else all pooled): budgets, positions,
+    accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model, category).items() if n}
     return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
 
 
-def padding_counts(summary: dict[str, Any], model: str) -> dict[tuple[int, float], tuple[int, int]]:
-    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled."""
+def padding_counts(summary: dict[str, Any], model: str, category: str | None = None
+                   ) -> dict[tuple[int, float], tuple[int, int]]:
+    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled; with
+    `category`, that subset's pairs only."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
         params = _params(arm["perturbers"], CATALOG)
-        if params is None or not arm["n"]:
+        numbers = arm if category is None else arm["by_category"].get(category)
+        if params is None or not numbers or not numbers["n"]:
             continue
         if "budget_tokens" not in params or "position" not in params:
             continue
         key = (int(params["budget_tokens"]), round(float(params["position"]), 3))
-        pooled[key][0] += round(arm["accuracy"] * arm["n"])
-        pooled[key][1] += arm["n"]
+        pooled[key][0] += round(numbers["accuracy"] * numbers["n"])
+        pooled[key][1] += numbers["n"]
     return {k: (v, n) for k, (v, n) in pooled.items()}
+
+
+#: seed 003's figure of each BFCL subset in challenge 1 (one heatmap per model each; Fig. 5 averages them)
+CATALOG_FIGURES = {"live_simple": "Fig. 3", "simple": "Fig. 6", "simple_python": "Fig. 6", "multiple": "Fig. 7"}
+
+
+def catalog_categories(summary: dict[str, Any]) -> list[str]:
+    """The subsets the catalog-padding arms scored, the paper's figure order first (live_simple, simple,
+    multiple), then the others by name."""
+    found = {c for data in summary["models"].values() for arm in data["arms"].values()
+             if _params(arm["perturbers"], CATALOG) is not None for c, n in arm["by_category"].items() if n["n"]}
+    order = list(CATALOG_FIGURES)
+    return sorted(found, key=lambda c: (order.index(c) if c in order else len(order), c))
+
+
+def catalog_heatmap_title(category: str | None) -> str:
+    """The title of the catalog heatmap of one subset (None: every subset pooled)."""
+    if category is None:
+        return "Seed 003 challenge 1, all subsets: accuracy (valid/scored), catalog size × position"
+    figure = CATALOG_FIGURES.get(category)
+    return f"Seed 003 {figure or 'challenge 1'}, {category}: accuracy (valid/scored), catalog size × position"
 
 
 def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
@@ -433,9 +476,18 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
 _EXTREME_HEADER = ["Max", "Max arm", "Min", "Min arm", "% Deg. (points)", "% Deg. (relative)", "arms"]
 
 
+def _failed(count: int | None) -> str:
+    return f" ({count} failed)" if count else ""
+
+
+def _conversation_cell(c: dict[str, Any]) -> str:
+    return f"{_acc_ci(c)} (n={c['n']}" + (f", {c['failed']} failed" if c.get("failed") else "") + ")"
+
+
 def _extreme_cells(e: dict[str, Any]) -> list[str]:
     rel = "" if e.get("deg_relative") is None else f"{e['deg_relative']:.2f}"
-    return [f"{e['max']:.3f}", e["max_arm"], f"{e['min']:.3f}", e["min_arm"], f"{e['deg']:.2f}", rel, str(e["arms"])]
+    return [f"{e['max']:.3f}", e["max_arm"] + _failed(e.get("max_failed")), f"{e['min']:.3f}",
+            e["min_arm"] + _failed(e.get("min_failed")), f"{e['deg']:.2f}", rel, str(e["arms"])]
 
 
 def _acc_ci(point: dict[str, Any]) -> str:
@@ -459,13 +511,17 @@ def _seed001_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
     out = []
     caused = summary.get("caused_errors") or {}
     fine_cols = [t for t in TAXONOMY if any(arm["fine_counts"].get(t) for m in caused.values() for arm in m.values())]
+    extra = [FAILED_CLASS] if any(arm["counts"].get(FAILED_CLASS) for m in caused.values() for arm in m.values()) \
+        else []
     rows = [[model, p, str(arm["n"]), *(_share(arm["classes"].get(c)) for c in PAPER_CLASSES),
-             *(_share(arm["fine"].get(t)) for t in fine_cols)]
+             *(_share(arm["classes"].get(c, 0.0)) for c in extra), *(_share(arm["fine"].get(t)) for t in fine_cols)]
             for model, arms in caused.items() for p, arm in arms.items()]
     if rows:
         out.append((f"Seed 001 Table 2 (right): failures the perturbation caused (valid in `{summary['baseline']}`, "
-                    "invalid in the arm), share of each of the paper's four classes, our nine types beside",
-                    ["model", "profile", "caused failures", *(f"wrong {c}" for c in PAPER_CLASSES), *fine_cols], rows))
+                    "invalid in the arm), share of each of the paper's four classes (and of the requests that failed "
+                    "on the backend's side, when any did), our nine types beside",
+                    ["model", "profile", "caused failures", *(f"wrong {c}" for c in PAPER_CLASSES), *extra,
+                     *fine_cols], rows))
     rows = [[model, p, str(arm["n"]), str(arm["not_perturbed"]), f"{arm['perturbed_share']:.3f}"]
             for model, data in summary["models"].items() for p, arm in data["arms"].items()
             if arm.get("not_perturbed")]
@@ -511,20 +567,36 @@ def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
             if e:
                 rows.append([model, label, f"{fixed.replace('_tokens', '')} {e[fixed]}",
                              ", ".join(f"{pt['label']}" + (f" ({pt['position']:g})" if "position" in pt else "")
-                                       + f" {_acc_ci(pt)}" for pt in e["points"]), *_extreme_cells(e)])
+                                       + f" {_acc_ci(pt)}" + _failed(pt.get("failed")) for pt in e["points"]),
+                             *_extreme_cells(e)])
     if rows:
         out.append(("Seed 003 Table 7 (challenge 2, long tool responses): accuracy [95 % Wilson] over the response "
                     "sizes at the first position, and over the positions at the largest size (Fig. 4)",
                     ["model", "experiment", "held fixed", "points", *_EXTREME_HEADER], rows))
     conv = summary.get("conversation_grid") or {}
     budgets = sorted({int(b) for groups in conv.values() for cells in groups.values() for b in cells})
-    rows = [[model, group, *(_acc_ci(cells[str(b)]) + f" (n={cells[str(b)]['n']})" if str(b) in cells else ""
-                             for b in budgets)]
-            for model, groups in conv.items() for group, cells in groups.items()]
+    rows = []
+    for model, groups in conv.items():
+        for group, cells in groups.items():
+            rows.append([model, group, "BFCL, whole conversation",
+                         *(_conversation_cell(cells[str(b)]) if str(b) in cells else "" for b in budgets)])
+            if any("final_call" in c for c in cells.values()):
+                rows.append([model, group, "AST, final call (the paper's score)",
+                             *(_conversation_cell(cells[str(b)]["final_call"]) if "final_call" in cells.get(str(b), {})
+                               else "" for b in budgets)])
     if rows:
         out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
-                    "the needed fact sits) and conversation size", ["model", "setting", *(_k(b) for b in budgets)],
-                    rows))
+                    "the needed fact sits) and conversation size; BFCL's verdict on the whole conversation, and "
+                    "beside it the AST verdict on the calls of the last turn, as the paper scores it",
+                    ["model", "setting", "verdict", *(_k(b) for b in budgets)], rows))
+    rows = [[model, p, str(arm["final_call"]["n"]), _acc_ci({"accuracy": arm["final_call"]["bfcl_accuracy"],
+                                                             "accuracy_ci": arm["final_call"]["bfcl_accuracy_ci"]}),
+             _acc_ci(arm["final_call"])]
+            for model, data in summary["models"].items() for p, arm in data["arms"].items() if arm.get("final_call")]
+    if rows:
+        out.append(("Multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of the "
+                    "last turn's calls (seed 003 challenge 3's final-call score) [95 % Wilson]",
+                    ["model", "profile", "conversations", "BFCL, whole conversation", "AST, final call"], rows))
     return out
 
 
@@ -553,7 +625,8 @@ def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[
 
 
 #: the columns of `--csv-tables`: seed 003's tables in long form, one statistic a row
-CSV_TABLES_COLUMNS = ["Table", "Model", "Group", "Held Fixed", "Statistic", "Value", "Arm", "N", "CI Low", "CI High"]
+CSV_TABLES_COLUMNS = ["Table", "Model", "Group", "Held Fixed", "Statistic", "Value", "Arm", "N", "CI Low", "CI High",
+                      "Failed"]
 
 
 def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
@@ -561,14 +634,15 @@ def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
     rows: list[list[Any]] = []
 
     def extremes(table: str, model: str, group: str, fixed: str, e: dict[str, Any]) -> None:
-        rows.extend([[table, model, group, fixed, "Max", e["max"], e["max_arm"], "", "", ""],
-                     [table, model, group, fixed, "Min", e["min"], e["min_arm"], "", "", ""],
-                     [table, model, group, fixed, "% Deg. (points)", e["deg"], "", "", "", ""],
-                     [table, model, group, fixed, "% Deg. (relative)", e["deg_relative"], "", "", "", ""]])
+        rows.extend([[table, model, group, fixed, "Max", e["max"], e["max_arm"], "", "", "", e.get("max_failed", "")],
+                     [table, model, group, fixed, "Min", e["min"], e["min_arm"], "", "", "", e.get("min_failed", "")],
+                     [table, model, group, fixed, "% Deg. (points)", e["deg"], "", "", "", "", ""],
+                     [table, model, group, fixed, "% Deg. (relative)", e["deg_relative"], "", "", "", "", ""]])
 
     def point(table: str, model: str, group: str, fixed: str, stat: str, pt: dict[str, Any], arm: str) -> None:
         ci = pt.get("accuracy_ci") or ["", ""]
-        rows.append([table, model, group, fixed, stat, pt["accuracy"], arm, pt["n"], ci[0], ci[1]])
+        rows.append([table, model, group, fixed, stat, pt["accuracy"], arm, pt["n"], ci[0], ci[1],
+                     pt.get("failed", "")])
 
     for key, table, fixed in (("padding_extremes", "Table 1", None), ("padding_same_position", "Table 5", "position"),
                               ("padding_same_budget", "Table 6", "budget_tokens")):
@@ -589,4 +663,7 @@ def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
         for group, cells in groups.items():
             for budget, c in cells.items():
                 point("seed 003 Table 2", model, group, "", f"accuracy at {budget} tokens", c, "+".join(c["profiles"]))
+                if "final_call" in c:
+                    point("seed 003 Table 2", model, group, "", f"final-call AST accuracy at {budget} tokens",
+                          c["final_call"], "+".join(c["profiles"]))
     return rows

@@ -8,10 +8,11 @@ from typing import Any
 
 from toolquake.proxy.escape import plot_text
 from toolquake.proxy.replay.report.paper_tables import (
-    CATALOG_HEATMAP_TITLE,
     FORMAT_HEATMAP_TITLE,
     RESPONSE_PLOTS,
     budget_ticks,
+    catalog_categories,
+    catalog_heatmap_title,
     format_counts,
     format_grid,
     padding_counts,
@@ -33,28 +34,16 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     out: dict[str, bytes] = {}
-    padded = [(m, padding_grid(summary, m)) for m in summary["models"]]
-    padded = [(m, g) for m, g in padded if g[2]]
-    if padded:
-        fig, axes = plt.subplots(1, len(padded), figsize=(4.2 * len(padded) + 1, 4), squeeze=False)
-        for ax, (model, (budgets, positions, cells)) in zip(axes[0], padded):
-            counts = padding_counts(summary, model)
-            grid = [[cells.get((b, p), float("nan")) for b in budgets] for p in positions]
-            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-            ax.set_xticks(range(len(budgets)), [t.replace(" (", "\n(") for t in budget_ticks(summary, model, budgets)],
-                          fontsize=8)
-            ax.set_yticks(range(len(positions)), [f"{p:g}" for p in positions])
-            ax.set_xlabel("catalog size (tokens): budget (≈ median reached)")
-            ax.set_ylabel("position of the original tools")
-            ax.set_title(plot_text(model), fontsize=9)
-            for i, row in enumerate(grid):
-                for j, v in enumerate(row):
-                    if v == v:
-                        ax.text(j, i, _cell_text(v, counts.get((budgets[j], positions[i]))), ha="center",
-                                va="center", fontsize=7)
-        fig.colorbar(im, ax=axes[0].tolist(), label="AST accuracy")
-        fig.suptitle(CATALOG_HEATMAP_TITLE, fontsize=10)
-        out["heatmap-catalog.png"] = _png(fig, plt)
+    # all subsets pooled (named for the subset when the arms scored one only), then one heatmap per subset, a
+    # panel per model, as seed 003's Figs. 3, 6 and 7
+    subsets = catalog_categories(summary)
+    pooled = _catalog_heatmap(summary, plt, subsets[0] if len(subsets) == 1 else None)
+    if pooled is not None:
+        out["heatmap-catalog.png"] = pooled
+        for category in subsets if len(subsets) > 1 else []:
+            png = _catalog_heatmap(summary, plt, category)
+            if png is not None:
+                out[f"heatmap-catalog-{file_part(category)}.png"] = png
     labels, models, cells = format_grid(summary)
     if labels:
         counts = format_counts(summary)
@@ -72,6 +61,39 @@ def heatmaps(summary: dict[str, Any]) -> dict[str, bytes]:
         ax.set_title(FORMAT_HEATMAP_TITLE, fontsize=10)
         out["heatmap-formats.png"] = _png(fig, plt)
     return out
+
+
+def file_part(text: str) -> str:
+    """A category name as part of a file name: letters, digits, `_`, `-` and `.` kept, anything else `_`."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "_-.") else "_" for c in text)[:80].lstrip(".") or "_"
+
+
+def _catalog_heatmap(summary: dict[str, Any], plt: Any, category: str | None) -> bytes | None:
+    """Seed 003 challenge 1's heatmap, one panel per model: accuracy per (catalog size, position) of one subset
+    (`category`) or of all pooled (None); None when no arm of it has a scored pair."""
+    padded = [(m, padding_grid(summary, m, category)) for m in summary["models"]]
+    padded = [(m, g) for m, g in padded if g[2]]
+    if not padded:
+        return None
+    fig, axes = plt.subplots(1, len(padded), figsize=(4.2 * len(padded) + 1, 4), squeeze=False)
+    for ax, (model, (budgets, positions, cells)) in zip(axes[0], padded):
+        counts = padding_counts(summary, model, category)
+        grid = [[cells.get((b, p), float("nan")) for b in budgets] for p in positions]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(budgets)), [t.replace(" (", "\n(") for t in budget_ticks(summary, model, budgets)],
+                      fontsize=8)
+        ax.set_yticks(range(len(positions)), [f"{p:g}" for p in positions])
+        ax.set_xlabel("catalog size (tokens):\nbudget (≈ median reached)")
+        ax.set_ylabel("position of the original tools")
+        ax.set_title(plot_text(model), fontsize=9)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, _cell_text(v, counts.get((budgets[j], positions[i]))), ha="center", va="center",
+                            fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), label="AST accuracy")
+    fig.suptitle(plot_text(catalog_heatmap_title(category), 100), fontsize=10)
+    return _png(fig, plt)
 
 
 def response_plots(summary: dict[str, Any], fmt: str = "png") -> dict[str, bytes]:

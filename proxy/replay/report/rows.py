@@ -31,6 +31,8 @@ class Row:
     source: int = -1
     #: the trial number (`replay --trials`; 0 without, and in files written before it)
     trial: int = 0
+    #: a multi-turn row's AST verdict on its last turn's calls (seed 003 challenge 3; None: not recorded)
+    final_valid: bool | None = None
 
 
 @dataclass
@@ -94,6 +96,11 @@ def load(paths: list[str | Path]) -> Results:
     return res
 
 
+#: a multi-turn answer's `final_call.valid` (proxy/replay/multiturn.py), read in SQLite without loading the answer
+_FINAL_VALID = ("CASE WHEN answer LIKE '%\"final_call\"%' AND json_valid(answer) "
+                "THEN json_extract(answer, '$.final_call.valid') END")
+
+
 def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, str, int], int]) -> None:
     """One file's arms and rows into `res`; a (model, profile, case, trial) seen before counts once (a scored row
     wins over a failed one)."""
@@ -102,10 +109,10 @@ def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, 
     for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
         res.arms.setdefault((model, profile), json.loads(spec))
     for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
-                        f"fair_valid, semantic_valid, {trial_column(db)}, perturbers FROM results "
+                        f"fair_valid, semantic_valid, {trial_column(db)}, perturbers, {_FINAL_VALID} FROM results "
                         "ORDER BY rowid"):
         row = Row(model, r[0], r[1], r[2], row_status(r[3], r[11]), _bool(r[4]), r[5], r[6],
-                  r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]))
+                  r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]), final_valid=_bool(r[12]))
         key = (model, row.profile, row.case_id, row.trial)
         if key in seen:
             res.duplicates += 1

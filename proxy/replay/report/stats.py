@@ -1,8 +1,12 @@
 """Statistics: each arm's accuracy with its intervals, categories, error types and failed pairs; the paired test
 against the baseline; repeated trials; the cases whose verdict flipped.
 
-Accuracy counts scored pairs only; pairs that failed (backend or perturber errors) are reported beside it as
-`failed`, so an arm whose perturber could not run never shows up as a drop. With repeated trials, every number
+A pair whose request failed on the backend's side (refused, timed out after retries, unreadable: replay scores it
+as BFCL scores an inference error, proxy/replay/failures.py) is a scored, invalid pair with its `error_code`: it
+counts in the accuracy, the intervals and the paired tests, and `failed` / `failed_codes` say how many and why;
+`answered_accuracy` is the accuracy over the other pairs. Pairs not scored yet (toolquake's or the network's
+failures, retried on the next run) are in none of the numbers: `unscored` / `unscored_codes`, so an arm whose
+perturber could not run never shows up as a drop. With repeated trials, every number
 but `trials` is trial 0's (one answer per case: the tests assume independent cases).
 """
 
@@ -42,7 +46,10 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
     for r in scored:
         by_cat[r.category].append(r)
     errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
-    failed = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    failed = Counter(r.error_code for r in scored if r.error_code)
+    unscored = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    answered = [r for r in scored if not r.error_code]
+    answered_valid = sum(1 for r in answered if r.valid)
     fair = [r for r in scored if r.fair_valid is not None]
     fair_valid = sum(1 for r in fair if r.fair_valid)
     has_semantic = any(r.semantic_valid is not None for r in scored)
@@ -53,7 +60,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "accuracy": ratio(valid, len(scored)),
         "accuracy_ci": wilson_ci(valid, len(scored)),
         "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs)),
-                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs))}
+                            "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs)),
+                            "failed": sum(1 for r in rs if r.error_code)}
                         for c, rs in sorted(by_cat.items())},
         "errors": dict(sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))),
         # Wilson interval of each error type's share among the arm's failures
@@ -61,6 +69,12 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "failed": sum(failed.values()),
         **perturbed_counts(rows),
         "failed_codes": dict(sorted(failed.items())),
+        "answered": len(answered),
+        "answered_accuracy": ratio(answered_valid, len(answered)),
+        "answered_accuracy_ci": wilson_ci(answered_valid, len(answered)),
+        "unscored": sum(unscored.values()),
+        "unscored_codes": dict(sorted(unscored.items())),
+        "final_call": final_call_numbers(scored),
         "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
         "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
@@ -69,9 +83,23 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
     }
 
 
+def final_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
+    """Seed 003 challenge 3's AST verdict on each conversation's last turn, over the arm's scored multi-turn rows
+    that have one: {"n", "valid", "accuracy", "accuracy_ci"}, and BFCL's whole-conversation verdict over the same
+    rows (`bfcl_accuracy`, `bfcl_accuracy_ci`); None when no row has one."""
+    mine = [r for r in scored if r.final_valid is not None]
+    if not mine:
+        return None
+    valid, bfcl = sum(1 for r in mine if r.final_valid), sum(1 for r in mine if r.valid)
+    return {"n": len(mine), "valid": valid, "accuracy": ratio(valid, len(mine)),
+            "accuracy_ci": wilson_ci(valid, len(mine)), "bfcl_accuracy": ratio(bfcl, len(mine)),
+            "bfcl_accuracy_ci": wilson_ci(bfcl, len(mine))}
+
+
 def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
     """The arm against the baseline on the cases both scored ({case id: valid} each): the 2×2 table,
-    McNemar's exact p-value, and the relative drop on these cases with its approximate 95 % interval."""
+    McNemar's exact p-value, both accuracies on these cases, and the relative drop on them with its approximate
+    95 % interval."""
     cases = [c for c in arm if c in base]
     both = sum(1 for c in cases if base[c] and arm[c])
     lost = sum(1 for c in cases if base[c] and not arm[c])
@@ -81,6 +109,7 @@ def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
     ci = paired_drop_ci(both, lost, gained, neither)
     return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
             "both_invalid": neither, "p_value": p, "significant": p < ALPHA,
+            "accuracy": ratio(both + gained, len(cases)), "baseline_accuracy": ratio(both + lost, len(cases)),
             "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
             "drop_ci": None if ci is None else list(ci)}
 
@@ -91,19 +120,22 @@ def _verdicts(rows: list[Row], category: str | None = None) -> dict[str, bool]:
 
 
 def with_drops(arms: dict[str, dict[str, Any]], baseline: str, rows: dict[str, list[Row]] | None = None) -> None:
+    """Each arm's relative drop against the baseline, overall and per category, paired: on the cases both scored
+    (an arm that left some pairs unperturbed, or has pairs not scored yet, is compared on its own cases only)."""
     base = arms.get(baseline)
     rows = rows or {}
     base_rows = rows.get(baseline, [])
     for p, arm in arms.items():
-        arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
         cmp = paired(_verdicts(base_rows), _verdicts(rows.get(p, []))) if base and p != baseline else None
+        arm["drop_vs_off"] = cmp["drop"] if cmp else relative_drop(arm["accuracy"], base["accuracy"] if base else None)
         arm["paired"] = cmp
         arm["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
-            cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
             cat_cmp = (paired(_verdicts(base_rows, name), _verdicts(rows.get(p, []), name))
                        if b and p != baseline else None)
+            cat["drop_vs_off"] = (cat_cmp["drop"] if cat_cmp else
+                                  relative_drop(cat["accuracy"], b["accuracy"] if b else None))
             cat["drop_vs_off_ci"] = cat_cmp["drop_ci"] if cat_cmp else None
 
 

@@ -15,7 +15,7 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
 
     With one model, `arms` is keyed by profile; with several, by "profile [model]", and `models`
     holds each model's arms keyed by profile. `drop_vs_off` is the relative change against the
-    baseline profile's accuracy (None without one).
+    baseline profile, paired: both accuracies on the cases both scored (`paired`; None without a baseline).
     """
     summary = arms_summary(res, baseline)
     summary.update(families=family_numbers(summary), recovery=recovery_numbers(res))

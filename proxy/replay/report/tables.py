@@ -30,11 +30,13 @@ def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[st
     for model, p, arm in entries:
         cmp = arm["paired"]
         rows.append([model, p, _spec_text(arm.get("perturbers") or []), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
+                     codes_text(arm["failed"], arm["failed_codes"]),
                      drop_ci(arm["drop_vs_off"], arm["drop_vs_off_ci"]), str(cmp["n"]),
                      str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
                      "yes" if cmp["significant"] else "no"])
     return (f"Summary: which perturbations hurt most (largest relative drop against `{baseline}` first)",
-            ["model", "profile", "perturbation", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
+            ["model", "profile", "perturbation", "accuracy [95 % CI]", "failed requests (counted wrong)",
+             f"drop vs {baseline} [95 % CI]",
              "paired cases", "valid→invalid", "invalid→valid", "McNemar p", f"drop ≠ 0 at {ALPHA}"], rows)
 
 
@@ -106,8 +108,9 @@ def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[
             row.append("" if arm is None else acc(arm["accuracy"]) + drop)
             ci_row.append("" if arm is None else ci(arm.get("accuracy_ci")))
         rows += [row, ci_row]
-    return (f"AST accuracy per arm (relative change against `{baseline}` in brackets; 95 % Wilson intervals "
-            "on the row below)", header, rows)
+    return (f"AST accuracy per arm (in brackets the relative change against `{baseline}` on the same cases: both "
+            "arms' accuracy over the cases both scored, so an arm that left some unperturbed is compared on the "
+            "ones it perturbed; 95 % Wilson intervals on the row below)", header, rows)
 
 
 def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -128,18 +131,28 @@ def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[lis
              "on the row below)", ["model", "profile", "failures", *cols], rows)]
 
 
+def codes_text(count: int, codes: dict[str, int]) -> str:
+    """`12 (context_length_exceeded 12)`: a count of failed pairs and their codes."""
+    text = ", ".join(f"{k} {v}" for k, v in codes.items())
+    return str(count) + (f" ({text})" if text else "")
+
+
 def _arms_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     rows = []
     for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
-            failed = ", ".join(f"{k} {v}" for k, v in arm["failed_codes"].items())
             rows.append([model, p, str(arm["n"]), acc(arm["accuracy"]), acc(arm["fair_accuracy"]),
-                         acc(arm["semantic_accuracy"]), str(arm["failed"]) + (f" ({failed})" if failed else ""),
+                         acc(arm["semantic_accuracy"]), codes_text(arm["failed"], arm["failed_codes"]),
+                         pct_ci(arm.get("answered_accuracy"), arm.get("answered_accuracy_ci")),
+                         codes_text(arm.get("unscored", 0), arm.get("unscored_codes") or {}),
                          ci(arm.get("accuracy_ci")), ci(arm.get("fair_accuracy_ci")),
                          ci(arm.get("semantic_accuracy_ci"))])
-    return ("Arms: scored pairs, accuracy in the three scoring modes, failed pairs, 95 % Wilson intervals",
-            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed", "bfcl CI", "fair CI", "semantic CI"],
-            rows)
+    return ("Arms: scored pairs, accuracy in the three scoring modes, requests that failed on the backend's side "
+            "(refused, timed out after retries, unreadable: counted in n as wrong answers, as BFCL counts an "
+            "inference error; by code), bfcl accuracy over the answered requests only, pairs not scored yet "
+            "(the proxy's or network's failures, retried on the next run), 95 % Wilson intervals",
+            ["model", "profile", "n", "bfcl", "fair", "semantic", "failed (counted wrong)",
+             "bfcl over answered [95 % CI]", "not scored yet", "bfcl CI", "fair CI", "semantic CI"], rows)
 
 
 def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
