@@ -135,6 +135,8 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-counter", default="auto",
                    help="how the in-process proxy counts tokens for budgets (pad-*, long_*): 'auto' (default: the "
                         "backend's own tokenizer via /tokenize when it offers one, else the estimate with a warning), "
-                        "'upstream', 'estimate' or 'tokenizer:/path/tokenizer.json'; the source used is recorded in "
-                        "the results file")
+                        "'upstream', 'estimate', 'tiktoken:<encoding or /path/file.tiktoken>' (OpenAI models, e.g. "
+                        "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
+                        "'tokenizer:/path/tokenizer.json' (the served model's); the counter used is recorded in "
+                        "the results file and shown by the report")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

@@ -157,8 +157,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "default: the packaged example profiles)")
     serve.add_argument("--default-profile", help="profile for requests that name none (env "
                        "TOOLQUAKE_DEFAULT_PROFILE; default 'off')")
-    serve.add_argument("--token-counter", help="'estimate', 'upstream', 'auto' or 'tokenizer:/path/tokenizer.json' "
-                       "(env TOOLQUAKE_TOKEN_COUNTER)")
+    serve.add_argument("--token-counter", help="how token budgets are counted: 'estimate', 'upstream' (the backend's "
+                       "/tokenize), 'auto', 'tiktoken:<encoding or /path/file.tiktoken>' (OpenAI models, e.g. "
+                       "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
+                       "'tokenizer:/path/tokenizer.json' (env TOOLQUAKE_TOKEN_COUNTER)")
     serve.add_argument("--corpus", metavar="DIR", help="where the BFCL corpus is: a toolquake cache dir or the "
                        "data dir `toolquake corpus path` prints ([scoring] corpus; default: the pull cache)")
     serve.add_argument("--no-scoring", action="store_true", help="do not score answers, count verdicts or "

@@ -400,7 +400,7 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
 def _token_counter(config: Any, say: Callable[[str], None]) -> str:
     """The source the in-process proxy counts tokens with (what budgets mean in this run); a warning when
     `auto` found no tokenizer at the backend."""
-    from toolquake.perturbers.helpers.tokens import make_counter
+    from toolquake.perturbers.helpers.tokens import counter_label, make_counter
 
     try:
         counter = make_counter(config.server.token_counter, config.server.upstream)
@@ -412,7 +412,7 @@ def _token_counter(config: Any, say: Callable[[str], None]) -> str:
             "tokens than their names say; the report gives the tokens each arm reached.")
     if hasattr(counter, "close"):
         counter.close()
-    return counter.source
+    return counter_label(counter)
 
 
 def _changes_expectation(config: Any, profile: str) -> bool:
