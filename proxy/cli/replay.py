@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
-            progress=not args.no_progress, token_counter=args.token_counter)
+            progress=not args.no_progress, token_counter=args.token_counter, allow_estimate=args.allow_estimate)
         summary = run(options)
     except ReplayError as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
@@ -139,4 +139,9 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
                         "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
                         "'tokenizer:/path/tokenizer.json' (the served model's); the counter used is recorded in "
                         "the results file and shown by the report")
+    p.add_argument("--allow-estimate", action="store_true",
+                   help="let @seed003, @seed003-responses and @seed003-conversations run with token budgets counted "
+                        "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
+                        "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
+                        "each arm reached")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

@@ -76,6 +76,9 @@ class Options:
     #: the in-process proxy's token counter: 'auto' (the backend's tokenizer when it has one, else the
     #: estimate with a warning), or any `[server] token_counter` value; None: the config's
     token_counter: str | None = "auto"
+    #: let `@seed003*` presets run with budgets counted by the estimate (refused otherwise: their budgets are
+    #: meant in the model's own tokens)
+    allow_estimate: bool = False
 
 
 @dataclass
@@ -330,9 +333,10 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     config, arms, cases = prepare(options, say)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
+    counter = None if options.proxy else _token_counter(config, options, say)
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
-        _start_file(results, options, config, arms, model, say)
+        _start_file(results, options, config, arms, model, counter)
         done = results.scored_pairs()
         pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
         summary = Summary(path=results.path, model=model, arms=arms,
@@ -353,7 +357,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
 
 
 def _start_file(results: ResultsFile, options: Options, config: Any, arms: list[str], model: str,
-                say: Callable[[str], None]) -> None:
+                counter: str | None) -> None:
     """Claim the results file for this model and record the arms and the run's settings (a rerun must match)."""
     results.claim(model, options.backend or options.proxy or "")
     results.register_arms(_profile_specs(config, arms))
@@ -362,8 +366,8 @@ def _start_file(results: ResultsFile, options: Options, config: Any, arms: list[
                       "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
     trials = max(options.trials, int(results.meta().get("trials") or 1))
     results.set_meta({"trials": str(trials)})
-    if not options.proxy:
-        results.set_meta({"token_counter": _token_counter(config, say)})
+    if counter is not None:
+        results.set_meta({"token_counter": counter})
 
 
 def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say: Callable[[str], None]) -> None:
@@ -371,6 +375,9 @@ def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say
     if options.proxy and any(_changes_expectation(config, p) for p in arms):
         say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
             "expected tool or rewrite the answer format are graded on the client's answer only")
+    if options.proxy and "@seed003" in options.profiles:
+        say("replay: note: with --proxy, token budgets are counted by that proxy's own [server] token_counter; "
+            "seed 003's budgets are meant in the model's tokens (not the estimate)")
     if options.proxy and any(_injects_failures(config, p) for p in arms):
         say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
             "rows get no recovery verdicts")
@@ -397,21 +404,31 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
             in_process.stop()
 
 
-def _token_counter(config: Any, say: Callable[[str], None]) -> str:
-    """The source the in-process proxy counts tokens with (what budgets mean in this run); a warning when
-    `auto` found no tokenizer at the backend."""
+def _token_counter(config: Any, options: Options, say: Callable[[str], None]) -> str:
+    """What the in-process proxy counts tokens with (what budgets mean in this run); a warning when `auto` found
+    no tokenizer at the backend, and a refusal when a `@seed003*` preset would run on the estimate unasked."""
     from toolquake.perturbers.helpers.tokens import counter_label, make_counter
 
     try:
         counter = make_counter(config.server.token_counter, config.server.upstream)
     except (ValueError, OSError) as exc:
         raise ReplayError(f"token counter: {exc}") from None
-    fallback = getattr(counter, "fallback", None)
-    if fallback:
-        say(f"replay: WARNING: {fallback}. Token budgets (pad-*, long_*) are then smaller in the model's own "
-            "tokens than their names say; the report gives the tokens each arm reached.")
     if hasattr(counter, "close"):
         counter.close()
+    fallback = getattr(counter, "fallback", None)
+    seed003 = sorted({p for p in (s.strip() for s in options.profiles.split(",")) if p.startswith("@seed003")})
+    if counter.source == "estimate" and seed003 and not options.allow_estimate:
+        why = fallback or "--token-counter estimate was given"
+        raise ReplayError(
+            f"{', '.join(seed003)}: seed 003's budgets are in the model's own tokens, and this run would count them "
+            f"with the estimate ({why}). Pick the model's tokenizer: --token-counter tiktoken:o200k_base (GPT-4o and "
+            "other OpenAI models; `make tiktoken-files`), tokenizer:/path/tokenizer.json (the served model's "
+            "Hugging Face tokenizer), or upstream (a backend with /tokenize: vLLM, llama.cpp, the embedded "
+            "backend); or pass --allow-estimate to run on the estimate anyway (it over-counts real tokens "
+            "1.17-1.5x, so every budget is smaller than its name).")
+    if fallback:
+        say(f"replay: WARNING: {fallback}. Token budgets (pad-*, resp-*, conv-*) are then smaller in the model's own "
+            "tokens than their names say; the report gives the tokens each arm reached.")
     return counter_label(counter)
 
 
