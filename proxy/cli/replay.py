@@ -17,8 +17,9 @@ def _header(text: str) -> tuple[str, str]:
 
 
 def _categories(text: str | None, cases: list[str] | None, profiles: str = "") -> list[str]:
-    """--categories as given; without it, `multiple` (or the categories of the presets asked for, when every
-    --profiles item is such a preset, e.g. multi-turn for `@seed003-responses`) — or no BFCL category at all
+    """--categories as given; without it, `multiple` (or the papers' categories of the presets asked for, when
+    every --profiles item is such a preset: simple_python, live_simple and multiple for `@seed003`,
+    format_sensitivity for `@seed002`, multi_turn_base for `@seed003-responses`) — or no BFCL category at all
     when --cases is given."""
     if text is None:
         from toolquake.proxy.replay.selection import default_categories
@@ -83,12 +84,16 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                    "(checked before starting; also where the model name comes from)")
     p.add_argument("--profiles", required=True,
                    help="comma-separated profiles, one arm each: names from the config ('off' always exists), "
-                        "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded), '@seed003' "
-                        "(off, pad-*: budgets × positions), '@seed003-responses' (off, resp-*: the last tool response "
+                        "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded; multiple unless "
+                        "--categories; the rephrased arm needs a fixed rephraser or --self-rephrase), '@seed003' "
+                        "(off, pad-*: budgets × positions; simple_python, live_simple and multiple unless "
+                        "--categories), '@seed003-responses' (off, resp-*: the last tool response "
                         "grown with real records to 10K-80K tokens and, at 80K, the originals in block 1-8; "
-                        "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations), "
-                        "'@seed003-conversations' (off, conv-*: 10K-80K conversations × fact in a user turn / a tool "
-                        "response; multi_turn_base unless --categories), '@tool_order', '@tool_removal'")
+                        "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations; "
+                        "format_sensitivity unless --categories), '@seed003-conversations' (off, conv-*: 10K-80K "
+                        "conversations × fact in a user turn / a tool response; multi_turn_base unless "
+                        "--categories), '@tool_order', '@tool_removal'. Several presets together replay the union "
+                        "of their categories")
     p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
                    "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
     p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "
@@ -97,8 +102,8 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                    help="comma-separated BFCL categories: single-turn ones, or multi-turn ones (multi_turn_base, "
                         "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context: whole conversations "
                         "against the API simulators, see docs/multiturn.md), or format_sensitivity (BFCL V4's "
-                        "200-case format-sensitivity selection, for @seed002) (default: multiple, or none when "
-                        "--cases is given)")
+                        "200-case format-sensitivity selection, for @seed002) (default: the papers' categories when "
+                        "--profiles is only presets (see --profiles), else multiple; none when --cases is given)")
     p.add_argument("--cases", action="append", metavar="FILE",
                    help="a file of your own cases (JSON lines, docs/own-cases.md), repeatable; alone or with "
                         "--categories. Each case is reported under its `category` (default: the file's stem); "
