@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
-            progress=not args.no_progress, token_counter=args.token_counter, allow_estimate=args.allow_estimate)
+            progress=not args.no_progress, token_counter=args.token_counter, allow_estimate=args.allow_estimate,
+            self_rephrase=args.self_rephrase)
         summary = run(options)
     except ReplayError as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
@@ -149,4 +150,9 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
                         "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
                         "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
                         "each arm reached")
+    p.add_argument("--self-rephrase", action="store_true",
+                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased by the model under test when "
+                        "no fixed rephraser is configured (refused without it: seed 001 used one fixed rephraser, so "
+                        "every model saw the same text; set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL "
+                        "instead); the report labels the rephraser of each arm")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

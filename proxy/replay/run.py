@@ -79,6 +79,9 @@ class Options:
     #: let `@seed003*` presets run with budgets counted by the estimate (refused otherwise: their budgets are
     #: meant in the model's own tokens)
     allow_estimate: bool = False
+    #: let arms with `paraphrase` be rephrased by the model under test (no fixed generator configured); refused
+    #: otherwise: seed 001 used one fixed rephraser, so every model compared saw the same text
+    self_rephrase: bool = False
 
 
 @dataclass
@@ -334,9 +337,11 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
     counter = None if options.proxy else _token_counter(config, options, say)
+    specs = _profile_specs(config, arms)
+    _check_rephraser(options, specs)
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
-        _start_file(results, options, config, arms, model, counter)
+        _start_file(results, options, specs, model, counter)
         done = results.scored_pairs()
         pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
         summary = Summary(path=results.path, model=model, arms=arms,
@@ -356,11 +361,25 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         results.close()
 
 
-def _start_file(results: ResultsFile, options: Options, config: Any, arms: list[str], model: str,
+def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
+    """Arms whose `paraphrase` has no fixed generator model would be rephrased by each model under test: refused
+    unless --self-rephrase."""
+    selfish = [p for p, spec in specs.items() for step in spec["perturbers"]
+               if step["name"] == "paraphrase" and not step["params"].get("generator_model")]
+    if selfish and not options.self_rephrase:
+        raise ReplayError(
+            f"{', '.join(sorted(set(selfish)))}: no fixed rephraser is configured, so each model under test would "
+            "rephrase its own queries (seed 001 used one fixed rephraser: every model compared saw the same text). "
+            "Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or the profile's generator_url / "
+            "generator_model) to a fixed model, or pass --self-rephrase to accept self-rephrasing; the report "
+            "labels which rephraser each arm used.")
+
+
+def _start_file(results: ResultsFile, options: Options, specs: dict[str, dict[str, Any]], model: str,
                 counter: str | None) -> None:
     """Claim the results file for this model and record the arms and the run's settings (a rerun must match)."""
     results.claim(model, options.backend or options.proxy or "")
-    results.register_arms(_profile_specs(config, arms))
+    results.register_arms(specs)
     results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
                       "limit": str(options.limit or ""),
                       "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
