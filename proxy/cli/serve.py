@@ -23,6 +23,17 @@ GC_YOUNG = 10_000
 SPARE_FILES = 256
 
 
+def check_token_counter(spec: str) -> None:
+    """A local tokenizer (`tiktoken:`, `tokenizer:`) that cannot be loaded is refused before serving, with why."""
+    if spec.startswith(("tiktoken:", "tokenizer:")):
+        from toolquake.perturbers.helpers.tokens import make_counter
+
+        try:
+            make_counter(spec)
+        except ValueError as exc:
+            sys.exit(f"toolquake: {exc}")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -47,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
+    check_token_counter(server.token_counter)
     raise_open_files(server.max_client_connections + server.max_connections + SPARE_FILES)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
 

@@ -80,3 +80,16 @@ def test_replay_with_a_counter_it_cannot_make_says_why_and_how(tmp_path) -> None
         assert r.returncode == 2 and "neither a known encoding" in r.stderr, r.stderr
     finally:
         fake.stop()
+
+
+def test_serve_refuses_a_tokenizer_it_cannot_load_with_the_reason(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    for spec, says in ((f"tiktoken:{tmp_path / 'none.tiktoken'}", "neither a known encoding"),
+                       (f"tokenizer:{tmp_path / 'none.json'}", "tokenizer file not found")):
+        r = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--token-counter", spec, "--port", "9",
+                            "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
