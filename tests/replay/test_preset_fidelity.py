@@ -27,16 +27,22 @@ def no_tokenizer():
 
 @pytest.mark.parametrize("counter", ["auto", "estimate"])
 def test_seed003_presets_refuse_the_estimate_and_say_how_to_pick_a_counter(no_tokenizer, tmp_path, counter) -> None:
+    cases = tmp_path / "cases.jsonl"  # one case of one's own: no corpus needed to get to the check
+    cases.write_text(json.dumps({"id": "weather", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                                 "tools": [{"type": "function", "function": {
+                                     "name": "get_weather", "parameters": {"type": "object", "properties": {
+                                         "city": {"type": "string"}}, "required": ["city"]}}}],
+                                 "expected": [{"name": "get_weather", "arguments": {"city": ["Oslo"]}}]}) + "\n")
     for preset in ("@seed003", "@seed003-responses", "@seed003-conversations"):
         r = replay("--backend", f"{no_tokenizer.url}/v1", "--profiles", preset, "--token-counter", counter,
-                   "--limit", "1", "--out", str(tmp_path / preset[1:]))
+                   "--cases", str(cases), "--out", str(tmp_path / preset[1:]))
         assert r.returncode == 2, r.stderr[-2000:]
         assert preset in r.stderr and "--allow-estimate" in r.stderr, r.stderr
         assert "tiktoken:o200k_base" in r.stderr and "tokenizer:/path/tokenizer.json" in r.stderr
         assert not (tmp_path / preset[1:] / "replay.sqlite").exists(), "nothing recorded before the refusal"
     # other presets and plain profiles are not budgeted in the model's tokens: they run on the estimate
-    r = replay("--backend", f"{no_tokenizer.url}/v1", "--profiles", "@tool_order", "--categories", "multiple",
-               "--token-counter", counter, "--limit", "1", "--out", str(tmp_path / "order"))
+    r = replay("--backend", f"{no_tokenizer.url}/v1", "--profiles", "@tool_order", "--cases", str(cases),
+               "--token-counter", counter, "--out", str(tmp_path / "order"))
     assert r.returncode == 0, r.stderr[-2000:]
 
 
