@@ -437,7 +437,7 @@ def _token_counter(config: Any, options: Options, say: Callable[[str], None]) ->
     fallback = getattr(counter, "fallback", None)
     seed003 = sorted({p for p in (s.strip() for s in options.profiles.split(",")) if p.startswith("@seed003")})
     if counter.source == "estimate" and seed003 and not options.allow_estimate:
-        why = fallback or "--token-counter estimate was given"
+        why = fallback or f"token_counter is {config.server.token_counter!r}"
         raise ReplayError(
             f"{', '.join(seed003)}: seed 003's budgets are in the model's own tokens, and this run would count them "
             f"with the estimate ({why}). Pick the model's tokenizer: --token-counter tiktoken:o200k_base (GPT-4o and "
