@@ -8,19 +8,26 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings install-local phoenix corpus tools lint test test-fast bench demo clean image test-image \
+.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo clean image \
+	test-image \
 	lock containers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# core + dev + replay/multi-turn/tracing extras (light: no torch)
+# core + dev + replay/multi-turn/tracing/tokenizers extras (light: no torch)
 $(VENV)/.core: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,replay,multiturn,tracing]'
+	$(BIN)/pip install -q -e '.[dev,replay,multiturn,tracing,tokenizers]'
 	touch $@
 
 install: $(VENV)/.core
+
+# OpenAI's encoding files for --token-counter tiktoken:<encoding> (cl100k_base, p50k_base, o200k_base), taken from
+# the wheel of litellm, which ships them (pip download, not installed), checked against tiktoken's own SHA-256s,
+# written to $(TOOLQUAKE_CACHE)/tiktoken (scripts/tiktoken_files.py)
+tiktoken-files: install
+	@ls $(TOOLQUAKE_CACHE)/tiktoken/o200k_base.tiktoken >/dev/null 2>&1 || $(BIN)/python scripts/tiktoken_files.py
 
 # torch's CPU wheel first (an unpinned torch pulls several GB of CUDA packages), then the extra
 $(VENV)/.embeddings: $(VENV)/.core
@@ -120,7 +127,7 @@ lint: install
 	cd $(LINT_SITE) && PYTHONPATH=. ../../$(BIN)/lint-imports --config ../../pyproject.toml
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
-test: install-embeddings corpus tools install-local containers phoenix
+test: install-embeddings corpus tools install-local containers phoenix tiktoken-files
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.lengthening.budget import fit
-from toolquake.perturbers.helpers.tokens import EstimateCounter
+from toolquake.perturbers.helpers.tokens import EstimateCounter, counter_label
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
 
 
@@ -44,7 +44,7 @@ class CatalogPadding(Perturber):
 
         originals = list(request.tools)
         counter: Any = ctx.services.token_counter or EstimateCounter()
-        ctx.report["token_counter"] = counter.source
+        ctx.report["token_counter"] = counter_label(counter)
         if not originals:  # no toolkit to hide: padding would turn a chat into a tool-calling request
             ctx.report["skipped"] = "no tools"
             return request

@@ -13,6 +13,7 @@ from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext
 from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot
 from toolquake.perturbers.helpers.lengthening.facts import FACT_KINDS, Fact, filler_text, locate
 from toolquake.perturbers.helpers.lengthening.filler import SETTINGS, FillerItem, filler_pool
+from toolquake.perturbers.helpers.tokens import counter_label
 
 _LEADING = ("system", "developer")
 
@@ -54,7 +55,7 @@ class ConversationLengthening(Perturber):
         counter = ctx.services.token_counter
         messages = request.messages
         last_user = request.last_user_index()
-        ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens, setting=self.setting)
+        ctx.report.update(counter=counter_label(counter), budget_tokens=self.budget_tokens, setting=self.setting)
         if self.fact != "any":
             ctx.report["fact_kind"] = self.fact
         if last_user is None:

@@ -84,6 +84,8 @@ class Paraphrase(Perturber):
         model = self.generator_model or request.model
         if not model:
             raise ValueError("no generator_model and the request names no model")
+        # who rephrased: a fixed generator model, or (none configured) the model under test itself
+        ctx.report["rephraser"] = model if self.generator_model else f"self:{model}"
         cache = DiskCache(self.cache_dir or toolquake_cache() / "paraphrase")
         key = cache.key(PROMPT_VERSION, model, original)
         entry = cache.get(key)

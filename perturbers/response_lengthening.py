@@ -12,7 +12,7 @@ from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext
 from toolquake.perturbers.helpers.lengthening import record_bank
 from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot, text_cost
 from toolquake.perturbers.helpers.lengthening.records import RecordSource, find_main_array, render_array, separators_of
-from toolquake.perturbers.helpers.tokens import EstimateCounter
+from toolquake.perturbers.helpers.tokens import EstimateCounter, counter_label
 
 _TOOL_ROLES = ("tool", "function")
 _ESTIMATE = EstimateCounter()
@@ -236,7 +236,7 @@ class ResponseLengthening(Perturber):
         counter = ctx.services.token_counter
         messages = request.messages
         targets, skipped = self._targets(messages, self._wanted(messages), ctx, _words(messages))
-        ctx.report.update(counter=counter.source, budget_tokens=self.budget_tokens)
+        ctx.report.update(counter=counter_label(counter), budget_tokens=self.budget_tokens)
         if self.budget_scope != "request" or self.records != "lookalike":
             ctx.report.update(budget_scope=self.budget_scope, records=self.records)
         if not targets:

@@ -13,6 +13,7 @@ from toolquake.bfcl.embeddings import signature
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
+from toolquake.perturbers.helpers.tokens import counter_label
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
 from toolquake.perturbers.helpers.toolkit.twins import twin_flags
 
@@ -142,7 +143,7 @@ class ToolkitExpansion(Perturber):
             "tools_before": len(originals), "tools_after": len(tools),
         })
         if counter is not None and added:
-            ctx.report["token_counter"] = counter.source
+            ctx.report["token_counter"] = counter_label(counter)
             try:
                 ctx.report["tokens_added"] = sum(counter.count_tool(t) for t in added)
             except Exception:  # a count is a report, not part of the perturbation: never fail for it

@@ -7,16 +7,22 @@
   `{model, messages, tools}` (its chat template applied), falling back to llama.cpp's
   `POST /extras/tokenize/count` with the request rendered as text;
 - `tokenizer:/path/tokenizer.json`: a local Hugging Face `tokenizer.json` through the `tokenizers`
-  library (embeddings extra), applied to the request rendered as text;
+  library (tokenizers extra), applied to the request rendered as text;
+- `tiktoken:<encoding>` or `tiktoken:/path/file.tiktoken`: one of OpenAI's published encodings (e.g.
+  `o200k_base` for GPT-4o, `cl100k_base` for GPT-4) through the `tiktoken` library (tokenizers extra),
+  applied to the request rendered as text. Nothing is downloaded: the encoding file is read from the path
+  given, else from `$TOOLQUAKE_CACHE/tiktoken/<encoding>.tiktoken` (`make tiktoken-files` puts OpenAI's
+  files there), tiktoken's own cache, or the copies the `litellm` package ships; every file is checked
+  against the SHA-256 that tiktoken itself publishes for that encoding (see `tiktoken_encoding`);
 - `auto`: `upstream` when the backend answers a probe count (vLLM, llama.cpp, the embedded backend), else
   `estimate` with a warning logged and `fallback` set on the counter saying why (replay's default: seed
   003's budgets are meant in the model's own tokens).
 
-Every counter says which source it is (`source`) so runs and metrics can report it, and carries a
-`key` that names it exactly (used to cache counts of pool tools). `count_tool` is the cost of one
-more tool in a request's `tools` list; for the estimate it is exact (the estimate is additive over
-JSON), for the other sources it is the tokenizer's count of the tool's JSON, and callers that need an
-exact total check it with `count_request`.
+Every counter says which source it is (`source`, a short kind for metric labels) and what exactly it
+counts with (`label`, e.g. `tiktoken:o200k_base`, for reports), and carries a `key` that names it exactly
+(used to cache counts of pool tools). `count_tool` is the cost of one more tool in a request's `tools`
+list; for the estimate it is exact (the estimate is additive over JSON), for the other sources it is the
+tokenizer's count of the tool's JSON, and callers that need an exact total check it with `count_request`.
 """
 
 from __future__ import annotations
@@ -95,7 +101,7 @@ class EstimateCounter:
     delimited by punctuation, it is additive: one more tool costs `count_tool(tool)` exactly."""
 
     source = "estimate"
-    key = "estimate"
+    key = label = "estimate"
     #: why this estimate stands in for the backend's tokenizer (token_counter 'auto'), else None
     fallback: str | None = None
 
@@ -115,7 +121,46 @@ class EstimateCounter:
         return self.count_text(tool_json(tool)) + 1
 
 
-class TokenizerCounter:
+class _LocalCounter:
+    """A local vocabulary applied to `render_request(body)`, plus `MESSAGE_OVERHEAD` tokens per message for
+    the chat template's special tokens (subclasses define `count_text`)."""
+
+    def count_text(self, text: str) -> int:
+        raise NotImplementedError
+
+    def count_texts(self, texts: list[str]) -> list[int]:
+        return [self.count_text(t) for t in texts]
+
+    def count_request(self, body: dict[str, Any]) -> int:
+        n_messages = sum(1 for m in body.get("messages") or [] if isinstance(m, dict))
+        return self.count_text(render_request(body)) + MESSAGE_OVERHEAD * n_messages
+
+    def count_tool(self, tool: dict[str, Any]) -> int:
+        return self.count_text(tool_json(tool)) + 1
+
+
+class TiktokenCounter(_LocalCounter):
+    """One of OpenAI's encodings through `tiktoken`, from a local file (see tiktoken_files: never downloaded,
+    checked against tiktoken's published hash). OpenAI renders tools in its own undisclosed layout: their JSON
+    stands in for it, so counts are the model's vocabulary over an approximate layout. Special-token text in
+    a request (`<|endoftext|>`) is counted as plain text, never as a control token."""
+
+    source = "tiktoken"
+
+    def __init__(self, spec: str) -> None:
+        from toolquake.perturbers.helpers.tiktoken_files import load
+
+        self._enc, self.encoding, self.path = load(spec)
+        self.key = self.label = f"tiktoken:{self.encoding}"
+
+    def count_text(self, text: str) -> int:
+        return len(self._enc.encode_ordinary(text))
+
+    def count_texts(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self._enc.encode_ordinary_batch(texts)]
+
+
+class TokenizerCounter(_LocalCounter):
     """A local `tokenizer.json` (the model's own vocabulary) applied to `render_request(body)`, plus
     `MESSAGE_OVERHEAD` tokens per message for the chat template's special tokens."""
 
@@ -129,7 +174,7 @@ class TokenizerCounter:
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("token_counter 'tokenizer:' needs the `tokenizers` package: "
-                             "pip install 'toolquake[embeddings]' (or pip install tokenizers)") from None
+                             "pip install 'toolquake[tokenizers]' (or pip install tokenizers)") from None
         try:
             self._tok = Tokenizer.from_file(str(p))
         except Exception as exc:  # the library raises a bare Exception on malformed files
@@ -140,19 +185,13 @@ class TokenizerCounter:
         digest = hashlib.blake2b(p.read_bytes(), digest_size=6).hexdigest()
         self.path = p
         self.key = f"tokenizer:{digest}"
+        self.label = f"tokenizer:{p}"
 
     def count_text(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def count_texts(self, texts: list[str]) -> list[int]:
         return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def count_request(self, body: dict[str, Any]) -> int:
-        n_messages = sum(1 for m in body.get("messages") or [] if isinstance(m, dict))
-        return self.count_text(render_request(body)) + MESSAGE_OVERHEAD * n_messages
-
-    def count_tool(self, tool: dict[str, Any]) -> int:
-        return self.count_text(tool_json(tool)) + 1
 
 
 class UpstreamCounter:
@@ -168,6 +207,7 @@ class UpstreamCounter:
         base = upstream.rstrip("/")
         self.root = base[: -len("/v1")] if base.endswith("/v1") else base
         self.key = f"upstream:{self.root}"
+        self.label = "upstream"
         #: the model named in the last counted request (vLLM and llama.cpp accept none for their only model)
         self.model = model
         self._client = httpx.Client(timeout=timeout, trust_env=False)
@@ -255,8 +295,8 @@ def auto_counter(upstream: str) -> TokenCounter:
 
 def make_counter(spec: str, upstream: str | None = None) -> TokenCounter:
     """The counter named by `[server] token_counter`: 'estimate', 'upstream' (needs `upstream`, the
-    backend's API base URL), 'auto' (upstream when the backend can count, else the estimate) or
-    'tokenizer:/path/tokenizer.json'."""
+    backend's API base URL), 'auto' (upstream when the backend can count, else the estimate),
+    'tiktoken:<encoding or /path/file.tiktoken>' or 'tokenizer:/path/tokenizer.json'."""
     if spec == "estimate":
         return EstimateCounter()
     if spec == "auto":
@@ -269,5 +309,12 @@ def make_counter(spec: str, upstream: str | None = None) -> TokenCounter:
         return UpstreamCounter(upstream)
     if spec.startswith("tokenizer:"):
         return TokenizerCounter(spec[len("tokenizer:"):])
-    raise ValueError(f"unknown token_counter {spec!r} (use 'estimate', 'upstream', 'auto' or "
-                     "'tokenizer:/path/tokenizer.json')")
+    if spec.startswith("tiktoken:"):
+        return TiktokenCounter(spec[len("tiktoken:"):])
+    raise ValueError(f"unknown token_counter {spec!r} (use 'estimate', 'upstream', 'auto', "
+                     "'tiktoken:<encoding or /path/file.tiktoken>' or 'tokenizer:/path/tokenizer.json')")
+
+
+def counter_label(counter: Any) -> str:
+    """What a counter counts with, for reports (`tiktoken:o200k_base`, `upstream`, `estimate`...)."""
+    return str(getattr(counter, "label", None) or getattr(counter, "source", "unknown"))

@@ -17,8 +17,9 @@ def _header(text: str) -> tuple[str, str]:
 
 
 def _categories(text: str | None, cases: list[str] | None, profiles: str = "") -> list[str]:
-    """--categories as given; without it, `multiple` (or the categories of the presets asked for, when every
-    --profiles item is such a preset, e.g. multi-turn for `@seed003-responses`) — or no BFCL category at all
+    """--categories as given; without it, `multiple` (or the papers' categories of the presets asked for, when
+    every --profiles item is such a preset: simple_python, live_simple and multiple for `@seed003`,
+    format_sensitivity for `@seed002`, multi_turn_base for `@seed003-responses`) — or no BFCL category at all
     when --cases is given."""
     if text is None:
         from toolquake.proxy.replay.selection import default_categories
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
-            progress=not args.no_progress, token_counter=args.token_counter)
+            progress=not args.no_progress, token_counter=args.token_counter, allow_estimate=args.allow_estimate,
+            self_rephrase=args.self_rephrase)
         summary = run(options)
     except ReplayError as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
@@ -91,12 +93,16 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                    "(checked before starting; also where the model name comes from)")
     p.add_argument("--profiles", required=True,
                    help="comma-separated profiles, one arm each: names from the config ('off' always exists), "
-                        "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded), '@seed003' "
-                        "(off, pad-*: budgets × positions), '@seed003-responses' (off, resp-*: the last tool response "
+                        "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded; multiple unless "
+                        "--categories; the rephrased arm needs a fixed rephraser or --self-rephrase), '@seed003' "
+                        "(off, pad-*: budgets × positions; simple_python, live_simple and multiple unless "
+                        "--categories), '@seed003-responses' (off, resp-*: the last tool response "
                         "grown with real records to 10K-80K tokens and, at 80K, the originals in block 1-8; "
-                        "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations), "
-                        "'@seed003-conversations' (off, conv-*: 10K-80K conversations × fact in a user turn / a tool "
-                        "response; multi_turn_base unless --categories), '@tool_order', '@tool_removal'")
+                        "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations; "
+                        "format_sensitivity unless --categories), '@seed003-conversations' (off, conv-*: 10K-80K "
+                        "conversations × fact in a user turn / a tool response; multi_turn_base unless "
+                        "--categories), '@tool_order', '@tool_removal'. Several presets together replay the union "
+                        "of their categories")
     p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
                    "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
     p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "
@@ -105,8 +111,8 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                    help="comma-separated BFCL categories: single-turn ones, or multi-turn ones (multi_turn_base, "
                         "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context: whole conversations "
                         "against the API simulators, see docs/multiturn.md), or format_sensitivity (BFCL V4's "
-                        "200-case format-sensitivity selection, for @seed002) (default: multiple, or none when "
-                        "--cases is given)")
+                        "200-case format-sensitivity selection, for @seed002) (default: the papers' categories when "
+                        "--profiles is only presets (see --profiles), else multiple; none when --cases is given)")
     p.add_argument("--cases", action="append", metavar="FILE",
                    help="a file of your own cases (JSON lines, docs/own-cases.md), repeatable; alone or with "
                         "--categories. Each case is reported under its `category` (default: the file's stem); "
@@ -143,6 +149,18 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-counter", default="auto",
                    help="how the in-process proxy counts tokens for budgets (pad-*, long_*): 'auto' (default: the "
                         "backend's own tokenizer via /tokenize when it offers one, else the estimate with a warning), "
-                        "'upstream', 'estimate' or 'tokenizer:/path/tokenizer.json'; the source used is recorded in "
-                        "the results file")
+                        "'upstream', 'estimate', 'tiktoken:<encoding or /path/file.tiktoken>' (OpenAI models, e.g. "
+                        "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
+                        "'tokenizer:/path/tokenizer.json' (the served model's); the counter used is recorded in "
+                        "the results file and shown by the report")
+    p.add_argument("--allow-estimate", action="store_true",
+                   help="let @seed003, @seed003-responses and @seed003-conversations run with token budgets counted "
+                        "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
+                        "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
+                        "each arm reached")
+    p.add_argument("--self-rephrase", action="store_true",
+                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased by the model under test when "
+                        "no fixed rephraser is configured (refused without it: seed 001 used one fixed rephraser, so "
+                        "every model saw the same text; set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL "
+                        "instead); the report labels the rephraser of each arm")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

@@ -23,6 +23,17 @@ GC_YOUNG = 10_000
 SPARE_FILES = 256
 
 
+def check_token_counter(spec: str) -> None:
+    """A local tokenizer (`tiktoken:`, `tokenizer:`) that cannot be loaded is refused before serving, with why."""
+    if spec.startswith(("tiktoken:", "tokenizer:")):
+        from toolquake.perturbers.helpers.tokens import make_counter
+
+        try:
+            make_counter(spec)
+        except ValueError as exc:
+            sys.exit(f"toolquake: {exc}")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -53,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             tracer(config)
         except ConfigError as exc:
             sys.exit(f"toolquake: {exc}")
+    check_token_counter(server.token_counter)
     raise_open_files(server.max_client_connections + server.max_connections + SPARE_FILES)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
 
@@ -163,8 +175,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "default: the packaged example profiles)")
     serve.add_argument("--default-profile", help="profile for requests that name none (env "
                        "TOOLQUAKE_DEFAULT_PROFILE; default 'off')")
-    serve.add_argument("--token-counter", help="'estimate', 'upstream', 'auto' or 'tokenizer:/path/tokenizer.json' "
-                       "(env TOOLQUAKE_TOKEN_COUNTER)")
+    serve.add_argument("--token-counter", help="how token budgets are counted: 'estimate', 'upstream' (the backend's "
+                       "/tokenize), 'auto', 'tiktoken:<encoding or /path/file.tiktoken>' (OpenAI models, e.g. "
+                       "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
+                       "'tokenizer:/path/tokenizer.json' (env TOOLQUAKE_TOKEN_COUNTER)")
     serve.add_argument("--corpus", metavar="DIR", help="where the BFCL corpus is: a toolquake cache dir or the "
                        "data dir `toolquake corpus path` prints ([scoring] corpus; default: the pull cache)")
     serve.add_argument("--no-scoring", action="store_true", help="do not score answers, count verdicts or "

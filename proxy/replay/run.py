@@ -80,6 +80,12 @@ class Options:
     #: the in-process proxy's token counter: 'auto' (the backend's tokenizer when it has one, else the
     #: estimate with a warning), or any `[server] token_counter` value; None: the config's
     token_counter: str | None = "auto"
+    #: let `@seed003*` presets run with budgets counted by the estimate (refused otherwise: their budgets are
+    #: meant in the model's own tokens)
+    allow_estimate: bool = False
+    #: let arms with `paraphrase` be rephrased by the model under test (no fixed generator configured); refused
+    #: otherwise: seed 001 used one fixed rephraser, so every model compared saw the same text
+    self_rephrase: bool = False
 
 
 @dataclass
@@ -362,9 +368,12 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     config, arms, cases = prepare(options, say)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
+    counter = None if options.proxy else _token_counter(config, options, say)
+    specs = _profile_specs(config, arms)
+    _check_rephraser(options, specs)
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
-        _start_file(results, options, config, arms, model, say)
+        _start_file(results, options, specs, model, counter)
         done = results.scored_pairs()
         pairs = [(c, p, t) for t in range(options.trials) for c in cases for p in arms if (c.id, p, t) not in done]
         summary = Summary(path=results.path, model=model, arms=arms,
@@ -384,18 +393,32 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         results.close()
 
 
-def _start_file(results: ResultsFile, options: Options, config: Any, arms: list[str], model: str,
-                say: Callable[[str], None]) -> None:
+def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
+    """Arms whose `paraphrase` has no fixed generator model would be rephrased by each model under test: refused
+    unless --self-rephrase."""
+    selfish = [p for p, spec in specs.items() for step in spec["perturbers"]
+               if step["name"] == "paraphrase" and not step["params"].get("generator_model")]
+    if selfish and not options.self_rephrase:
+        raise ReplayError(
+            f"{', '.join(sorted(set(selfish)))}: no fixed rephraser is configured, so each model under test would "
+            "rephrase its own queries (seed 001 used one fixed rephraser: every model compared saw the same text). "
+            "Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or the profile's generator_url / "
+            "generator_model) to a fixed model, or pass --self-rephrase to accept self-rephrasing; the report "
+            "labels which rephraser each arm used.")
+
+
+def _start_file(results: ResultsFile, options: Options, specs: dict[str, dict[str, Any]], model: str,
+                counter: str | None) -> None:
     """Claim the results file for this model and record the arms and the run's settings (a rerun must match)."""
     results.claim(model, options.backend or options.proxy or "")
-    results.register_arms(_profile_specs(config, arms))
+    results.register_arms(specs)
     results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
                       "limit": str(options.limit or ""),
                       "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
     trials = max(options.trials, int(results.meta().get("trials") or 1))
     results.set_meta({"trials": str(trials)})
-    if not options.proxy:
-        results.set_meta({"token_counter": _token_counter(config, say)})
+    if counter is not None:
+        results.set_meta({"token_counter": counter})
 
 
 def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say: Callable[[str], None]) -> None:
@@ -403,6 +426,9 @@ def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say
     if options.proxy and any(_changes_expectation(config, p) for p in arms):
         say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
             "expected tool or rewrite the answer format are graded on the client's answer only")
+    if options.proxy and "@seed003" in options.profiles:
+        say("replay: note: with --proxy, token budgets are counted by that proxy's own [server] token_counter; "
+            "seed 003's budgets are meant in the model's tokens (not the estimate)")
     if options.proxy and any(_injects_failures(config, p) for p in arms):
         say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
             "rows get no recovery verdicts")
@@ -432,22 +458,32 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
             traces.close()
 
 
-def _token_counter(config: Any, say: Callable[[str], None]) -> str:
-    """The source the in-process proxy counts tokens with (what budgets mean in this run); a warning when
-    `auto` found no tokenizer at the backend."""
-    from toolquake.perturbers.helpers.tokens import make_counter
+def _token_counter(config: Any, options: Options, say: Callable[[str], None]) -> str:
+    """What the in-process proxy counts tokens with (what budgets mean in this run); a warning when `auto` found
+    no tokenizer at the backend, and a refusal when a `@seed003*` preset would run on the estimate unasked."""
+    from toolquake.perturbers.helpers.tokens import counter_label, make_counter
 
     try:
         counter = make_counter(config.server.token_counter, config.server.upstream)
     except (ValueError, OSError) as exc:
         raise ReplayError(f"token counter: {exc}") from None
-    fallback = getattr(counter, "fallback", None)
-    if fallback:
-        say(f"replay: WARNING: {fallback}. Token budgets (pad-*, long_*) are then smaller in the model's own "
-            "tokens than their names say; the report gives the tokens each arm reached.")
     if hasattr(counter, "close"):
         counter.close()
-    return counter.source
+    fallback = getattr(counter, "fallback", None)
+    seed003 = sorted({p for p in (s.strip() for s in options.profiles.split(",")) if p.startswith("@seed003")})
+    if counter.source == "estimate" and seed003 and not options.allow_estimate:
+        why = fallback or f"token_counter is {config.server.token_counter!r}"
+        raise ReplayError(
+            f"{', '.join(seed003)}: seed 003's budgets are in the model's own tokens, and this run would count them "
+            f"with the estimate ({why}). Pick the model's tokenizer: --token-counter tiktoken:o200k_base (GPT-4o and "
+            "other OpenAI models; `make tiktoken-files`), tokenizer:/path/tokenizer.json (the served model's "
+            "Hugging Face tokenizer), or upstream (a backend with /tokenize: vLLM, llama.cpp, the embedded "
+            "backend); or pass --allow-estimate to run on the estimate anyway (it over-counts real tokens "
+            "1.17-1.5x, so every budget is smaller than its name).")
+    if fallback:
+        say(f"replay: WARNING: {fallback}. Token budgets (pad-*, resp-*, conv-*) are then smaller in the model's own "
+            "tokens than their names say; the report gives the tokens each arm reached.")
+    return counter_label(counter)
 
 
 def _changes_expectation(config: Any, profile: str) -> bool:

@@ -27,15 +27,21 @@ PRESETS: dict[str, list[str]] = {
     # seed 003 challenge 3 (Table 2): 4 conversation sizes × 2 settings (fact in a user turn / a tool response)
     "seed003-conversations": ["off", "conv-*"],
 }
-#: presets whose protocol needs a history to perturb: the BFCL categories replayed when --categories is not given
+#: the BFCL categories a preset replays when --categories is not given: the papers' own data (seed 003 §4.1:
+#: BFCL's simple, live_simple and multiple, 858 cases; seed 002: BFCL V4's 200-case format-sensitivity selection;
+#: the multi-turn presets need a history to perturb)
 PRESET_CATEGORIES: dict[str, list[str]] = {
+    "seed001": ["multiple"],
+    "seed003": ["simple_python", "live_simple", "multiple"],
+    "seed002": ["format_sensitivity"],
     "seed003-responses": ["multi_turn_base"],
     "seed003-conversations": ["multi_turn_base"],
 }
 
 
 def default_categories(profiles_spec: str) -> list[str] | None:
-    """The categories a run of only such presets defaults to (`@seed003-responses` → multi-turn), else None."""
+    """The categories a run of only such presets defaults to (`@seed003` → simple_python, live_simple, multiple;
+    `@seed002` → format_sensitivity; `@seed003-responses` → multi-turn), else None."""
     items = [s.strip() for s in profiles_spec.split(",") if s.strip()]
     wanted = [PRESET_CATEGORIES.get(i[1:]) for i in items if i.startswith("@")]
     if not wanted or len(wanted) != len(items) or any(w is None for w in wanted):

@@ -488,7 +488,7 @@ def test_a_local_tokenizer_counter_budget_within_5_percent(perturber: str) -> No
     body = tool_request() if perturber == "response_lengthening" else multi_turn_request()
     out, report = run(perturber, {"budget_tokens": 20_000}, body, counter=counter)
     total = counter.count_request(out)
-    assert report["counter"] == "tokenizer" and report["tokens_total"] == total
+    assert report["counter"] == f"tokenizer:{counter.path}" and report["tokens_total"] == total
     assert abs(total - 20_000) <= 1_000, total
 
 

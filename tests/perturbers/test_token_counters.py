@@ -12,12 +12,15 @@ import pytest
 
 from tests.conftest import start_fake_upstream
 from toolquake.perturbers.helpers.tokens import (
+    MESSAGE_OVERHEAD,
     EstimateCounter,
+    TiktokenCounter,
     TokenCountError,
     TokenizerCounter,
     UpstreamCounter,
     make_counter,
     render_request,
+    tool_json,
 )
 
 WEATHER = {
@@ -77,7 +80,7 @@ def test_make_counter_names_every_source_and_rejects_unknown_ones() -> None:
     with pytest.raises(ValueError, match="needs the upstream URL"):
         make_counter("upstream", None)
     with pytest.raises(ValueError, match="unknown token_counter"):
-        make_counter("tiktoken")
+        make_counter("tiktoken")  # the encoding is required: tiktoken:<encoding or file>
     with pytest.raises(ValueError, match="not found"):
         make_counter("tokenizer:/nonexistent/tokenizer.json")
 
@@ -154,7 +157,104 @@ def test_local_tokenizer_json_counts_with_the_models_vocabulary() -> None:
     assert counter.count_text("hello " * 600) == 600
     base = counter.count_request(BODY)
     assert counter.count_request({**BODY, "tools": [WEATHER, TIME]}) > base
-    assert counter.key.startswith("tokenizer:")
+    assert counter.key.startswith("tokenizer:") and counter.label == f"tokenizer:{path}"
+
+
+#: plain prose, code-like JSON, accents, CJK, emoji and combining marks, a special-token look-alike
+TEXTS = [
+    "What's the weather in Paris, and the time there?",
+    tool_json(STOCK),
+    "naïve café — Zürich 東京都 서울 🙂👍🏽 e\u0301 Ελληνικά",
+    "<|endoftext|> is plain text here <|im_start|>",
+    "x" * 5000 + " 1234567890 " * 50,
+]
+
+
+@pytest.mark.needs_embeddings
+def test_tokenizer_json_counts_equal_the_tokenizers_librarys_own() -> None:
+    from tokenizers import Tokenizer
+
+    path = _minilm_tokenizer()
+    counter = make_counter(f"tokenizer:{path}")
+    own = Tokenizer.from_file(str(path))
+    own.no_truncation()
+    own.no_padding()  # the file pads to 128: the count is of the text itself
+    for text in TEXTS:
+        assert counter.count_text(text) == len(own.encode(text, add_special_tokens=False).ids), text[:40]
+    body = {**BODY, "tools": [WEATHER, STOCK]}
+    expected = len(own.encode(render_request(body), add_special_tokens=False).ids) + MESSAGE_OVERHEAD * 2
+    assert counter.count_request(body) == expected
+
+
+def _tiktoken_files() -> Path:
+    """`make tiktoken-files`' folder, with OpenAI's files (checked by hash by the counter itself)."""
+    if importlib.util.find_spec("tiktoken") is None:
+        pytest.skip("needs the tokenizers extra (tiktoken)")
+    from toolquake.bfcl.corpus import cache_root
+
+    folder = cache_root() / "tiktoken"
+    if not (folder / "o200k_base.tiktoken").is_file():
+        pytest.skip(f"needs OpenAI's encoding files in {folder}: make tiktoken-files")
+    return folder
+
+
+def _tiktokens_own(encoding: str, folder: Path, tmp_path: Path, monkeypatch):
+    """The encoding as tiktoken itself builds it: its own definition, loading from its own download cache (a
+    private one here, filled under tiktoken's cache names), its own hash check."""
+    import hashlib
+    import shutil
+
+    import tiktoken
+    from tiktoken_ext import openai_public
+
+    url = f"https://openaipublic.blob.core.windows.net/encodings/{encoding}.tiktoken"
+    shutil.copy(folder / f"{encoding}.tiktoken", tmp_path / hashlib.sha1(url.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    return tiktoken.Encoding(**openai_public.ENCODING_CONSTRUCTORS[encoding]())
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
+def test_tiktoken_counts_equal_tiktokens_own_encode(encoding, tmp_path, monkeypatch) -> None:
+    folder = _tiktoken_files()
+    own = _tiktokens_own(encoding, folder, tmp_path, monkeypatch)
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    by_name = make_counter(f"tiktoken:{encoding}")
+    by_path = make_counter(f"tiktoken:{folder / f'{encoding}.tiktoken'}")
+    for counter in (by_name, by_path):
+        assert isinstance(counter, TiktokenCounter) and counter.source == "tiktoken"
+        assert counter.label == counter.key == f"tiktoken:{encoding}"
+        for text in TEXTS:
+            assert counter.count_text(text) == len(own.encode(text, disallowed_special=())), text[:40]
+        assert counter.count_texts(TEXTS) == [len(own.encode(t, disallowed_special=())) for t in TEXTS]
+        body = {**BODY, "tools": [WEATHER, STOCK]}
+        expected = len(own.encode(render_request(body))) + MESSAGE_OVERHEAD * 2
+        assert counter.count_request(body) == expected
+        assert counter.count_tool(TIME) == len(own.encode(tool_json(TIME))) + 1
+    # the two encodings really differ on non-English text: the counter is not one vocabulary under two names
+    assert by_name.count_text(TEXTS[2]) != make_counter(
+        "tiktoken:cl100k_base" if encoding == "o200k_base" else "tiktoken:o200k_base").count_text(TEXTS[2])
+
+
+def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tmp_path, monkeypatch) -> None:
+    folder = _tiktoken_files()
+    forged = tmp_path / "o200k_base.tiktoken"
+    data = bytearray((folder / "o200k_base.tiktoken").read_bytes())
+    data[10:14] = b"AAAA"  # one token's bytes changed
+    forged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not one of OpenAI's encoding files"):
+        make_counter(f"tiktoken:{forged}")
+    # no copy anywhere: the error names the places tried and how to get the file, and nothing is downloaded
+    if importlib.util.find_spec("litellm") is not None:
+        pytest.skip("litellm is installed here: its copies of the encoding files are always found")
+    monkeypatch.setenv("TOOLQUAKE_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-tiktoken"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="make tiktoken-files") as err:
+        make_counter("tiktoken:o200k_base")
+    assert str(tmp_path / "empty" / "tiktoken" / "o200k_base.tiktoken") in str(err.value)
+    assert "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d" in str(err.value)
+    with pytest.raises(ValueError, match="neither a known encoding"):
+        make_counter("tiktoken:o300k_base")
 
 
 def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, caplog) -> None:

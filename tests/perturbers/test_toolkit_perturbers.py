@@ -218,7 +218,7 @@ def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer() -> None:
     _, body = bfcl("multiple_5")
     out, report = apply("catalog_padding", {"budget_tokens": 16384, "position": 0.3}, body,
                         services=Services(token_counter=tokenizer))
-    assert report["token_counter"] == "tokenizer"
+    assert report["token_counter"] == f"tokenizer:{tokenizer.path}"
     assert abs(tokenizer.count_request(out) - 16384) <= 0.02 * 16384
     fake = start_fake_upstream()
     try:

@@ -128,6 +128,43 @@ def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(set
     db = sqlite3.connect(root / "a" / "replay.sqlite")
     assert dict(db.execute("SELECT key, value FROM meta").fetchall())["token_counter"] == "upstream"
     db.close()
+    # the report labels the rephraser: the fixed model, for every pair's rephrasing
+    label = json.loads(out)["rephrasers"]["model-a"]["rephrased"]
+    assert label["rephraser"] == "fixed-rephraser" and label["self"] is False
+    assert label["generator_url"] == f"{gen.url}/v1" and set(label["pairs"]) == {"fixed-rephraser"}
+
+
+def test_without_a_fixed_rephraser_the_arm_is_refused_unless_self_rephrasing_is_asked(setup) -> None:
+    """No TOOLQUAKE_GENERATOR_MODEL: each model would rephrase its own queries. Refused before anything is
+    recorded; with --self-rephrase the model under test rephrases (asked under its own name) and the report says
+    so."""
+    root, config, gen, model, cases, text, rephrasing = setup
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_GENERATOR_URL": f"{model.url}/v1"}
+    env.pop("TOOLQUAKE_GENERATOR_MODEL", None)
+    # the rephrasing cache is keyed by the rephraser's model: model-s's own entries
+    args = [sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", f"{model.url}/v1",
+            "--profiles", "off,rephrased", "--config", str(config), "--categories", "multiple", "--limit", "2",
+            "--model", "model-s"]
+    refused = subprocess.run([*args, "--out", str(root / "s0")], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "rephrased" in refused.stderr and "--self-rephrase" in refused.stderr
+    assert "TOOLQUAKE_GENERATOR_MODEL" in refused.stderr
+    assert not (root / "s0" / "replay.sqlite").exists()
+    httpx.delete(f"{model.url}/_fake/requests")
+    done = subprocess.run([*args, "--self-rephrase", "--out", str(root / "s1")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    # the rephrasing prompts went to the model under test, under its own name
+    prompts = [b for b in chat_requests(model) if b["messages"][0]["content"].startswith("You are a helpful")]
+    assert prompts and {b["model"] for b in prompts} == {"model-s"}
+    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "s1"), "--format", "json"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    label = json.loads(out)["rephrasers"]["model-s"]["rephrased"]
+    assert label["self"] is True and label["rephraser"] == "the model under test"
+    text_report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "s1")], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+    assert "the model under test (self-rephrasing)" in text_report
 
 
 def test_a_second_model_sees_the_same_rephrasings_from_the_shared_cache(setup) -> None:

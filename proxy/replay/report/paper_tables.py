@@ -188,6 +188,48 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def rephrasers(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"rephraser", "generator_url", "self", "pairs": {rephraser: n}}}}: who rephrased each arm
+    with `paraphrase` (seed 001's rephrased query): the fixed generator model the arm names, or the model under
+    test itself (`self`, accepted with `replay --self-rephrase`); `pairs` counts the scored pairs' reports."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (model, profile), spec in res.arms.items():
+        step = next((s for s in spec.get("perturbers") or [] if s.get("name") == "paraphrase"), None)
+        if step is None:
+            continue
+        fixed = (step.get("params") or {}).get("generator_model") or ""
+        out.setdefault(model, {})[profile] = {
+            "rephraser": fixed or "the model under test", "self": not fixed,
+            "generator_url": (step.get("params") or {}).get("generator_url"), "pairs": Counter()}
+    for model, profile, report in step_reports(res, ["paraphrase"]):
+        if isinstance(report.get("rephraser"), str) and profile in out.get(model, {}):
+            out[model][profile]["pairs"][report["rephraser"]] += 1
+    for arms in out.values():
+        for a in arms.values():
+            a["pairs"] = dict(a["pairs"])
+    return out
+
+
+def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """{model: {profile: {"requests", "budget_tokens", "token_counter": {counter: n}, "tokens_total": spread}}}: the
+    tokens each long-response / long-conversation arm (seed 003 challenges 2 and 3) reached, by the counter it
+    used (one report per lengthened request; a multi-turn pair may hold several)."""
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    for model, profile, report in step_reports(res, names_of(RESPONSES) + names_of(CONVERSATIONS)):
+        a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [],
+                                              "budget": report.get("budget_tokens")})
+        a["requests"] += 1
+        a["token_counter"][str(report.get("counter", "unknown"))] += 1
+        if isinstance(report.get("tokens_total"), int):
+            a["tokens"].append(float(report["tokens_total"]))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (model, profile), a in acc.items():
+        out.setdefault(model, {})[profile] = {"requests": a["requests"], "budget_tokens": a["budget"],
+                                              "token_counter": dict(a["token_counter"]),
+                                              "tokens_total": _spread(a["tokens"], 0)}
+    return out
+
+
 def _arms_with(data: dict[str, Any], experiment: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
             if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])}
@@ -469,6 +511,7 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
             "padding": padding_stats(res), "padding_extremes": padding_extremes(summary),
             "padding_same_position": padding_same_position(summary),
             "padding_same_budget": padding_same_budget(summary), "padding_reached": padding_reached(res),
+            "lengthening": lengthening_stats(res), "rephrasers": rephrasers(res),
             "response_experiments": response_experiments(summary), "conversation_grid": conversation_grid(summary),
             "format_sensitivity": format_sensitivity(summary)}
 
@@ -503,7 +546,18 @@ def _share(x: float | None) -> str:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the tables these measures add to the report."""
-    return [*_seed001_tables(summary), *_seed003_tables(summary), *_format_and_padding_tables(summary)]
+    return [*_seed001_tables(summary), *_rephraser_table(summary), *_seed003_tables(summary),
+            *_format_and_padding_tables(summary)]
+
+
+def _rephraser_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    rows = [[model, p, a["rephraser"] + (" (self-rephrasing)" if a["self"] else " (fixed)"), a["generator_url"] or "",
+             ", ".join(f"{r} {n}" for r, n in a["pairs"].items())]
+            for model, arms in (summary.get("rephrasers") or {}).items() for p, a in arms.items()]
+    if not rows:
+        return []
+    return [("Rephrased arms: who rephrased the queries (seed 001 used one fixed rephraser for every model; "
+             "self-rephrasing gives each model its own text)", ["model", "profile", "rephraser", "at", "pairs"], rows)]
 
 
 def _seed001_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -621,6 +675,17 @@ def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[
                     "tokens, so its budgets are smaller in the model's tokens) and the tools in the catalog",
                     ["model", "profile", "budget", "token counter", "requests", "tokens min", "tokens median",
                      "tokens max", "tools median"], rows))
+    rows = []
+    for model, arms in (summary.get("lengthening") or {}).items():
+        for p, a in arms.items():
+            tok = a["tokens_total"] or {}
+            rows.append([model, p, str(a["budget_tokens"] or ""),
+                         ", ".join(f"{s} {n}" for s, n in a["token_counter"].items()), str(a["requests"]),
+                         *(f"{tok[k]:.0f}" if k in tok else "" for k in ("min", "median", "max"))])
+    if rows:
+        out.append(("Long tool responses and conversations: the tokens each arm's requests reached (by the counter "
+                    "used)", ["model", "profile", "budget", "token counter", "requests", "tokens min",
+                              "tokens median", "tokens max"], rows))
     return out
 
 
