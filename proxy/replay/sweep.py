@@ -16,6 +16,7 @@ back, the same decisions follow, and only what is missing is sent.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -251,6 +252,7 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
         raise ReplayError(f"{results.path} holds a sweep with other settings ({stored}): use another --out "
                           "directory, or the same settings")
     wanted.update({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
+                   "sweep_points": json.dumps(points),
                    "limit": str(options.limit or ""), "sweep_unit": axis.decl.unit,
                    "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
     if not options.proxy:
