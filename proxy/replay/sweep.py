@@ -147,8 +147,12 @@ class _Profiles:
         async with self.lock:
             if i not in self.ready:
                 self.results.register_arms({name: self.recorded(i)})
-                r = await self.client.put(f"{self.proxy_url}/admin/profiles/{name}", json=self.spec(i),
-                                          headers={"Authorization": f"Bearer {self.token}"})
+                try:
+                    r = await self.client.put(f"{self.proxy_url}/admin/profiles/{name}", json=self.spec(i),
+                                              headers={"Authorization": f"Bearer {self.token}"})
+                except httpx.HTTPError as exc:
+                    raise ReplayError(f"cannot put the sweep's profile {name!r} into the proxy at {self.proxy_url} "
+                                      f"({type(exc).__name__}); rerun to resume") from None
                 if r.status_code != 200:
                     raise ReplayError(f"the proxy refused the sweep's profile {name!r} ({r.status_code}: "
                                       f"{r.text[:300]})" + (": give its admin token (--admin-token or "
@@ -213,6 +217,9 @@ class _Sweeper:
 
 def _check(options: SweepOptions, axis: Axis) -> list[float]:
     _check_options(options)
+    if options.proxy and not options.admin_token:
+        raise ReplayError(f"with --proxy the sweep puts its profiles (sweep-{axis.name}-<x>) into that proxy through "
+                          "its admin API: give the proxy's admin token (--admin-token, or TOOLQUAKE_ADMIN_TOKEN)")
     if options.rule not in RULES:
         raise ReplayError(f"--rule must be one of {', '.join(RULES)}")
     decl = axis.decl

@@ -237,3 +237,31 @@ def test_unknown_axis_and_bad_settings_are_clear_errors(tools_fake, tmp_path):
     assert r.returncode == 2 and "whole number" in r.stderr
     r = sweep(*base, "--axis", "tools", "--min", "10", "--max", "5")
     assert r.returncode == 2 and "below --min" in r.stderr
+
+
+def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
+    """`--proxy URL`: the proxy as its own server in front of the fake; the sweep puts its profiles there through the
+    admin API (its token from the environment) and finds the same breaking points as with its own proxy."""
+    from tests.conftest import start_proxy
+
+    ids = ["t-7", "t-123", "t-window"]
+    cases = _cases_file(ids)
+    proxy = start_proxy(tools_fake.url, None, {"TOOLQUAKE_ADMIN_TOKEN": "sweep-test-token"})
+    try:
+        args = ["--backend", f"{tools_fake.url}/v1", "--proxy", proxy.url, "--cases", str(cases), "--axis", "tools",
+                "--min", "1", "--max", "200"]
+        refused = sweep(*args, "--out", str(tmp_path / "no-token"))
+        assert refused.returncode == 2 and "admin token" in refused.stderr, refused.stderr
+        r = subprocess.run(_command(*args, "--out", str(tmp_path / "via")), cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_ADMIN_TOKEN": "sweep-test-token"},
+                           timeout=400)
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert "sweep-test-token" not in r.stderr + r.stdout + proxy.output()
+    finally:
+        proxy.stop()
+    found = stored(tmp_path / "via")
+    for cid in ids:
+        seen = {x: rows[0][1] for x, rows in found[cid].items()}
+        assert all(ok == (not _is_wrong(x, HIDDEN_TOOLS[cid])) for x, ok in seen.items()), cid
+        assert _first_wrong(seen) == next(x for x in range(1, 201) if _is_wrong(x, HIDDEN_TOOLS[cid]))
+        assert sum(len(rows) for rows in found[cid].values()) < 30
