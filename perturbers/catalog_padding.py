@@ -67,7 +67,6 @@ class CatalogPadding(Perturber):
         excluded = pool.excluded(originals, pool.embed_tools(originals, embedder), self.max_similarity)
         candidates = np.flatnonzero(~excluded)
         order = np.random.default_rng(ctx.rng.getrandbits(64)).permutation(candidates)
-        costs = pool.costs(counter)[order]
 
         def build(n: int) -> list[dict[str, Any]]:
             distractors = [pool.tools[i] for i in order[:n]]
@@ -84,7 +83,7 @@ class CatalogPadding(Perturber):
                 counter,
                 self.budget_tokens,
                 base,
-                iter(costs.tolist()),
+                iter(pool.costs(counter)[order].tolist()),  # per-tool costs: only the budget needs them
                 lambda n: counter.count_request({**request.body, "tools": build(n)}),
                 learned=learned,
             )

