@@ -74,8 +74,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(long tool responses) and 2 (long conversations); for `@faults` and "
                     "`@metadata` arms, accuracy per kind and the recovered share after failed tool results "
                     "(multi-turn replays, 95 % Wilson intervals). Accuracy counts scored pairs; failed pairs are "
-                    "listed beside it.")
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
+                    "listed beside it. `toolquake sweep` results (sweep*.sqlite) add, per model and axis, the "
+                    "survival curve with pointwise 95 % intervals, the median breaking point with its interval, the "
+                    "censored and non-monotone cases, per category and per case, runs overlaid and compared pairwise "
+                    "(docs/sweep.md).")
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="replay or sweep --out directories (or replay*.sqlite, "
+                   "sweep*.sqlite files)")
     p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
                    help="md (default; heatmap PNGs written next to --out), html (one file, heatmaps embedded), "
                         "json ({\"arms\": {profile: {n, accuracy, by_category, errors, ...}}}), csv (BFCL's "
