@@ -15,6 +15,18 @@ from toolquake.proxy.cli.replay import how_to_send, what_to_send
 DEFAULT_CATEGORIES = {"response_tokens": "multi_turn_base", "conversation_tokens": "multi_turn_base"}
 
 
+def _position(text: str) -> int | float:
+    """--position as written: a whole number stays an integer (a 1-based block index for the lengthening axes),
+    anything else is a fraction (1 is the first block, 1.0 the end)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.selection import parse_shard
@@ -91,9 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resolution", type=float, default=None, help="the grid's step: breaking points are exact to it "
                    "(default: 1 for tools and related, which are always whole numbers; 500 response tokens; 1000 "
                    "conversation tokens)")
-    p.add_argument("--position", type=float, default=None, help="where the original content stays while the rest "
-                   "grows: the perturber's `position` (catalog padding: the fraction of distractors before the "
-                   "original tools, 0-1; lengthening: 1-based block index or fraction); default: the perturber's")
+    p.add_argument("--position", type=_position, default=None, help="where the original content stays while the "
+                   "rest grows: the perturber's `position` (catalog padding: the fraction of distractors before the "
+                   "original tools, 0-1; lengthening: a whole number is a 1-based block index, a decimal a fraction: "
+                   "1 is first, 1.0 last); default: the perturber's")
     p.add_argument("--trials", type=int, default=1, metavar="K", help="send each point K times (trial t with the "
                    "sampling seed trial_seed(case, t)) and take the --rule's verdict: for noisy backends "
                    "(--temperature > 0). Default 1")

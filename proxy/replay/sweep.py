@@ -48,7 +48,7 @@ class Axis:
     perturber: str
     decl: Any  # toolquake.perturbers.base.NumericAxis
 
-    def params(self, x: float, position: float | None) -> dict[str, Any] | None:
+    def params(self, x: float, position: int | float | None) -> dict[str, Any] | None:
         """The step's parameters at intensity x; None below the axis' `low` (no step: the request as sent)."""
         if x < self.decl.low:
             return None
@@ -87,7 +87,7 @@ class SweepOptions(Options):
     low: float | None = None
     high: float | None = None
     resolution: float | None = None
-    position: float | None = None
+    position: int | float | None = None
     rule: str = "majority"
     #: the running proxy's admin token (`--proxy`): the sweep's profiles are put there through its admin API
     admin_token: str | None = None
