@@ -7,8 +7,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolquake.proxy.cli.replay import how_to_send, what_to_send
+
+if TYPE_CHECKING:
+    from toolquake.proxy.replay.sweep import SweepSummary
 
 #: the categories swept when neither --categories nor --cases is given: the responses and conversations to grow
 #: are in the multi-turn cases
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.failed or len(summary.outcomes) < summary.cases else 0
 
 
-def _print(summary) -> None:  # noqa: ANN001 (SweepSummary, imported lazily)
+def _print(summary: SweepSummary) -> None:
     points = summary.points
     done = summary.outcomes
     broken = sorted(points[o.first_wrong] for o in done.values() if o.first_wrong is not None)

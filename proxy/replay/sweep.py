@@ -283,6 +283,9 @@ def run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -
         say(f"sweep: {len(cases)} cases along {axis.name} ({axis.decl.unit}) from {points[0]:g} to {points[-1]:g} "
             f"in {len(points)} points, model {model!r}" + (f", {options.trials} trials per point ({options.rule})"
                                                             if options.trials > 1 else ""))
+        if options.trials > 1 and not options.temperature:
+            say("sweep: note: --trials with temperature 0 (or none) measures only the backend's own nondeterminism; "
+                "pass --temperature to sample")
         _run(options, config, axis, points, cases, results, model, summary)
         return summary
     finally:
@@ -301,7 +304,8 @@ def _run(options: SweepOptions, config: Any, axis: Axis, points: list[float], ca
         proxy_url = in_process.start()
     try:
         label = f"{axis.name}: right at max"
-        with Progress([label], {label: len(cases)}, {}, enabled=options.progress) as progress:
+        with Progress([label], {label: len(cases)}, {}, enabled=options.progress, command="sweep",
+                      unit="cases") as progress:
             asyncio.run(_sweep_all(options, axis, points, cases, results, model, in_process, proxy_url, token,
                                    progress, summary))
     finally:

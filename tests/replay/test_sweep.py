@@ -297,3 +297,28 @@ def test_a_real_sweep_on_the_embedded_model_finds_non_trivial_breaking_points(tm
               and any(ok for x, rows in points.items() for _, ok, _ in rows if x < first)]
     assert inside, {cid: sorted((x, rows[0][1]) for x, rows in p.items()) for cid, p in found.items()}
     assert all(sum(len(rows) for rows in points.values()) <= REAL_MAX - REAL_MIN + 1 for points in found.values())
+
+
+def test_shards_split_the_cases_and_report_as_one_run(tools_fake, tmp_path):
+    """`--shard I/N` as in replay: each shard sweeps every N-th case into its own file; the report merges them."""
+    ids = ["t-7", "t-50", "t-123", "t-never"]
+    cases = _cases_file(ids)
+    out = tmp_path / "sharded"
+    for i in range(2):
+        r = sweep("--backend", f"{tools_fake.url}/v1", "--cases", str(cases), "--axis", "tools", "--min", "1",
+                  "--max", "200", "--shard", f"{i}/2", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in out.glob("sweep*.sqlite"))
+    assert names == ["sweep-shard-0-of-2.sqlite", "sweep-shard-1-of-2.sqlite"]
+    per_file = {}
+    for name in names:
+        db = sqlite3.connect(out / name)
+        per_file[name] = {c for (c,) in db.execute("SELECT DISTINCT case_id FROM results")}
+        db.close()
+    assert per_file[names[0]] == {"t-7", "t-123"} and per_file[names[1]] == {"t-50", "t-never"}
+    r = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json", "--no-plots"],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       timeout=300)
+    cases_found = json.loads(r.stdout)["sweeps"]["fake-model"]["tools"]["cases"]
+    assert {c: (v["last_right"], v["first_wrong"]) for c, v in cases_found.items()} == {
+        "t-7": (7, 8), "t-50": (50, 51), "t-123": (123, 124), "t-never": (200, None)}
