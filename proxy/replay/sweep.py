@@ -171,16 +171,16 @@ class _Sweeper:
         self.options, self.profiles, self.sender, self.results = options, profiles, sender, results
         self.progress, self.summary = progress, summary
         self.slots = asyncio.Semaphore(max(1, options.concurrency))
-        self.names = {profile_name(profiles.axis.name, x): i for i, x in enumerate(profiles.points)}
-        self.recorded = results.verdicts()
+        names = {profile_name(profiles.axis.name, x): i for i, x in enumerate(profiles.points)}
+        #: case → grid index → {trial: right}, as recorded (a resumed sweep starts from these)
+        self.recorded: dict[str, dict[int, dict[int, bool]]] = {}
+        for (cid, profile, trial), valid in results.verdicts().items():
+            if profile in names:
+                self.recorded.setdefault(cid, {}).setdefault(names[profile], {})[trial] = valid
 
     def known(self, case_id: str) -> dict[int, dict[int, bool]]:
         """Grid index → {trial: right} of the case, as recorded."""
-        out: dict[int, dict[int, bool]] = {}
-        for (cid, profile, trial), valid in self.recorded.items():
-            if cid == case_id and profile in self.names:
-                out.setdefault(self.names[profile], {})[trial] = valid
-        return out
+        return self.recorded.get(case_id, {})
 
     async def send(self, case: Any, name: str, trial: int) -> Record | None:
         async with self.slots:
