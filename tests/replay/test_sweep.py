@@ -322,3 +322,22 @@ def test_shards_split_the_cases_and_report_as_one_run(tools_fake, tmp_path):
     cases_found = json.loads(r.stdout)["sweeps"]["fake-model"]["tools"]["cases"]
     assert {c: (v["last_right"], v["first_wrong"]) for c, v in cases_found.items()} == {
         "t-7": (7, 8), "t-50": (50, 51), "t-123": (123, 124), "t-never": (200, None)}
+
+
+def test_related_axis_counts_the_tools_added(tmp_path):
+    """`--axis related`: x related tools added by toolkit expansion to the case's one tool; the fake breaks past a
+    hidden number of tools in the request, so the breaking point is that number minus the case's own tool."""
+    hidden = {"k-3": [[5, None]], "k-9": [[11, None]]}  # wrong from 1 + 4 and 1 + 10 tools on
+    fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))
+    try:
+        out = tmp_path / "related"
+        r = sweep("--backend", f"{fake.url}/v1", "--cases", str(_cases_file(list(hidden))), "--axis", "related",
+                  "--out", str(out))
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr + r.stdout
+    found = stored(out)
+    for cid, (first, last) in {"k-3": (4, 3), "k-9": (10, 9)}.items():
+        seen = {x: rows[0][1] for x, rows in found[cid].items()}
+        assert _first_wrong(seen) == first and seen[last] is True, (cid, seen)
+        assert all(rows[0][2]["tools_after"] == 1 + x for x, rows in found[cid].items() if rows[0][2])
