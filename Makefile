@@ -8,7 +8,7 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo clean image \
+.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo sweep-demo clean image \
 	test-image \
 	lock containers
 
@@ -146,6 +146,11 @@ bench: install-embeddings corpus
 # means, and an HTML report in out/demo (the `expanded` arm needs the embeddings extra); ~9 min on 2 cores
 demo: install-local install-embeddings corpus
 	$(BIN)/python scripts/demo.py
+
+# breaking points on the embedded model: BFCL `multiple` cases swept along the tools axis by bisection, the
+# per-case table, the survival curve and an HTML report in out/sweep-demo (docs/sweep.md)
+sweep-demo: install-local install-embeddings corpus
+	$(BIN)/python scripts/sweep_demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

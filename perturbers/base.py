@@ -113,6 +113,25 @@ class PerturbContext:
     state: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NumericAxis:
+    """One parameter of a perturber declared sweepable (`Perturber.numeric_axes`).
+
+    The sweep sets `param` to the intensity x (rounded to an integer when `integer`) and `fixed`'s parameters to
+    their values; below `low` the step is left out (the request as the client sent it). `default_min`,
+    `default_max` and `default_step` are the sweep's `--min`, `--max`, `--resolution` when not given; `unit`
+    says what x counts, for reports."""
+
+    param: str
+    unit: str
+    integer: bool = True
+    low: float = 1
+    default_min: float = 0
+    default_max: float = 200
+    default_step: float = 1
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+
 class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base class. Subclasses set `name`, declare their parameters as fields, implement `apply`."""
 
@@ -134,6 +153,10 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     experiment: ClassVar[str] = ""
     #: the parameters that place an arm in its experiment: a grid's axes, or a family's kind
     axes: ClassVar[tuple[str, ...]] = ()
+    #: the parameters `toolquake sweep` may grow, by axis name (`--axis NAME`, or `--axis <perturber>.<param>`):
+    #: each one promises prefix-stable growth — the content at a larger value holds the content at a smaller one,
+    #: the same additions in the same order, grown — so that a verdict along it means something (docs/sweep.md)
+    numeric_axes: ClassVar[dict[str, NumericAxis]] = {}
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest | Awaitable[ChatRequest]:
         """Return the perturbed request. May be `async def` (the pipeline awaits what it returns)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import ChatRequest, NumericAxis, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.lengthening.budget import fit
 from toolquake.perturbers.helpers.tokens import EstimateCounter, counter_label
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
@@ -16,18 +16,30 @@ from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_
 class CatalogPadding(Perturber):
     """Distractors drawn at random from the tool pool (never a tool already present, never one whose
     signature has cosine ≥ `max_similarity` to an original) until the whole request reaches
-    `budget_tokens` by the configured token counter; the original tools go, in their order, after a
-    fraction `position` of the distractors."""
+    `budget_tokens` by the configured token counter — or, with `tools` > 0, until the request holds `tools`
+    tools — the original tools going, in their order, after a fraction `position` of the distractors.
+
+    The distractors are a seeded permutation of the pool taken from its start, so a larger budget (or `tools`)
+    keeps every distractor of a smaller one, in the same order, and adds more after them (`toolquake sweep`)."""
 
     name = "catalog_padding"
     experiment = "catalog_size"
     axes = ("budget_tokens", "position")
+    numeric_axes: ClassVar[dict[str, NumericAxis]] = {
+        "tools": NumericAxis("tools", "tools in the request", low=1, default_min=1, default_max=200),
+        "catalog_tokens": NumericAxis("budget_tokens", "tokens in the request", default_min=1000,
+                                      default_max=64000, default_step=1000),
+    }
     blocking: ClassVar[bool] = True  # embeddings and (for the upstream counter) HTTP token counts
     budget_tokens: int = 32768
     position: float = 0.5
     max_similarity: float = 0.8
+    #: when > 0: pad until the request holds this many tools (its own included), whatever the budget
+    tools: int = 0
 
     def __post_init__(self) -> None:
+        if self.tools < 0:
+            raise ValueError("tools must be 0 (pad by budget_tokens) or positive")
         if self.budget_tokens < 1:
             raise ValueError("budget_tokens must be positive")
         if not 0.0 <= self.position <= 1.0:
@@ -55,30 +67,33 @@ class CatalogPadding(Perturber):
         excluded = pool.excluded(originals, pool.embed_tools(originals, embedder), self.max_similarity)
         candidates = np.flatnonzero(~excluded)
         order = np.random.default_rng(ctx.rng.getrandbits(64)).permutation(candidates)
-        costs = pool.costs(counter)[order]
 
         def build(n: int) -> list[dict[str, Any]]:
             distractors = [pool.tools[i] for i in order[:n]]
             at = round(self.position * n)
             return distractors[:at] + originals + distractors[at:]
 
-        # how this counter's whole-request count compares with its per-tool costs, kept between requests
-        learned = ctx.services.get(f"catalog_padding_ratio:{getattr(counter, 'key', counter.source)}", dict)
-        result = fit(
-            counter,
-            self.budget_tokens,
-            base,
-            iter(costs.tolist()),
-            lambda n: counter.count_request({**request.body, "tools": build(n)}),
-            learned=learned,
-        )
-        n = result.units
+        if self.tools:
+            n = min(max(0, self.tools - len(originals)), len(order))
+            total = counter.count_request({**request.body, "tools": build(n)}) if n else base
+        else:
+            # how this counter's whole-request count compares with its per-tool costs, kept between requests
+            learned = ctx.services.get(f"catalog_padding_ratio:{getattr(counter, 'key', counter.source)}", dict)
+            result = fit(
+                counter,
+                self.budget_tokens,
+                base,
+                iter(pool.costs(counter)[order].tolist()),  # per-tool costs: only the budget needs them
+                lambda n: counter.count_request({**request.body, "tools": build(n)}),
+                learned=learned,
+            )
+            n, total = result.units, result.total
         at = round(self.position * n)
         ctx.report.update(
             {
                 "tokens_before": base,
-                "tokens_after": result.total,
-                "tokens_added": result.total - base,
+                "tokens_after": total,
+                "tokens_added": total - base,
                 "tools_before": len(originals),
                 "tools_added": n,
                 "tools_after": n + len(originals),
@@ -90,3 +105,10 @@ class CatalogPadding(Perturber):
         if n == 0:
             return request
         return request.replace(tools=build(n))
+
+    def params(self) -> dict[str, Any]:
+        # `tools` left out while it is off: arms recorded before it existed keep their definition (a resume matches)
+        params = super().params()
+        if not self.tools:
+            params.pop("tools", None)
+        return params

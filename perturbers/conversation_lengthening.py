@@ -9,7 +9,7 @@ import string
 from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, NumericAxis, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot
 from toolquake.perturbers.helpers.lengthening.facts import FACT_KINDS, Fact, filler_text, locate
 from toolquake.perturbers.helpers.lengthening.filler import SETTINGS, FillerItem, filler_pool
@@ -26,6 +26,12 @@ class ConversationLengthening(Perturber):
     name = "conversation_lengthening"
     experiment = "conversation_size"
     axes = ("budget_tokens", "setting", "fact")
+    #: the filler turns come from one seeded stream, taken from its start: a larger budget keeps the turns of a
+    #: smaller one, in the same order, and adds more after them
+    numeric_axes: ClassVar[dict[str, NumericAxis]] = {
+        "conversation_tokens": NumericAxis("budget_tokens", "tokens in the request", default_min=0,
+                                           default_max=80000, default_step=1000),
+    }
     blocking: ClassVar[bool] = True
     budget_tokens: int = 20000
     #: "unstructured": user/assistant prose turns; "structured": assistant tool calls with tool results

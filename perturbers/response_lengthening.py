@@ -8,7 +8,7 @@ from itertools import cycle
 from typing import Any, ClassVar, Iterator
 
 from toolquake.perturbers import register
-from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, NumericAxis, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.lengthening import record_bank
 from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot, text_cost
 from toolquake.perturbers.helpers.lengthening.records import RecordSource, find_main_array, render_array, separators_of
@@ -152,6 +152,13 @@ class ResponseLengthening(Perturber):
     name = "response_lengthening"
     experiment = "response_size"
     axes = ("budget_tokens", "position")
+    #: the padding records come from one seeded stream, taken from its start: a larger budget keeps the records
+    #: of a smaller one, in the same order, and adds more after them
+    numeric_axes: ClassVar[dict[str, NumericAxis]] = {
+        "response_tokens": NumericAxis("budget_tokens", "tokens in the last tool response", default_min=0,
+                                       default_max=80000, default_step=500,
+                                       fixed={"budget_scope": "response", "target": "last"}),
+    }
     blocking: ClassVar[bool] = True
     #: "process" pads one client's responses with what another client's tools returned: the operator decides that
     operator_only: ClassVar[frozenset[str]] = frozenset({"live_records"})

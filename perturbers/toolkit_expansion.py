@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from toolquake.bfcl.embeddings import signature
 from toolquake.perturbers import register
-from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers.base import ChatRequest, NumericAxis, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.generator import DiskCache, generator, toolquake_cache
 from toolquake.perturbers.helpers.tokens import counter_label
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool, get_shared_embedder, tool_name
@@ -75,6 +75,12 @@ class ToolkitExpansion(Perturber):
 
     name = "toolkit_expansion"
     experiment = "related_tools"
+    #: retrieval draws the candidates in one seeded order and inserts each at a seeded position in turn, so the
+    #: tools added for k + 1 are those for k plus one (generated tools are cached per k: not swept)
+    numeric_axes: ClassVar[dict[str, NumericAxis]] = {
+        "related": NumericAxis("k", "related tools added", low=1, default_min=0, default_max=20,
+                               fixed={"source": "retrieval"}),
+    }
     blocking: ClassVar[bool] = True  # embeddings on CPU, and the generator's HTTP calls
     #: a host to send prompts to, a directory to write to, an environment variable to send as a key: the operator's
     operator_only: ClassVar[frozenset[str]] = frozenset({"generator_url", "cache_dir", "api_key_env"})

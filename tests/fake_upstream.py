@@ -15,6 +15,13 @@ What it answers with, per request (headers are end-to-end, so they pass through 
 - else a call to the tool named by `tool_choice`, or the first tool, with arguments made from its
   schema's required parameters; else a short text.
 
+Breaking points (`--breaking FILE`, for `toolquake sweep`): JSON lines `{"match": "<substring of the last user
+message>", "answer": {...same shape...}, "measure": "tools" | "response_tokens", "wrong": [[low, high], ...]}`; a
+request that matches gets `answer` unless its measure — the number of tools in the request, or the estimate
+counter's tokens of the content of its last tool message — lies in one of the `wrong` intervals (inclusive; `high`
+null: no end), then a text with no call (`BROKEN_TEXT`). `[[T + 1, null]]` is a model right exactly up to T;
+several intervals make it non-monotone. Checked before every other source but `X-Fake-Answer`.
+
 Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first user message>", "turns":
 [[<answer>, ...] per turn]}`): a request whose first user message is `first_user` gets the answer of
 its turn (user messages so far - 1) and step (assistant messages since the last user message); past
@@ -80,6 +87,8 @@ _dec = msgspec.json.decode
 _ids = itertools.count(1)
 RECORDED: collections.deque = collections.deque(maxlen=2000)
 SCRIPT: list[dict[str, Any]] = []
+BREAKING: list[dict[str, Any]] = []
+BROKEN_TEXT = "Broken: no call past the breaking point."
 TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
 #: the connections (client address and port) that carried a request, for `drop-reused`
 PEERS: set[tuple] = set()
@@ -197,11 +206,36 @@ def flaky(answer: dict[str, Any], body: dict[str, Any], header: str | None) -> d
     return {"text": FLAKY_TEXT} if flaky_hit(body.get("seed"), _last_user(body), float(header)) else answer
 
 
+def measure(body: dict[str, Any], what: str) -> int:
+    """What a `--breaking` entry is judged on: the request's tool count, or its last tool message's tokens."""
+    if what == "tools":
+        return len(body.get("tools") or [])
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    tools = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "tool"]
+    content = tools[-1].get("content") if tools else ""
+    return EstimateCounter().count_text(content if isinstance(content, str) else _enc(content).decode())
+
+
+def _breaking_answer(body: dict[str, Any]) -> dict[str, Any] | None:
+    text = _last_user(body)
+    for entry in BREAKING:
+        if entry["match"] in text:
+            x = measure(body, entry.get("measure", "tools"))
+            broken = any(lo <= x and (hi is None or x <= hi) for lo, hi in entry.get("wrong") or [])
+            return {"text": BROKEN_TEXT} if broken else entry["answer"]
+    return None
+
+
 def choose_answer(
     body: dict[str, Any], header: str | None, foreign: str | None = None, agent: str | None = None
 ) -> dict[str, Any]:
     if header:
         return _dec(header)
+    if BREAKING:
+        answer = _breaking_answer(body)
+        if answer is not None:
+            return answer
     if agent:
         return _agent_turn(body, agent)
     if foreign:
@@ -834,6 +868,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--keep-alive", type=float, default=5.0,
                         help="seconds an idle client connection is kept open (uvicorn's default 5)")
+    parser.add_argument("--breaking", help="JSON lines of {match, answer, measure, wrong} (see module docstring)")
     parser.add_argument(
         "--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents (see module docstring)"
     )
@@ -851,6 +886,9 @@ def main(argv: list[str] | None = None) -> None:
                     TRAJECTORIES[entry["first_user"]] = entry["turns"]
     TOKENIZE_ROUTES.clear()
     TOKENIZE_ROUTES.update(_TOKENIZE_CHOICES[args.tokenize])
+    if args.breaking:
+        with open(args.breaking) as f:
+            BREAKING.extend(_dec(line) for line in f if line.strip())
     if args.script:
         with open(args.script) as f:
             SCRIPT.extend(_dec(line) for line in f if line.strip())

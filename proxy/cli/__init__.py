@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "toolquake.proxy.cli.score",
     "toolquake.proxy.cli.formats",
     "toolquake.proxy.cli.replay",
+    "toolquake.proxy.cli.sweep",
     "toolquake.proxy.cli.cases",
     "toolquake.proxy.cli.report",
     "toolquake.proxy.cli.backend",

@@ -82,15 +82,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "instead. Exit status: 0 all pairs scored, 1 some pairs failed on the proxy's or network's side "
                     "(recorded; rerun to retry), 2 bad "
                     "arguments or unreachable backend, 3 stopped because the backend went away.")
-    _what_to_replay(p)
-    _how_to_send(p)
-    p.set_defaults(func=run)
-
-
-def _what_to_replay(p: argparse.ArgumentParser) -> None:
-    """Where to send, which profiles and cases, where the results go."""
-    p.add_argument("--backend", help="the model server's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
-                   "(checked before starting; also where the model name comes from)")
     p.add_argument("--profiles", required=True,
                    help="comma-separated profiles, one arm each: names from the config ('off' always exists), "
                         "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded; multiple unless "
@@ -103,8 +94,32 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                         "conversations × fact in a user turn / a tool response; multi_turn_base unless "
                         "--categories), '@tool_order', '@tool_removal'. Several presets together replay the union "
                         "of their categories")
-    p.add_argument("--out", required=True, help="directory for the results file (replay.sqlite, or "
-                   "replay-shard-I-of-N.sqlite with --shard); reuse it to resume")
+    what_to_send(p)
+    how_to_send(p)
+    p.add_argument("--allow-estimate", action="store_true",
+                   help="let @seed003, @seed003-responses and @seed003-conversations run with token budgets counted "
+                        "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
+                        "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
+                        "each arm reached")
+    p.add_argument("--self-rephrase", action="store_true",
+                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased by the model under test when "
+                        "no fixed rephraser is configured (refused without it: seed 001 used one fixed rephraser, so "
+                        "every model saw the same text; set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL "
+                        "instead); the report labels the rephraser of each arm")
+    p.add_argument("--trials", type=int, default=1, metavar="K",
+                   help="send every (case, profile) K times (default 1), trial t with the sampling seed "
+                        "trial_seed(case, t) — the same in every arm and on a rerun; each (case, profile, trial) is "
+                        "recorded exactly once. The report adds the mean accuracy over trials with its spread, "
+                        "pass^k and pass@k. Use with --temperature > 0")
+    p.set_defaults(func=run)
+
+
+def what_to_send(p: argparse.ArgumentParser, results: str = "replay") -> None:
+    """Where to send, which cases, where the results go (replay's options, shared by `toolquake sweep`)."""
+    p.add_argument("--backend", help="the model server's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
+                   "(checked before starting; also where the model name comes from)")
+    p.add_argument("--out", required=True, help=f"directory for the results file ({results}.sqlite, or "
+                   f"{results}-shard-I-of-N.sqlite with --shard); reuse it to resume")
     p.add_argument("--config", help="TOML config with the profiles (env TOOLQUAKE_CONFIG; default: the packaged "
                    "profiles)")
     p.add_argument("--categories", default=None,
@@ -121,8 +136,8 @@ def _what_to_replay(p: argparse.ArgumentParser) -> None:
                    help="only the first N cases of each BFCL category (file order; --cases files are replayed whole)")
 
 
-def _how_to_send(p: argparse.ArgumentParser) -> None:
-    """How each request is sent and graded."""
+def how_to_send(p: argparse.ArgumentParser) -> None:
+    """How each request is sent and graded (shared by `toolquake sweep`)."""
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--model", help="model name to send (default: the first model the backend lists)")
     p.add_argument("--shard", help="I/N: only cases whose position in the selection is I modulo N (0-based); "
@@ -132,11 +147,6 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one answer (default 600)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature sent with each request (default 0; negative: send none)")
-    p.add_argument("--trials", type=int, default=1, metavar="K",
-                   help="send every (case, profile) K times (default 1), trial t with the sampling seed "
-                        "trial_seed(case, t) — the same in every arm and on a rerun; each (case, profile, trial) is "
-                        "recorded exactly once. The report adds the mean accuracy over trials with its spread, "
-                        "pass^k and pass@k. Use with --temperature > 0")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens sent with each request (default: none)")
     p.add_argument("--api-key", help="bearer token for the backend (default: env OPENAI_API_KEY; never logged)")
     p.add_argument("--header", action="append", type=_header, metavar="'NAME: VALUE'",
@@ -153,14 +163,4 @@ def _how_to_send(p: argparse.ArgumentParser) -> None:
                         "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
                         "'tokenizer:/path/tokenizer.json' (the served model's); the counter used is recorded in "
                         "the results file and shown by the report")
-    p.add_argument("--allow-estimate", action="store_true",
-                   help="let @seed003, @seed003-responses and @seed003-conversations run with token budgets counted "
-                        "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
-                        "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
-                        "each arm reached")
-    p.add_argument("--self-rephrase", action="store_true",
-                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased by the model under test when "
-                        "no fixed rephraser is configured (refused without it: seed 001 used one fixed rephraser, so "
-                        "every model saw the same text; set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL "
-                        "instead); the report labels the rephraser of each arm")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

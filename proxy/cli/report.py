@@ -76,8 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(multi-turn replays, 95 % Wilson intervals). Requests that failed on the backend's side "
                     "(refused, e.g. context_length_exceeded; timed out or 500 after retries; unreadable) count as "
                     "wrong answers, as BFCL counts them, listed by code, with the accuracy over the answered "
-                    "requests beside; pairs not scored yet (the proxy's or network's failures) are in no number.")
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="replay --out directories (or replay*.sqlite files)")
+                    "requests beside; pairs not scored yet (the proxy's or network's failures) are in no number. "
+                    "`toolquake sweep` results (sweep*.sqlite) add, per model and axis, the "
+                    "survival curve with pointwise 95 % intervals, the median breaking point with its interval, the "
+                    "censored and non-monotone cases, per category and per case, runs overlaid and compared pairwise "
+                    "(docs/sweep.md).")
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="replay or sweep --out directories (or replay*.sqlite, "
+                   "sweep*.sqlite files)")
     p.add_argument("--format", choices=("md", "html", "json", "csv"), default="md",
                    help="md (default; heatmap PNGs written next to --out), html (one file, heatmaps embedded), "
                         "json ({\"arms\": {profile: {n, accuracy, by_category, errors, ...}}}), csv (BFCL's "

@@ -22,7 +22,7 @@ class InProcessProxy:
     that grading sees what the perturbers did.
     """
 
-    def __init__(self, config: Any, *, fail_open: bool = False) -> None:
+    def __init__(self, config: Any, *, fail_open: bool = False, admin_token: str | None = None) -> None:
         from toolquake.proxy.server.config import ScoringConfig
 
         profiles = {name: msgspec.structs.replace(spec, strict=not fail_open, injected_calls="pass")
@@ -30,6 +30,8 @@ class InProcessProxy:
         scoring = msgspec.structs.replace(config.scoring if isinstance(config.scoring, ScoringConfig)
                                           else ScoringConfig(), enabled=False, match_content=False)
         self.config = msgspec.structs.replace(config, profiles=profiles, scoring=scoring)
+        #: the admin API's token (`toolquake sweep` puts its profiles in through it); None: the admin API is off
+        self.admin_token = admin_token
         self.exchanges: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._server: Any = None
@@ -56,7 +58,7 @@ class InProcessProxy:
             st.observers.append(self._observe)
 
         # live.attach with scoring off: the case resolver only (perturbers such as tool_removal need the case)
-        app = create_app(self.config, extensions=[live.attach, keep_requests])
+        app = create_app(self.config, admin_token=self.admin_token, extensions=[live.attach, keep_requests])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))

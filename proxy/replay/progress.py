@@ -11,7 +11,9 @@ class Progress:
     """Progress per arm with ETA and running accuracy: a rich live display on a terminal, lines otherwise."""
 
     def __init__(self, arms: list[str], totals: dict[str, int], done: dict[str, tuple[int, int]],
-                 enabled: bool = True, stream: Any = None) -> None:
+                 enabled: bool = True, stream: Any = None, command: str = "replay", unit: str = "pairs") -> None:
+        #: how the lines name the run and what it counts (`toolquake sweep`: "sweep", "cases")
+        self.command, self.unit = command, unit
         self.arms = arms
         self.totals = totals
         self.tally = {a: list(done.get(a, (0, 0))) for a in arms}
@@ -33,7 +35,7 @@ class Progress:
             self._rich = RichProgress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[acc]}"), TimeElapsedColumn(), TextColumn("ETA"),
                                       TimeRemainingColumn(), console=Console(file=self.stream), transient=False)
-            self._overall = self._rich.add_task("all pairs", total=max(self.todo, 0), acc="")
+            self._overall = self._rich.add_task(f"all {unit}", total=max(self.todo, 0), acc="")
             self._tasks = {a: self._rich.add_task(a, total=totals.get(a, 0), completed=self.tally[a][0],
                                                   acc=self._acc(a)) for a in arms}
 
@@ -46,7 +48,7 @@ class Progress:
         if self._rich is not None:
             self._rich.start()
         elif self.stream is not None:
-            print(f"replay: {self.todo} pairs to send", file=self.stream, flush=True)
+            print(f"{self.command}: {self.todo} {self.unit} to send", file=self.stream, flush=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -77,4 +79,5 @@ class Progress:
         eta = (self.todo - self.finished) / rate if rate > 0 else float("inf")
         arms = "; ".join(f"{a} {self._acc(a)}" for a in self.arms)
         eta_text = f"{eta:.0f}s" if eta != float("inf") else "?"
-        print(f"replay: {self.finished}/{self.todo} pairs, ETA {eta_text} | {arms}", file=self.stream, flush=True)
+        print(f"{self.command}: {self.finished}/{self.todo} {self.unit}, ETA {eta_text} | {arms}", file=self.stream,
+              flush=True)

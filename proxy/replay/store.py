@@ -166,6 +166,11 @@ class ResultsFile:
         """(case_id, profile, trial) of every scored row."""
         return set(self.db.execute("SELECT case_id, profile, trial FROM results WHERE status = 'scored'").fetchall())
 
+    def verdicts(self) -> dict[tuple[str, str, int], bool]:
+        """(case_id, profile, trial) → valid, of every scored row."""
+        return {(c, p, t): bool(v) for c, p, t, v in
+                self.db.execute("SELECT case_id, profile, trial, valid FROM results WHERE status = 'scored'")}
+
     def tallies(self) -> dict[str, tuple[int, int]]:
         """profile → (scored, valid), pairs left unperturbed on purpose not counted (as in the report)."""
         out: dict[str, tuple[int, int]] = {}

@@ -20,7 +20,8 @@ The report is built in layers, each module importing only those below it (a cont
     plots                                   matplotlib figures
     tables                                  every table as (title, header, rows) of text cells
     summary | cases                         the JSON report; the per-case diffs
-    families | paper_tables                 perturbation families and recovery; the seed papers' measures
+    families | paper_tables | sweeps        perturbation families and recovery; the seed papers' measures;
+                                            `toolquake sweep`'s breaking points and survival curves
     stats                                   accuracy, intervals, paired tests, trials, flips
     rows | arms                             load: results files → rows (every SQLite read); the experiment
                                             each step belongs to, as its perturber declares it
@@ -53,10 +54,11 @@ from toolquake.proxy.replay.report.paper_tables import (
     padding_counts,
     padding_grid,
 )
-from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots
+from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots, survival_plots
 from toolquake.proxy.replay.report.rows import Results, Row, load, result_files
 from toolquake.proxy.replay.report.stats import ALPHA, BASELINE, flips, paired, trial_numbers
 from toolquake.proxy.replay.report.summary import summarize
+from toolquake.proxy.replay.report.sweeps import sweep_numbers
 from toolquake.proxy.replay.report.tables import headline, summary_table, tables, trials_table
 from toolquake.proxy.replay.report.text import drop_ci, p_text, pct_ci
 
@@ -66,5 +68,6 @@ __all__ = [
     "flips", "format_configurations", "format_counts", "format_grid", "format_label", "headline", "heatmaps",
     "json_text", "load", "p_text", "padding_counts", "padding_grid", "paired", "pct_ci", "perturbation_steps",
     "perturbation_text", "render_cases_csv", "render_csv", "render_html", "render_markdown", "render_tables_csv",
-    "response_plots", "result_files", "summarize", "summary_table", "tables", "trial_numbers", "trials_table",
+    "response_plots", "result_files", "summarize", "summary_table", "survival_plots", "sweep_numbers", "tables",
+    "trial_numbers", "trials_table",
 ]

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolquake.proxy.replay.report.cases import case_details
-from toolquake.proxy.replay.report.csv_out import render_cases_csv, render_csv, render_tables_csv
+from toolquake.proxy.replay.report.csv_out import render_cases_csv, render_csv, render_sweeps_csv, render_tables_csv
 from toolquake.proxy.replay.report.html import render_html
 from toolquake.proxy.replay.report.json_out import json_text
 from toolquake.proxy.replay.report.markdown import render_markdown
 from toolquake.proxy.replay.report.paper_tables import response_plot_name
-from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots
+from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots, survival_plots
 from toolquake.proxy.replay.report.rows import load
 from toolquake.proxy.replay.report.stats import BASELINE, flips
 from toolquake.proxy.replay.report.summary import summarize
@@ -24,6 +24,8 @@ def build(
     res = load(paths)
     summary = summarize(res, baseline)
     written: list[Path] = []
+    if fmt == "csv" and summary.get("sweeps") and not summary["models"]:
+        return render_sweeps_csv(summary), written
     if fmt == "csv" and csv_tables:
         return render_tables_csv(summary), written
     if fmt == "csv" and not csv_cases:
@@ -37,13 +39,15 @@ def build(
     if fmt == "html":
         svg = accuracy_plot(summary, "svg") if plots else None
         fig4 = {response_plot_name(k): v for k, v in (response_plots(summary, "svg") if plots else {}).items()}
-        svgs = {**({"accuracy per arm": svg} if svg else {}), **fig4}
+        survival = survival_plots(summary, "svg") if plots else {}
+        svgs = {**({"accuracy per arm": svg} if svg else {}), **fig4, **survival}
         return render_html(summary, pngs, svgs or None), written
     acc = accuracy_plot(summary, "png") if plots else None
     if acc is not None:
         pngs = {"accuracy.png": acc, **pngs}
     if plots:
         pngs.update(response_plots(summary, "png"))
+        pngs.update(survival_plots(summary, "png"))
     refs: dict[str, str] = {}
     if out is not None:
         for name, data in pngs.items():

@@ -98,3 +98,26 @@ def render_tables_csv(summary: dict[str, Any]) -> str:
     w.writerow(CSV_TABLES_COLUMNS)
     w.writerows(csv_row(r) for r in csv_rows(summary))
     return buf.getvalue()
+
+
+#: `toolquake report --format csv` of sweep results (a directory with no replay): one row per (run, axis, case)
+CSV_SWEEP_COLUMNS = ["Model", "Axis", "Unit", "Case", "Category", "Last Right", "First Wrong", "Requests", "Censored",
+                     "Wrong At Min", "Monotone", "Complete"]
+
+
+def render_sweeps_csv(summary: dict[str, Any]) -> str:
+    """The per-case breaking points of every sweep run (CSV_SWEEP_COLUMNS); empty cells for null intensities."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(csv_row(CSV_SWEEP_COLUMNS))
+    for label, axes in (summary.get("sweeps") or {}).items():
+        for axis, r in axes.items():
+            for cid, c in sorted(r["cases"].items()):
+                done = cid not in r["incomplete"]
+                w.writerow(csv_row([label, axis, r["unit"], cid, r["case_categories"].get(cid, ""),
+                                    "" if c["last_right"] is None else f"{c['last_right']:g}",
+                                    "" if c["first_wrong"] is None else f"{c['first_wrong']:g}", str(c["requests"]),
+                                    str(done and c["first_wrong"] is None).lower(),
+                                    str(done and c["last_right"] is None).lower(),
+                                    str(cid not in r["non_monotone"]).lower(), str(done).lower()]))
+    return buf.getvalue()

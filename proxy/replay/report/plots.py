@@ -181,3 +181,47 @@ def accuracy_plot(summary: dict[str, Any], fmt: str = "png") -> bytes | None:
                      f"{plot_text(baseline)} "
                      f"p < {ALPHA})", fontsize=9)
     return _png(fig, plt, fmt)
+
+
+def survival_plots(summary: dict[str, Any], fmt: str = "png") -> dict[str, bytes]:
+    """`toolquake sweep`: per axis, every run's survival curve (the share of cases still right at x) as a step line
+    with its pointwise 95 % Wilson band, runs overlaid; the median breaking point dotted; a run's curve that is
+    still above 0 at the maximum ends in an arrow (its censored cases). {"survival-<axis>.<fmt>": bytes}."""
+    sweeps = summary.get("sweeps") or {}
+    axes = list(dict.fromkeys(a for runs in sweeps.values() for a in runs))
+    out: dict[str, bytes] = {}
+    for axis in axes:
+        runs = [(label, data[axis]) for label, data in sweeps.items() if axis in data and data[axis]["curve"]]
+        if not runs:
+            continue
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if fmt == "svg":
+            matplotlib.rcParams["svg.hashsalt"] = "toolquake"
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for label, r in runs:
+            xs = [p["x"] for p in r["curve"]] + [r["max"]]
+            ys = [p["share"] for p in r["curve"]]
+            lows = [p["ci"][0] for p in r["curve"]]
+            highs = [p["ci"][1] for p in r["curve"]]
+            line = ax.step(xs, ys + ys[-1:], where="post", label=plot_text(f"{label} (n={r['n']})"))[0]
+            ax.fill_between(xs, lows + lows[-1:], highs + highs[-1:], step="post", alpha=0.18,
+                            color=line.get_color(), linewidth=0)
+            if r["median"] is not None:
+                ax.axvline(r["median"], color=line.get_color(), linestyle=":", linewidth=1)
+            if ys[-1] > 0:
+                ax.annotate("", xy=(r["max"] * 1.02 + 0.5, ys[-1]), xytext=(r["max"], ys[-1]),
+                            arrowprops={"arrowstyle": "->", "color": line.get_color()})
+        first = runs[0][1]
+        ax.set_xlabel(plot_text(f"{axis}: {first['unit']}"))
+        ax.set_ylabel("share of cases still right")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(plot_text(f"Survival along {axis} (95 % Wilson bands; dotted: median breaking point)"),
+                     fontsize=9)
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(alpha=0.3)
+        out[f"survival-{axis}.{fmt}"] = _png(fig, plt, fmt)
+    return out

@@ -36,8 +36,38 @@ class Row:
 
 
 @dataclass
+class SweepRow:
+    """One recorded request of `toolquake sweep`: the case asked at intensity `x` along the run's axis."""
+
+    run: int  # index into Results.sweep_runs
+    case_id: str
+    category: str
+    x: float
+    trial: int
+    status: str
+    valid: bool | None
+
+
+@dataclass
+class SweepRun:
+    """The settings of one sweep results file (the meta `toolquake sweep` wrote), and where it came from."""
+
+    model: str
+    axis: str
+    unit: str
+    points: list[float]
+    rule: str
+    trials: int
+    position: str
+    source: Path
+
+
+@dataclass
 class Results:
     rows: list[Row] = field(default_factory=list)
+    #: the requests of `toolquake sweep` results files (sweep*.sqlite), and each file's settings
+    sweep_rows: list[SweepRow] = field(default_factory=list)
+    sweep_runs: list[SweepRun] = field(default_factory=list)
     #: (model, profile) → the profile's definition when it was replayed
     arms: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     sources: list[Path] = field(default_factory=list)
@@ -52,15 +82,16 @@ class Results:
 
 
 def result_files(paths: list[str | Path]) -> list[Path]:
-    """Replay files in each path: the file itself, or every replay*.sqlite in a directory."""
+    """Results files in each path: the file itself, or every replay*.sqlite and sweep*.sqlite in a directory."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            found = sorted(p.glob("replay*.sqlite"))
+            found = sorted(p.glob("replay*.sqlite")) + sorted(p.glob("sweep*.sqlite"))
             if not found:
-                raise FileNotFoundError(f"{p}: no replay results (replay*.sqlite) in this directory")
+                raise FileNotFoundError(f"{p}: no replay results (replay*.sqlite) or sweep results (sweep*.sqlite) "
+                                        "in this directory")
             files.extend(found)
         else:
             raise FileNotFoundError(f"{p}: no such file or directory")
@@ -87,6 +118,9 @@ def load(paths: list[str | Path]) -> Results:
     for path in result_files(paths):
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
+            if "sweep_axis" in dict(db.execute("SELECT key, value FROM meta").fetchall()):
+                _load_sweep(db, res, path)
+                continue
             _load_file(db, res, seen)
         except sqlite3.DatabaseError as exc:
             raise ValueError(f"{path}: not a replay results file ({exc})") from None
@@ -122,6 +156,25 @@ def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, 
         seen[key] = len(res.rows)
         res.rows.append(row)
         res.arms.setdefault((model, row.profile), {"mode": "unknown", "perturbers": []})
+
+
+def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
+    """A sweep file: its settings, and every request as (case, x, trial, verdict); x read from the arm's spec."""
+    meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    run = SweepRun(model=meta.get("model", "unknown"), axis=meta["sweep_axis"], unit=meta.get("sweep_unit", ""),
+                   points=json.loads(meta.get("sweep_points") or "[]"), rule=meta.get("sweep_rule", "majority"),
+                   trials=int(meta.get("trials") or 1), position=meta.get("sweep_position", ""), source=path)
+    if not run.points:
+        raise ValueError(f"{path}: a sweep results file without its grid (sweep_points): written by an older "
+                         "toolquake; sweep again into a new directory")
+    xs = {p: (json.loads(s).get("sweep") or {}).get("x") for p, s in db.execute("SELECT profile, spec FROM arms")}
+    res.sweep_runs.append(run)
+    index = len(res.sweep_runs) - 1
+    for profile, case_id, category, status, valid, trial, perturbers in db.execute(
+            "SELECT profile, case_id, category, status, valid, trial, perturbers FROM results ORDER BY rowid"):
+        if xs.get(profile) is not None:
+            res.sweep_rows.append(SweepRow(index, case_id, category, xs[profile], int(trial),
+                                           row_status(status, perturbers), _bool(valid)))
 
 
 def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:

@@ -8,6 +8,7 @@ from toolquake.proxy.replay.report.families import family_numbers, recovery_numb
 from toolquake.proxy.replay.report.paper_tables import sections
 from toolquake.proxy.replay.report.rows import Results
 from toolquake.proxy.replay.report.stats import BASELINE, arms_summary
+from toolquake.proxy.replay.report.sweeps import sweep_numbers
 
 
 def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
@@ -20,4 +21,6 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     summary = arms_summary(res, baseline)
     summary.update(families=family_numbers(summary), recovery=recovery_numbers(res))
     summary.update(sections(res, baseline, summary))
+    summary.update(sweep_numbers(res))  # `toolquake sweep` results: "sweeps", "sweep_comparisons"
+    summary["sources"] += [str(r.source) for r in res.sweep_runs]
     return summary

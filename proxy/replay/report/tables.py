@@ -10,6 +10,7 @@ from typing import Any
 from toolquake.proxy.replay.report.families import tables as family_tables
 from toolquake.proxy.replay.report.paper_tables import tables as paper_tables
 from toolquake.proxy.replay.report.stats import ALPHA
+from toolquake.proxy.replay.report.sweeps import INF
 from toolquake.proxy.replay.report.text import acc, ci, compact, drop_ci, p_text, pct_ci, rel
 from toolquake.scorers.aggregate import wilson_ci
 from toolquake.scorers.taxonomy import TAXONOMY
@@ -88,9 +89,101 @@ def _taxonomy_columns(summary: dict[str, Any]) -> list[str]:
 
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) of every table in the report."""
-    return [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
-            *family_tables(summary), *paper_tables(summary)]
+    """(title, header, rows) of every table in the report (the sweeps' after the replays')."""
+    replays = [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
+               *family_tables(summary), *paper_tables(summary)] if summary["models"] else []
+    return [*replays, *sweep_tables(summary)]
+
+
+def _x(value: float | None, above: float | None = None) -> str:
+    """An intensity; None as "> max" when `above` is given (censored), "-" otherwise."""
+    if value is None or value == INF:
+        return f"> {above:g}" if above is not None else "-"
+    return f"{value:g}"
+
+
+def _median_text(numbers: dict[str, Any], high: float) -> str:
+    lo, hi = numbers["median_ci"] or (None, None)
+    if numbers["median_ci"] is None:
+        return "-"
+    level = numbers.get("median_ci_level")
+    note = f", {level:.0%}" if level is not None and level < 0.95 else ""
+    return f"{_x(numbers['median'], high)} [{_x(lo, high)}, {_x(hi, high)}{note}]"
+
+
+def _share_at(points: list[dict[str, Any]], x: float) -> dict[str, Any] | None:
+    """The survival curve's step at x: its last point at or below x."""
+    return next((p for p in reversed(points) if p["x"] <= x), None)
+
+
+def sweep_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Per axis: the breaking points of every run, the survival curves side by side, per category, per case; the
+    paired comparisons."""
+    sweeps = summary.get("sweeps") or {}
+    axes = list(dict.fromkeys(a for runs in sweeps.values() for a in runs))
+    out = []
+    for axis in axes:
+        runs = {label: data[axis] for label, data in sweeps.items() if axis in data}
+        out += [_breaking_table(axis, runs), _curve_table(axis, runs), _sweep_category_table(axis, runs),
+                _sweep_case_table(axis, runs)]
+    comparisons = summary.get("sweep_comparisons") or []
+    if comparisons:
+        out.append(("Paired breaking points (cases both runs finished; censored as above the maximum; sign test)",
+                    ["axis", "run a", "run b", "cases", "a breaks later", "b breaks later", "ties", "p",
+                     "median b − a"],
+                    [[c["axis"], c["a"], c["b"], str(c["n"]), str(c["a_later"]), str(c["b_later"]), str(c["ties"]),
+                      p_text(c["p_value"]), _x(c["median_difference"])] for c in comparisons]))
+    return out
+
+
+def _breaking_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    any_run = next(iter(runs.values()))
+    rows = [[label, str(r["n"]), _median_text(r, r["max"]), str(len(r["censored"])), str(len(r["wrong_at_min"])),
+             str(len(r["non_monotone"])), str(len(r["incomplete"])),
+             "-" if r["requests_per_case"] is None else f"{r['requests_per_case']:.1f}"] for label, r in runs.items()]
+    return (f"Breaking points along {axis} ({any_run['unit']}, {any_run['min']:g} to {any_run['max']:g}): median "
+            "first wrong intensity [95 % interval]", ["run", "cases", "median breaking point", "right at max "
+            "(censored)", "wrong at min", "not monotone", "incomplete", "requests / case"], rows)
+
+
+def _curve_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    xs = sorted({p["x"] for r in runs.values() for p in r["curve"]})
+    rows = []
+    for x in xs:
+        row = [f"{x:g}"]
+        for r in runs.values():
+            p = _share_at(r["curve"], x)
+            row.append("-" if p is None or p["share"] is None else
+                       f"{p['share']:.3f} {ci(p['ci'])} ({p['right']}/{p['n']})")
+        rows.append(row)
+    return (f"Survival along {axis}: share of cases still right at x (pointwise 95 % Wilson intervals)",
+            ["x", *runs], rows)
+
+
+def _sweep_category_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    rows = []
+    for label, r in runs.items():
+        for cat, c in r["categories"].items():
+            last = c["curve"][-1] if c["curve"] else None
+            at_max = sum(1 for cid in r["censored"] if r["case_categories"].get(cid) == cat)
+            rows.append([label, cat, str(c["n"]), _median_text(c, r["max"]), f"{at_max}/{c['n']}"
+                         if last is not None else "-"])
+    return (f"Breaking points along {axis} per category", ["run", "category", "cases", "median breaking point",
+                                                              "right at max"], rows)
+
+
+def _sweep_case_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    rows = []
+    for label, r in runs.items():
+        for cid, c in sorted(r["cases"].items()):
+            note = ("incomplete (rerun the sweep)" if cid in r["incomplete"] else
+                    "right again at " + ", ".join(f"{x:g}" for x in r["non_monotone"][cid])
+                    if cid in r["non_monotone"] else "censored: right at the maximum" if c["first_wrong"] is None
+                    else "wrong at the minimum" if c["last_right"] is None else "")
+            rows.append([label, cid, r["case_categories"].get(cid, ""), _x(c["last_right"]), _x(c["first_wrong"]),
+                         str(c["requests"]), note])
+    return (f"Per case along {axis}", ["run", "case", "category", "last right", "first wrong", "requests", "note"],
+            rows)
 
 
 def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
