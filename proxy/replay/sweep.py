@@ -263,7 +263,7 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
                    "limit": str(options.limit or ""), "sweep_unit": axis.decl.unit,
                    "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
     if not options.proxy:
-        wanted["token_counter"] = _token_counter(config, say)
+        wanted["token_counter"] = _token_counter(config, options, say)
     results.set_meta(wanted)
 
 
