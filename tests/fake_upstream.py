@@ -16,10 +16,11 @@ What it answers with, per request (headers are end-to-end, so they pass through 
   schema's required parameters; else a short text.
 
 Breaking points (`--breaking FILE`, for `toolquake sweep`): JSON lines `{"match": "<substring of the last user
-message>", "answer": {...same shape...}, "measure": "tools" | "response_tokens", "wrong": [[low, high], ...]}`; a
-request that matches gets `answer` unless its measure — the number of tools in the request, or the estimate
-counter's tokens of the content of its last tool message — lies in one of the `wrong` intervals (inclusive; `high`
-null: no end), then a text with no call (`BROKEN_TEXT`). `[[T + 1, null]]` is a model right exactly up to T;
+message>", "answer": {...same shape...}, "measure": "tools" | "response_tokens" | "request_tokens", "wrong":
+[[low, high], ...]}`; a request that matches gets `answer` unless its measure — the number of tools in the request,
+the estimate counter's tokens of the content of its last tool message, or its tokens of the whole request (messages
+and tools, as `conversation_tokens` counts them) — lies in one of the `wrong` intervals (inclusive; `high` null: no
+end), then a text with no call (`BROKEN_TEXT`). `[[T + 1, null]]` is a model right exactly up to T;
 several intervals make it non-monotone. Checked before every other source but `X-Fake-Answer`.
 
 Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first user message>", "turns":
@@ -207,10 +208,14 @@ def flaky(answer: dict[str, Any], body: dict[str, Any], header: str | None) -> d
 
 
 def measure(body: dict[str, Any], what: str) -> int:
-    """What a `--breaking` entry is judged on: the request's tool count, or its last tool message's tokens."""
+    """What a `--breaking` entry is judged on: the request's tool count, its last tool message's tokens, or the
+    whole request's tokens."""
     if what == "tools":
         return len(body.get("tools") or [])
     from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    if what == "request_tokens":
+        return EstimateCounter().count_request(body)
 
     tools = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "tool"]
     content = tools[-1].get("content") if tools else ""

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import ROOT, start_fake_upstream
@@ -162,6 +163,45 @@ def test_response_tokens_axis_finds_the_hidden_size_exactly(tmp_path):
         assert seen[last][2] is None or seen[last][2]["tokens_total"] <= limit
         assert seen[first][2]["tokens_total"] > limit
         assert all(v == (rep is None or rep["tokens_total"] <= limit) for _, v, rep in seen.values())
+
+
+def test_conversation_tokens_axis_finds_the_hidden_request_size_exactly(tmp_path):
+    """`--axis conversation_tokens`: filler turns before the final user message until the request holds x tokens; the
+    fake breaks past a hidden request size (the estimate's tokens of messages and tools, what the axis counts)."""
+    hidden = {"c-900": [[901, None]], "c-2500": [[2501, None]], "c-never": []}
+    fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "request_tokens")))
+    try:
+        out = tmp_path / "conv"
+        r = sweep("--backend", f"{fake.url}/v1", "--cases", str(_cases_file(list(hidden))), "--axis",
+                  "conversation_tokens", "--min", "0", "--max", "4000", "--resolution", "50", "--out", str(out))
+        sent = httpx.get(f"{fake.url}/_fake/requests").json()
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr + r.stdout
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    # what the fake was sent, counted here: the report's token figure is the request the model got
+    sizes = {EstimateCounter().count_request(json.loads(q["body"])) for q in sent if q["path"].endswith("/completions")}
+    found = stored(out)
+    assert set(found) == set(hidden)
+    for cid, wrong in hidden.items():
+        seen = {x: rows[0] for x, rows in found[cid].items()}
+        assert sum(len(rows) for rows in found[cid].values()) < 30, cid
+        assert seen[0][2] is None  # x = 0: the request as the client wrote it
+        reports = {x: rep for x, (_, _, rep) in seen.items() if rep is not None}
+        assert all(rep["tokens_total"] in sizes for rep in reports.values()), cid
+        # prefix-stable: a larger x never gives a shorter request (the budget is met to the nearest filler turn)
+        grown = [(reports[x]["turns_added"], reports[x]["tokens_total"]) for x in sorted(reports)]
+        assert grown == sorted(grown), (cid, grown)
+        assert all(v == (rep is None or not _is_wrong(rep["tokens_total"], wrong)) for _, v, rep in seen.values())
+        first = _first_wrong({x: v for x, (_, v, _) in seen.items()})
+        if not wrong:
+            assert first is None and seen[4000][1], cid  # right at the maximum: censored
+            continue
+        last = max(x for x, (_, v, _) in seen.items() if v and x < first)
+        assert first - last == 50, (cid, last, first)  # neighbours on the grid: exact to the resolution
+        assert reports[first]["tokens_total"] > wrong[0][0] - 1 >= (reports[last]["tokens_total"] if last in reports
+                                                                     else 0)
 
 
 def _count(db_path: Path) -> int:
