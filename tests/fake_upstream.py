@@ -21,12 +21,16 @@ message>", "answer": {...same shape...}, "measure": "tools" | "response_tokens" 
 the estimate counter's tokens of the content of its last tool message, or its tokens of the whole request (messages
 and tools, as `conversation_tokens` counts them) — lies in one of the `wrong` intervals (inclusive; `high` null: no
 end), then a text with no call (`BROKEN_TEXT`). `[[T + 1, null]]` is a model right exactly up to T;
-several intervals make it non-monotone. Checked before every other source but `X-Fake-Answer`.
+several intervals make it non-monotone. Checked before every other source but `X-Fake-Answer`. For multi-turn
+cases an entry may match on `"first_user"` instead (a user message of the request, exactly: the conversation's
+first, wherever filler turns put it) and leave out `answer`: unbroken, the next source answers (`--trajectories`).
 
 Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first user message>", "turns":
-[[<answer>, ...] per turn]}`): a request whose first user message is `first_user` gets the answer of
-its turn (user messages so far - 1) and step (assistant messages since the last user message); past
-the end of a turn's list, a short text (the turn ends).
+[[<answer>, ...] per turn], "users": [<user message of each turn>, ...]}`): a request whose first user message
+is `first_user` (or, after filler turns a perturbation put first, whose first such user message is) gets the
+answer of its turn (user messages so far - 1; with `users`, only those count, so filler turns a perturbation
+inserted do not) and step (assistant messages since the last user message); past the end of a turn's list, a short
+text (the turn ends).
 
 The Responses API (`POST /v1/responses`) answers from the same sources: its request is read as the
 chat request it stands for (`instructions` and `input` items as messages, function tools, tool
@@ -91,6 +95,8 @@ SCRIPT: list[dict[str, Any]] = []
 BREAKING: list[dict[str, Any]] = []
 BROKEN_TEXT = "Broken: no call past the breaking point."
 TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
+#: first user message → the user messages of the conversation's own turns (`users` of a trajectory)
+TRAJECTORY_USERS: dict[str, set[str]] = {}
 #: the connections (client address and port) that carried a request, for `drop-reused`
 PEERS: set[tuple] = set()
 MODEL = "fake-model"
@@ -144,10 +150,14 @@ def _trajectory_answer(body: dict[str, Any]) -> dict[str, Any] | None:
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
     if not users:
         return None
-    turns = TRAJECTORIES.get(str(messages[users[0]].get("content")))
-    if turns is None:
+    # the first user message that opens a scripted conversation (filler turns a perturbation put first are skipped)
+    first = next((str(messages[i].get("content")) for i in users if str(messages[i].get("content")) in TRAJECTORIES),
+                 None)
+    if first is None:
         return None
-    turn = len(users) - 1
+    turns = TRAJECTORIES[first]
+    own = TRAJECTORY_USERS.get(first)
+    turn = len(users) - 1 if own is None else sum(1 for i in users if str(messages[i].get("content")) in own) - 1
     step = sum(1 for m in messages[users[-1]:] if m.get("role") == "assistant")
     steps = turns[turn] if turn < len(turns) else []
     return steps[step] if step < len(steps) else {"text": "Done."}
@@ -224,11 +234,13 @@ def measure(body: dict[str, Any], what: str) -> int:
 
 def _breaking_answer(body: dict[str, Any]) -> dict[str, Any] | None:
     text = _last_user(body)
+    users = {str(m.get("content")) for m in body.get("messages") or []
+             if isinstance(m, dict) and m.get("role") == "user"}
     for entry in BREAKING:
-        if entry["match"] in text:
+        if ("match" in entry and entry["match"] in text) or ("first_user" in entry and entry["first_user"] in users):
             x = measure(body, entry.get("measure", "tools"))
             broken = any(lo <= x and (hi is None or x <= hi) for lo, hi in entry.get("wrong") or [])
-            return {"text": BROKEN_TEXT} if broken else entry["answer"]
+            return {"text": BROKEN_TEXT} if broken else entry.get("answer")
     return None
 
 
@@ -889,6 +901,8 @@ def main(argv: list[str] | None = None) -> None:
                 if line.strip():
                     entry = _dec(line)
                     TRAJECTORIES[entry["first_user"]] = entry["turns"]
+                    if entry.get("users"):
+                        TRAJECTORY_USERS[entry["first_user"]] = {str(u) for u in entry["users"]}
     TOKENIZE_ROUTES.clear()
     TOKENIZE_ROUTES.update(_TOKENIZE_CHOICES[args.tokenize])
     if args.breaking:
