@@ -204,6 +204,57 @@ def test_conversation_tokens_axis_finds_the_hidden_request_size_exactly(tmp_path
                                                                      else 0)
 
 
+def test_a_backend_that_refuses_past_n_tools_breaks_every_case_at_n_plus_one(tmp_path):
+    """`--max-tools N`: past N tools the backend answers 400 context_length_exceeded. A refused request is a wrong
+    answer (BFCL's inference error, proxy/replay/failures.py), recorded once and never sent again; the report says
+    which failure made the first wrong point wrong."""
+    limit, ids = 40, ["f-1", "f-2", "f-3"]
+    fake = start_fake_upstream("--breaking", str(_breaking_file({cid: [] for cid in ids}, "tools")),
+                               "--max-tools", str(limit))
+    try:
+        out = tmp_path / "refused"
+        args = ("--backend", f"{fake.url}/v1", "--cases", str(_cases_file(ids)), "--axis", "tools", "--min", "1",
+                "--max", "200", "--out", str(out))
+        r = sweep(*args)
+        assert r.returncode == 0, r.stderr + r.stdout
+        again = sweep(*args)  # a rerun: every case done, the refusals are verdicts, nothing is sent again
+        sent = [q for q in httpx.get(f"{fake.url}/_fake/requests").json() if q["path"].endswith("/completions")]
+    finally:
+        fake.stop()
+    assert again.returncode == 0 and "(sent 0, failed 0)" in again.stderr, again.stderr
+    db = sqlite3.connect(out / "sweep.sqlite")
+    try:
+        xs = {p: json.loads(s)["sweep"]["x"] for p, s in db.execute("SELECT profile, spec FROM arms")}
+        rows = db.execute("SELECT case_id, profile, trial, status, valid, http_status, error_code, attempts "
+                          "FROM results").fetchall()
+    finally:
+        db.close()
+    assert len(rows) == len({row[:3] for row in rows}) == len(sent)  # each request sent once, recorded once
+    for cid, profile, _, status, valid, http, code, attempts in rows:
+        x = xs[profile]
+        assert status == "scored" and attempts == 1, (cid, x)
+        assert (bool(valid), http, code) == ((True, 200, None) if x <= limit else
+                                             (False, 400, "context_length_exceeded")), (cid, x)
+    for cid in ids:
+        seen = {xs[p]: bool(v) for c, p, _, _, v, _, _, _ in rows if c == cid}
+        assert _first_wrong(seen) == limit + 1 and seen[limit] is True, (cid, sorted(seen.items()))
+        assert len(seen) < 30
+    report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json",
+                             "--no-plots"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    numbers = json.loads(report.stdout)["sweeps"]["fake-model"]["tools"]
+    refused = sum(1 for row in rows if row[6])
+    assert numbers["failed"] == refused and numbers["failed_codes"] == {"context_length_exceeded": refused}
+    assert numbers["first_wrong_failed"] == {cid: "context_length_exceeded" for cid in ids}
+    assert {c: (v["last_right"], v["first_wrong"]) for c, v in numbers["cases"].items()} == {
+        cid: (limit, limit + 1) for cid in ids}
+    text = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--no-plots"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=300).stdout
+    assert f"{refused} (context_length_exceeded {refused})" in text
+    assert text.count("first wrong: failed on the backend (context_length_exceeded)") == len(ids)
+
+
 def _count(db_path: Path) -> int:
     if not db_path.exists():
         return 0

@@ -46,6 +46,8 @@ class SweepRow:
     trial: int
     status: str
     valid: bool | None
+    #: why a request the backend refused (or that timed out) got no answer: it is scored wrong (failures.py)
+    error_code: str | None = None
 
 
 @dataclass
@@ -170,11 +172,12 @@ def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
     xs = {p: (json.loads(s).get("sweep") or {}).get("x") for p, s in db.execute("SELECT profile, spec FROM arms")}
     res.sweep_runs.append(run)
     index = len(res.sweep_runs) - 1
-    for profile, case_id, category, status, valid, trial, perturbers in db.execute(
-            "SELECT profile, case_id, category, status, valid, trial, perturbers FROM results ORDER BY rowid"):
+    for profile, case_id, category, status, valid, trial, perturbers, code in db.execute(
+            "SELECT profile, case_id, category, status, valid, trial, perturbers, error_code FROM results "
+            "ORDER BY rowid"):
         if xs.get(profile) is not None:
             res.sweep_rows.append(SweepRow(index, case_id, category, xs[profile], int(trial),
-                                           row_status(status, perturbers), _bool(valid)))
+                                           row_status(status, perturbers), _bool(valid), code))
 
 
 def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:

@@ -19,7 +19,7 @@ given with its actual coverage.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from toolquake.proxy.replay.breaking import outcome, verdict
@@ -63,17 +63,22 @@ def case_outcomes(res: Results) -> dict[tuple[str, str], dict[str, Any]]:
 def _case(run: SweepRun, rows: list[SweepRow]) -> dict[str, Any]:
     index = {x: i for i, x in enumerate(run.points)}
     trials: dict[int, dict[int, bool]] = defaultdict(dict)
+    failed: dict[float, list[str]] = defaultdict(list)
     for r in rows:
         if r.status == "scored" and r.x in index:
             trials[index[r.x]][r.trial] = bool(r.valid)
+            if r.error_code:
+                failed[r.x].append(r.error_code)
     known = {i: verdict([ts[t] for t in range(run.trials)], run.rule) for i, ts in trials.items()
              if all(t in ts for t in range(run.trials))}
     o = outcome(len(run.points), known)
     pts = run.points
+    first = None if o.first_wrong is None else pts[o.first_wrong]
     return {"category": rows[0].category, "requests": len(rows), "done": o.done,
-            "last_right": None if o.last_right is None else pts[o.last_right],
-            "first_wrong": None if o.first_wrong is None else pts[o.first_wrong],
-            "right_after": [pts[i] for i in o.right_after]}
+            "last_right": None if o.last_right is None else pts[o.last_right], "first_wrong": first,
+            "right_after": [pts[i] for i in o.right_after], "failed": [c for cs in failed.values() for c in cs],
+            # the backend's refusal (e.g. context_length_exceeded) when that is what made the first wrong point wrong
+            "first_wrong_failed": sorted(set(failed[first]))[0] if first in failed else None}
 
 
 def curve(cases: list[dict[str, Any]], low: float) -> list[dict[str, Any]]:
@@ -122,6 +127,11 @@ def _axis_numbers(run: SweepRun, cases: dict[str, dict[str, Any]]) -> dict[str, 
         "wrong_at_min": sorted(cid for cid, c in done.items() if c["last_right"] is None),
         "non_monotone": {cid: c["right_after"] for cid, c in sorted(done.items()) if c["right_after"]},
         "incomplete": sorted(cid for cid, c in cases.items() if not c["done"]),
+        # requests the backend refused, or that timed out: scored wrong, as BFCL scores an inference error
+        "failed": sum(len(c["failed"]) for c in cases.values()),
+        "failed_codes": dict(sorted(Counter(code for c in cases.values() for code in c["failed"]).items())),
+        "first_wrong_failed": {cid: c["first_wrong_failed"] for cid, c in sorted(cases.items())
+                               if c["first_wrong_failed"]},
         "categories": {cat: {"n": len(cs), **median(cs), "curve": curve(cs, low)}
                        for cat, cs in sorted(by_cat.items())},
         "case_categories": {cid: c["category"] for cid, c in cases.items()},

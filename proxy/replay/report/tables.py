@@ -140,10 +140,12 @@ def _breaking_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], li
     any_run = next(iter(runs.values()))
     rows = [[label, str(r["n"]), _median_text(r, r["max"]), str(len(r["censored"])), str(len(r["wrong_at_min"])),
              str(len(r["non_monotone"])), str(len(r["incomplete"])),
-             "-" if r["requests_per_case"] is None else f"{r['requests_per_case']:.1f}"] for label, r in runs.items()]
+             "-" if r["requests_per_case"] is None else f"{r['requests_per_case']:.1f}",
+             codes_text(r.get("failed", 0), r.get("failed_codes") or {})] for label, r in runs.items()]
     return (f"Breaking points along {axis} ({any_run['unit']}, {any_run['min']:g} to {any_run['max']:g}): median "
             "first wrong intensity [95 % interval]", ["run", "cases", "median breaking point", "right at max "
-            "(censored)", "wrong at min", "not monotone", "incomplete", "requests / case"], rows)
+            "(censored)", "wrong at min", "not monotone", "incomplete", "requests / case",
+            "failed requests (counted wrong)"], rows)
 
 
 def _curve_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
@@ -180,6 +182,10 @@ def _sweep_case_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], 
                     "right again at " + ", ".join(f"{x:g}" for x in r["non_monotone"][cid])
                     if cid in r["non_monotone"] else "censored: right at the maximum" if c["first_wrong"] is None
                     else "wrong at the minimum" if c["last_right"] is None else "")
+            refused = (r.get("first_wrong_failed") or {}).get(cid)
+            if refused:  # the first wrong point got no answer (a refusal, a timeout): counted wrong, as BFCL does
+                why = f"first wrong: failed on the backend ({refused}), counted wrong"
+                note = f"{note}; {why}" if note else why
             rows.append([label, cid, r["case_categories"].get(cid, ""), _x(c["last_right"]), _x(c["first_wrong"]),
                          str(c["requests"]), note])
     return (f"Per case along {axis}", ["run", "case", "category", "last right", "first wrong", "requests", "note"],
