@@ -119,6 +119,7 @@ def test_every_format_and_the_html_curve_in_chromium(two_runs, tmp_path):
     md = report(str(a), str(b), "--format", "md", "--out", str(tmp_path / "r.md"))
     assert md.returncode == 0, md.stderr
     text = (tmp_path / "r.md").read_text()
+    assert text.startswith("# toolquake sweep report\n") and "replay" not in text.lower()
     assert "Survival along tools" in text and "| fake-model | t-window |" in text and "right again at" in text
     assert (tmp_path / "r-survival-tools.png").stat().st_size > 5000
     csv_out = report(str(a), "--format", "csv")
@@ -128,6 +129,8 @@ def test_every_format_and_the_html_curve_in_chromium(two_runs, tmp_path):
     html = report(str(a), str(b), "--format", "html", "--out", str(tmp_path / "r.html"))
     assert html.returncode == 0, html.stderr
     page = (tmp_path / "r.html").read_text()
+    assert "<title>toolquake sweep report</title>" in page and "<h1>toolquake sweep report</h1>" in page
+    assert "replay" not in page.lower()
     assert "survival-tools.svg" in page and "data:image/svg+xml;base64," in page
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -136,3 +139,25 @@ def test_every_format_and_the_html_curve_in_chromium(two_runs, tmp_path):
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                     "--window-size=1200,2400", (tmp_path / "r.html").as_uri()], capture_output=True, timeout=120)
     assert shot.stat().st_size > 50_000  # a page with tables and the plot, not a blank one
+
+
+def test_the_title_says_what_the_results_hold(two_runs, tmp_path):
+    """A report of replays is a replay report, of sweeps a sweep report, of both a replay and sweep report."""
+    a, _ = two_runs
+    fake = start_fake_upstream()
+    try:
+        r = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", f"{fake.url}/v1",
+                            "--cases", str(_cases_file(["t-7"])), "--profiles", "off", "--out", str(tmp_path / "rp")],
+                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           timeout=300)
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr
+    for dirs, title in (([tmp_path / "rp"], "toolquake replay report"), ([a], "toolquake sweep report"),
+                        ([tmp_path / "rp", a], "toolquake replay and sweep report")):
+        md = report(*map(str, dirs), "--no-plots")
+        assert md.returncode == 0 and md.stdout.startswith(f"# {title}\n"), md.stdout[:200]
+        out = tmp_path / f"{len(dirs)}-{title.split()[1]}.html"
+        html = report(*map(str, dirs), "--no-plots", "--format", "html", "--out", str(out))
+        assert html.returncode == 0, html.stderr
+        assert f"<title>{title}</title>" in out.read_text() and f"<h1>{title}</h1>" in out.read_text()

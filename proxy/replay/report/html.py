@@ -7,7 +7,15 @@ import base64
 from typing import Any
 
 from toolquake.proxy.escape import CTL_CSS, html_attr, html_text
-from toolquake.proxy.replay.report.tables import DIRECTION, flip_groups, headline, summary_table, tables, trials_table
+from toolquake.proxy.replay.report.tables import (
+    DIRECTION,
+    flip_groups,
+    headline,
+    report_title,
+    summary_table,
+    tables,
+    trials_table,
+)
 from toolquake.proxy.replay.report.text import compact, short
 
 _CSS = (
@@ -148,8 +156,9 @@ def render_html(summary: dict[str, Any], pngs: dict[str, bytes], svgs: dict[str,
     sections.append(("cases", "Per-case diffs", _html_cases(summary)))
     sections = [s for s in sections if s[2]]
     nav = "<nav>" + "".join(f"<a href='#{sid}'>{esc(name)}</a>" for sid, name, _ in sections) + "</nav>"
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>toolquake replay report</title>"
-             f"<style>{_CSS}</style></head><body>", "<h1>toolquake replay report</h1>",
+    title = esc(report_title(summary))
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
+             f"<style>{_CSS}</style></head><body>", f"<h1>{title}</h1>",
              f"<p>Sources: {esc(', '.join(summary['sources']))}</p>", nav, *(body for _, _, body in sections),
              f"<script>{_CASES_JS}</script></body></html>"]
     return "\n".join(parts)

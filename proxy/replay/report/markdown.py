@@ -6,7 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from toolquake.proxy.escape import md_text
-from toolquake.proxy.replay.report.tables import DIRECTION, flip_groups, headline, summary_table, tables, trials_table
+from toolquake.proxy.replay.report.tables import (
+    DIRECTION,
+    flip_groups,
+    headline,
+    report_title,
+    summary_table,
+    tables,
+    trials_table,
+)
 
 
 def _md_cell(text: str | None) -> str:
@@ -27,7 +35,7 @@ def _md_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]
 
 
 def render_markdown(summary: dict[str, Any], images: dict[str, str] | None = None) -> str:
-    lines = ["# toolquake replay report", ""]
+    lines = [f"# {report_title(summary)}", ""]
     lines.append(f"Sources: {md_text(', '.join(summary['sources']))}")
     if summary["duplicates"]:
         lines.append(f"({summary['duplicates']} pairs found in more than one file were counted once.)")

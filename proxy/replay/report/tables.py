@@ -21,6 +21,13 @@ def _spec_text(perturbers: list[dict[str, Any]]) -> str:
     return text if len(text) <= 120 else text[:120] + " …"
 
 
+def report_title(summary: dict[str, Any]) -> str:
+    """The report's title, after what its results files hold: replays, sweeps (`toolquake sweep`), or both."""
+    sweeps, replays = bool(summary.get("sweeps")), bool(summary.get("models"))
+    return ("toolquake replay and sweep report" if sweeps and replays else "toolquake sweep report" if sweeps
+            else "toolquake replay report")
+
+
 def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     """Which perturbations hurt this model most: the arms against the baseline, largest drop first."""
     baseline = summary["baseline"]
