@@ -130,6 +130,9 @@ class NumericAxis:
     default_max: float = 200
     default_step: float = 1
     fixed: dict[str, Any] = field(default_factory=dict)
+    #: what a case must hold for the axis to grow anything: "tool_response" (a tool message, or a multi-turn
+    #: conversation, whose steps have them), or "" (any case); a sweep whose cases all lack it is refused
+    needs: str = ""
 
 
 class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

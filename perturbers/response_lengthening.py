@@ -157,7 +157,7 @@ class ResponseLengthening(Perturber):
     numeric_axes: ClassVar[dict[str, NumericAxis]] = {
         "response_tokens": NumericAxis("budget_tokens", "tokens in the last tool response", default_min=0,
                                        default_max=80000, default_step=500,
-                                       fixed={"budget_scope": "response", "target": "last"}),
+                                       fixed={"budget_scope": "response", "target": "last"}, needs="tool_response"),
     }
     blocking: ClassVar[bool] = True
     #: "process" pads one client's responses with what another client's tools returned: the operator decides that

@@ -236,6 +236,27 @@ def _check(options: SweepOptions, axis: Axis) -> list[float]:
         raise ReplayError(str(exc)) from None
 
 
+def _applies(axis: Axis, cases: list[Any]) -> None:
+    """Refuse an axis that can grow nothing in any of the cases (`NumericAxis.needs`): every case would come out
+    right at every intensity, which would read as a result."""
+    if axis.decl.needs != "tool_response" or any(_has_tool_response(c) for c in cases):
+        return
+    raise ReplayError(f"--axis {axis.name} grows the last tool response, and none of the {len(cases)} selected "
+                      "cases has one (single-turn BFCL cases have none): sweep multi-turn cases (--categories "
+                      "multi_turn_base, this axis' default) or your own cases with a tool message (--cases FILE)")
+
+
+def _has_tool_response(case: Any) -> bool:
+    """A multi-turn case (its steps after the first carry tool results), or a request that holds a tool message."""
+    from toolquake.bfcl.corpus import case_request
+    from toolquake.proxy.live.usercases import is_user_case, request_body
+
+    if case.is_multi_turn:
+        return True
+    body = request_body(case, "sweep") if is_user_case(case) else case_request(case, model="sweep")
+    return any(isinstance(m, dict) and m.get("role") == "tool" for m in body.get("messages") or [])
+
+
 def _fields(perturber: str) -> set[str]:
     import msgspec
 
@@ -276,6 +297,7 @@ def run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -
     points = _check(options, axis)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
+    _applies(axis, cases)
     results = ResultsFile(Path(options.out) / sweep_name(options.shard))
     try:
         _claim(results, options, axis, points, model, config, say)

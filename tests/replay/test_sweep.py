@@ -333,6 +333,14 @@ def test_unknown_axis_and_bad_settings_are_clear_errors(tools_fake, tmp_path):
     assert r.returncode == 2 and "whole number" in r.stderr
     r = sweep(*base, "--axis", "tools", "--min", "10", "--max", "5")
     assert r.returncode == 2 and "below --min" in r.stderr
+    # response_tokens grows the last tool response: cases with none would all come out right everywhere
+    r = sweep(*base, "--axis", "response_tokens")
+    assert r.returncode == 2 and "none of the 1 selected cases has one" in r.stderr, r.stderr
+    assert not (tmp_path / "x" / "sweep.sqlite").exists()
+    mixed = _cases_file(["t-50"], tool_message=True)  # one with a tool message: the sweep goes ahead
+    r = sweep("--backend", f"{tools_fake.url}/v1", "--cases", str(mixed), "--cases", str(cases), "--out",
+              str(tmp_path / "y"), "--axis", "response_tokens", "--max", "1000")
+    assert r.returncode == 0, r.stderr
 
 
 def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
