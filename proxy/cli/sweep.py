@@ -93,7 +93,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "at a lower one (the same additions in the same order, grown). About 15 requests per case over "
                     "a range of 200 points: the maximum, the minimum, the bisection, then checkpoints at each eighth "
                     "of the range that confirm the boundary (a case right again after breaking is reported as not "
-                    "monotone). Every request is recorded once in --out; rerunning the same command resumes. "
+                    "monotone). Multi-turn cases (multi_turn_base, the default for the token axes) are swept as whole "
+                    "conversations, every step perturbed. A request the backend refuses (e.g. 400 "
+                    "context_length_exceeded) or that keeps timing out is a wrong answer, as in replay. Every "
+                    "request is recorded once in --out; rerunning the same command resumes. "
                     "`toolquake report DIR` draws the survival curve. Exit status as replay's: 0 every case done, 1 "
                     "some requests failed (rerun to retry), 2 bad arguments or unreachable backend, 3 the backend "
                     "went away.")
