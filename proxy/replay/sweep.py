@@ -31,6 +31,7 @@ from toolquake.proxy.replay.inproc import InProcessProxy
 from toolquake.proxy.replay.progress import Progress
 from toolquake.proxy.replay.run import Options, _auth, _check_options, _reach, _Sender, _token_counter, prepare
 from toolquake.proxy.replay.store import Record, ResultsFile
+from toolquake.proxy.replay.tracing import ReplayTraces
 
 #: the axes of the brief, in the order `--help` lists them (any other declared axis works the same way)
 NAMED_AXES = ("tools", "related", "response_tokens", "conversation_tokens")
@@ -167,9 +168,9 @@ class _Sweeper:
     flight over all cases."""
 
     def __init__(self, options: SweepOptions, profiles: _Profiles, sender: _Sender, results: ResultsFile,
-                 progress: Progress, summary: SweepSummary) -> None:
+                 progress: Progress, summary: SweepSummary, traces: ReplayTraces | None = None) -> None:
         self.options, self.profiles, self.sender, self.results = options, profiles, sender, results
-        self.progress, self.summary = progress, summary
+        self.progress, self.summary, self.traces = progress, summary, traces
         self.slots = asyncio.Semaphore(max(1, options.concurrency))
         names = {profile_name(profiles.axis.name, x): i for i, x in enumerate(profiles.points)}
         #: case → grid index → {trial: right}, as recorded (a resumed sweep starts from these)
@@ -193,6 +194,26 @@ class _Sweeper:
         return rec
 
     async def case(self, case: Any) -> None:
+        """Ask the case's points until its breaking point is known (under its own span when the run is traced)."""
+        try:
+            await self._case(case)
+        finally:
+            if self.traces is not None:
+                self.traces.case_done(case, self._span_attributes(case))
+
+    def _span_attributes(self, case: Any) -> dict[str, Any]:
+        """The case's span: the axis, and the breaking point in the axis' units when the case finished."""
+        points, found = self.profiles.points, self.summary.outcomes.get(case.id)
+        attributes: dict[str, Any] = {"toolquake.sweep.axis": self.profiles.axis.name,
+                                      "toolquake.sweep.finished": found is not None}
+        if found is not None:
+            attributes["toolquake.sweep.last_right"] = None if found.last_right is None else points[found.last_right]
+            attributes["toolquake.sweep.first_wrong"] = \
+                None if found.first_wrong is None else points[found.first_wrong]
+            attributes["toolquake.sweep.non_monotone"] = bool(found.right_after)
+        return attributes
+
+    async def _case(self, case: Any) -> None:
         n, k = len(self.profiles.points), self.options.trials
         trials = self.known(case.id)
         while not self.sender.stop.is_set():
@@ -324,24 +345,27 @@ def _run(options: SweepOptions, config: Any, axis: Axis, points: list[float], ca
         token = secrets.token_urlsafe(24)
         in_process = InProcessProxy(config, fail_open=options.fail_open, admin_token=token)
         proxy_url = in_process.start()
+    traces = ReplayTraces(config, None, command="sweep") if config.tracing.enabled else None
     try:
         label = f"{axis.name}: right at max"
         with Progress([label], {label: len(cases)}, {}, enabled=options.progress, command="sweep",
                       unit="cases") as progress:
             asyncio.run(_sweep_all(options, axis, points, cases, results, model, in_process, proxy_url, token,
-                                   progress, summary))
+                                   progress, summary, traces))
     finally:
         if in_process is not None:
             in_process.stop()
+        if traces is not None:
+            traces.close()
 
 
 async def _sweep_all(options: SweepOptions, axis: Axis, points: list[float], cases: list[Any], results: ResultsFile,
                      model: str, in_process: InProcessProxy | None, proxy_url: str, token: str, progress: Progress,
-                     summary: SweepSummary) -> None:
+                     summary: SweepSummary, traces: ReplayTraces | None = None) -> None:
     limits = httpx.Limits(max_connections=options.concurrency + 1, max_keepalive_connections=options.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        sender = _Sender(options, proxy_url, client, model, in_process)
+        sender = _Sender(options, proxy_url, client, model, in_process, traces)
         profiles = _Profiles(axis, options, points, results, client, proxy_url, token)
-        sweeper = _Sweeper(options, profiles, sender, results, progress, summary)
+        sweeper = _Sweeper(options, profiles, sender, results, progress, summary, traces)
         await asyncio.gather(*(sweeper.case(c) for c in cases))

@@ -1,6 +1,7 @@
-"""Replay traces (`[tracing] enabled`, docs/tracing.md): one trace per case, one span per arm's request (a child
-of the case's span), whose context the replay sends to the proxy, so the proxy's spans of that request join it.
-A run can then be browsed case by case: the arms of one case side by side, each with its verdict."""
+"""Replay and sweep traces (`[tracing] enabled`, docs/tracing.md): one trace per case, one span per arm's request
+(a child of the case's span), whose context the replay sends to the proxy, so the proxy's spans of that request
+join it. A run can then be browsed case by case: the arms of one case side by side, each with its verdict. A
+sweep's case span holds every intensity asked (its trials included) and ends with the case's breaking point."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ log = structlog.get_logger("toolquake.tracing")
 
 
 class ReplayTraces:
-    """The case spans of one run (open while any of the case's arms is unsent), and the arm spans."""
+    """The case spans of one run (open while any of the case's arms is unsent), and the arm spans. `pairs` None
+    (a sweep: how many requests a case takes is found as it goes): a case's span is keyed by the case alone and
+    stays open until `case_done`."""
 
-    def __init__(self, config: Config, pairs: list[tuple[Any, str, int]]) -> None:
+    def __init__(self, config: Config, pairs: list[tuple[Any, str, int]] | None, command: str = "replay") -> None:
         from opentelemetry.trace import SpanKind, set_span_in_context
 
         from toolquake.proxy.server.app import tracer
@@ -26,8 +29,9 @@ class ReplayTraces:
         self.tracing = tracer(config)
         self.tracing.start()
         self.kind, self.in_context, self.propagator = SpanKind, set_span_in_context, PROPAGATOR
-        self.arms = Counter((case.id, trial) for case, _, trial in pairs)
-        self.cases: dict[tuple[str, int], list[Any]] = {}  # (case id, trial) -> [span, arms left]
+        self.command = command
+        self.arms = None if pairs is None else Counter((case.id, trial) for case, _, trial in pairs)
+        self.cases: dict[tuple[str, int | None], list[Any]] = {}  # (case id, trial) -> [span, arms left or None]
 
     def arm(self, case: Any, profile: str, trial: int) -> tuple[Any, dict[str, str]]:
         """The span of one arm's request, and the headers that carry its context to the proxy (fail-open: no span
@@ -39,14 +43,16 @@ class ReplayTraces:
             return None, {}
 
     def _arm(self, case: Any, profile: str, trial: int) -> tuple[Any, dict[str, str]]:
-        key = (case.id, trial)
+        key = self._key(case, trial)
         entry = self.cases.get(key)
         if entry is None:
-            span = self.tracing.tracer.start_span(f"replay case {case.id}", attributes={
-                "toolquake.case_id": case.id, "toolquake.category": case.category, "toolquake.trial": trial})
-            entry = self.cases[key] = [span, self.arms[key]]
+            attributes = {"toolquake.case_id": case.id, "toolquake.category": case.category}
+            if key[1] is not None:
+                attributes["toolquake.trial"] = trial
+            span = self.tracing.tracer.start_span(f"{self.command} case {case.id}", attributes=attributes)
+            entry = self.cases[key] = [span, None if self.arms is None else self.arms[key]]
         span = self.tracing.tracer.start_span(
-            f"replay {profile}", context=self.in_context(entry[0]), kind=self.kind.CLIENT,
+            f"{self.command} {profile}", context=self.in_context(entry[0]), kind=self.kind.CLIENT,
             attributes={"toolquake.case_id": case.id, "toolquake.profile": profile, "toolquake.trial": trial})
         carrier: dict[str, str] = {}
         self.propagator.inject(carrier, context=self.in_context(span))
@@ -67,13 +73,26 @@ class ReplayTraces:
                  "http.response.status_code": rec.http_status, "toolquake.request_id": rec.request_id}
         span.set_attributes({k: v for k, v in attrs.items() if v is not None})
         span.end()
-        key = (case.id, trial)
+        key = self._key(case, trial)
         entry = self.cases.get(key)
-        if entry is not None:
+        if entry is not None and entry[1] is not None:
             entry[1] -= 1
             if entry[1] <= 0:
                 entry[0].end()
                 del self.cases[key]
+
+    def _key(self, case: Any, trial: int) -> tuple[str, int | None]:
+        return (case.id, trial) if self.arms is not None else (case.id, None)
+
+    def case_done(self, case: Any, attributes: dict[str, Any]) -> None:
+        """A sweep's case is finished (or left for a rerun): its span ends with what was found."""
+        try:
+            entry = self.cases.pop((case.id, None), None)
+            if entry is not None:
+                entry[0].set_attributes({k: v for k, v in attributes.items() if v is not None})
+                entry[0].end()
+        except Exception as exc:
+            self.tracing.failed(exc)
 
     def close(self) -> None:
         for span, _ in self.cases.values():  # a run stopped early: the cases it left are ended as they are

@@ -397,3 +397,42 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
             (request,) = [s for s in spans if s["parent_span_id"] == arm["span_id"]]
             assert request["attrs"]["toolquake.profile"] == profile
             assert request["attrs"]["toolquake.request_id"] == row["request_id"]
+
+
+def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_path):
+    """`toolquake sweep` traced: one trace per case, its span ending with the breaking point the results file
+    holds, and one child span per request the sweep recorded (a point asked), each with its verdict."""
+    from tests.conftest import start_fake_upstream
+    from tests.replay.test_sweep import _breaking_file, _cases_file, _first_wrong, stored, sweep
+
+    hidden = {"t-5": [[6, None]], "t-never": []}
+    fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))
+    cfg = tmp_path / "sweep.toml"
+    cfg.write_text(config(phoenix))
+    out = tmp_path / "sweep"
+    try:
+        r = sweep("--backend", f"{fake.url}/v1", "--config", str(cfg), "--cases", str(_cases_file(list(hidden))),
+                  "--axis", "tools", "--min", "1", "--max", "20", "--out", str(out))
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr
+    found = stored(out)
+    for cid in hidden:
+        points = {x: rows[0][1] for x, rows in found[cid].items()}
+        (case_span,) = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
+                                 params={"name": f"sweep case {cid}", "limit": 100}).json()["data"]
+        attrs = case_span["attrs"]
+        assert attrs["toolquake.sweep.axis"] == "tools" and attrs["toolquake.sweep.finished"] is True
+        first_wrong = _first_wrong(points)
+        assert attrs.get("toolquake.sweep.first_wrong") == first_wrong
+        assert attrs.get("toolquake.sweep.last_right") == max(x for x, ok in points.items()
+                                                              if first_wrong is None or x < first_wrong)
+        # the case, and per point asked: the sweep's request span, the proxy's and its upstream call
+        spans = spans_of(phoenix, case_span["trace_id"], at_least=1 + 3 * len(points))
+        asked = {s["name"]: s for s in spans if s["parent_span_id"] == case_span["span_id"]}
+        assert len(asked) == len(points)
+        for x, ok in points.items():
+            span = asked[f"sweep sweep-tools-{x:g}"]
+            assert span["attrs"]["toolquake.verdict.valid"] is ok
+            (request,) = [s for s in spans if s["parent_span_id"] == span["span_id"]]
+            assert request["attrs"]["toolquake.profile"] == f"sweep-tools-{x:g}"
