@@ -12,6 +12,7 @@ with the official protobuf classes and compares it with the OpenTelemetry SDK's 
 from __future__ import annotations
 
 import struct
+import time
 from typing import Any, Callable, Sequence
 
 _pack_double = struct.Struct("<d").pack
@@ -95,7 +96,7 @@ def _any(value: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}  # a key as its KeyValue.key field
-_PAIRS: dict[tuple[str, Any], bytes] = {}  # a whole KeyValue (boolean and low-cardinality string values)
+_PAIRS: dict[tuple[str, Any, type], bytes] = {}  # a whole KeyValue field (booleans, small ints, repeated strings)
 
 
 def _key(key: str) -> bytes:
@@ -107,24 +108,50 @@ def _key(key: str) -> bytes:
     return encoded
 
 
-def _pair(key: str, value: Any) -> bytes:
-    """A KeyValue (key 1, value 2)."""
-    kind = type(value)
-    if kind is bool or (kind is str and len(value) <= 64 and key not in UNIQUE):
-        cached = _PAIRS.get((key, value))
-        if cached is None:
-            if len(_PAIRS) >= _CACHE_MAX:
-                _PAIRS.clear()  # bounded: values that turned out not to repeat are forgotten together
-            cached = _PAIRS[(key, value)] = _key(key) + _ld(b"\x12", _any(value))
-        return cached
-    return _key(key) + _ld(b"\x12", _BY_TYPE.get(kind, _other)(value))
+def _framed(tag: bytes, key: str, value: Any) -> bytes:
+    """A KeyValue (key 1, value 2) as the field whose tag byte is `tag`."""
+    kv = _key(key) + _ld(b"\x12", _any(value))
+    n = len(kv)
+    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + kv
+
+
+def _cacheable(key: str, value: Any, kind: type) -> bool:
+    if kind is str:
+        return len(value) <= 64 and key not in UNIQUE
+    return kind is bool or (kind is int and -1024 <= value <= 1 << 20)
 
 
 def attributes(tag: bytes, attrs: dict[str, Any] | None) -> bytes:
-    """Repeated KeyValue under the field whose tag byte is `tag`."""
+    """Repeated KeyValue under the field whose tag byte is `tag`; whole pairs of booleans, small ints and
+    low-cardinality strings come from a bounded cache."""
     if not attrs:
         return b""
-    return b"".join([_ld(tag, _pair(k, v)) for k, v in attrs.items()])
+    if tag != b"\x4a":
+        return b"".join([_framed(tag, k, v) for k, v in attrs.items()])
+    out = []
+    get = _PAIRS.get
+    for k, v in attrs.items():
+        kind = type(v)
+        if kind is str or kind is bool or kind is int:
+            cached = get((k, v, kind))
+            if cached is None:
+                cached = _framed(tag, k, v)
+                if _cacheable(k, v, kind):
+                    if len(_PAIRS) >= _CACHE_MAX:
+                        _PAIRS.clear()  # bounded: values that turned out not to repeat are forgotten together
+                    _PAIRS[(k, v, kind)] = cached
+            out.append(cached)
+        elif kind is list and len(v) <= 4 and k not in UNIQUE and all(type(x) is str and len(x) <= 64 for x in v):
+            key = (k, tuple(v), kind)  # finish reasons, tool names: a few short strings that repeat
+            cached = get(key)
+            if cached is None:
+                if len(_PAIRS) >= _CACHE_MAX:
+                    _PAIRS.clear()
+                cached = _PAIRS[key] = _framed(tag, k, v)
+            out.append(cached)
+        else:
+            out.append(_framed(tag, k, v))
+    return b"".join(out)
 
 
 def resource(attrs: dict[str, Any]) -> bytes:
@@ -163,15 +190,19 @@ def span(s: Any) -> bytes:
 
 
 def encode(spans: Sequence[Any], resource_bytes: bytes, scope_bytes: bytes,
-           pause: Callable[[], None] | None = None, every: int = 8) -> bytes:
+           pause: Callable[[], None] | None = None, slice_s: float = 0.001) -> bytes:
     """The ExportTraceServiceRequest of finished spans of one resource and scope (both encoded once: `resource`,
-    `scope`). `pause` is called after every `every` spans: the exporter's thread lets the event loop's thread have
-    the GIL (a batch encoded in one go would hold it for milliseconds, and every request waiting on it would wait
-    that long)."""
+    `scope`). `pause` is called whenever encoding has run for `slice_s` since the last one: the exporter's thread
+    lets the event loop's thread have the GIL (a batch encoded in one go would hold it for up to the interpreter's
+    switch interval, 5 ms, and every request waiting on it would wait that long); a slice, not a span count, so
+    that a busy event loop still leaves the exporter a share that keeps up."""
     encoded = []
+    clock = time.perf_counter
+    last = clock()
     for i, s in enumerate(spans, 1):
-        if pause is not None and i % every == 0:
+        if pause is not None and not i & 7 and clock() - last >= slice_s:
             pause()
+            last = clock()
         encoded.append(_ld(b"\x12", span(s)))
     scope_spans = _ld(b"\x0a", scope_bytes) + b"".join(encoded)
     return _ld(b"\x0a", _ld(b"\x0a", resource_bytes) + _ld(b"\x12", scope_spans))

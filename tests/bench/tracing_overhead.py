@@ -72,6 +72,11 @@ def main() -> None:
             for conns in [int(c) for c in args.concurrency.split(",")]:
                 compare(procs, work, payload, conns, args.rounds, args.seconds, load)
         print(f"\nsink: {httpx.get(sink.url + '/_sink').json()}")
+        for name, proc in procs.items():
+            failed = [line for line in httpx.get(proc.url + "/metrics").text.splitlines()
+                      if line.startswith("toolquake_tracing_failures_total")]
+            if failed:
+                print(f"{name}: {'; '.join(failed)} (spans not exported: queue full or export failed)")
         print_floor()
     finally:
         for proc in procs.values():
