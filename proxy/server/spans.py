@@ -253,6 +253,7 @@ class Exporter:
         self.resource = otlp.resource(resource)
         self.scope = otlp.scope("toolquake", version)
         self.queue: deque[Span] = deque()
+        self.dropped, self.drop_logged = 0, 0.0  # spans dropped on a full queue, when that was last logged
         self.wake = threading.Event()
         self.stopping = False
         self.thread: threading.Thread | None = None
@@ -263,6 +264,10 @@ class Exporter:
         queue = self.queue
         if len(queue) >= self.max_queue:
             self.failures.inc()
+            self.dropped += 1
+            if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:  # at most one line per 10 s
+                self.drop_logged = time.monotonic()
+                log.warning("trace_queue_full", dropped=self.dropped, max_queue=self.max_queue)
             return
         queue.append(span)
         if len(queue) >= self.max_batch and not self.wake.is_set():
