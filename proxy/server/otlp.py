@@ -22,6 +22,8 @@ _SMALL = [bytes((i,)) for i in range(128)]
 # Span.flags (fixed32, field 16): whether the parent is known to be remote (bit 8), and is (bit 9)
 _LOCAL, _REMOTE = b"\x85\x01" + struct.pack("<I", 0x100), b"\x85\x01" + struct.pack("<I", 0x300)
 _UNSET_STATUS = b"\x7a\x00"
+_KINDS = [b"\x30" + bytes((k,)) for k in range(6)]  # Span.kind (varint, field 6)
+_TIMES = struct.Struct("<BQBQ").pack  # start (fixed64, field 7: tag 0x39) and end (field 8: tag 0x41)
 #: attributes whose string values are unique per request (never cached as whole pairs)
 UNIQUE = frozenset({"toolquake.request_id", "gen_ai.response.id", "toolquake.seed", "toolquake.case_id",
                     "toolquake.verdict.case_id", "gen_ai.tool.call.id", "gen_ai.input.messages",
@@ -99,6 +101,9 @@ _KEYS: dict[str, bytes] = {}  # a key as its KeyValue.key field
 _PAIRS: dict[tuple[str, Any, type], bytes] = {}  # a whole KeyValue field (booleans, small ints, repeated strings)
 
 
+_FLOAT_PREFIX: dict[str, bytes] = {}  # a span attribute's field of a double, but the double's 8 bytes
+
+
 def _key(key: str) -> bytes:
     encoded = _KEYS.get(key)
     if encoded is None:
@@ -149,6 +154,13 @@ def attributes(tag: bytes, attrs: dict[str, Any] | None) -> bytes:
                     _PAIRS.clear()
                 cached = _PAIRS[key] = _framed(tag, k, v)
             out.append(cached)
+        elif kind is float:  # a span attribute's whole field but the 8 bytes of the double is the same per key
+            prefix = _FLOAT_PREFIX.get(k)
+            if prefix is None:
+                prefix = _framed(tag, k, 0.0)[:-8]
+                if len(_FLOAT_PREFIX) < _CACHE_MAX:
+                    _FLOAT_PREFIX[k] = prefix
+            out.append(prefix + _pack_double(v))
         else:
             out.append(_framed(tag, k, v))
     return b"".join(out)
@@ -166,17 +178,13 @@ def scope(name: str, version: str | None) -> bytes:
 
 def span(s: Any) -> bytes:
     """One Span message from a `tracing.Span` record."""
-    out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
-    if s.tracestate:
-        out.append(_ld(b"\x1a", s.tracestate.encode()))
-    if s.parent_id:
-        out.append(b"\x22\x08")
-        out.append(s.parent_id.to_bytes(8, "big"))
-    out.append(_ld(b"\x2a", s.name.encode("utf-8", "replace")))
-    out.append(b"\x30" + _SMALL[s.kind])
-    out.append(b"\x39" + _pack_fixed64(s.start & _MASK64))
-    out.append(b"\x41" + _pack_fixed64((s.end or 0) & _MASK64))
-    out.append(attributes(b"\x4a", s.attributes))
+    parent = s.parent_id
+    out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big"),
+           _ld(b"\x1a", s.tracestate.encode()) if s.tracestate else b"",
+           b"\x22\x08" + parent.to_bytes(8, "big") if parent else b"",
+           _ld(b"\x2a", s.name.encode("utf-8", "replace")), _KINDS[s.kind],
+           _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64),
+           attributes(b"\x4a", s.attributes)]
     for when, name, attrs in s.events or ():
         out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", name.encode("utf-8", "replace"))
                        + attributes(b"\x1a", attrs)))
@@ -185,7 +193,7 @@ def span(s: Any) -> bytes:
         out.append(_ld(b"\x7a", inner + b"\x18" + _SMALL[s.status]))
     else:
         out.append(_UNSET_STATUS)
-    out.append(_REMOTE if s.parent_id and s.remote else _LOCAL)
+    out.append(_REMOTE if parent and s.remote else _LOCAL)
     return b"".join(out)
 
 
