@@ -198,12 +198,14 @@ def span(s: Any) -> bytes:
 
 
 def encode(spans: Sequence[Any], resource_bytes: bytes, scope_bytes: bytes,
-           pause: Callable[[], None] | None = None, slice_s: float = 0.001) -> bytes:
+           pause: Callable[[], None] | None = None, slice_s: float = 0.001,
+           failed: Callable[[BaseException], None] | None = None) -> bytes:
     """The ExportTraceServiceRequest of finished spans of one resource and scope (both encoded once: `resource`,
     `scope`). `pause` is called whenever encoding has run for `slice_s` since the last one: the exporter's thread
     lets the event loop's thread have the GIL (a batch encoded in one go would hold it for up to the interpreter's
     switch interval, 5 ms, and every request waiting on it would wait that long); a slice, not a span count, so
-    that a busy event loop still leaves the exporter a share that keeps up."""
+    that a busy event loop still leaves the exporter a share that keeps up. A span that cannot be encoded is
+    left out and handed to `failed` (the others are sent); without `failed` it raises."""
     encoded = []
     clock = time.perf_counter
     last = clock()
@@ -211,6 +213,11 @@ def encode(spans: Sequence[Any], resource_bytes: bytes, scope_bytes: bytes,
         if pause is not None and not i & 7 and clock() - last >= slice_s:
             pause()
             last = clock()
-        encoded.append(_ld(b"\x12", span(s)))
+        try:
+            encoded.append(_ld(b"\x12", span(s)))
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed(exc)
     scope_spans = _ld(b"\x0a", scope_bytes) + b"".join(encoded)
     return _ld(b"\x0a", _ld(b"\x0a", resource_bytes) + _ld(b"\x12", scope_spans))

@@ -297,12 +297,18 @@ class Exporter:
         while queue:
             batch = [popleft() for _ in range(min(len(queue), self.max_batch))]
             try:
-                sent = self.send(otlp.encode(batch, self.resource, self.scope, pause=_yield_gil))
+                sent = self.send(otlp.encode(batch, self.resource, self.scope, pause=_yield_gil,
+                                             failed=self._unencodable))
             except Exception as exc:  # an encoding that raised: the batch is lost, counted
                 log.warning("trace_export_failed", error_type=type(exc).__name__)
                 sent = False
             if not sent:
                 self.failures.inc(len(batch))
+
+    def _unencodable(self, exc: BaseException) -> None:
+        """A span the encoder could not write (left out of its batch): counted, logged."""
+        self.failures.inc()
+        log.warning("trace_export_failed", error_type=type(exc).__name__, stage="encode")
 
     def send(self, body: bytes) -> bool:
         """One batch's POST, retried with backoff (1, 2, 4 s...) while the timeout allows."""
