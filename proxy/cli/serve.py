@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
-    if config.tracing.enabled:  # the tracing extra and the OTEL_* settings, checked before serving
+    if config.tracing.enabled:  # the OTEL_* settings, checked before serving
         try:
             tracer(config)
         except ConfigError as exc:

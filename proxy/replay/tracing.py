@@ -21,17 +21,14 @@ class ReplayTraces:
     stays open until `case_done`."""
 
     def __init__(self, config: Config, pairs: list[tuple[Any, str, int]] | None, command: str = "replay") -> None:
-        from opentelemetry.trace import SpanKind, set_span_in_context
-
         from toolquake.proxy.server.app import tracer
-        from toolquake.proxy.server.tracing import PROPAGATOR
 
         self.tracing = tracer(config)
         self.tracing.start()
-        self.kind, self.in_context, self.propagator = SpanKind, set_span_in_context, PROPAGATOR
         self.command = command
         self.arms = None if pairs is None else Counter((case.id, trial) for case, _, trial in pairs)
-        self.cases: dict[tuple[str, int | None], list[Any]] = {}  # (case id, trial) -> [span, arms left or None]
+        #: (case id, trial; None in a sweep) -> [the case's span (None: not sampled), its trace id, arms left]
+        self.cases: dict[tuple[str, int | None], list[Any]] = {}
 
     def arm(self, case: Any, profile: str, trial: int) -> tuple[Any, dict[str, str]]:
         """The span of one arm's request, and the headers that carry its context to the proxy (fail-open: no span
@@ -43,25 +40,24 @@ class ReplayTraces:
             return None, {}
 
     def _arm(self, case: Any, profile: str, trial: int) -> tuple[Any, dict[str, str]]:
+        from toolquake.proxy.server.spans import CLIENT, INTERNAL, new_id, traceparent
+
         key = self._key(case, trial)
         entry = self.cases.get(key)
-        if entry is None:
+        if entry is None:  # one trace per case (and trial, in a replay)
             attributes = {"toolquake.case_id": case.id, "toolquake.category": case.category}
             if key[1] is not None:
                 attributes["toolquake.trial"] = trial
-            span = self.tracing.tracer.start_span(f"{self.command} case {case.id}", attributes=attributes)
-            entry = self.cases[key] = [span, None if self.arms is None else self.arms[key]]
-        span = self.tracing.tracer.start_span(
-            f"{self.command} {profile}", context=self.in_context(entry[0]), kind=self.kind.CLIENT,
-            attributes={"toolquake.case_id": case.id, "toolquake.profile": profile, "toolquake.trial": trial})
-        carrier: dict[str, str] = {}
-        self.propagator.inject(carrier, context=self.in_context(span))
-        return span, carrier
+            trace_id, case_span = self.tracing.root(f"{self.command} case {case.id}", INTERNAL, None, attributes)
+            entry = self.cases[key] = [case_span, trace_id, None if self.arms is None else self.arms[key]]
+        if entry[0] is None:  # the sampler left the case out: its requests still carry its trace, unsampled
+            return None, {"traceparent": traceparent(entry[1], new_id(64), False)}
+        span = entry[0].child(f"{self.command} {profile}", CLIENT, attributes={
+            "toolquake.case_id": case.id, "toolquake.profile": profile, "toolquake.trial": trial})
+        return span, {"traceparent": traceparent(span.trace_id, span.span_id, True)}
 
     def done(self, span: Any, case: Any, trial: int, rec: Any) -> None:
         """The arm's record is final: its verdict on its span; the case's span ends with its last arm."""
-        if span is None:
-            return
         try:
             self._done(span, case, trial, rec)
         except Exception as exc:
@@ -71,14 +67,16 @@ class ReplayTraces:
         attrs = {} if rec is None else {"toolquake.replay.status": rec.status, "toolquake.verdict.valid": rec.valid,
                  "toolquake.verdict.error_type": rec.error_type, "toolquake.error_code": rec.error_code,
                  "http.response.status_code": rec.http_status, "toolquake.request_id": rec.request_id}
-        span.set_attributes({k: v for k, v in attrs.items() if v is not None})
-        span.end()
+        if span is not None:
+            span.attributes.update({k: v for k, v in attrs.items() if v is not None})
+            span.finish()
         key = self._key(case, trial)
         entry = self.cases.get(key)
-        if entry is not None and entry[1] is not None:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                entry[0].end()
+        if entry is not None and entry[2] is not None:
+            entry[2] -= 1
+            if entry[2] <= 0:
+                if entry[0] is not None:
+                    entry[0].finish()
                 del self.cases[key]
 
     def _key(self, case: Any, trial: int) -> tuple[str, int | None]:
@@ -88,14 +86,15 @@ class ReplayTraces:
         """A sweep's case is finished (or left for a rerun): its span ends with what was found."""
         try:
             entry = self.cases.pop((case.id, None), None)
-            if entry is not None:
-                entry[0].set_attributes({k: v for k, v in attributes.items() if v is not None})
-                entry[0].end()
+            if entry is not None and entry[0] is not None:
+                entry[0].attributes.update({k: v for k, v in attributes.items() if v is not None})
+                entry[0].finish()
         except Exception as exc:
             self.tracing.failed(exc)
 
     def close(self) -> None:
-        for span, _ in self.cases.values():  # a run stopped early: the cases it left are ended as they are
-            span.end()
+        for span, _, _ in self.cases.values():  # a run stopped early: the cases it left are ended as they are
+            if span is not None:
+                span.finish()
         self.cases.clear()
         self.tracing.shutdown()

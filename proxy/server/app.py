@@ -20,7 +20,7 @@ from toolquake.perturbers import Services
 from toolquake.proxy.server import admin
 from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
-from toolquake.proxy.server.config import Config, ConfigError
+from toolquake.proxy.server.config import Config
 from toolquake.proxy.server.errors import error_body
 from toolquake.proxy.server.lean import LeanPath
 from toolquake.proxy.server.metrics import REFRESH_S, Metrics
@@ -156,12 +156,9 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
 
 def tracer(config: Config, metrics: Metrics | None = None) -> Any:
     """The server's tracer (`[tracing] enabled`); a ConfigError that says what to do when it cannot be made
-    (the `tracing` extra missing, a bad OTEL_* setting). Without `metrics`: only checks the settings."""
-    try:
-        from toolquake.proxy.server.tracing import Tracing
-    except ImportError as exc:
-        raise ConfigError(f"[tracing] enabled needs the tracing extra ({exc.name} is not installed): "
-                          "pip install 'toolquake[tracing]'") from None
+    (a bad OTEL_* setting). Without `metrics`: only checks the settings."""
+    from toolquake.proxy.server.tracing import Tracing
+
     return Tracing(config.tracing, metrics or Metrics(), config.server.upstream)
 
 

@@ -2,85 +2,62 @@
 semantic conventions (`gen_ai.*`) plus toolquake's own attributes (`toolquake.*`), with child spans for the
 upstream call, the proxy's follow-ups, shadow twins and scoring.
 
-Imported only when tracing is on (the `tracing` extra: opentelemetry-sdk and its OTLP/HTTP exporter). Spans go
-to a batch processor whose thread exports them; nothing on the request path waits on the collector, and an
-exporter that fails or raises is counted (`toolquake_tracing_failures_total{stage="export"}`), never raised.
-The client's `traceparent`/`tracestate` are honoured (the request span joins the agent's trace) and each call
-the proxy makes upstream carries its own span's context. A request's span ends at the request's last byte but
-is exported once what is judged after it (conformance, live verdict, shadow consistency) has been added to it:
-each of those holds the span (`hold`/`release`); a trace dropped unreleased ends its span when collected.
+Imported only when tracing is on. The spans are toolquake's own records (proxy/server/spans.py: the W3C trace
+context, the SDK's samplers and one exporter thread posting OTLP/HTTP protobuf in batches); nothing on the
+request path waits on the collector, and an export that fails is counted
+(`toolquake_tracing_failures_total{stage="export"}`), never raised. The client's `traceparent`/`tracestate`
+are honoured (the request span joins the agent's trace) and each call the proxy makes upstream carries its own
+span's context. A request the sampler leaves out makes no span and builds no attribute; its context still goes
+upstream (sampled flag 0). A request's span ends at the request's last byte but is exported once what is
+judged after it (conformance, live verdict, shadow consistency) has been added to it: each of those holds the
+span (`hold`/`release`); a trace dropped unreleased ends its span when collected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 import msgspec
 import structlog
-from opentelemetry.exporter.otlp.proto.http import Compression
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.propagators.textmap import Getter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider, sampling
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from opentelemetry.util.re import parse_env_headers
 from prometheus_client import Counter
 
 from toolquake import __version__
-from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import ConfigError, TracingConfig
+from toolquake.proxy.server.spans import (
+    CLIENT,
+    ERROR,
+    INTERNAL,
+    SERVER,
+    Context,
+    Exporter,
+    Sampler,
+    Span,
+    extract,
+    new_id,
+    parse_pairs,
+    traceparent,
+)
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.state import Asked, Served
 
 log = structlog.get_logger("toolquake.tracing")
-PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 #: string values of a perturber's report exported as they are (others only when numbers or booleans)
 REPORT_STRINGS = frozenset({"kind", "target", "source", "token_counter", "config", "parse", "fact_kind",
                             "not_perturbed", "skipped"})
-_SAMPLERS = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF,
-             "parentbased_always_on": sampling.ParentBased(sampling.ALWAYS_ON),
-             "parentbased_always_off": sampling.ParentBased(sampling.ALWAYS_OFF)}
 _encode = msgspec.json.encode
+_time_ns = time.time_ns
+_perf_counter = time.perf_counter
 
 
-class _HeaderList(Getter):
-    """Reads the W3C trace headers from a request's header list."""
-
-    def get(self, carrier: list[tuple[str, str]], key: str) -> list[str] | None:
-        found = [v for k, v in carrier if k.lower() == key]
-        return found or None
-
-    def keys(self, carrier: list[tuple[str, str]]) -> list[str]:
-        return [k for k, _ in carrier]
-
-
-_GETTER = _HeaderList()
-
-
-def sampler(name: str, arg: str) -> sampling.Sampler:
+def sampler(name: str, arg: str) -> Sampler:
     """OTEL_TRACES_SAMPLER / _ARG as the SDK reads them (parent-based always-on by default)."""
-    name = (name or "parentbased_always_on").strip().lower()
-    if name in _SAMPLERS:
-        return _SAMPLERS[name]
-    if name in ("traceidratio", "parentbased_traceidratio"):
-        try:
-            ratio = float(arg) if arg else 1.0
-        except ValueError:
-            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1") from None
-        if not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1")
-        ratio_sampler = sampling.TraceIdRatioBased(ratio)
-        return ratio_sampler if name == "traceidratio" else sampling.ParentBased(ratio_sampler)
-    raise ConfigError(f"OTEL_TRACES_SAMPLER={name!r}: use one of {', '.join(_SAMPLERS)}, traceidratio, "
-                      "parentbased_traceidratio")
+    return Sampler(name, arg)
 
 
 def endpoint(otel: dict[str, str]) -> str:
@@ -96,61 +73,14 @@ def endpoint(otel: dict[str, str]) -> str:
     return base.rstrip("/") + "/v1/traces"
 
 
-def _number(otel: dict[str, str], *keys: str) -> float | None:
-    for key in keys:
-        if otel.get(key):
-            try:
-                return float(otel[key])
-            except ValueError:
-                raise ConfigError(f"{key}={otel[key]!r} is not a number") from None
-    return None
-
-
-def _yield_gil() -> None:
-    time.sleep(0)  # releases the GIL: a waiting event loop takes it now, not at the next switch interval (5 ms)
-
-
-class Exporter(OTLPSpanExporter):
-    """The SDK's OTLP/HTTP exporter (its endpoint, headers, compression, retries and timeout) sending spans
-    encoded by `otlp.encode`; the SDK's own encoding where this SDK has no transport to hand the bytes to."""
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        client = getattr(self, "_client", None)
-        if client is None or getattr(self, "_shutdown", False) or not hasattr(client, "export"):
-            return super().export(spans)
-        result = client.export(otlp.encode(spans, pause=_yield_gil))
-        return SpanExportResult.SUCCESS if getattr(result, "success", False) else SpanExportResult.FAILURE
-
-
-class CountedExporter(SpanExporter):
-    """The OTLP exporter, fail-open: spans it could not send (collector down, refused, an exception) are
-    counted, never raised into the batch processor's thread."""
-
-    def __init__(self, inner: SpanExporter, failures: Any) -> None:
-        self.inner = inner
-        self.failures = failures
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        try:
-            result = self.inner.export(spans)
-        except Exception as exc:
-            log.warning("trace_export_failed", error_type=type(exc).__name__)
-            result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self.failures.inc(len(spans))
-        return result
-
-    def shutdown(self) -> None:
-        try:
-            self.inner.shutdown()
-        except Exception:  # shutting down: nothing left to count
-            pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        try:
-            return self.inner.force_flush(timeout_millis)
-        except Exception:
-            return False
+def forward(trace_id: int, span_id: int, sampled: bool, tracestate: str | None,
+            headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`headers` with the client's trace headers replaced by a span's context (for the backend)."""
+    out = [h for h in headers if h[0].lower() not in TRACE_HEADERS]
+    out.append(("traceparent", traceparent(trace_id, span_id, sampled)))
+    if tracestate:
+        out.append(("tracestate", tracestate))
+    return out
 
 
 class Tracing:
@@ -164,56 +94,55 @@ class Tracing:
         self.endpoint = endpoint(otel)
         self.sampler = sampler(otel.get("OTEL_TRACES_SAMPLER", ""), otel.get("OTEL_TRACES_SAMPLER_ARG", ""))
         failures = Counter("toolquake_tracing_failures", "Tracing that failed, fail-open: spans the exporter could "
-                           "not send (stage=export), requests whose tracing raised and were served without it "
-                           "(stage=span).", ["stage"], registry=metrics.registry)
+                           "not send or dropped on a full queue (stage=export), requests whose tracing raised and "
+                           "were served without it (stage=span).", ["stage"], registry=metrics.registry)
         self.export_failures, self.span_failures = failures.labels("export"), failures.labels("span")
         url = urlsplit(upstream)  # never its user:password, path or query
         self.server = {"server.address": url.hostname or "", "server.port": url.port or
                        (443 if url.scheme == "https" else 80)}
         self.redact: Callable[[Any], Any] | None = None
-        self.provider: TracerProvider | None = None
-        self.tracer: Any = None
+        resource: dict[str, Any] = dict(parse_pairs(otel.get("OTEL_RESOURCE_ATTRIBUTES", "")))
+        resource["service.name"] = otel.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "toolquake"
+        resource.setdefault("service.version", __version__)
+        resource.update({"telemetry.sdk.language": "python", "telemetry.sdk.name": "toolquake",
+                         "telemetry.sdk.version": __version__})
+        self.service = resource["service.name"]
+        self.exporter = Exporter(self.endpoint, otel, resource, __version__, self.export_failures)
+        self.started = False
 
     def start(self) -> None:
-        """The provider, its batch processor and the OTLP/HTTP exporter (fails only on a bad setting)."""
-        otel = self.config.otel
-        attributes = dict(parse_env_headers(otel.get("OTEL_RESOURCE_ATTRIBUTES", ""), liberal=True))
-        attributes["service.name"] = otel.get("OTEL_SERVICE_NAME") or attributes.get("service.name") or "toolquake"
-        attributes.setdefault("service.version", __version__)
-        compression = otel.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or otel.get("OTEL_EXPORTER_OTLP_COMPRESSION")
-        headers = otel.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or otel.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
-        try:
-            exporter = Exporter(
-                endpoint=self.endpoint, headers=dict(parse_env_headers(headers, liberal=True)),
-                timeout=_number(otel, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
-                compression=Compression(compression.strip().lower()) if compression else None)
-        except ValueError as exc:
-            raise ConfigError(f"[tracing]: {exc}") from None
-        bsp = {k: int(v) for k, v in (("schedule_delay_millis", _number(otel, "OTEL_BSP_SCHEDULE_DELAY")),
-                                      ("max_queue_size", _number(otel, "OTEL_BSP_MAX_QUEUE_SIZE")),
-                                      ("max_export_batch_size", _number(otel, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")),
-                                      ("export_timeout_millis", _number(otel, "OTEL_BSP_EXPORT_TIMEOUT")))
-               if v is not None}
-        self.provider = TracerProvider(sampler=self.sampler, resource=Resource.create(attributes))
-        self.provider.add_span_processor(BatchSpanProcessor(CountedExporter(exporter, self.export_failures), **bsp))
-        self.tracer = self.provider.get_tracer("toolquake", __version__)
-        log.info("tracing", endpoint=self.endpoint, service=attributes["service.name"], contents=self.config.contents)
+        """The exporter's thread (in each worker, after any fork)."""
+        self.exporter.start()
+        self.started = True
+        log.info("tracing", endpoint=self.endpoint, service=self.service, contents=self.config.contents,
+                 sampler=self.sampler.name)
 
     def shutdown(self) -> None:
-        """Export what is left (bounded by the exporter's timeout), then stop the processor's thread."""
-        if self.provider is not None:
-            self.provider.shutdown()
+        """Export what is left (bounded by the exporter's timeout), then stop its thread."""
+        if self.started:
+            self.started = False
+            self.exporter.shutdown()
+
+    def root(self, name: str, kind: int, parent: Context | None, attributes: dict[str, Any] | None = None,
+             start: int | None = None) -> tuple[int, Span | None]:
+        """A trace's first span in this process (a child of `parent`, the client's, when there is one): its trace
+        id, and the span, or None when the sampler leaves it out."""
+        trace_id = parent.trace_id if parent is not None else new_id(128)
+        if not self.sampler(trace_id, parent):
+            return trace_id, None
+        span = Span(self.exporter, trace_id, parent.span_id if parent is not None else 0, parent is not None,
+                    name, kind, start or _time_ns(), attributes, parent.tracestate if parent is not None else None)
+        return trace_id, span
 
     def begin(self, headers: list[tuple[str, str]], t0: float) -> RequestTrace | None:
         """The span of a model request that just arrived (a child of the client's span when it sent one)."""
-        if self.tracer is None:
+        if not self.started:
             return None
         try:
-            parent = PROPAGATOR.extract(headers, getter=_GETTER)
-            ns0 = time.time_ns() - int((time.perf_counter() - t0) * 1e9)
-            span = self.tracer.start_span("chat", context=parent, kind=SpanKind.SERVER, start_time=ns0,
-                                          attributes=self.server)
-            return RequestTrace(self, span, t0, ns0)
+            parent = extract(headers)
+            ns0 = _time_ns() - int((_perf_counter() - t0) * 1e9)
+            trace_id, span = self.root("chat", SERVER, parent, dict(self.server), ns0)
+            return RequestTrace(self, span, trace_id, parent, t0, ns0)
         except Exception as exc:
             self.failed(exc)
             return None
@@ -224,54 +153,54 @@ class Tracing:
 
 
 class RequestTrace:
-    """The span of one model request and what it takes to end it. Every method fails open."""
+    """The span of one model request and what it takes to end it (`span` None: the sampler left the request out;
+    its calls upstream still carry a context, sampled flag 0). Every method fails open."""
 
-    __slots__ = ("tracing", "span", "t0", "ns0", "end_ns", "holds", "ended", "upstream", "recording", "pending",
-                 "context")
+    __slots__ = ("tracing", "span", "trace_id", "tracestate", "t0", "ns0", "end_ns", "holds", "ended", "upstream",
+                 "recording", "pending")
 
-    def __init__(self, tracing: Tracing, span: Span, t0: float, ns0: int) -> None:
-        self.tracing, self.span, self.t0, self.ns0 = tracing, span, t0, ns0
+    def __init__(self, tracing: Tracing, span: Span | None, trace_id: int, parent: Context | None, t0: float,
+                 ns0: int) -> None:
+        self.tracing, self.span, self.trace_id, self.t0, self.ns0 = tracing, span, trace_id, t0, ns0
+        self.tracestate = parent.tracestate if parent is not None else None
         self.end_ns: int | None = None
         self.holds = 1  # the request itself, until its last byte
         self.ended = False
         self.upstream: Span | None = None
-        self.recording = span.is_recording()
-        #: attributes gathered on the way, set on the span in one call when the request finishes
+        self.recording = span is not None
+        #: attributes gathered on the way, added to the span's when the request finishes
         self.pending: dict[str, Any] = {}
-        self.context = set_span_in_context(span)  # the parent of every child span
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
         return self.ns0 + int((t - self.t0) * 1e9)
 
-    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, start: float | None = None,
-              attributes: dict[str, Any] | None = None) -> Span:
-        tracer = self.tracing.tracer
-        return tracer.start_span(name, context=self.context, kind=kind, attributes=attributes,
-                                 start_time=self.at(start) if start is not None else None)
+    def child(self, name: str, kind: int = INTERNAL, start: float | None = None,
+              attributes: dict[str, Any] | None = None) -> Span | None:
+        span = self.span
+        if span is None:
+            return None
+        return span.child(name, kind, self.at(start) if start is not None else None, attributes)
 
-    @staticmethod
-    def forward(span: Span, headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """`headers` with the client's trace headers replaced by `span`'s context (for the backend), written as
-        the W3C propagator writes them (tests/server/test_tracing.py reads them back)."""
-        ctx = span.get_span_context()
-        out = [h for h in headers if h[0].lower() not in TRACE_HEADERS]
-        out.append(("traceparent", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"))
-        if ctx.trace_state:
-            out.append(("tracestate", ctx.trace_state.to_header()))
-        return out
+    def forward(self, span: Span | None, headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`headers` with the client's trace headers replaced by `span`'s context (a fresh span id, sampled flag 0,
+        when the request is not sampled), for the backend."""
+        if span is None:
+            return forward(self.trace_id, new_id(64), False, self.tracestate, headers)
+        return forward(span.trace_id, span.span_id, True, span.tracestate, headers)
 
     def sending(self, asked: Asked, served: Served, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """The request goes upstream: its attributes, and the upstream call's span, whose context the backend
         gets. Returns the headers to send."""
         try:
-            span, api = self.span, asked.api
-            model = asked.model or ""
-            span.update_name(f"chat {model}".strip())
-            if self.recording:
-                self.pending.update(request_attributes(asked, served))
+            span = self.span
+            if span is None:
+                return self.forward(None, headers)
+            api = asked.api
+            span.name = f"chat {asked.model or ''}".strip()
+            self.pending.update(request_attributes(asked, served))
             path = f"/v1/{api.path}" if api is not None else "/v1"
-            self.upstream = self.child(f"POST {path}", SpanKind.CLIENT, served.t_upstream,
+            self.upstream = self.child(f"POST {path}", CLIENT, served.t_upstream,
                                        {"http.request.method": "POST", "url.path": path, **self.tracing.server})
             return self.forward(self.upstream, headers)
         except Exception as exc:
@@ -294,42 +223,47 @@ class RequestTrace:
 
     def finish(self, asked: Asked, served: Served) -> None:
         """The request's last byte was sent (or it was refused): what happened to it, and its end time."""
+        span = self.span
+        if span is None:
+            self.end_ns = 0
+            self.release()
+            return
         try:
             if asked.model and self.upstream is None:  # refused before it went upstream
-                self.span.update_name(f"chat {asked.model}")
+                span.name = f"chat {asked.model}"
             end = self.t0 + served.total_s
-            if self.upstream is not None:
-                self.upstream.set_attribute("http.response.status_code", served.status)
+            upstream = self.upstream
+            if upstream is not None:
+                upstream.attributes["http.response.status_code"] = served.status
                 up_end = (served.t_upstream or self.t0) + (served.upstream_s or 0.0)
-                self.upstream.end(end_time=self.at(up_end if served.upstream_s is not None else end))
-            if self.recording:
-                pending = self.pending
-                if self.upstream is None:
-                    pending.update(request_attributes(asked, served))
-                pending.update(finish_attributes(served))
-                if served.status >= 500 or served.status == 0:
-                    self.span.set_status(StatusCode.ERROR)
-                    pending["error.type"] = str(served.status)
-                self.span.set_attributes(pending)
-                if self.tracing.config.contents and asked.request is not None:
-                    self.contents(asked, served)
+                upstream.finish(self.at(up_end if served.upstream_s is not None else end))
+            pending = self.pending
+            if upstream is None:
+                pending.update(request_attributes(asked, served))
+            pending.update(finish_attributes(served))
+            if served.status >= 500 or served.status == 0:
+                span.set_status(ERROR)
+                pending["error.type"] = str(served.status)
+            span.attributes.update(pending)
+            if self.tracing.config.contents and asked.request is not None:
+                self.contents(asked, served)
             self.end_ns = self.at(end)
         except Exception as exc:
             self.tracing.failed(exc)
-            self.end_ns = time.time_ns()
+            self.end_ns = _time_ns()
         self.release()
 
     def contents(self, asked: Asked, served: Served) -> None:
         """Prompt and answer, redacted off the event loop (the span waits for them); none without a redactor."""
-        redact = self.tracing.redact
-        if redact is None:
+        redact, span = self.tracing.redact, self.span
+        if redact is None or span is None:
             return
         request, answer = asked.request or {}, served.response
         self.hold()
 
         def work() -> None:
             try:
-                self.span.set_attributes(content_attributes(redact, request, answer))
+                span.attributes.update(content_attributes(redact, request, answer))
             except Exception as exc:
                 self.tracing.failed(exc)
 
@@ -349,8 +283,10 @@ class RequestTrace:
         if self.ended:
             return
         self.ended = True
+        if self.span is None:
+            return
         try:
-            self.span.end(end_time=self.end_ns)
+            self.span.finish(self.end_ns)
         except Exception as exc:
             self.tracing.failed(exc)
 
@@ -363,9 +299,11 @@ class RequestTrace:
         """A call the proxy makes upstream for this request (a follow-up, a shadow twin): its span, a child of the
         request's, and the headers that carry its context to the backend."""
         try:
-            attrs = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", **self.tracing.server,
-                     **({"gen_ai.request.model": asked.model} if asked.model else {}), **attributes}
-            span = self.child(name, SpanKind.CLIENT, attributes=attrs)
+            span = None
+            if self.span is not None:
+                attrs = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", **self.tracing.server,
+                         **({"gen_ai.request.model": asked.model} if asked.model else {}), **attributes}
+                span = self.child(name, CLIENT, attributes=attrs)
             return span, self.forward(span, headers)
         except Exception as exc:
             self.tracing.failed(exc)
@@ -377,44 +315,47 @@ class RequestTrace:
         if span is None:
             return
         try:
-            if span.is_recording():
-                span.set_attribute("http.response.status_code", status)
-                if answer is not None:
-                    span.set_attributes(answer_attributes(answer))
-                if attributes:
-                    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
-                if status == 0 or status >= 400:
-                    span.set_status(StatusCode.ERROR)
-            span.end()
+            span.attributes["http.response.status_code"] = status
+            if answer is not None:
+                span.attributes.update(answer_attributes(answer))
+            if attributes:
+                span.attributes.update({k: v for k, v in attributes.items() if v is not None})
+            if status == 0 or status >= 400:
+                span.set_status(ERROR)
+            span.finish()
         except Exception as exc:
             self.tracing.failed(exc)
 
     def tools_answered(self, calls: list[dict[str, Any]]) -> None:
         """Calls to tools the proxy added, answered by the proxy itself (an execute_tool span each)."""
+        if self.span is None:
+            return
         try:
             for call in calls:
                 name = str((call.get("function") or {}).get("name"))
-                self.child(f"execute_tool {name}", attributes={
+                self.span.child(f"execute_tool {name}", attributes={
                     "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.type": "function",
-                    "gen_ai.tool.call.id": str(call.get("id") or ""), "toolquake.tool.injected": True}).end()
+                    "gen_ai.tool.call.id": str(call.get("id") or ""), "toolquake.tool.injected": True}).finish()
         except Exception as exc:
             self.tracing.failed(exc)
 
     def scored(self, name: str, start: float, end: float, attributes: dict[str, Any]) -> None:
         """A verdict (from the scoring thread): its own span, and its attributes on the request's."""
+        if self.span is None:
+            return
         try:
             kept = {k: v for k, v in attributes.items() if v is not None}
-            self.child(name, start=start, attributes=kept).end(end_time=self.at(end))
+            self.span.child(name, INTERNAL, self.at(start), dict(kept)).finish(self.at(end))
             self.note(kept)
         except Exception as exc:
             self.tracing.failed(exc)
 
     def note(self, attributes: dict[str, Any]) -> None:
         """Attributes judged after the last byte (conformance, verdicts); from any thread."""
-        if not self.recording:
+        if self.span is None:
             return
         try:
-            self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+            self.span.attributes.update({k: v for k, v in attributes.items() if v is not None})
         except Exception as exc:
             self.tracing.failed(exc)
 

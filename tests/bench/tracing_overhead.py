@@ -3,13 +3,14 @@
 tests/bench/otlp_sink.py), and with `--ref NAME=GITREF` the code of another commit (the code before tracing),
 in alternating rounds, passthrough and streaming, on the lean path (profile `off`, scoring off).
 
-    python -m tests.bench.tracing_overhead [--ref before=GITREF] [--seconds 3] [--rounds 5] [--concurrency 1,64]
-        [--unsampled] [--no-stream]
+    python -m tests.bench.tracing_overhead [--ref before=GITREF] [--ref-on NAME=GITREF] [--seconds 3] [--rounds 5]
+        [--concurrency 1,64] [--unsampled] [--no-stream] [--floor-only]
 
 Prints, per workload and concurrency, the medians of req/s, p50 and the proxy's CPU per request (its own
 /proc counters, the exporter's thread included), each arm's ratio to the first, and the CPU that tracing on
-adds per request over tracing off (issue #33's goal: at most 0.05 ms on passthrough), and how many exports
-the sink took (spans did leave the proxy).
+adds per request over tracing off (issue #33's goal: at most 0.05 ms on passthrough), for each other arm with
+tracing on too (`--unsampled`, `--ref-on`), how many exports the sink took (spans did leave the proxy), the
+spans each arm did not export, and the in-process floor (span records, encoding).
 """
 
 from __future__ import annotations
@@ -37,14 +38,21 @@ def on(sink: str, sampler: str = "always_on") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ref", action="append", default=[], help="NAME=GITREF: an arm serving that commit's code")
+    ap.add_argument("--ref", action="append", default=[], help="NAME=GITREF: an arm serving that commit's code "
+                    "with tracing off")
+    ap.add_argument("--ref-on", action="append", default=[], metavar="NAME=GITREF",
+                    help="an arm serving that commit's code with tracing on (always_on, to the same sink)")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--unsampled", action="store_true",
                     help="also an arm with tracing on and every request left out by the sampler (always_off)")
     ap.add_argument("--no-stream", action="store_true", help="passthrough only")
+    ap.add_argument("--floor-only", action="store_true", help="only the in-process floor (no proxies)")
     args = ap.parse_args()
+    if args.floor_only:
+        print_floor()
+        return
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream()
     port = free_port()
@@ -56,9 +64,9 @@ def main() -> None:
         procs["on"] = start_proxy(fake.url, on(sink.url))
         if args.unsampled:
             procs["unsampled"] = start_proxy(fake.url, on(sink.url, "always_off"))
-        for spec in args.ref:
+        for spec, config in [(r, OFF) for r in args.ref] + [(r, on(sink.url)) for r in args.ref_on]:
             name, _, ref = spec.partition("=")
-            procs[name] = start_ref_proxy(install_ref(ref, Path(tmp.name) / name), fake.url, OFF)
+            procs[name] = start_ref_proxy(install_ref(ref, Path(tmp.name) / name), fake.url, config)
         for proc in procs.values():
             run_asyncio(proc.url, 4, 1.0)
         workloads = {"passthrough": json.dumps(BODY).encode()}
@@ -68,9 +76,12 @@ def main() -> None:
             for conns in [int(c) for c in args.concurrency.split(",")]:
                 compare(procs, work, payload, conns, args.rounds, args.seconds, load)
         print(f"\nsink: {httpx.get(sink.url + '/_sink').json()}")
-        f = floor()
-        print(f"floor, per request, in this process: the SDK's two spans {f['sdk_spans_us']:.1f} µs; encoding them "
-              f"{f['encode_ours_us']:.1f} µs (toolquake's encoder), {f['encode_sdk_us']:.1f} µs (the SDK's)")
+        for name, proc in procs.items():
+            failed = [line for line in httpx.get(proc.url + "/metrics").text.splitlines()
+                      if line.startswith("toolquake_tracing_failures_total")]
+            if failed:
+                print(f"{name}: {'; '.join(failed)} (spans not exported: queue full or export failed)")
+        print_floor()
     finally:
         for proc in procs.values():
             proc.stop()
@@ -79,18 +90,66 @@ def main() -> None:
         tmp.cleanup()
 
 
+#: a passthrough request span's attributes as the proxy sets them (request id and response id differ per request)
+FLOOR_ATTRIBUTES = {
+    "server.address": "127.0.0.1", "server.port": 8000, "gen_ai.operation.name": "chat",
+    "gen_ai.provider.name": "openai", "gen_ai.request.stream": False, "toolquake.request_id": "",
+    "toolquake.route": "chat", "toolquake.profile": "off", "toolquake.mode": "perturb",
+    "gen_ai.request.model": "fake-model", "gen_ai.response.model": "fake-model", "gen_ai.response.id": "",
+    "gen_ai.response.finish_reasons": ["tool_calls"], "gen_ai.usage.input_tokens": 57,
+    "gen_ai.usage.output_tokens": 12, "toolquake.answer.tool_calls": ["get_weather"],
+    "http.response.status_code": 200, "toolquake.upstream_ms": 0.412, "toolquake.overhead_ms": 0.153,
+    "toolquake.tools": 1, "toolquake.seed": "", "gen_ai.request.temperature": 0.0, "gen_ai.request.max_tokens": 256,
+    "toolquake.perturbed": False, "toolquake.tokens_added": 0,
+}
+
+
 def floor(n: int = 3000) -> dict[str, float]:
-    """In this process, µs of CPU per request for what tracing cannot do without: the SDK's two spans of a
-    passthrough request (25 attributes, finished into a processor that drops them), and encoding them for
-    OTLP with toolquake's encoder and with the SDK's."""
+    """In this process, µs of CPU per request for what tracing cannot do without: toolquake's two span records of
+    a passthrough request (25 attributes, ended into a queue nobody drains), and encoding them for OTLP with
+    toolquake's encoder; with the OpenTelemetry SDK installed, the same with the SDK's spans and its encoder."""
+    import random
+    import time
+
+    from toolquake.proxy.server import otlp
+    from toolquake.proxy.server.spans import CLIENT, SERVER, Span
+
+    ids = [f"{random.getrandbits(64):016x}" for _ in range(n)]
+    kept: list = []
+    t0 = time.process_time()
+    for rid in ids:
+        span = Span(None, random.getrandbits(128), 0, False, "chat fake", SERVER, time.time_ns(),
+                    {**FLOOR_ATTRIBUTES, "toolquake.request_id": rid, "gen_ai.response.id": "chatcmpl-" + rid,
+                     "toolquake.seed": rid}, None)
+        up = span.child("POST /v1/chat/completions", CLIENT, None,
+                        {"http.request.method": "POST", "url.path": "/v1/chat/completions", "server.port": 1})
+        up.attributes["http.response.status_code"] = 200
+        up.finish()
+        span.finish()
+        if len(kept) < 1024:
+            kept += (up, span)
+    out = {"spans_us": (time.process_time() - t0) / n * 1e6}
+    resource, scope = otlp.resource({"service.name": "toolquake"}), otlp.scope("toolquake", "0")
+    otlp.encode(kept, resource, scope)  # the encoder's caches warm, as in a running proxy
+    t0 = time.process_time()
+    for _ in range(3):
+        otlp.encode(kept, resource, scope)
+    out["encode_us"] = (time.process_time() - t0) / 3 / len(kept) * 2e6
+    try:
+        out.update(_sdk_floor(ids))
+    except ImportError:
+        pass
+    return out
+
+
+def _sdk_floor(ids: list[str]) -> dict[str, float]:
+    """The OpenTelemetry SDK's two spans of a request and its own OTLP encoding of them (the reference)."""
     import time
 
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
     from opentelemetry.trace import SpanKind, set_span_in_context
-
-    from toolquake.proxy.server import otlp
 
     kept: list = []
 
@@ -103,21 +162,29 @@ def floor(n: int = 3000) -> dict[str, float]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(Keep()))
     tracer = provider.get_tracer("toolquake")
-    attrs = {f"toolquake.attribute_{i}": (i if i % 2 else f"value-{i}") for i in range(25)}
     t0 = time.process_time()
-    for _ in range(n):
-        span = tracer.start_span("chat fake", kind=SpanKind.SERVER, attributes=attrs)
+    for rid in ids:
+        span = tracer.start_span("chat fake", kind=SpanKind.SERVER, attributes={
+            **FLOOR_ATTRIBUTES, "toolquake.request_id": rid, "gen_ai.response.id": "chatcmpl-" + rid,
+            "toolquake.seed": rid})
         tracer.start_span("POST /v1/chat/completions", context=set_span_in_context(span), kind=SpanKind.CLIENT,
-                          attributes={"http.request.method": "POST", "server.port": 1}).end()
+                          attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions",
+                                      "server.port": 1, "http.response.status_code": 200}).end()
         span.end()
-    spans_us = (time.process_time() - t0) / n * 1e6
-    t0 = time.process_time()
-    otlp.encode(kept)
-    ours = (time.process_time() - t0) / len(kept) * 2e6
+    spans_us = (time.process_time() - t0) / len(ids) * 1e6
     t0 = time.process_time()
     encode_spans(kept).SerializeToString()
-    sdks = (time.process_time() - t0) / len(kept) * 2e6
-    return {"sdk_spans_us": spans_us, "encode_ours_us": ours, "encode_sdk_us": sdks}
+    return {"sdk_spans_us": spans_us, "encode_sdk_us": (time.process_time() - t0) / len(kept) * 2e6}
+
+
+def print_floor() -> None:
+    f = floor()
+    print(f"floor, per request, in this process: toolquake's two spans {f['spans_us']:.1f} µs, encoding them "
+          f"{f['encode_us']:.1f} µs", end="")
+    if "sdk_spans_us" in f:
+        print(f"; the OpenTelemetry SDK's two spans {f['sdk_spans_us']:.1f} µs, its encoding "
+              f"{f['encode_sdk_us']:.1f} µs", end="")
+    print()
 
 
 def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, seconds: float, load) -> None:
@@ -128,9 +195,9 @@ def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, s
                                                 payload=payload))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
            for n, rs in rounds.items()}
-    # the added CPU, round by round (each `on` round against the `off` round next to it), then its median
-    added = statistics.median(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]
-                              for a, b in zip(rounds["on"], rounds["off"]))
+    # the added CPU, round by round (each traced round against the `off` round next to it), then its median
+    added = {n: statistics.median(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]
+                                  for a, b in zip(rounds[n], rounds["off"])) for n in rounds if n != "off"}
     print(f"\n{work}, {conns} connections, medians of {rounds_n} alternating rounds of {seconds:g} s")
     print("| arm | req/s | p50 | CPU per request | vs off (req/s, CPU) | non-2xx |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -139,8 +206,9 @@ def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, s
         rps, cpu = m["rps"] / med["off"]["rps"], m["cpu_ms_per_request"] / med["off"]["cpu_ms_per_request"]
         print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
               f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
-    print(f"tracing on adds {added * 1000:.1f} µs of proxy CPU per request (median of the paired rounds; "
-          f"goal for passthrough: ≤ 50 µs)")
+    for n, a in added.items():
+        print(f"{n} − off: {a * 1000:+.1f} µs of proxy CPU per request (median of the paired rounds; "
+              f"goal for tracing on, passthrough: ≤ 50 µs)")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port, recorded
+from tests.conftest import ROOT, free_port, recorded, start_process
 from tests.server.test_proxy_core import metric_value
+from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import ConfigError, load_config
+from toolquake.proxy.server.spans import Span
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -116,18 +118,29 @@ def test_tracing_settings_from_file_and_environment(tmp_path):
         load_config(cfg, env={})
 
 
+def _ours(sdk_span) -> Span:
+    """The same span as toolquake's own record (its ids, times, attributes and status copied)."""
+    ctx, parent = sdk_span.context, sdk_span.parent
+    ours = Span(None, ctx.trace_id, parent.span_id if parent else 0, bool(parent and parent.is_remote), sdk_span.name,
+                sdk_span.kind.value + 1, sdk_span.start_time, dict(sdk_span.attributes),
+                ctx.trace_state.to_header() if ctx.trace_state else None)
+    ours.span_id, ours.end = ctx.span_id, sdk_span.end_time
+    ours.status, ours.description = sdk_span.status.status_code.value, sdk_span.status.description or ""
+    return ours
+
+
 def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
-    """proxy/server/otlp.py's ExportTraceServiceRequest, decoded by the official protobuf classes, equals the
-    SDK's own encoding of the same spans (remote and local parents, trace state, every attribute type, status)."""
+    """proxy/server/otlp.py's ExportTraceServiceRequest of toolquake's span records, decoded by the official
+    protobuf classes, equals the OpenTelemetry SDK's own encoding of the same spans made by the SDK (remote and
+    local parents, trace state, every attribute type, status), twice (the second time from the encoder's caches)."""
+    pytest.importorskip("opentelemetry.sdk", reason="the OpenTelemetry SDK (dev extra) is the reference encoding")
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
     from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
-
-    from toolquake.proxy.server import otlp
-    from toolquake.proxy.server.tracing import _GETTER, PROPAGATOR
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     finished: list = []
 
@@ -136,22 +149,171 @@ def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
             finished.extend(spans)
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "t", "n": 3}))
+    resource = Resource.create({"service.name": "t", "n": 3})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(SimpleSpanProcessor(Keep()))
     tracer = provider.get_tracer("toolquake", "0.1.0")
-    parent = PROPAGATOR.extract([("traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01"), ("tracestate", "v=1")],
-                                getter=_GETTER)
+    parent = TraceContextTextMapPropagator().extract({"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01",
+                                                      "tracestate": "v=1"})
     attrs = {"s": "é ✓", "i": 7, "neg": -5, "big": 2**62, "f": 1.5, "t": True, "no": False, "strs": ["a", "b"],
-             "ints": [1, -2], "empty": []}
+             "ints": [1, -2], "empty": [], "long": "x" * 300, "toolquake.request_id": "abc"}
     for kind in (SpanKind.SERVER, SpanKind.INTERNAL):
         root = tracer.start_span("chat m", context=parent if kind == SpanKind.SERVER else None, kind=kind,
-                                 attributes=attrs)
+                                 attributes=attrs if kind == SpanKind.SERVER else  # equal values, other types
+                                 {**attrs, "t": 1, "no": 0, "i": True, "f": 1, "strs": ["a", "c"]})
         child = tracer.start_span("POST /v1/x", context=set_span_in_context(root), kind=SpanKind.CLIENT)
         child.set_status(StatusCode.ERROR, "boom")
         child.end()
         root.set_status(StatusCode.OK)
         root.end()
     tracer.start_span("bare").end()
-    ours = ExportTraceServiceRequest.FromString(otlp.encode(finished))
-    assert ours == encode_spans(finished)
+    for _ in range(2):
+        ours = ExportTraceServiceRequest.FromString(otlp.encode(
+            [_ours(s) for s in finished], otlp.resource(dict(resource.attributes)), otlp.scope("toolquake", "0.1.0")))
+        assert ours == encode_spans(finished)
     assert len(ours.resource_spans[0].scope_spans[0].spans) == 5
+
+
+@pytest.fixture(scope="module")
+def sink():
+    """An OTLP/HTTP collector of the test's own (tests/bench/otlp_sink.py) that decodes and keeps the spans."""
+    port = free_port()
+    proc = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port), "--decode"], port, "/_sink")
+    yield proc
+    proc.stop()
+
+
+def _spans(sink, trace_ids: set[str], wait_for: int, timeout: float = 20.0) -> list[dict]:
+    """The spans the collector got of these traces, once it has at least `wait_for` of them (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = [s for s in httpx.get(sink.url + "/_sink").json().get("spans", []) if s["trace_id"] in trace_ids]
+        if len(spans) >= wait_for or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+GOOD_TRACE, GOOD_PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+HOSTILE_TRACEPARENTS = [
+    ("garbage", ["not-a-traceparent"]),
+    ("uppercase hex", [f"00-{GOOD_TRACE.upper()}-{GOOD_PARENT}-01"]),
+    ("zero trace id", [f"00-{'0' * 32}-{GOOD_PARENT}-01"]),
+    ("zero parent id", [f"00-{GOOD_TRACE}-{'0' * 16}-01"]),
+    ("version ff", [f"ff-{GOOD_TRACE}-{GOOD_PARENT}-01"]),
+    ("version 00 with more", [f"00-{GOOD_TRACE}-{GOOD_PARENT}-01-extra"]),
+    ("a later version glued", [f"cc-{GOOD_TRACE}-{GOOD_PARENT}-01extra"]),
+    ("short", [f"00-{GOOD_TRACE[:-1]}-{GOOD_PARENT}-01"]),
+    ("sign and underscore (int() would take them)", [f"00-+{GOOD_TRACE[1:-1]}_-{GOOD_PARENT}-01"]),
+    ("oversized", [f"01-{GOOD_TRACE}-{GOOD_PARENT}-01-" + "a" * 6000]),
+    ("repeated", [f"00-{GOOD_TRACE}-{GOOD_PARENT}-01", f"00-{GOOD_TRACE}-{'1' * 16}-01"]),
+    ("latin-1 bytes", [f"00-{GOOD_TRACE[:-2]}\xe9\xe9-{GOOD_PARENT}-01"]),
+]
+
+
+def test_trace_context_parser_refuses_what_is_not_w3c():
+    """The parser alone: the W3C format checked by position and character set, a later version's extra fields
+    skipped, an invalid or oversized tracestate dropped as a whole, in linear time on large input."""
+    from toolquake.proxy.server.spans import extract, parse_traceparent, parse_tracestate
+
+    assert parse_traceparent(f"00-{GOOD_TRACE}-{GOOD_PARENT}-01") == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16), True)
+    assert parse_traceparent(f"00-{GOOD_TRACE}-{GOOD_PARENT}-02") == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16), False)
+    assert parse_traceparent(f"cc-{GOOD_TRACE}-{GOOD_PARENT}-01-what-comes-later")[2] is True
+    for label, values in HOSTILE_TRACEPARENTS:
+        assert extract([("traceparent", v) for v in values]) is None, label
+    assert parse_tracestate(["a=1,b@c=2", " d=3 ,,"]) == "a=1,b@c=2,d=3"
+    for bad in (["a=1,a=2"], ["A=1"], ["a"], ["a=x=y"], ["a=1" + ",b=2" * 40], ["k=" + "v" * 300], ["1a=2"],
+                ["a@b@c=1"], ["a=\x01"]):
+        assert parse_tracestate(bad) is None, bad
+    ctx = extract([("TraceParent", f"00-{GOOD_TRACE}-{GOOD_PARENT}-01"), ("tracestate", "a=1"),
+                   ("tracestate", "b=2")])
+    assert (ctx.trace_id, ctx.span_id, ctx.sampled, ctx.tracestate) == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16),
+                                                                       True, "a=1,b=2")
+    big = ["a=1," * 250_000, "-" * 1_000_000]
+    t0 = time.process_time()
+    assert parse_tracestate(big[:1]) is None and parse_traceparent(big[1]) is None
+    assert extract([("traceparent", big[1])] * 1000) is None
+    assert time.process_time() - t0 < 0.5
+
+
+def test_hostile_trace_headers_are_served_with_a_fresh_trace(proxy_factory, fake_upstream, sink):
+    """Malformed, oversized, repeated and wrongly versioned traceparents (and a hostile tracestate): each request
+    is served the backend's bytes, the backend gets a fresh trace (a new trace id, not the client's, sampled) and
+    the collector gets that trace's request span, a root, with its upstream call under it."""
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    fresh: dict[str, str] = {}
+    for i, (label, values) in enumerate(HOSTILE_TRACEPARENTS):
+        tag = secrets.token_hex(6)
+        hostile = [("traceparent", v.encode("latin-1")) for v in values]
+        hostile += [("tracestate", b"a=1," * 2000), ("tracestate", b"\xff=\xfe")]
+        common = [("x-test-tag", tag.encode()), ("x-fake-seq", str(3000 + i).encode())]
+        direct = httpx.post(fake_upstream.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                            headers=[("x-test-tag", (tag + "-direct").encode()), common[1]])
+        got = httpx.post(tq.url + "/v1/chat/completions", json=CHAT, headers=common + hostile, timeout=30)
+        assert got.status_code == 200 and got.content == direct.content, label
+        (sent,) = recorded(fake_upstream, tag)
+        version, tid, parent, flags = sent["headers"]["traceparent"].split("-")
+        assert (version, flags) == ("00", "01") and tid not in (GOOD_TRACE, GOOD_TRACE.upper()), label
+        assert "tracestate" not in sent["headers"], label
+        fresh[tid] = parent
+    spans = _spans(sink, set(fresh), 2 * len(fresh))
+    for tid, upstream_id in fresh.items():
+        mine = {s["span_id"]: s for s in spans if s["trace_id"] == tid}
+        request = [s for s in mine.values() if s["name"] == "chat fake-model"]
+        assert len(request) == 1 and request[0]["parent_id"] == "", tid
+        assert mine[upstream_id]["parent_id"] == request[0]["span_id"]
+        assert mine[upstream_id]["name"] == "POST /v1/chat/completions"
+    metrics = httpx.get(f"{tq.url}/metrics").text
+    assert metric_value(metrics, "toolquake_tracing_failures_total", stage="span") == 0
+
+
+def test_sampled_out_requests_export_nothing_and_forward_an_unsampled_context(proxy_factory, fake_upstream, sink):
+    """The default sampler (parent-based): a client whose trace is not sampled (flag 00) gets its answer, the
+    backend gets the client's trace with a new parent id and flag 00, and no span of that trace is ever
+    exported; a sampled request of the same proxy, sent after them, is exported (the collector does read)."""
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    unsampled = set()
+    for i, (path, body, stream) in enumerate(CASES):
+        tag = secrets.token_hex(6)
+        trace_id, headers = _trace_headers(tag, 4000 + i)
+        client_parent = secrets.token_hex(8)
+        headers["traceparent"] = f"00-{trace_id}-{client_parent}-00"
+        direct = _send(fake_upstream.url, path, body, stream, {**headers, "x-test-tag": tag + "-direct"})
+        assert _send(tq.url, path, body, stream, headers) == direct
+        (sent,) = recorded(fake_upstream, tag)
+        version, tid, parent, flags = sent["headers"]["traceparent"].split("-")
+        assert (version, tid, flags) == ("00", trace_id, "00") and parent != client_parent
+        assert sent["headers"]["tracestate"] == "vendor=abc"
+        unsampled.add(trace_id)
+    tag = secrets.token_hex(6)
+    sampled_id, headers = _trace_headers(tag, 4100)
+    _send(tq.url, "/v1/chat/completions", CHAT, False, headers)
+    spans = _spans(sink, unsampled | {sampled_id}, 2)
+    assert {s["trace_id"] for s in spans} == {sampled_id}
+    assert len(spans) == 2
+
+
+def test_a_full_span_queue_drops_and_counts(sink):
+    """The exporter's queue is bounded (OTEL_BSP_MAX_QUEUE_SIZE): spans past it are dropped and counted, never
+    queued; once its thread runs, what was queued reaches the collector, but for a span that cannot be encoded
+    (an id out of range), which is left out of its batch and counted."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from toolquake.proxy.server.spans import SERVER, Exporter
+
+    failures = Counter("t_failures", "t", registry=CollectorRegistry())
+    exporter = Exporter(sink.url + "/v1/traces", {"OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_BSP_SCHEDULE_DELAY": "50"},
+                        {"service.name": "t"}, "0", failures)
+    trace_id = int(secrets.token_hex(16), 16)
+    Span(exporter, 1 << 130, 0, False, "bad", SERVER, time.time_ns(), {}, None).finish()
+    for i in range(5):
+        Span(exporter, trace_id, 0, False, f"s{i}", SERVER, time.time_ns(), {"i": i}, None).finish()
+    assert len(exporter.queue) == 4 and failures._value.get() == 2
+    exporter.start()
+    try:
+        spans = _spans(sink, {f"{trace_id:032x}"}, 3)
+    finally:
+        exporter.shutdown()
+    assert sorted(s["name"] for s in spans) == ["s0", "s1", "s2"]
+    assert failures._value.get() == 3

@@ -1,0 +1,364 @@
+"""Spans of toolquake's own (docs/tracing.md): a slotted record per span, the W3C trace context read and written,
+the sampler the OpenTelemetry SDK defines (`OTEL_TRACES_SAMPLER` / `_ARG`), and one exporter thread that sends
+finished spans in batches over OTLP/HTTP (protobuf, `otlp.py`), with the SDK's `OTEL_EXPORTER_OTLP_*` and
+`OTEL_BSP_*` settings.
+
+On the request path a span costs a record and a dict; a request the sampler leaves out costs no record at all
+(its context still goes upstream, sampled flag 0). Finished spans go to a bounded queue (past
+`OTEL_BSP_MAX_QUEUE_SIZE` they are dropped and counted); the exporter's thread encodes and posts them, and
+counts what it could not send. Nothing here raises into a request, and nothing on the request path waits on
+the collector.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import random
+import ssl
+import threading
+import time
+import zlib
+from collections import deque
+from typing import Any, Iterable
+from urllib.parse import unquote, urlsplit
+
+import structlog
+
+from toolquake.proxy.server import otlp
+from toolquake.proxy.server.config import ConfigError
+
+log = structlog.get_logger("toolquake.tracing")
+
+#: OTLP's span kinds and status codes
+INTERNAL, SERVER, CLIENT = 1, 2, 3
+UNSET, OK, ERROR = 0, 1, 2
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+            "parentbased_traceidratio")
+_HEX = "0123456789abcdef"
+_TRACEPARENT_MAX = 512  # longer (a future version's extra fields): not read
+_TRACESTATE_MAX = 4096  # the headers joined; longer: dropped
+_TRACESTATE_MEMBERS = 32
+_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-*/")
+_VALUE_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F)) - {",", "="}
+_getrandbits = random.getrandbits  # reseeded in a forked worker by the random module itself
+_time_ns = time.time_ns
+
+
+def new_id(bits: int) -> int:
+    return _getrandbits(bits) or 1
+
+
+class Context:
+    """A span context read from a client's headers (W3C trace context)."""
+
+    __slots__ = ("trace_id", "span_id", "sampled", "tracestate")
+
+    def __init__(self, trace_id: int, span_id: int, sampled: bool, tracestate: str | None) -> None:
+        self.trace_id, self.span_id, self.sampled, self.tracestate = trace_id, span_id, sampled, tracestate
+
+
+class Span:
+    """One span: ids, name, kind, times (epoch ns), attributes, status; ended into its exporter's queue."""
+
+    __slots__ = ("trace_id", "span_id", "parent_id", "remote", "name", "kind", "start", "end", "attributes",
+                 "status", "description", "tracestate", "events", "exporter")
+
+    def __init__(self, exporter: Exporter | None, trace_id: int, parent_id: int, remote: bool, name: str, kind: int,
+                 start: int, attributes: dict[str, Any] | None, tracestate: str | None) -> None:
+        self.exporter = exporter
+        self.trace_id, self.span_id, self.parent_id, self.remote = trace_id, new_id(64), parent_id, remote
+        self.name, self.kind, self.start, self.end = name, kind, start, 0
+        self.attributes: dict[str, Any] = attributes if attributes is not None else {}
+        self.status, self.description, self.tracestate = UNSET, "", tracestate
+        self.events: list[tuple[int, str, dict[str, Any]]] | None = None
+
+    def set_status(self, code: int, description: str = "") -> None:
+        self.status, self.description = code, description if code == ERROR else ""
+
+    def child(self, name: str, kind: int = INTERNAL, start: int | None = None,
+              attributes: dict[str, Any] | None = None) -> Span:
+        """A span under this one (sampled as this one was)."""
+        return Span(self.exporter, self.trace_id, self.span_id, False, name, kind,
+                    _time_ns() if start is None else start, attributes, self.tracestate)
+
+    def finish(self, end: int | None = None) -> None:
+        """Ends the span (once) and hands it to the exporter."""
+        if self.end:
+            return
+        self.end = end or _time_ns()
+        if self.exporter is not None:
+            self.exporter.put(self)
+
+
+def traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
+    """(trace id, parent span id, sampled) of a W3C traceparent, or None when it is not one: checked by
+    position and character set (linear, bounded), a version of `ff`, all-zero ids and version 00 with extra
+    fields refused; a later version's extra fields are skipped as the spec says."""
+    value = value.strip(" \t")
+    n = len(value)
+    if n < 55 or n > _TRACEPARENT_MAX or value[2] != "-" or value[35] != "-" or value[52] != "-":
+        return None
+    version, trace, parent, flags = value[0:2], value[3:35], value[36:52], value[53:55]
+    if version.strip(_HEX) or trace.strip(_HEX) or parent.strip(_HEX) or flags.strip(_HEX) or version == "ff":
+        return None
+    if n > 55 and (version == "00" or value[55] != "-"):
+        return None
+    trace_id, span_id = int(trace, 16), int(parent, 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(int(flags, 16) & 1)
+
+
+def _tracestate_key(key: str) -> bool:
+    tenant, at, system = key.partition("@")
+    if not tenant or tenant[0] not in _HEX + "ghijklmnopqrstuvwxyz" or not _KEY_CHARS.issuperset(tenant):
+        return False
+    if not at:
+        return len(key) <= 256 and tenant[0].isalpha()
+    return (len(tenant) <= 241 and 0 < len(system) <= 14 and system[0].isalpha() and system[0].islower()
+            and _KEY_CHARS.issuperset(system))
+
+
+def parse_tracestate(values: list[str]) -> str | None:
+    """A W3C tracestate (several headers joined), checked member by member; None when it is invalid or too
+    long (the SDK drops an invalid tracestate as a whole too)."""
+    joined = ",".join(values)
+    if len(joined) > _TRACESTATE_MAX:
+        return None
+    members, keys = [], set()
+    for raw in joined.split(","):
+        member = raw.strip(" \t")
+        if not member:
+            continue
+        key, eq, val = member.partition("=")
+        if not eq or not val or len(val) > 256 or val[-1] == " " or key in keys or not _tracestate_key(key) \
+                or not _VALUE_CHARS.issuperset(val):
+            return None
+        keys.add(key)
+        members.append(member)
+    if len(members) > _TRACESTATE_MEMBERS:
+        return None
+    return ",".join(members) or None
+
+
+def extract(headers: Iterable[tuple[str, str]]) -> Context | None:
+    """The client's span context, or None (none sent, malformed, or sent twice: a fresh trace then)."""
+    parents: list[str] = []
+    states: list[str] = []
+    for k, v in headers:
+        if len(k) == 11 and k.lower() == "traceparent":
+            parents.append(v)
+        elif len(k) == 10 and k.lower() == "tracestate":
+            states.append(v)
+    if len(parents) != 1:
+        return None
+    parsed = parse_traceparent(parents[0])
+    if parsed is None:
+        return None
+    return Context(parsed[0], parsed[1], parsed[2], parse_tracestate(states) if states else None)
+
+
+class Sampler:
+    """OTEL_TRACES_SAMPLER / _ARG as the OpenTelemetry SDK defines them (parent-based always-on by default): a
+    root decides by its own rule (all, none, or a trace id ratio: the id's low 64 bits under ratio × 2⁶⁴); a
+    parent-based sampler follows the parent's sampled flag when there is a parent."""
+
+    def __init__(self, name: str, arg: str) -> None:
+        name = (name or "parentbased_always_on").strip().lower()
+        if name not in SAMPLERS:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER={name!r}: use one of {', '.join(SAMPLERS)}")
+        ratio = 1.0
+        if name.endswith("traceidratio"):
+            try:
+                ratio = float(arg) if arg else 1.0
+            except ValueError:
+                raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1") from None
+            if not 0.0 <= ratio <= 1.0:
+                raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a number between 0 and 1")
+        elif name.endswith("always_off"):
+            ratio = 0.0
+        self.name, self.parent_based = name, name.startswith("parentbased_")
+        self.bound = round(ratio * (1 << 64))
+
+    def __call__(self, trace_id: int, parent: Context | None) -> bool:
+        if parent is not None and self.parent_based:
+            return parent.sampled
+        return (trace_id & 0xFFFFFFFFFFFFFFFF) < self.bound
+
+
+def parse_pairs(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` (OTEL_EXPORTER_OTLP_HEADERS, OTEL_RESOURCE_ATTRIBUTES), percent-decoded, keys lower-cased;
+    a pair without `=` or a key is skipped, as the SDK's liberal reading does."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        name = unquote(name).strip().lower()
+        if eq and name:
+            out[name] = unquote(value).strip()
+    return out
+
+
+def number(otel: dict[str, str], *keys: str) -> float | None:
+    for key in keys:
+        if otel.get(key):
+            try:
+                return float(otel[key])
+            except ValueError:
+                raise ConfigError(f"{key}={otel[key]!r} is not a number") from None
+    return None
+
+
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting event loop takes it now, not at the next switch interval (5 ms)
+
+
+class Exporter:
+    """The bounded queue of finished spans and the one thread that sends them: every `OTEL_BSP_SCHEDULE_DELAY`
+    ms, or as soon as a batch is full, in batches of `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`; each batch one POST,
+    retried on a connection error or 429/502/503/504 with backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`."""
+
+    RETRYABLE = frozenset({429, 502, 503, 504})
+
+    def __init__(self, url: str, otel: dict[str, str], resource: dict[str, Any], version: str, failures: Any) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"OTLP endpoint {url!r}: an http:// or https:// URL is needed")
+        self.url, self.parts = url, parts
+        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        compression = (otel.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or otel.get("OTEL_EXPORTER_OTLP_COMPRESSION")
+                       or "none").strip().lower()
+        if compression not in ("gzip", "deflate", "none"):
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_COMPRESSION={compression!r}: use gzip, deflate or none")
+        self.compression = None if compression == "none" else compression
+        headers = otel.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or otel.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
+        self.headers = {**parse_pairs(headers), "content-type": "application/x-protobuf",
+                        "user-agent": f"toolquake/{version}"}
+        if self.compression:
+            self.headers["content-encoding"] = self.compression
+        self.timeout = number(otel, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT") or 10.0
+        delay = number(otel, "OTEL_BSP_SCHEDULE_DELAY")
+        self.delay = (delay if delay is not None else 5000.0) / 1000
+        export_timeout = number(otel, "OTEL_BSP_EXPORT_TIMEOUT")
+        self.export_timeout = (export_timeout if export_timeout is not None else 30000.0) / 1000
+        self.max_queue = int(number(otel, "OTEL_BSP_MAX_QUEUE_SIZE") or 2048)
+        self.max_batch = min(int(number(otel, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE") or 512), self.max_queue)
+        if self.max_queue < 1 or self.max_batch < 1 or self.delay < 0:
+            raise ConfigError("OTEL_BSP_*: the queue and batch sizes must be positive, the delay not negative")
+        self.failures = failures
+        self.resource = otlp.resource(resource)
+        self.scope = otlp.scope("toolquake", version)
+        self.queue: deque[Span] = deque()
+        self.dropped, self.drop_logged = 0, 0.0  # spans dropped on a full queue, when that was last logged
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.conn: http.client.HTTPConnection | None = None
+
+    def put(self, span: Span) -> None:
+        """A finished span (from any thread): queued, or dropped and counted when the queue is full."""
+        queue = self.queue
+        if len(queue) >= self.max_queue:
+            self.failures.inc()
+            self.dropped += 1
+            if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:  # at most one line per 10 s
+                self.drop_logged = time.monotonic()
+                log.warning("trace_queue_full", dropped=self.dropped, max_queue=self.max_queue)
+            return
+        queue.append(span)
+        if len(queue) >= self.max_batch and not self.wake.is_set():
+            self.wake.set()
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="toolquake-trace-export", daemon=True)
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        """Sends what is queued (bounded by the export timeout), then stops the thread."""
+        self.stopping = True
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join(self.export_timeout + self.timeout)
+        self._close()
+
+    def _run(self) -> None:
+        while not self.stopping:
+            self.wake.wait(self.delay)
+            self.wake.clear()
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        queue, popleft = self.queue, self.queue.popleft
+        while queue:
+            batch = [popleft() for _ in range(min(len(queue), self.max_batch))]
+            try:
+                sent = self.send(otlp.encode(batch, self.resource, self.scope, pause=_yield_gil,
+                                             failed=self._unencodable))
+            except Exception as exc:  # an encoding that raised: the batch is lost, counted
+                log.warning("trace_export_failed", error_type=type(exc).__name__)
+                sent = False
+            if not sent:
+                self.failures.inc(len(batch))
+
+    def _unencodable(self, exc: BaseException) -> None:
+        """A span the encoder could not write (left out of its batch): counted, logged."""
+        self.failures.inc()
+        log.warning("trace_export_failed", error_type=type(exc).__name__, stage="encode")
+
+    def send(self, body: bytes) -> bool:
+        """One batch's POST, retried with backoff (1, 2, 4 s...) while the timeout allows."""
+        if self.compression == "gzip":
+            body = gzip.compress(body, compresslevel=6)
+        elif self.compression == "deflate":
+            body = zlib.compress(body)
+        deadline = time.monotonic() + min(self.timeout, self.export_timeout)
+        backoff, error = 1.0, ""
+        while True:
+            try:
+                status = self._post(body, max(deadline - time.monotonic(), 0.05))
+                if 200 <= status < 300:
+                    return True
+                error = f"HTTP {status}"
+                if status not in self.RETRYABLE:
+                    break
+            except (OSError, http.client.HTTPException) as exc:
+                self._close()
+                error = type(exc).__name__
+            if self.stopping or time.monotonic() + backoff > deadline:
+                break
+            time.sleep(backoff)
+            backoff *= 2
+        log.warning("trace_export_failed", error_type=error, endpoint=self.url)
+        return False
+
+    def _post(self, body: bytes, timeout: float) -> int:
+        if self.conn is None:
+            parts = self.parts
+            if parts.scheme == "https":
+                self.conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout,
+                                                        context=ssl.create_default_context())
+            else:
+                self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        conn = self.conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        conn.request("POST", self.path, body=body, headers=self.headers)
+        response = conn.getresponse()
+        response.read()
+        if response.will_close:
+            self._close()
+        return response.status
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # closing: nothing to do about it
+                pass
+            self.conn = None
