@@ -419,16 +419,17 @@ def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_pa
     found = stored(out)
     for cid in hidden:
         points = {x: rows[0][1] for x, rows in found[cid].items()}
-        (case_span,) = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
-                                 params={"name": f"sweep case {cid}", "limit": 100}).json()["data"]
+        (named,) = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
+                             params={"name": f"sweep case {cid}", "limit": 100}).json()["data"]
+        # the case, and per point asked: the sweep's request span, the proxy's and its upstream call
+        spans = spans_of(phoenix, named["trace_id"], at_least=1 + 3 * len(points))
+        (case_span,) = [s for s in spans if s["span_id"] == named["span_id"]]
         attrs = case_span["attrs"]
         assert attrs["toolquake.sweep.axis"] == "tools" and attrs["toolquake.sweep.finished"] is True
         first_wrong = _first_wrong(points)
         assert attrs.get("toolquake.sweep.first_wrong") == first_wrong
         assert attrs.get("toolquake.sweep.last_right") == max(x for x, ok in points.items()
                                                               if first_wrong is None or x < first_wrong)
-        # the case, and per point asked: the sweep's request span, the proxy's and its upstream call
-        spans = spans_of(phoenix, case_span["trace_id"], at_least=1 + 3 * len(points))
         asked = {s["name"]: s for s in spans if s["parent_span_id"] == case_span["span_id"]}
         assert len(asked) == len(points)
         for x, ok in points.items():
