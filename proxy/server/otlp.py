@@ -184,7 +184,7 @@ def span(s: Any) -> bytes:
            b"\x22\x08" + parent.to_bytes(8, "big") if parent else b"",
            _ld(b"\x2a", s.name.encode("utf-8", "replace")), _KINDS[s.kind],
            _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64),
-           attributes(b"\x4a", s.attributes)]
+           s.fixed, attributes(b"\x4a", s.attributes)]
     for when, name, attrs in s.events or ():
         out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", name.encode("utf-8", "replace"))
                        + attributes(b"\x1a", attrs)))
