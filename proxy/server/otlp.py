@@ -190,9 +190,10 @@ def span(s: Any) -> bytes:
             if len(_NAMES) >= _CACHE_MAX:
                 _NAMES.clear()
             _NAMES[s.name] = name
-    out = [_IDS(0x0A, 0x10, (trace_id >> 64) & _MASK64, trace_id & _MASK64, 0x12, 0x08, s.span_id & _MASK64),
+    # an id out of range (over 128 or 64 bits, negative) raises (struct.error): that span is left out, counted
+    out = [_IDS(0x0A, 0x10, trace_id >> 64, trace_id & _MASK64, 0x12, 0x08, s.span_id),
            _ld(b"\x1a", s.tracestate.encode()) if s.tracestate else b"",
-           _PARENT(0x22, 0x08, parent & _MASK64) if parent else b"", name, _KINDS[s.kind],
+           _PARENT(0x22, 0x08, parent) if parent else b"", name, _KINDS[s.kind],
            _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64), s.fixed, attributes(b"\x4a", s.attributes)]
     for when, event, attrs in s.events or ():
         out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", event.encode("utf-8", "replace"))
