@@ -47,6 +47,11 @@ class Api:
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def summarize(self, data: bytes) -> dict[str, Any] | None:
+        """A whole stream's summary, chat-shaped (`streaming.summarize_sse`: ids, model, usage, finish reasons and
+        the calls' names), cheaper than `assemble`; None: assemble it instead."""
+        return None
+
     def text_through(self) -> Any:  # pragma: no cover - interface
         """A stream whose plain text is released as it arrives: `feed(bytes)`, `text` (so far),
         `release(upto) -> bytes`, `answer(whole) -> native answer | None`, `finish(final) -> frames`."""
@@ -68,6 +73,9 @@ class ChatCompletions(Api):
 
     def assemble(self, data: bytes) -> dict[str, Any] | None:
         return streaming.assemble_sse(data) if data.strip() else None
+
+    def summarize(self, data: bytes) -> dict[str, Any] | None:
+        return streaming.summarize_sse(data) if data.strip() else None
 
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:
         return streaming.emit_stream(answer)

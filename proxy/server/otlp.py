@@ -24,6 +24,9 @@ _LOCAL, _REMOTE = b"\x85\x01" + struct.pack("<I", 0x100), b"\x85\x01" + struct.p
 _UNSET_STATUS = b"\x7a\x00"
 _KINDS = [b"\x30" + bytes((k,)) for k in range(6)]  # Span.kind (varint, field 6)
 _TIMES = struct.Struct("<BQBQ").pack  # start (fixed64, field 7: tag 0x39) and end (field 8: tag 0x41)
+_IDS = struct.Struct(">BBQQBBQ").pack  # trace_id (bytes, field 1) and span_id (field 2), big-endian as the spec has
+_PARENT = struct.Struct(">BBQ").pack  # parent_span_id (bytes, field 4)
+_UNSET_LOCAL, _UNSET_REMOTE = _UNSET_STATUS + _LOCAL, _UNSET_STATUS + _REMOTE
 #: attributes whose string values are unique per request (never cached as whole pairs)
 UNIQUE = frozenset({"toolquake.request_id", "gen_ai.response.id", "toolquake.seed", "toolquake.case_id",
                     "toolquake.verdict.case_id", "gen_ai.tool.call.id", "gen_ai.input.messages",
@@ -102,6 +105,7 @@ _PAIRS: dict[tuple[str, Any, type], bytes] = {}  # a whole KeyValue field (boole
 
 
 _FLOAT_PREFIX: dict[str, bytes] = {}  # a span attribute's field of a double, but the double's 8 bytes
+_NAMES: dict[str, bytes] = {}  # a span's name as its Span.name field (a few per route and model)
 
 
 def _key(key: str) -> bytes:
@@ -178,22 +182,28 @@ def scope(name: str, version: str | None) -> bytes:
 
 def span(s: Any) -> bytes:
     """One Span message from a `tracing.Span` record."""
-    parent = s.parent_id
-    out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big"),
+    parent, trace_id = s.parent_id, s.trace_id
+    name = _NAMES.get(s.name)
+    if name is None:
+        name = _ld(b"\x2a", s.name.encode("utf-8", "replace"))
+        if len(s.name) <= 128:  # bounded: a model's name comes from the client
+            if len(_NAMES) >= _CACHE_MAX:
+                _NAMES.clear()
+            _NAMES[s.name] = name
+    # an id out of range (over 128 or 64 bits, negative) raises (struct.error): that span is left out, counted
+    out = [_IDS(0x0A, 0x10, trace_id >> 64, trace_id & _MASK64, 0x12, 0x08, s.span_id),
            _ld(b"\x1a", s.tracestate.encode()) if s.tracestate else b"",
-           b"\x22\x08" + parent.to_bytes(8, "big") if parent else b"",
-           _ld(b"\x2a", s.name.encode("utf-8", "replace")), _KINDS[s.kind],
-           _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64),
-           attributes(b"\x4a", s.attributes)]
-    for when, name, attrs in s.events or ():
-        out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", name.encode("utf-8", "replace"))
+           _PARENT(0x22, 0x08, parent) if parent else b"", name, _KINDS[s.kind],
+           _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64), s.fixed, attributes(b"\x4a", s.attributes)]
+    for when, event, attrs in s.events or ():
+        out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", event.encode("utf-8", "replace"))
                        + attributes(b"\x1a", attrs)))
     if s.status:
         inner = _ld(b"\x12", s.description.encode("utf-8", "replace")) if s.description else b""
         out.append(_ld(b"\x7a", inner + b"\x18" + _SMALL[s.status]))
+        out.append(_REMOTE if parent and s.remote else _LOCAL)
     else:
-        out.append(_UNSET_STATUS)
-    out.append(_REMOTE if parent and s.remote else _LOCAL)
+        out.append(_UNSET_REMOTE if parent and s.remote else _UNSET_LOCAL)
     return b"".join(out)
 
 

@@ -62,14 +62,18 @@ class Span:
     """One span: ids, name, kind, times (epoch ns), attributes, status; ended into its exporter's queue."""
 
     __slots__ = ("trace_id", "span_id", "parent_id", "remote", "name", "kind", "start", "end", "attributes",
-                 "status", "description", "tracestate", "events", "exporter")
+                 "status", "description", "tracestate", "events", "exporter", "fixed")
 
     def __init__(self, exporter: Exporter | None, trace_id: int, parent_id: int, remote: bool, name: str, kind: int,
-                 start: int, attributes: dict[str, Any] | None, tracestate: str | None) -> None:
+                 start: int, attributes: dict[str, Any] | None, tracestate: str | None, span_id: int = 0,
+                 fixed: bytes = b"") -> None:
         self.exporter = exporter
-        self.trace_id, self.span_id, self.parent_id, self.remote = trace_id, new_id(64), parent_id, remote
+        self.trace_id, self.span_id, self.parent_id, self.remote = trace_id, span_id or new_id(64), parent_id, remote
         self.name, self.kind, self.start, self.end = name, kind, start, 0
         self.attributes: dict[str, Any] = attributes if attributes is not None else {}
+        #: attributes that are the same for many spans (a route's, a profile's), already encoded as the OTLP
+        #: Span.attributes fields (otlp.attributes); exported before `attributes`, never with the same keys
+        self.fixed = fixed
         self.status, self.description, self.tracestate = UNSET, "", tracestate
         self.events: list[tuple[int, str, dict[str, Any]]] | None = None
 
@@ -148,19 +152,25 @@ def parse_tracestate(values: list[str]) -> str | None:
 
 def extract(headers: Iterable[tuple[str, str]]) -> Context | None:
     """The client's span context, or None (none sent, malformed, or sent twice: a fresh trace then)."""
+    return scan(headers)[0]
+
+
+def scan(headers: Iterable[tuple[str, str]]) -> tuple[Context | None, bool]:
+    """The client's span context (as `extract`), and whether any trace header was sent at all."""
     parents: list[str] = []
     states: list[str] = []
     for k, v in headers:
-        if len(k) == 11 and k.lower() == "traceparent":
+        n = len(k)
+        if n == 11 and k.lower() == "traceparent":
             parents.append(v)
-        elif len(k) == 10 and k.lower() == "tracestate":
+        elif n == 10 and k.lower() == "tracestate":
             states.append(v)
     if len(parents) != 1:
-        return None
+        return None, bool(parents or states)
     parsed = parse_traceparent(parents[0])
     if parsed is None:
-        return None
-    return Context(parsed[0], parsed[1], parsed[2], parse_tracestate(states) if states else None)
+        return None, True
+    return Context(parsed[0], parsed[1], parsed[2], parse_tracestate(states) if states else None), True
 
 
 class Sampler:

@@ -261,3 +261,71 @@ def emit_stream(response: dict[str, Any], *, args_chunk: int = 64) -> Iterator[b
     if response.get("usage"):
         yield _frame({**base, "choices": [], "usage": response["usage"]})
     yield b"data: [DONE]\n\n"
+
+
+class _Delta(msgspec.Struct):
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct):
+    index: Any = 0
+    delta: _Delta | None = None
+    finish_reason: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    """What `summarize_sse` reads of a chunk (the rest is skipped, not built)."""
+
+    id: Any = None
+    model: Any = None
+    usage: Any = None
+    choices: list[_Choice] | None = None
+
+
+_read_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def summarize_sse(data: bytes) -> dict[str, Any] | None:
+    """What `assemble_sse` would give of a whole SSE body but the text and the calls' arguments: the id, model and
+    usage, each choice's finish reason, the calls' names; for readers of only those (a span's attributes). None
+    when an event is not as a well-formed stream sends it (then assemble it): the same answer, or none."""
+    parser = SSEParser()
+    answer: dict[str, Any] = {"id": None, "model": None}
+    usage = None
+    choices: dict[int, dict[str, Any]] = {}
+    try:
+        for payload in parser.feed(data) + parser.flush():
+            if payload.strip() == DONE:
+                continue
+            chunk = _read_chunk(payload)
+            answer["id"] = answer["id"] or chunk.id
+            answer["model"] = answer["model"] or chunk.model
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices or ():
+                if type(choice.index) is not int:
+                    return None
+                acc = choices.setdefault(choice.index, {"finish_reason": None, "calls": {}})
+                calls = choice.delta.tool_calls if choice.delta is not None else None
+                for call in calls or ():
+                    if type(call) is not dict:
+                        return None
+                    index = call.get("index", len(acc["calls"]))
+                    if type(index) is not int:
+                        return None
+                    name = acc["calls"].setdefault(index, "")
+                    fn = call.get("function") or {}
+                    if type(fn) is not dict:
+                        return None
+                    if fn.get("name") and isinstance(fn["name"], str):
+                        acc["calls"][index] = name + fn["name"]
+                if choice.finish_reason:
+                    acc["finish_reason"] = choice.finish_reason
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError, TypeError,
+            AttributeError):
+        return None
+    answer["choices"] = [{"index": i, "finish_reason": choices[i]["finish_reason"], "message": {"tool_calls": [
+        {"function": {"name": choices[i]["calls"][c]}} for c in sorted(choices[i]["calls"])]}} for i in sorted(choices)]
+    if usage:
+        answer["usage"] = usage
+    return answer

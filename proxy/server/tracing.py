@@ -16,6 +16,7 @@ span (`hold`/`release`); a trace dropped unreleased ends its span when collected
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 from urllib.parse import urlsplit
@@ -25,6 +26,7 @@ import structlog
 from prometheus_client import Counter
 
 from toolquake import __version__
+from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import ConfigError, TracingConfig
 from toolquake.proxy.server.spans import (
     CLIENT,
@@ -35,9 +37,9 @@ from toolquake.proxy.server.spans import (
     Exporter,
     Sampler,
     Span,
-    extract,
     new_id,
     parse_pairs,
+    scan,
     traceparent,
 )
 
@@ -53,6 +55,9 @@ REPORT_STRINGS = frozenset({"kind", "target", "source", "token_counter", "config
 _encode = msgspec.json.encode
 _time_ns = time.time_ns
 _perf_counter = time.perf_counter
+_getrandbits = random.getrandbits  # reseeded in a forked worker by the random module itself
+_MASK64 = (1 << 64) - 1
+_SPAN_ATTRIBUTES = b"\x4a"  # Span.attributes' tag (otlp.attributes)
 
 
 def sampler(name: str, arg: str) -> Sampler:
@@ -109,6 +114,11 @@ class Tracing:
         self.service = resource["service.name"]
         self.exporter = Exporter(self.endpoint, otel, resource, __version__, self.export_failures)
         self.started = False
+        #: a request span's attributes shared by a route and profile, an upstream call's by a route: encoded once
+        self.fixed_cache: dict[tuple[Any, str, str], bytes] = {}
+        self.upstream_cache: dict[Any, tuple[str, bytes]] = {}
+        #: epoch ns minus perf_counter() ns, and when that was read (`epoch`)
+        self.clock_at, self.clock_offset = float("-inf"), 0
 
     def start(self) -> None:
         """The exporter's thread (in each worker, after any fork)."""
@@ -135,17 +145,55 @@ class Tracing:
         return trace_id, span
 
     def begin(self, headers: list[tuple[str, str]], t0: float) -> RequestTrace | None:
-        """The span of a model request that just arrived (a child of the client's span when it sent one)."""
+        """The span of a model request that just arrived (a child of the client's span when it sent one). One
+        random draw gives the trace id (when the client sent none), the span's id and its upstream call's."""
         if not self.started:
             return None
         try:
-            parent = extract(headers)
-            ns0 = _time_ns() - int((_perf_counter() - t0) * 1e9)
-            trace_id, span = self.root("chat", SERVER, parent, dict(self.server), ns0)
-            return RequestTrace(self, span, trace_id, parent, t0, ns0)
+            parent, sent = scan(headers)
+            ids = _getrandbits(256)
+            if parent is None:
+                trace_id, tracestate = ids >> 128 or 1, None
+            else:
+                trace_id, tracestate = parent.trace_id, parent.tracestate
+            span = None
+            if self.sampler(trace_id, parent):
+                span = Span(self.exporter, trace_id, 0 if parent is None else parent.span_id, parent is not None,
+                            "chat", SERVER, self.epoch(t0), {}, tracestate, ids & _MASK64)
+            return RequestTrace(self, span, trace_id, tracestate, t0, (ids >> 64) & _MASK64 or 1, not sent)
         except Exception as exc:
             self.failed(exc)
             return None
+
+    def epoch(self, t: float) -> int:
+        """A perf_counter() time as epoch nanoseconds: the offset between the two clocks read once a second."""
+        if t - self.clock_at > 1.0:
+            self.clock_at = _perf_counter()
+            self.clock_offset = _time_ns() - int(self.clock_at * 1e9)
+        return self.clock_offset + int(t * 1e9)
+
+    def fixed(self, asked: Asked) -> bytes:
+        """The request span's attributes that are the same for every request of a route and profile, encoded
+        once (a bounded cache)."""
+        api, profile = asked.api, asked.profile
+        key = (api, profile.name, profile.mode) if profile is not None else (api, "-", "off")
+        fixed = self.fixed_cache.get(key)
+        if fixed is None:
+            if len(self.fixed_cache) >= 256:
+                self.fixed_cache.clear()
+            fixed = self.fixed_cache[key] = otlp.attributes(_SPAN_ATTRIBUTES, {
+                **self.server, "gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
+                "toolquake.route": asked.route, "toolquake.profile": key[1], "toolquake.mode": key[2]})
+        return fixed
+
+    def upstream_fixed(self, api: Any) -> tuple[str, bytes]:
+        """The upstream call's span name and its attributes (all but the status), encoded once per route."""
+        named = self.upstream_cache.get(api)
+        if named is None:
+            path = f"/v1/{api.path}" if api is not None else "/v1"
+            named = self.upstream_cache[api] = (f"POST {path}", otlp.attributes(_SPAN_ATTRIBUTES, {
+                "http.request.method": "POST", "url.path": path, **self.server}))
+        return named
 
     def failed(self, exc: BaseException) -> None:
         self.span_failures.inc()
@@ -154,26 +202,31 @@ class Tracing:
 
 class RequestTrace:
     """The span of one model request and what it takes to end it (`span` None: the sampler left the request out;
-    its calls upstream still carry a context, sampled flag 0). Every method fails open."""
+    its calls upstream still carry a context, sampled flag 0). The upstream call's span is made when the request
+    finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets. Every
+    method fails open."""
 
-    __slots__ = ("tracing", "span", "trace_id", "tracestate", "t0", "ns0", "end_ns", "holds", "ended", "upstream",
-                 "recording", "pending")
+    __slots__ = ("tracing", "span", "trace_id", "tracestate", "t0", "end_ns", "holds", "ended", "up_id", "up_start",
+                 "api", "clean")
 
-    def __init__(self, tracing: Tracing, span: Span | None, trace_id: int, parent: Context | None, t0: float,
-                 ns0: int) -> None:
-        self.tracing, self.span, self.trace_id, self.t0, self.ns0 = tracing, span, trace_id, t0, ns0
-        self.tracestate = parent.tracestate if parent is not None else None
+    def __init__(self, tracing: Tracing, span: Span | None, trace_id: int, tracestate: str | None, t0: float,
+                 up_id: int, clean: bool) -> None:
+        self.tracing, self.span, self.trace_id, self.tracestate, self.t0 = tracing, span, trace_id, tracestate, t0
         self.end_ns: int | None = None
         self.holds = 1  # the request itself, until its last byte
         self.ended = False
-        self.upstream: Span | None = None
-        self.recording = span is not None
-        #: attributes gathered on the way, added to the span's when the request finishes
-        self.pending: dict[str, Any] = {}
+        #: the upstream call's span id, and when the request went upstream (None: it did not)
+        self.up_id, self.up_start, self.api = up_id, None, None
+        self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
+
+    @property
+    def recording(self) -> bool:
+        return self.span is not None
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
-        return self.ns0 + int((t - self.t0) * 1e9)
+        span = self.span
+        return (span.start if span is not None else 0) + int((t - self.t0) * 1e9)
 
     def child(self, name: str, kind: int = INTERNAL, start: float | None = None,
               attributes: dict[str, Any] | None = None) -> Span | None:
@@ -190,61 +243,64 @@ class RequestTrace:
         return forward(span.trace_id, span.span_id, True, span.tracestate, headers)
 
     def sending(self, asked: Asked, served: Served, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The request goes upstream: its attributes, and the upstream call's span, whose context the backend
-        gets. Returns the headers to send."""
+        """The request goes upstream: its attributes, and the upstream call's context, which the backend gets
+        (its span is made at `finish`). Returns the headers to send."""
         try:
             span = self.span
-            if span is None:
-                return self.forward(None, headers)
-            api = asked.api
-            span.name = f"chat {asked.model or ''}".strip()
-            self.pending.update(request_attributes(asked, served))
-            path = f"/v1/{api.path}" if api is not None else "/v1"
-            self.upstream = self.child(f"POST {path}", CLIENT, served.t_upstream,
-                                       {"http.request.method": "POST", "url.path": path, **self.tracing.server})
-            return self.forward(self.upstream, headers)
+            self.up_start, self.api = served.t_upstream or _perf_counter(), asked.api
+            if span is not None:
+                if asked.model:
+                    span.name = "chat " + asked.model
+                span.fixed = self.tracing.fixed(asked)
+                request_into(span.attributes, asked, served)
+            out = list(headers) if self.clean else [h for h in headers if h[0].lower() not in TRACE_HEADERS]
+            out.append(("traceparent", f"00-{self.trace_id:032x}-{self.up_id:016x}-{'00' if span is None else '01'}"))
+            if self.tracestate:
+                out.append(("tracestate", self.tracestate))
+            return out
         except Exception as exc:
             self.tracing.failed(exc)
             return headers
 
     def answered(self, asked: Asked, served: Served, answer: dict[str, Any] | None) -> None:
         """The final answer (chat-shaped), as the client got it: the response's gen_ai attributes."""
-        if not self.recording or answer is None:
+        if self.span is None or answer is None:
             return
         try:
-            self.pending.update(answer_attributes(answer))
+            answer_into(self.span.attributes, answer)
         except Exception as exc:
             self.tracing.failed(exc)
 
     def client_got(self, wire: dict[str, Any]) -> None:
         """A rewritten answer in the client's wire form: the response id the client sees."""
-        if self.recording and isinstance(wire.get("id"), str):
-            self.pending["gen_ai.response.id"] = wire["id"]
+        if self.span is not None and isinstance(wire.get("id"), str):
+            self.span.attributes["gen_ai.response.id"] = wire["id"]
 
     def finish(self, asked: Asked, served: Served) -> None:
-        """The request's last byte was sent (or it was refused): what happened to it, and its end time."""
+        """The request's last byte was sent (or it was refused): what happened to it, and its end time; the
+        upstream call's span, from the times recorded."""
         span = self.span
         if span is None:
             self.end_ns = 0
             self.release()
             return
         try:
-            if asked.model and self.upstream is None:  # refused before it went upstream
-                span.name = f"chat {asked.model}"
-            end = self.t0 + served.total_s
-            upstream = self.upstream
-            if upstream is not None:
-                upstream.attributes["http.response.status_code"] = served.status
-                up_end = (served.t_upstream or self.t0) + (served.upstream_s or 0.0)
-                upstream.finish(self.at(up_end if served.upstream_s is not None else end))
-            pending = self.pending
-            if upstream is None:
-                pending.update(request_attributes(asked, served))
-            pending.update(finish_attributes(served))
-            if served.status >= 500 or served.status == 0:
+            t0, attrs, status = self.t0, span.attributes, served.status
+            end = t0 + served.total_s
+            if self.up_start is None:  # refused before it went upstream
+                if asked.model:
+                    span.name = "chat " + asked.model
+                span.fixed = self.tracing.fixed(asked)
+                request_into(attrs, asked, served)
+            else:
+                name, fixed = self.tracing.upstream_fixed(self.api)
+                up_end = end if served.upstream_s is None else (served.t_upstream or t0) + served.upstream_s
+                Span(span.exporter, span.trace_id, span.span_id, False, name, CLIENT, self.at(self.up_start),
+                     {"http.response.status_code": status}, span.tracestate, self.up_id, fixed).finish(self.at(up_end))
+            finish_into(attrs, served)
+            if status >= 500 or status == 0:
                 span.set_status(ERROR)
-                pending["error.type"] = str(served.status)
-            span.attributes.update(pending)
+                attrs["error.type"] = str(status)
             if self.tracing.config.contents and asked.request is not None:
                 self.contents(asked, served)
             self.end_ns = self.at(end)
@@ -360,31 +416,31 @@ class RequestTrace:
             self.tracing.failed(exc)
 
 
-def request_attributes(asked: Asked, served: Served) -> dict[str, Any]:
-    """What the request is and what the profile did to it."""
-    out: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
-                           "gen_ai.request.stream": asked.stream, "toolquake.request_id": asked.request_id,
-                           "toolquake.route": asked.route, "toolquake.profile": asked.profile_name,
-                           "toolquake.mode": asked.mode}
+def request_into(out: dict[str, Any], asked: Asked, served: Served) -> None:
+    """What the request is and what the profile did to it, added to `out` (the route's and profile's attributes
+    are the span's `fixed` ones: `Tracing.fixed`)."""
+    out["gen_ai.request.stream"] = asked.stream
+    out["toolquake.request_id"] = asked.request_id
     if asked.model:
         out["gen_ai.request.model"] = asked.model
     request = asked.request
     if request is not None:
-        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
-                          ("max_tokens", "gen_ai.request.max_tokens"), ("seed", "gen_ai.request.seed"),
-                          ("max_completion_tokens", "gen_ai.request.max_tokens")):
+        for key, attr in _REQUEST_NUMBERS:
             value = request.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[attr] = value
-        tools = [t for t in request.get("tools") or [] if isinstance(t, dict)]
-        out["toolquake.tools"] = len(tools)
+        out["toolquake.tools"] = sum(1 for t in request.get("tools") or () if isinstance(t, dict))
         out["toolquake.seed"] = str(asked.seed)
     if asked.case is not None:
         out["toolquake.case_id"] = str(getattr(asked.case, "id", ""))
     outcome = served.outcome
     if outcome is not None:
         out.update(perturbation_attributes(outcome))
-    return out
+
+
+_REQUEST_NUMBERS = (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
+                    ("max_tokens", "gen_ai.request.max_tokens"), ("seed", "gen_ai.request.seed"),
+                    ("max_completion_tokens", "gen_ai.request.max_tokens"))
 
 
 def perturbation_attributes(outcome: Any) -> dict[str, Any]:
@@ -414,29 +470,43 @@ def perturbation_attributes(outcome: Any) -> dict[str, Any]:
 def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
     """gen_ai.response.* and gen_ai.usage.* of a chat-shaped answer (both APIs' answers take this form)."""
     out: dict[str, Any] = {}
-    if isinstance(answer.get("model"), str):
-        out["gen_ai.response.model"] = answer["model"]
-    if isinstance(answer.get("id"), str):
-        out["gen_ai.response.id"] = answer["id"]
-    choices = [c for c in answer.get("choices") or [] if isinstance(c, dict)]
-    reasons = [str(c.get("finish_reason")) for c in choices if c.get("finish_reason")]
+    answer_into(out, answer)
+    return out
+
+
+def answer_into(out: dict[str, Any], answer: dict[str, Any]) -> None:
+    """`answer_attributes`, added to `out`: one pass over the choices."""
+    model, answer_id = answer.get("model"), answer.get("id")
+    if isinstance(model, str):
+        out["gen_ai.response.model"] = model
+    if isinstance(answer_id, str):
+        out["gen_ai.response.id"] = answer_id
+    reasons: list[str] = []
+    first = None
+    for choice in answer.get("choices") or ():
+        if isinstance(choice, dict):
+            if first is None:
+                first = choice
+            reason = choice.get("finish_reason")
+            if reason:
+                reasons.append(str(reason))
     if reasons:
         out["gen_ai.response.finish_reasons"] = reasons
     usage = answer.get("usage")
     if isinstance(usage, dict):
-        for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
-                          ("completion_tokens", "gen_ai.usage.output_tokens")):
-            if isinstance(usage.get(key), int):
-                out[attr] = usage[key]
-    calls = [c for c in ((choices[0].get("message") or {}).get("tool_calls") or [])
-             if isinstance(c, dict)] if choices else []
-    names = [str((c.get("function") or {}).get("name")) for c in calls]
-    out["toolquake.answer.tool_calls"] = names
-    return out
+        tokens = usage.get("prompt_tokens")
+        if isinstance(tokens, int):
+            out["gen_ai.usage.input_tokens"] = tokens
+        tokens = usage.get("completion_tokens")
+        if isinstance(tokens, int):
+            out["gen_ai.usage.output_tokens"] = tokens
+    calls = (first.get("message") or {}).get("tool_calls") if first is not None else None
+    out["toolquake.answer.tool_calls"] = [str((c.get("function") or {}).get("name")) for c in calls
+                                          if isinstance(c, dict)] if calls else []
 
 
-def finish_attributes(served: Served) -> dict[str, Any]:
-    out: dict[str, Any] = {"http.response.status_code": served.status}
+def finish_into(out: dict[str, Any], served: Served) -> None:
+    out["http.response.status_code"] = served.status
     if served.upstream_s is not None:
         out["toolquake.upstream_ms"] = round(served.upstream_s * 1000, 3)
         out["toolquake.overhead_ms"] = round(max(served.total_s - served.upstream_s, 0.0) * 1000, 3)
@@ -444,7 +514,6 @@ def finish_attributes(served: Served) -> dict[str, Any]:
         out["toolquake.injected_calls"] = list(served.injected_calls)
     if served.repaired:
         out["toolquake.conformance.repaired"] = served.repaired
-    return out
 
 
 def content_attributes(redact: Callable[[Any], Any], request: dict[str, Any],

@@ -15,6 +15,14 @@ TAKEN: dict = {"exports": 0, "bytes": 0}
 DECODE = False
 
 
+def _value(value):
+    """An AnyValue as Python (an array as a list)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
 def _decode(body: bytes) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -23,7 +31,8 @@ def _decode(body: bytes) -> None:
         for ss in rs.scope_spans:
             spans.extend({"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
                           "parent_id": s.parent_span_id.hex(), "name": s.name, "kind": s.kind,
-                          "attributes": {a.key: a.value.WhichOneof("value") for a in s.attributes}}
+                          "attributes": {a.key: a.value.WhichOneof("value") for a in s.attributes},
+                          "values": {a.key: _value(a.value) for a in s.attributes}}
                          for s in ss.spans)
     del spans[:-10000]
 

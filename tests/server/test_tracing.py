@@ -6,6 +6,7 @@ message that says what to do."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -118,12 +119,15 @@ def test_tracing_settings_from_file_and_environment(tmp_path):
         load_config(cfg, env={})
 
 
-def _ours(sdk_span) -> Span:
-    """The same span as toolquake's own record (its ids, times, attributes and status copied)."""
+def _ours(sdk_span, fixed: int = 0) -> Span:
+    """The same span as toolquake's own record (its ids, times, attributes and status copied); its first `fixed`
+    attributes given already encoded (`Span.fixed`), as the proxy gives a route's and profile's."""
     ctx, parent = sdk_span.context, sdk_span.parent
+    attrs = list(sdk_span.attributes.items())
     ours = Span(None, ctx.trace_id, parent.span_id if parent else 0, bool(parent and parent.is_remote), sdk_span.name,
-                sdk_span.kind.value + 1, sdk_span.start_time, dict(sdk_span.attributes),
-                ctx.trace_state.to_header() if ctx.trace_state else None)
+                sdk_span.kind.value + 1, sdk_span.start_time, dict(attrs[fixed:]),
+                ctx.trace_state.to_header() if ctx.trace_state else None,
+                fixed=otlp.attributes(b"\x4a", dict(attrs[:fixed])))
     ours.span_id, ours.end = ctx.span_id, sdk_span.end_time
     ours.status, ours.description = sdk_span.status.status_code.value, sdk_span.status.description or ""
     return ours
@@ -132,7 +136,8 @@ def _ours(sdk_span) -> Span:
 def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
     """proxy/server/otlp.py's ExportTraceServiceRequest of toolquake's span records, decoded by the official
     protobuf classes, equals the OpenTelemetry SDK's own encoding of the same spans made by the SDK (remote and
-    local parents, trace state, every attribute type, status), twice (the second time from the encoder's caches)."""
+    local parents, trace state, every attribute type, status), three times (the second from the encoder's caches, the
+    third with some attributes encoded beforehand, as `Span.fixed`)."""
     pytest.importorskip("opentelemetry.sdk", reason="the OpenTelemetry SDK (dev extra) is the reference encoding")
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -167,9 +172,10 @@ def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
         root.set_status(StatusCode.OK)
         root.end()
     tracer.start_span("bare").end()
-    for _ in range(2):
+    for fixed in (0, 0, 5):  # the second time from the encoder's caches; then with attributes encoded beforehand
         ours = ExportTraceServiceRequest.FromString(otlp.encode(
-            [_ours(s) for s in finished], otlp.resource(dict(resource.attributes)), otlp.scope("toolquake", "0.1.0")))
+            [_ours(s, fixed) for s in finished], otlp.resource(dict(resource.attributes)),
+            otlp.scope("toolquake", "0.1.0")))
         assert ours == encode_spans(finished)
     assert len(ours.resource_spans[0].scope_spans[0].spans) == 5
 
@@ -317,3 +323,82 @@ def test_a_full_span_queue_drops_and_counts(sink):
         exporter.shutdown()
     assert sorted(s["name"] for s in spans) == ["s0", "s1", "s2"]
     assert failures._value.get() == 3
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def _chunk(choices: list, **extra) -> dict:
+    return {"id": "c-1", "object": "chat.completion.chunk", "model": "m", "choices": choices, **extra}
+
+
+SUMMARIZED_STREAMS = {
+    "two calls, a name in two pieces, usage last": _sse(
+        _chunk([{"index": 0, "delta": {"role": "assistant"}}]),
+        _chunk([{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "b", "function": {"name": "get_"}}]}}]),
+        _chunk([{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "a", "function": {"name": "find"}}]}}]),
+        _chunk([{"index": 0, "delta": {"tool_calls": [{"index": 1, "function": {"name": "time", "arguments": "1"}}]}}]),
+        _chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+        _chunk([], usage={"prompt_tokens": 9, "completion_tokens": 4}), b"[DONE]"),
+    "two choices out of order, calls without an index": _sse(
+        _chunk([{"index": 1, "delta": {"content": "hi"}}, {"index": 0, "delta": {"tool_calls": [
+            {"function": {"name": "a"}}, {"function": {"name": "b"}}]}}]),
+        _chunk([{"index": 1, "delta": {}, "finish_reason": "stop"}, {"index": 0, "finish_reason": "length"}]),
+        b"[DONE]"),
+    "id and model only in a later chunk, text only": _sse(
+        {"choices": [{"delta": {"content": "x"}}]}, _chunk([{"delta": {}, "finish_reason": "stop"}])),
+}
+#: streams the summary leaves to the assembler (it returns None): an event it would read differently
+ASSEMBLED_STREAMS = {
+    "not JSON": _sse(b"{oops", _chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}])),
+    "an index that is null": _sse(_chunk([{"index": None, "delta": {"content": "x"}}])),
+    "a call that is a string": _sse(_chunk([{"index": 0, "delta": {"tool_calls": ["x"]}}])),
+    "a function that is a list": _sse(_chunk([{"index": 0, "delta": {"tool_calls": [{"function": ["f"]}]}}])),
+}
+
+
+def test_a_streams_summary_gives_the_attributes_the_assembled_answer_gives():
+    """`summarize_sse` (what a relayed stream's span reads when nobody else reads the answer) gives the same
+    gen_ai attributes as the stream assembled whole, on the fake upstream's own streams and on odd ones; an event
+    it would read differently makes it give up (None), and the stream is assembled as before."""
+    from tests.fake_upstream import completion, stream_frames
+    from toolquake.proxy.server.streaming import assemble_sse, summarize_sse
+    from toolquake.proxy.server.tracing import answer_attributes
+
+    fake = [b"".join(stream_frames(completion(answer, "fake-model"), piece))
+            for answer in ({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                      {"name": "get_time", "arguments": "{}"}]}, {"text": "It is sunny in Oslo."})
+            for piece in (1, 8)]
+    for i, data in enumerate(fake + list(SUMMARIZED_STREAMS.values())):
+        summary = summarize_sse(data)
+        assert summary is not None, i
+        assert answer_attributes(summary) == answer_attributes(assemble_sse(data)), i
+    assert answer_attributes(summarize_sse(fake[0]))["toolquake.answer.tool_calls"] == ["get_weather", "get_time"]
+    for label, data in ASSEMBLED_STREAMS.items():
+        assert summarize_sse(data) is None, label
+
+
+def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_upstream, sink):
+    """Tracing on, nobody else reading the answer (the stream is summarized, not assembled): the request span's
+    response attributes, read back from the collector, are those of the answer the client got (assembled here from
+    its bytes); the same for a whole answer."""
+    from toolquake.proxy.server.streaming import assemble_sse
+    from toolquake.proxy.server.tracing import answer_attributes
+
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    answer = json.dumps({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                   {"name": "get_time", "arguments": {}}]})
+    expected = {}
+    for stream in (True, False):
+        trace_id = secrets.token_hex(16)
+        got = httpx.post(tq.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30,
+                         headers={"x-fake-answer": answer, "traceparent": f"00-{trace_id}-{'ab' * 8}-01"})
+        assert got.status_code == 200
+        expected[trace_id] = answer_attributes(assemble_sse(got.content) if stream else got.json())
+        assert expected[trace_id]["toolquake.answer.tool_calls"] == ["get_weather", "get_time"]
+    spans = _spans(sink, set(expected), 2 * len(expected))
+    for trace_id, attrs in expected.items():
+        (request,) = [s for s in spans if s["trace_id"] == trace_id and s["name"] == "chat fake-model"]
+        assert {k: request["values"].get(k) for k in attrs} == attrs, trace_id

@@ -41,6 +41,11 @@ class AnswerStep:
         """WHOLE, ANSWER: the complete answer, chat-shaped. Return the changed answer, or None (unchanged)."""
         return None
 
+    def summary_enough(self, asked: Asked, served: Served) -> bool:
+        """ANSWER: the step reads only a streamed answer's summary (id, model, usage, finish reasons, the calls'
+        names; `Api.summarize`), so a relayed stream that no one else reads need not be assembled."""
+        return False
+
     def on_stream(self, path: AnswerPath, asked: Asked, served: Served, upstream: UpstreamResponse,
                   plan: Plan) -> Stream:
         """EVENTS: the client's stream (a `streams.StreamWriter`'s `response()`)."""

@@ -124,10 +124,26 @@ class Relay(StreamWriter):
         self.body = whole
         asked, served, api = self.asked, self.served, self.asked.api
         if whole and api is not None and (asked.observed or self.plan.answer):
+            if await self.summarized(whole):
+                return
             native = api.assemble(whole)
             served.response = api.answer_to_internal(native) if native else None
             if served.response is not None:
                 served.response = await self.path.read(asked, served, self.plan, served.response)
+
+    async def summarized(self, whole: bytes) -> bool:
+        """The steps that read the answer read only its summary, and nobody else reads it: they get the summary
+        (`served.response` stays None, as for an answer nobody reads)."""
+        asked, served, api = self.asked, self.served, self.asked.api
+        if asked.observed or (asked.request is not None and self.path.st.config.server.log_contents) or \
+                not all(step.summary_enough(asked, served) for step in self.plan.answer):
+            return False
+        summary = api.summarize(whole) if api is not None else None
+        if summary is None:
+            return False
+        for step in self.plan.answer:
+            await step.on_answer(asked, served, summary)
+        return True
 
 
 class Rewritten(StreamWriter):

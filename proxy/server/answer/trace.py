@@ -20,6 +20,9 @@ class Trace(AnswerStep):
         trace = served.trace
         return ANSWER if trace is not None and trace.recording else None
 
+    def summary_enough(self, asked: Asked, served: Served) -> bool:
+        return not self.st.tracing.config.contents  # with contents, the span carries the answer's messages
+
     async def on_answer(self, asked: Asked, served: Served, answer: dict[str, Any]) -> dict[str, Any] | None:
         served.trace.answered(asked, served, answer)
         return None
