@@ -298,6 +298,10 @@ def _slow_requests(proc: Any, n: int, delay_ms: int) -> tuple[list[threading.Thr
 
 
 def _wait_in_flight(proc: Proc, n: int, results: list[Any]) -> None:
+    # A scrape being served is one of the worker's tasks in flight too (never refused, but counted): polling
+    # while the slow requests are still arriving could push one of them past the limit. They take 3 s upstream,
+    # so wait until they are surely in, then poll.
+    time.sleep(1.0)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         text = httpx.get(f"{proc.url}/metrics").text
