@@ -98,11 +98,10 @@ def main() -> None:
         tmp.cleanup()
 
 
-def compare(procs: dict[str, Any], work: str, payload: bytes, conns: int, rounds_n: int, seconds: float,
-            load: Any) -> None:
-    """Alternating rounds of `payload` at `conns` connections over the arms; a table of medians and each arm's
-    ratio to the first arm."""
-    first = next(iter(procs))
+def alternating_rounds(procs: dict[str, Any], payload: bytes, conns: int, rounds_n: int, seconds: float,
+                       load: Any) -> tuple[dict[str, list[dict]], dict[str, dict[str, float]]]:
+    """`rounds_n` rounds over the arms in turn (every arm sees the same load at the same time): each arm's rounds
+    (`cpu_per_request`'s figures) and their medians of req/s, p50 and CPU per request."""
     rounds: dict[str, list[dict]] = {n: [] for n in procs}
     for _ in range(rounds_n):
         for name, proc in procs.items():
@@ -110,6 +109,15 @@ def compare(procs: dict[str, Any], work: str, payload: bytes, conns: int, rounds
                                                 payload=payload))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
            for n, rs in rounds.items()}
+    return rounds, med
+
+
+def compare(procs: dict[str, Any], work: str, payload: bytes, conns: int, rounds_n: int, seconds: float,
+            load: Any) -> None:
+    """Alternating rounds of `payload` at `conns` connections over the arms; a table of medians and each arm's
+    ratio to the first arm."""
+    first = next(iter(procs))
+    rounds, med = alternating_rounds(procs, payload, conns, rounds_n, seconds, load)
     print(f"\n{work}, {conns} connections, medians of {rounds_n} alternating rounds of {seconds:g} s")
     print("| arm | req/s | p50 | CPU per request | vs " + first + " (req/s, CPU) | non-2xx |")
     print("|---|---:|---:|---:|---:|---:|")

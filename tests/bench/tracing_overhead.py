@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench.ab import install_ref, start_ref_proxy
-from tests.bench.proxy_overhead import BODY, cpu_per_request, proc_tree, run_asyncio, run_wrk
+from tests.bench.ab import alternating_rounds, install_ref, start_ref_proxy
+from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
 from tests.conftest import free_port, start_fake_upstream, start_process, start_proxy
 
 OFF = "[server]\n[scoring]\nenabled = false\n"
@@ -198,13 +198,7 @@ def print_floor() -> None:
 
 
 def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, seconds: float, load) -> None:
-    rounds: dict[str, list[dict]] = {n: [] for n in procs}
-    for _ in range(rounds_n):
-        for name, proc in procs.items():
-            rounds[name].append(cpu_per_request(proc.url, proc_tree(proc.popen.pid), conns, seconds, load,
-                                                payload=payload))
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "cpu_ms_per_request")}
-           for n, rs in rounds.items()}
+    rounds, med = alternating_rounds(procs, payload, conns, rounds_n, seconds, load)
     # the added CPU, round by round (each traced round against the `off` round next to it), then its median
     added = {n: statistics.median(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]
                                   for a, b in zip(rounds[n], rounds["off"])) for n in rounds if n != "off"}
