@@ -123,14 +123,14 @@ class Lifecycle:
         self.spawn(st.metrics.watch_loop_lag())  # cancelled by shutdown()
         if st.metrics.multiprocess:
             self.spawn(self.refresh_gauges())
-        if st.tracing is not None:  # in each worker (after the fork): the batch processor's thread is its own
-            st.tracing.start()
+        if st.tracing is not None:  # in each worker (after the fork): the exporter sends from this event loop
+            st.tracing.start(asyncio.get_running_loop())
 
     async def shutdown(self) -> None:
         for task in list(self.background):
             task.cancel()
         if self.st.tracing is not None:  # after live scoring's shutdown (its verdicts end the spans they held)
-            await asyncio.to_thread(self.st.tracing.shutdown)
+            await self.st.tracing.ashutdown()
         await self.st.upstream.aclose()
 
 

@@ -12,7 +12,6 @@ with the official protobuf classes and compares it with the OpenTelemetry SDK's 
 from __future__ import annotations
 
 import struct
-import time
 from typing import Any, Callable, Sequence
 
 _pack_double = struct.Struct("<d").pack
@@ -101,11 +100,17 @@ def _any(value: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}  # a key as its KeyValue.key field
-_PAIRS: dict[tuple[str, Any, type], bytes] = {}  # a whole KeyValue field (booleans, small ints, repeated strings)
-
-
+#: whole KeyValue fields of span attributes, by value type: low-cardinality strings, small ints, booleans, lists of
+#: a few short strings (finish reasons, tool names); each bounded (cleared together when full: values that turned
+#: out not to repeat are forgotten)
+_STRS: dict[tuple[str, str], bytes] = {}
+_INTS: dict[tuple[str, int], bytes] = {}
+_BOOLS: dict[tuple[str, bool], bytes] = {}
+_LISTS: dict[tuple[str, ...], bytes] = {}
+_STR_PREFIX: dict[tuple[str, int], bytes] = {}  # a string attribute's field but the string, by key and length
 _FLOAT_PREFIX: dict[str, bytes] = {}  # a span attribute's field of a double, but the double's 8 bytes
 _NAMES: dict[str, bytes] = {}  # a span's name as its Span.name field (a few per route and model)
+_SPAN_TAG = b"\x4a"  # Span.attributes
 
 
 def _key(key: str) -> bytes:
@@ -124,49 +129,65 @@ def _framed(tag: bytes, key: str, value: Any) -> bytes:
     return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + kv
 
 
-def _cacheable(key: str, value: Any, kind: type) -> bool:
-    if kind is str:
-        return len(value) <= 64 and key not in UNIQUE
-    return kind is bool or (kind is int and -1024 <= value <= 1 << 20)
+def str_attribute(key: str, value: str) -> bytes:
+    """A span attribute of a string (unique to one span: an id), encoded: the field's first bytes, which depend on
+    the key and the string's length only, from a bounded cache."""
+    raw = value.encode("utf-8", "replace")
+    n = len(raw)
+    prefix = _STR_PREFIX.get((key, n))
+    if prefix is None:
+        prefix = _framed(_SPAN_TAG, key, value)[:-n or None]
+        if n < 0x80:
+            _kept(_STR_PREFIX, (key, n), prefix)
+    return prefix + raw
+
+
+def _kept(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = encoded
+    return encoded
 
 
 def attributes(tag: bytes, attrs: dict[str, Any] | None) -> bytes:
-    """Repeated KeyValue under the field whose tag byte is `tag`; whole pairs of booleans, small ints and
-    low-cardinality strings come from a bounded cache."""
+    """Repeated KeyValue under the field whose tag byte is `tag`; a span's (tag 0x4a) whole pairs of booleans,
+    small ints, low-cardinality strings and short lists of them come from bounded caches."""
     if not attrs:
         return b""
-    if tag != b"\x4a":
+    if tag != _SPAN_TAG:
         return b"".join([_framed(tag, k, v) for k, v in attrs.items()])
-    out = []
-    get = _PAIRS.get
+    out: list[bytes] = []
+    append = out.append
     for k, v in attrs.items():
         kind = type(v)
-        if kind is str or kind is bool or kind is int:
-            cached = get((k, v, kind))
-            if cached is None:
-                cached = _framed(tag, k, v)
-                if _cacheable(k, v, kind):
-                    if len(_PAIRS) >= _CACHE_MAX:
-                        _PAIRS.clear()  # bounded: values that turned out not to repeat are forgotten together
-                    _PAIRS[(k, v, kind)] = cached
-            out.append(cached)
-        elif kind is list and len(v) <= 4 and k not in UNIQUE and all(type(x) is str and len(x) <= 64 for x in v):
-            key = (k, tuple(v), kind)  # finish reasons, tool names: a few short strings that repeat
-            cached = get(key)
-            if cached is None:
-                if len(_PAIRS) >= _CACHE_MAX:
-                    _PAIRS.clear()
-                cached = _PAIRS[key] = _framed(tag, k, v)
-            out.append(cached)
-        elif kind is float:  # a span attribute's whole field but the 8 bytes of the double is the same per key
-            prefix = _FLOAT_PREFIX.get(k)
-            if prefix is None:
-                prefix = _framed(tag, k, 0.0)[:-8]
-                if len(_FLOAT_PREFIX) < _CACHE_MAX:
-                    _FLOAT_PREFIX[k] = prefix
-            out.append(prefix + _pack_double(v))
+        if kind is str:
+            if len(v) > 64 or k in UNIQUE:
+                append(str_attribute(k, v))
+                continue
+            encoded = _STRS.get((k, v))
+            if encoded is None:
+                encoded = _kept(_STRS, (k, v), _framed(tag, k, v))
+        elif kind is int:
+            encoded = int_attribute(k, v)
+        elif kind is bool:
+            encoded = _BOOLS.get((k, v))
+            if encoded is None:
+                encoded = _kept(_BOOLS, (k, v), _framed(tag, k, v))
+        elif kind is float:  # the whole field but the 8 bytes of the double is the same per key
+            encoded = float_attribute(k, v)
+        elif (kind is list or kind is tuple) and len(v) <= 4 and k not in UNIQUE:
+            for x in v:
+                if type(x) is not str or len(x) > 64:
+                    encoded = _framed(tag, k, v)
+                    break
+            else:
+                key = (k, *v)
+                encoded = _LISTS.get(key)  # type: ignore[assignment]
+                if encoded is None:
+                    encoded = _kept(_LISTS, key, _framed(tag, k, v))
         else:
-            out.append(_framed(tag, k, v))
+            encoded = _framed(tag, k, v)
+        append(encoded)
     return b"".join(out)
 
 
@@ -180,54 +201,95 @@ def scope(name: str, version: str | None) -> bytes:
     return _str(name) + (_ld(b"\x12", version.encode()) if version else b"")
 
 
-def span(s: Any) -> bytes:
-    """One Span message from a `tracing.Span` record."""
-    parent, trace_id = s.parent_id, s.trace_id
-    name = _NAMES.get(s.name)
-    if name is None:
-        name = _ld(b"\x2a", s.name.encode("utf-8", "replace"))
-        if len(s.name) <= 128:  # bounded: a model's name comes from the client
+def name_field(name: str) -> bytes:
+    """A span's name as its Span.name field (a bounded cache: a few per route and model)."""
+    field = _NAMES.get(name)
+    if field is None:
+        field = _ld(b"\x2a", name.encode("utf-8", "replace"))
+        if len(name) <= 128:  # bounded: a model's name comes from the client
             if len(_NAMES) >= _CACHE_MAX:
                 _NAMES.clear()
-            _NAMES[s.name] = name
-    # an id out of range (over 128 or 64 bits, negative) raises (struct.error): that span is left out, counted
-    out = [_IDS(0x0A, 0x10, trace_id >> 64, trace_id & _MASK64, 0x12, 0x08, s.span_id),
-           _ld(b"\x1a", s.tracestate.encode()) if s.tracestate else b"",
-           _PARENT(0x22, 0x08, parent) if parent else b"", name, _KINDS[s.kind],
-           _TIMES(0x39, s.start & _MASK64, 0x41, (s.end or 0) & _MASK64), s.fixed, attributes(b"\x4a", s.attributes)]
+            _NAMES[name] = field
+    return field
+
+
+def head(trace_id: int, span_id: int, parent: int, tracestate: str | None, name: bytes, kind: int, start: int,
+         end: int) -> bytes:
+    """A Span message's fields before its attributes: ids, trace state, parent, name (`name_field`), kind, times.
+    An id out of range (over 128 or 64 bits, negative) raises struct.error."""
+    return b"".join((_IDS(0x0A, 0x10, trace_id >> 64, trace_id & _MASK64, 0x12, 0x08, span_id),
+                     _ld(b"\x1a", tracestate.encode()) if tracestate else b"",
+                     _PARENT(0x22, 0x08, parent) if parent else b"", name, _KINDS[kind],
+                     _TIMES(0x39, start & _MASK64, 0x41, end & _MASK64)))
+
+
+def tail(status: int, description: str, remote_parent: bool) -> bytes:
+    """A Span message's fields after its attributes and events: its status (when set) and flags."""
+    if status:
+        inner = _ld(b"\x12", description.encode("utf-8", "replace")) if description else b""
+        return _ld(b"\x7a", inner + b"\x18" + _SMALL[status]) + (_REMOTE if remote_parent else _LOCAL)
+    return _UNSET_REMOTE if remote_parent else _UNSET_LOCAL
+
+
+def span(s: Any) -> bytes:
+    """One Span message from a `tracing.Span` record."""
+    parent = s.parent_id
+    out = [head(s.trace_id, s.span_id, parent, s.tracestate, name_field(s.name), s.kind, s.start, s.end or 0),
+           s.fixed, attributes(b"\x4a", s.attributes)]
     for when, event, attrs in s.events or ():
         out.append(_ld(b"\x5a", b"\x09" + _pack_fixed64(when & _MASK64) + _ld(b"\x12", event.encode("utf-8", "replace"))
                        + attributes(b"\x1a", attrs)))
-    if s.status:
-        inner = _ld(b"\x12", s.description.encode("utf-8", "replace")) if s.description else b""
-        out.append(_ld(b"\x7a", inner + b"\x18" + _SMALL[s.status]))
-        out.append(_REMOTE if parent and s.remote else _LOCAL)
-    else:
-        out.append(_UNSET_REMOTE if parent and s.remote else _UNSET_LOCAL)
+    out.append(tail(s.status, s.description, bool(parent and s.remote)))
     return b"".join(out)
 
 
-def encode(spans: Sequence[Any], resource_bytes: bytes, scope_bytes: bytes,
-           pause: Callable[[], None] | None = None, slice_s: float = 0.001,
-           failed: Callable[[BaseException], None] | None = None) -> bytes:
-    """The ExportTraceServiceRequest of finished spans of one resource and scope (both encoded once: `resource`,
-    `scope`). `pause` is called whenever encoding has run for `slice_s` since the last one: the exporter's thread
-    lets the event loop's thread have the GIL (a batch encoded in one go would hold it for up to the interpreter's
-    switch interval, 5 ms, and every request waiting on it would wait that long); a slice, not a span count, so
-    that a busy event loop still leaves the exporter a share that keeps up. A span that cannot be encoded is
-    left out and handed to `failed` (the others are sent); without `failed` it raises."""
-    encoded = []
-    clock = time.perf_counter
-    last = clock()
-    for i, s in enumerate(spans, 1):
-        if pause is not None and not i & 7 and clock() - last >= slice_s:
-            pause()
-            last = clock()
-        try:
-            encoded.append(_ld(b"\x12", span(s)))
-        except Exception as exc:
-            if failed is None:
-                raise
-            failed(exc)
-    scope_spans = _ld(b"\x0a", scope_bytes) + b"".join(encoded)
-    return _ld(b"\x0a", _ld(b"\x0a", resource_bytes) + _ld(b"\x12", scope_spans))
+def framed_parts(*parts: bytes) -> bytes:
+    """A Span message written from its parts (`head`, encoded attributes, `tail`) as a ScopeSpans.spans field."""
+    message = b"".join(parts)
+    return _ld(b"\x12", message)
+
+
+def int_attribute(key: str, value: int) -> bytes:
+    """A span attribute of an int, encoded (a small one from a cache)."""
+    encoded = _INTS.get((key, value))
+    if encoded is None:
+        encoded = _framed(_SPAN_TAG, key, value)
+        if -1024 <= value <= 1 << 20:
+            _kept(_INTS, (key, value), encoded)
+    return encoded
+
+
+def float_attribute(key: str, value: float) -> bytes:
+    """A span attribute of a double, encoded (its field's first bytes from a cache per key)."""
+    prefix = _FLOAT_PREFIX.get(key)
+    if prefix is None:
+        prefix = _framed(_SPAN_TAG, key, 0.0)[:-8]
+        if len(_FLOAT_PREFIX) < _CACHE_MAX:
+            _FLOAT_PREFIX[key] = prefix
+    return prefix + _pack_double(value)
+
+
+def framed(s: Any) -> bytes:
+    """One span as a ScopeSpans.spans field (what `request` joins), encoded when the span ends."""
+    return _ld(b"\x12", span(s))
+
+
+def request_parts(framed_spans: Sequence[bytes], resource_bytes: bytes, scope_bytes: bytes) -> tuple[list[bytes], int]:
+    """The ExportTraceServiceRequest of spans already encoded (`framed`) of one resource and scope (both encoded
+    once: `resource`, `scope`), as its parts in order (the spans themselves, not copied) and its length."""
+    resource_field, scope_field = _ld(b"\x0a", resource_bytes), _ld(b"\x0a", scope_bytes)
+    scope_spans = len(scope_field) + sum(map(len, framed_spans))
+    scope_head = b"\x12" + _varint(scope_spans)
+    resource_spans = len(resource_field) + len(scope_head) + scope_spans
+    prefix = b"\x0a" + _varint(resource_spans) + resource_field + scope_head + scope_field
+    return [prefix, *framed_spans], len(prefix) + scope_spans - len(scope_field)
+
+
+def request(framed_spans: Sequence[bytes], resource_bytes: bytes, scope_bytes: bytes) -> bytes:
+    """`request_parts` joined."""
+    return b"".join(request_parts(framed_spans, resource_bytes, scope_bytes)[0])
+
+
+def encode(spans: Sequence[Any], resource_bytes: bytes, scope_bytes: bytes) -> bytes:
+    """The ExportTraceServiceRequest of finished span records (`request` of each one `framed`)."""
+    return request([framed(s) for s in spans], resource_bytes, scope_bytes)

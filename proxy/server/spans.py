@@ -4,14 +4,18 @@ finished spans in batches over OTLP/HTTP (protobuf, `otlp.py`), with the SDK's `
 `OTEL_BSP_*` settings.
 
 On the request path a span costs a record and a dict; a request the sampler leaves out costs no record at all
-(its context still goes upstream, sampled flag 0). Finished spans go to a bounded queue (past
-`OTEL_BSP_MAX_QUEUE_SIZE` they are dropped and counted); the exporter's thread encodes and posts them, and
-counts what it could not send. Nothing here raises into a request, and nothing on the request path waits on
+(its context still goes upstream, sampled flag 0). A span is encoded as it ends (by the thread that ends it,
+after the request's last byte) into a bounded queue of encoded spans (past `OTEL_BSP_MAX_QUEUE_SIZE` they are
+dropped and counted). The exporter sends them in batches and counts what it could not send: in the server, as a
+task of its event loop, over a non-blocking connection (a sending thread cost the event loop more than the
+sending itself: each time it took the interpreter's lock back, the loop had to hand it over); elsewhere (replay,
+sweep), from a thread of its own. Nothing here raises into a request, and nothing on the request path waits on
 the collector.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import http.client
 import random
@@ -43,6 +47,9 @@ _KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-*/")
 _VALUE_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F)) - {",", "="}
 _getrandbits = random.getrandbits  # reseeded in a forked worker by the random module itself
 _time_ns = time.time_ns
+_NOT_IN_NAMES = frozenset(' \t\r\n\0:()<>@,;\\"/[]?={}')
+_ANSWER_MAX = 1 << 20  # a collector's answer read (an OTLP answer is a few bytes)
+_framed = otlp.framed
 
 
 def new_id(bits: int) -> int:
@@ -223,14 +230,11 @@ def number(otel: dict[str, str], *keys: str) -> float | None:
     return None
 
 
-def _yield_gil() -> None:
-    time.sleep(0)  # releases the GIL: a waiting event loop takes it now, not at the next switch interval (5 ms)
-
-
 class Exporter:
-    """The bounded queue of finished spans and the one thread that sends them: every `OTEL_BSP_SCHEDULE_DELAY`
-    ms, or as soon as a batch is full, in batches of `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`; each batch one POST,
-    retried on a connection error or 429/502/503/504 with backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`."""
+    """The bounded queue of finished spans, encoded, and what sends them (a task of the server's event loop, or a
+    thread of its own): every `OTEL_BSP_SCHEDULE_DELAY` ms, or as soon as a batch is full, in batches of
+    `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`; each batch one POST, retried on a connection error or 429/502/503/504 with
+    backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
 
@@ -248,6 +252,10 @@ class Exporter:
         headers = otel.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or otel.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
         self.headers = {**parse_pairs(headers), "content-type": "application/x-protobuf",
                         "user-agent": f"toolquake/{version}"}
+        for name, value in self.headers.items():  # written on the wire as they are (`_post_async`)
+            if not name.isascii() or any(c in name for c in _NOT_IN_NAMES) or any(c in value for c in "\r\n\0"):
+                raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: header {name!r} cannot be sent (a name is a token; "
+                                  "no line break or NUL in a value)")
         if self.compression:
             self.headers["content-encoding"] = self.compression
         self.timeout = number(otel, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT") or 10.0
@@ -262,28 +270,71 @@ class Exporter:
         self.failures = failures
         self.resource = otlp.resource(resource)
         self.scope = otlp.scope("toolquake", version)
-        self.queue: deque[Span] = deque()
+        self.queue: deque[bytes] = deque()  # spans encoded (otlp.framed)
         self.dropped, self.drop_logged = 0, 0.0  # spans dropped on a full queue, when that was last logged
         self.wake = threading.Event()
         self.stopping = False
         self.thread: threading.Thread | None = None
         self.conn: http.client.HTTPConnection | None = None
+        #: the event loop whose task sends (`start(loop)`), its thread, the task, its wake-up, its connection
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread = 0
+        self.task: asyncio.Task[None] | None = None
+        self.async_wake: asyncio.Event | None = None
+        self.woken = False  # a wake-up was asked since the sender last woke
+        self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     def put(self, span: Span) -> None:
-        """A finished span (from any thread): queued, or dropped and counted when the queue is full."""
-        queue = self.queue
-        if len(queue) >= self.max_queue:
-            self.failures.inc()
-            self.dropped += 1
-            if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:  # at most one line per 10 s
-                self.drop_logged = time.monotonic()
-                log.warning("trace_queue_full", dropped=self.dropped, max_queue=self.max_queue)
+        """A finished span (from any thread): encoded and queued, or dropped and counted when the queue is full
+        or it cannot be encoded."""
+        if not self.room():
             return
-        queue.append(span)
-        if len(queue) >= self.max_batch and not self.wake.is_set():
-            self.wake.set()
+        try:
+            encoded = _framed(span)
+        except Exception as exc:  # e.g. an id out of range: this span is left out, counted
+            self.failures.inc()
+            log.warning("trace_export_failed", error_type=type(exc).__name__, stage="encode")
+            return
+        self.put_encoded(encoded)
 
-    def start(self) -> None:
+    def room(self) -> bool:
+        """Whether the queue takes one more span; False: it is full, and the span about to be put is counted
+        dropped."""
+        if len(self.queue) < self.max_queue:
+            return True
+        self.failures.inc()
+        self.dropped += 1
+        if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:  # at most one line per 10 s
+            self.drop_logged = time.monotonic()
+            log.warning("trace_queue_full", dropped=self.dropped, max_queue=self.max_queue)
+        return False
+
+    def put_encoded(self, encoded: bytes) -> None:
+        """A span encoded (`otlp.framed`), queued (after `room` said yes)."""
+        queue = self.queue
+        queue.append(encoded)
+        if len(queue) >= self.max_batch and not self.woken:
+            self.woken = True
+            self._wake()
+
+    def _wake(self) -> None:
+        loop, wake = self.loop, self.async_wake
+        if loop is None or wake is None:
+            self.wake.set()
+        elif threading.get_ident() == self.loop_thread:
+            wake.set()
+        else:  # a span ended on another thread (a verdict's)
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop is closed: what is left is lost, as at any stop
+                pass
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """The sender: a task of `loop` (the server's event loop, running: no thread), else a thread of its own."""
+        if loop is not None:
+            self.loop, self.loop_thread, self.async_wake = loop, threading.get_ident(), asyncio.Event()
+            self.task = loop.create_task(self._run_async())
+            return
         self.thread = threading.Thread(target=self._run, name="toolquake-trace-export", daemon=True)
         self.thread.start()
 
@@ -295,10 +346,135 @@ class Exporter:
             self.thread.join(self.export_timeout + self.timeout)
         self._close()
 
+    async def ashutdown(self) -> None:
+        """The event loop's sender (`start(loop)`): sends what is queued (bounded by the export timeout), then
+        stops."""
+        self.stopping = True
+        if self.async_wake is not None:
+            self.async_wake.set()
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), self.export_timeout + self.timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                self.task.cancel()
+        self._close_stream()
+
+    async def _run_async(self) -> None:
+        wake = self.async_wake
+        assert wake is not None
+        while not self.stopping:
+            timed_out = False
+            try:
+                async with asyncio.timeout(self.delay):
+                    await wake.wait()
+            except TimeoutError:
+                timed_out = True
+            wake.clear()
+            self.woken = False
+            await self._drain_async(whole=timed_out)
+        await self._drain_async(whole=True)
+
+    async def _drain_async(self, whole: bool) -> None:
+        """Full batches (`whole`: every span queued, the last batch what is left), one POST each."""
+        queue, popleft = self.queue, self.queue.popleft
+        while len(queue) >= (1 if whole else self.max_batch):
+            batch = [popleft() for _ in range(min(len(queue), self.max_batch))]
+            try:
+                sent = await self.send_async(*otlp.request_parts(batch, self.resource, self.scope))
+            except Exception as exc:  # fail-open: the batch is lost, counted
+                log.warning("trace_export_failed", error_type=type(exc).__name__)
+                sent = False
+            if not sent:
+                self.failures.inc(len(batch))
+
+    async def send_async(self, parts: list[bytes], length: int) -> bool:
+        """One batch's POST from the event loop (`send`'s retries and backoff, awaited)."""
+        if self.compression:  # off the loop: compressing a batch takes milliseconds
+            parts = [await asyncio.to_thread(self._compress, b"".join(parts))]
+            length = len(parts[0])
+        deadline = time.monotonic() + min(self.timeout, self.export_timeout)
+        backoff, error = 1.0, ""
+        while True:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.05)):
+                    status = await self._post_async(parts, length)
+                if 200 <= status < 300:
+                    return True
+                error = f"HTTP {status}"
+                if status not in self.RETRYABLE:
+                    break
+            except (OSError, TimeoutError, ValueError, EOFError, asyncio.IncompleteReadError,
+                    asyncio.LimitOverrunError) as exc:
+                self._close_stream()
+                error = type(exc).__name__
+            if self.stopping or time.monotonic() + backoff > deadline:
+                break
+            await asyncio.sleep(backoff)
+            backoff *= 2
+        log.warning("trace_export_failed", error_type=error, endpoint=self.url)
+        return False
+
+    async def _post_async(self, parts: list[bytes], length: int) -> int:
+        """POST the parts over the kept-alive connection (HTTP/1.1); the status. The answer's head is read up to
+        64 KiB, its body up to 1 MiB (an OTLP answer is a few bytes): more closes the connection."""
+        if self.stream is None or self.stream[1].is_closing():
+            p = self.parts
+            https = p.scheme == "https"
+            self.stream = await asyncio.open_connection(p.hostname, p.port or (443 if https else 80),
+                                                        ssl=ssl.create_default_context() if https else None)
+        reader, writer = self.stream
+        host = self.parts.netloc.rpartition("@")[2]
+        head = [f"POST {self.path} HTTP/1.1", f"host: {host}", f"content-length: {length}"]
+        head += [f"{k}: {v}" for k, v in self.headers.items() if k not in ("host", "content-length")]
+        writer.writelines([("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace"), *parts])
+        await writer.drain()
+        lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        if not version.startswith("HTTP/1."):
+            raise ValueError("not an HTTP/1.x answer")
+        status = int(rest[:3])
+        fields: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip()
+        close = fields.get("connection", "").lower() == "close" or version == "HTTP/1.0"
+        if "chunked" in fields.get("transfer-encoding", "").lower():
+            total = 0
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+                total += size
+                if total > _ANSWER_MAX:
+                    raise ValueError("answer too long")
+                await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        elif "content-length" in fields:
+            size = int(fields["content-length"])
+            if not 0 <= size <= _ANSWER_MAX:
+                raise ValueError("answer too long")
+            await reader.readexactly(size)
+        elif status not in (204, 304):  # a body up to the connection's end
+            data = await reader.read(_ANSWER_MAX + 1)
+            if len(data) > _ANSWER_MAX:
+                raise ValueError("answer too long")
+            close = True
+        if close:
+            self._close_stream()
+        return status
+
+    def _close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream[1].close()
+            self.stream = None
+
+    def _compress(self, body: bytes) -> bytes:
+        return gzip.compress(body, compresslevel=6) if self.compression == "gzip" else zlib.compress(body)
+
     def _run(self) -> None:
         while not self.stopping:
             self.wake.wait(self.delay)
             self.wake.clear()
+            self.woken = False
             self._drain()
         self._drain()
 
@@ -307,25 +483,17 @@ class Exporter:
         while queue:
             batch = [popleft() for _ in range(min(len(queue), self.max_batch))]
             try:
-                sent = self.send(otlp.encode(batch, self.resource, self.scope, pause=_yield_gil,
-                                             failed=self._unencodable))
-            except Exception as exc:  # an encoding that raised: the batch is lost, counted
+                sent = self.send(otlp.request(batch, self.resource, self.scope))
+            except Exception as exc:  # fail-open: the batch is lost, counted
                 log.warning("trace_export_failed", error_type=type(exc).__name__)
                 sent = False
             if not sent:
                 self.failures.inc(len(batch))
 
-    def _unencodable(self, exc: BaseException) -> None:
-        """A span the encoder could not write (left out of its batch): counted, logged."""
-        self.failures.inc()
-        log.warning("trace_export_failed", error_type=type(exc).__name__, stage="encode")
-
     def send(self, body: bytes) -> bool:
         """One batch's POST, retried with backoff (1, 2, 4 s...) while the timeout allows."""
-        if self.compression == "gzip":
-            body = gzip.compress(body, compresslevel=6)
-        elif self.compression == "deflate":
-            body = zlib.compress(body)
+        if self.compression:
+            body = self._compress(body)
         deadline = time.monotonic() + min(self.timeout, self.export_timeout)
         backoff, error = 1.0, ""
         while True:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 from urllib.parse import urlsplit
 
 import msgspec
@@ -58,6 +58,8 @@ _perf_counter = time.perf_counter
 _getrandbits = random.getrandbits  # reseeded in a forked worker by the random module itself
 _MASK64 = (1 << 64) - 1
 _SPAN_ATTRIBUTES = b"\x4a"  # Span.attributes' tag (otlp.attributes)
+_LOCAL_UNSET, _REMOTE_UNSET = otlp.tail(0, "", False), otlp.tail(0, "", True)
+_SHAPES, _SHAPE_BYTES = 4096, 2048  # `Tracing.shapes`: at most 8 MiB
 
 
 def sampler(name: str, arg: str) -> Sampler:
@@ -116,13 +118,17 @@ class Tracing:
         self.started = False
         #: a request span's attributes shared by a route and profile, an upstream call's by a route: encoded once
         self.fixed_cache: dict[tuple[Any, str, str], bytes] = {}
-        self.upstream_cache: dict[Any, tuple[str, bytes]] = {}
+        self.upstream_cache: dict[Any, tuple[bytes, bytes]] = {}
+        #: what `plain_span` writes of a request span that other requests share (its name field, and its attributes
+        #: but its own values), by what it depends on: bounded in entries and each in bytes
+        self.shapes: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         #: epoch ns minus perf_counter() ns, and when that was read (`epoch`)
         self.clock_at, self.clock_offset = float("-inf"), 0
 
-    def start(self) -> None:
-        """The exporter's thread (in each worker, after any fork)."""
-        self.exporter.start()
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """The exporter's sender (in each worker, after any fork): a task of the server's event loop `loop`, else
+        a thread of its own (replay, sweep)."""
+        self.exporter.start(loop)
         self.started = True
         log.info("tracing", endpoint=self.endpoint, service=self.service, contents=self.config.contents,
                  sampler=self.sampler.name)
@@ -132,6 +138,12 @@ class Tracing:
         if self.started:
             self.started = False
             self.exporter.shutdown()
+
+    async def ashutdown(self) -> None:
+        """`shutdown` of a sender started on the event loop."""
+        if self.started:
+            self.started = False
+            await self.exporter.ashutdown()
 
     def root(self, name: str, kind: int, parent: Context | None, attributes: dict[str, Any] | None = None,
              start: int | None = None) -> tuple[int, Span | None]:
@@ -186,14 +198,72 @@ class Tracing:
                 "toolquake.route": asked.route, "toolquake.profile": key[1], "toolquake.mode": key[2]})
         return fixed
 
-    def upstream_fixed(self, api: Any) -> tuple[str, bytes]:
-        """The upstream call's span name and its attributes (all but the status), encoded once per route."""
+    def upstream_fixed(self, api: Any) -> tuple[bytes, bytes]:
+        """The upstream call's span name (its field) and its attributes but the status, encoded once per route."""
         named = self.upstream_cache.get(api)
         if named is None:
             path = f"/v1/{api.path}" if api is not None else "/v1"
-            named = self.upstream_cache[api] = (f"POST {path}", otlp.attributes(_SPAN_ATTRIBUTES, {
-                "http.request.method": "POST", "url.path": path, **self.server}))
+            named = self.upstream_cache[api] = (otlp.name_field(f"POST {path}"), otlp.attributes(
+                _SPAN_ATTRIBUTES, {"http.request.method": "POST", "url.path": path, **self.server}))
         return named
+
+    def upstream_span(self, trace: RequestTrace, status: int, start: int, end: int) -> None:
+        """The upstream call's span (a client span under the request's), written straight to the wire format."""
+        span, exporter = trace.span, self.exporter
+        if span is None or not exporter.room():
+            return
+        name, fixed = self.upstream_fixed(trace.api)
+        exporter.put_encoded(otlp.framed_parts(
+            otlp.head(span.trace_id, trace.up_id, span.span_id, span.tracestate, name, CLIENT, start, end), fixed,
+            otlp.int_attribute("http.response.status_code", status), _LOCAL_UNSET))
+
+    def plain_span(self, trace: RequestTrace) -> bool:
+        """A `plain` request's span written straight to the wire format: what it shares with other requests (its
+        route and profile's attributes, then its model, stream flag, status, the answer's summary but its id, the
+        conformance check) from bounded caches, then its own ids and times. False (nothing written) where only
+        its attributes gathered in a dict can say it (`fill`)."""
+        span, asked, served = trace.span, trace.asked, trace.served
+        assert span is not None and asked is not None and served is not None
+        summary = trace.summary
+        if summary is not None and (type(summary.input_tokens) is bool or type(summary.output_tokens) is bool):
+            return False  # equal to 1 and 0 as keys: left to the dict
+        rules = trace.rules
+        fixed = self.fixed(asked)  # the same bytes object for every request of a route and profile
+        key = (fixed, asked.model, asked.stream, served.status, summary[:1] + summary[2:] if summary is not None
+               else None, None if rules is None else tuple(rules))
+        shared = self.shapes.get(key)
+        if shared is None:
+            attrs: dict[str, Any] = {}
+            request_into(attrs, asked, served)
+            del attrs["toolquake.request_id"]
+            if summary is not None:
+                summary_into(attrs, summary, with_id=False)
+            attrs["http.response.status_code"] = served.status
+            if rules is not None:
+                attrs["toolquake.conformance.checked"] = True
+                attrs["toolquake.conformance.rules"] = rules
+            name = otlp.name_field("chat " + asked.model if asked.model else span.name)
+            shared = (name, fixed + otlp.attributes(_SPAN_ATTRIBUTES, attrs))
+            if len(shared[1]) <= _SHAPE_BYTES:  # bounded in bytes: a hostile model or answer is not kept
+                if len(self.shapes) >= _SHAPES:
+                    self.shapes.clear()
+                self.shapes[key] = shared
+        exporter = self.exporter
+        if trace.up_start is not None:  # the upstream call's span first, as the general path writes it
+            self.upstream_span(trace, served.status, trace.at(trace.up_start), trace.up_end_ns)
+        if not exporter.room():
+            return True
+        trace_id, parent, upstream_s = span.trace_id, span.parent_id, served.upstream_s
+        own = [otlp.head(trace_id, span.span_id, parent, span.tracestate, shared[0], SERVER, span.start,
+                         trace.end_ns or 0), shared[1], otlp.str_attribute("toolquake.request_id", asked.request_id),
+               b"" if summary is None or summary.id is None else otlp.str_attribute("gen_ai.response.id", summary.id)]
+        if upstream_s is not None:
+            own += (otlp.float_attribute("toolquake.upstream_ms", round(upstream_s * 1000, 3)),
+                    otlp.float_attribute("toolquake.overhead_ms",
+                                         round(max(served.total_s - upstream_s, 0.0) * 1000, 3)))
+        own.append(_REMOTE_UNSET if parent and span.remote else _LOCAL_UNSET)
+        exporter.put_encoded(otlp.framed_parts(*own))
+        return True
 
     def failed(self, exc: BaseException) -> None:
         self.span_failures.inc()
@@ -202,12 +272,15 @@ class Tracing:
 
 class RequestTrace:
     """The span of one model request and what it takes to end it (`span` None: the sampler left the request out;
-    its calls upstream still carry a context, sampled flag 0). The upstream call's span is made when the request
-    finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets. Every
-    method fails open."""
+    its calls upstream still carry a context, sampled flag 0). The upstream call's span is written when the
+    request finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets.
+    The request span's attributes are worked out when it ends, from the request (`asked`, `served`) and its answer:
+    a passthrough request's (nothing but its own values: `plain`) are written straight to the wire format, the
+    part they share with other requests from a cache (`Tracing.plain_span`); any other's are gathered in the span's
+    dict (`fill`) and encoded from it. Every method fails open."""
 
     __slots__ = ("tracing", "span", "trace_id", "tracestate", "t0", "end_ns", "holds", "ended", "up_id", "up_start",
-                 "api", "clean")
+                 "api", "clean", "asked", "served", "summary", "rules", "up_end_ns")
 
     def __init__(self, tracing: Tracing, span: Span | None, trace_id: int, tracestate: str | None, t0: float,
                  up_id: int, clean: bool) -> None:
@@ -216,8 +289,12 @@ class RequestTrace:
         self.holds = 1  # the request itself, until its last byte
         self.ended = False
         #: the upstream call's span id, and when the request went upstream (None: it did not)
-        self.up_id, self.up_start, self.api = up_id, None, None
+        self.up_id, self.up_start, self.api, self.up_end_ns = up_id, None, None, 0
         self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
+        self.asked: Asked | None = None  # set when the request finishes
+        self.served: Served | None = None
+        self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`answered`, `relayed`)
+        self.rules: list[str] | None = None  # the conformance rules the answer broke, once it was checked
 
     @property
     def recording(self) -> bool:
@@ -243,18 +320,13 @@ class RequestTrace:
         return forward(span.trace_id, span.span_id, True, span.tracestate, headers)
 
     def sending(self, asked: Asked, served: Served, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The request goes upstream: its attributes, and the upstream call's context, which the backend gets
-        (its span is made at `finish`). Returns the headers to send."""
+        """The request goes upstream with the upstream call's context, which the backend gets (its span is written
+        at `finish`). Returns the headers to send."""
         try:
-            span = self.span
             self.up_start, self.api = served.t_upstream or _perf_counter(), asked.api
-            if span is not None:
-                if asked.model:
-                    span.name = "chat " + asked.model
-                span.fixed = self.tracing.fixed(asked)
-                request_into(span.attributes, asked, served)
             out = list(headers) if self.clean else [h for h in headers if h[0].lower() not in TRACE_HEADERS]
-            out.append(("traceparent", f"00-{self.trace_id:032x}-{self.up_id:016x}-{'00' if span is None else '01'}"))
+            out.append(("traceparent", f"00-{self.trace_id:032x}-{self.up_id:016x}-"
+                                       f"{'00' if self.span is None else '01'}"))
             if self.tracestate:
                 out.append(("tracestate", self.tracestate))
             return out
@@ -263,13 +335,26 @@ class RequestTrace:
             return headers
 
     def answered(self, asked: Asked, served: Served, answer: dict[str, Any] | None) -> None:
-        """The final answer (chat-shaped), as the client got it: the response's gen_ai attributes."""
+        """The final answer (chat-shaped), as the client got it: what the span reads of it."""
         if self.span is None or answer is None:
             return
         try:
-            answer_into(self.span.attributes, answer)
+            self.summary = answer_summary(answer)
         except Exception as exc:
             self.tracing.failed(exc)
+
+    def relayed(self, asked: Asked, data: bytes) -> None:
+        """The answer's bytes as relayed to the client (a request passed through): what the span reads of them."""
+        if self.span is None or not data or asked.api is None:
+            return
+        try:
+            self.summary = relayed_summary(asked.api, asked.stream, data)
+        except Exception as exc:
+            self.tracing.failed(exc)
+
+    def conformance(self, rules: list[str]) -> None:
+        """The answer was checked (after its last byte): the rules it broke."""
+        self.rules = rules
 
     def client_got(self, wire: dict[str, Any]) -> None:
         """A rewritten answer in the client's wire form: the response id the client sees."""
@@ -277,30 +362,20 @@ class RequestTrace:
             self.span.attributes["gen_ai.response.id"] = wire["id"]
 
     def finish(self, asked: Asked, served: Served) -> None:
-        """The request's last byte was sent (or it was refused): what happened to it, and its end time; the
-        upstream call's span, from the times recorded."""
+        """The request's last byte was sent (or it was refused): its end time; the upstream call's span, from the
+        times recorded."""
         span = self.span
         if span is None:
             self.end_ns = 0
             self.release()
             return
         try:
-            t0, attrs, status = self.t0, span.attributes, served.status
+            self.asked, self.served = asked, served
+            t0 = self.t0
             end = t0 + served.total_s
-            if self.up_start is None:  # refused before it went upstream
-                if asked.model:
-                    span.name = "chat " + asked.model
-                span.fixed = self.tracing.fixed(asked)
-                request_into(attrs, asked, served)
-            else:
-                name, fixed = self.tracing.upstream_fixed(self.api)
-                up_end = end if served.upstream_s is None else (served.t_upstream or t0) + served.upstream_s
-                Span(span.exporter, span.trace_id, span.span_id, False, name, CLIENT, self.at(self.up_start),
-                     {"http.response.status_code": status}, span.tracestate, self.up_id, fixed).finish(self.at(up_end))
-            finish_into(attrs, served)
-            if status >= 500 or status == 0:
-                span.set_status(ERROR)
-                attrs["error.type"] = str(status)
+            if self.up_start is not None:  # its span is written when the request's is
+                self.up_end_ns = self.at(end if served.upstream_s is None else
+                                         (served.t_upstream or t0) + served.upstream_s)
             if self.tracing.config.contents and asked.request is not None:
                 self.contents(asked, served)
             self.end_ns = self.at(end)
@@ -308,6 +383,37 @@ class RequestTrace:
             self.tracing.failed(exc)
             self.end_ns = _time_ns()
         self.release()
+
+    def plain(self) -> bool:
+        """The request span's attributes are the request's own values only: a request not decoded, unchanged,
+        of no case, answered without an error or a repair, and nothing was noted on it but its conformance."""
+        span, asked, served = self.span, self.asked, self.served
+        return span is not None and asked is not None and served is not None and not span.attributes \
+            and span.events is None and asked.request is None and asked.case is None and served.outcome is None \
+            and not served.injected_calls and not served.repaired and 0 < served.status < 500
+
+    def fill(self) -> None:
+        """The request span's name, attributes and status, gathered in the span (a request that is not `plain`):
+        those noted on it while it ran win over those worked out here."""
+        span, asked, served = self.span, self.asked, self.served
+        if span is None or asked is None or served is None:
+            return
+        attrs: dict[str, Any] = {}
+        if asked.model:
+            span.name = "chat " + asked.model
+        span.fixed = self.tracing.fixed(asked)
+        request_into(attrs, asked, served)
+        if self.summary is not None:
+            summary_into(attrs, self.summary)
+        finish_into(attrs, served)
+        if self.rules is not None:
+            attrs["toolquake.conformance.checked"] = True
+            attrs["toolquake.conformance.rules"] = self.rules
+        if served.status >= 500 or served.status == 0:
+            span.set_status(ERROR)
+            attrs["error.type"] = str(served.status)
+        attrs.update(span.attributes)
+        span.attributes = attrs
 
     def contents(self, asked: Asked, served: Served) -> None:
         """Prompt and answer, redacted off the event loop (the span waits for them); none without a redactor."""
@@ -339,12 +445,19 @@ class RequestTrace:
         if self.ended:
             return
         self.ended = True
-        if self.span is None:
+        span = self.span
+        if span is None:
             return
         try:
-            self.span.finish(self.end_ns)
+            if not (self.plain() and self.tracing.plain_span(self)):
+                served = self.served
+                if self.up_start is not None and served is not None:
+                    self.tracing.upstream_span(self, served.status, self.at(self.up_start), self.up_end_ns)
+                self.fill()
+                span.finish(self.end_ns)
         except Exception as exc:
             self.tracing.failed(exc)
+        self.asked = self.served = None  # `served` holds this trace: no cycle left for the collector
 
     def __del__(self) -> None:  # a trace dropped with a hold never released: its span still ends
         if not self.ended and self.end_ns is not None:
@@ -474,35 +587,133 @@ def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def answer_into(out: dict[str, Any], answer: dict[str, Any]) -> None:
-    """`answer_attributes`, added to `out`: one pass over the choices."""
+class AnswerSummary(NamedTuple):
+    """What a span reads of an answer (`answer_summary`); `None`: the answer has no such value."""
+
+    model: str | None
+    id: str | None
+    finish_reasons: tuple[str, ...]
+    input_tokens: int | None
+    output_tokens: int | None
+    tool_calls: tuple[str, ...]
+
+
+def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
+    """The response's model and id, the choices' finish reasons, the token usage, the first choice's calls' names
+    (one pass over the choices; values not of their type are left out)."""
     model, answer_id = answer.get("model"), answer.get("id")
-    if isinstance(model, str):
-        out["gen_ai.response.model"] = model
-    if isinstance(answer_id, str):
-        out["gen_ai.response.id"] = answer_id
     reasons: list[str] = []
     first = None
-    for choice in answer.get("choices") or ():
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             if first is None:
                 first = choice
             reason = choice.get("finish_reason")
             if reason:
                 reasons.append(str(reason))
-    if reasons:
-        out["gen_ai.response.finish_reasons"] = reasons
     usage = answer.get("usage")
+    tokens_in = tokens_out = None
     if isinstance(usage, dict):
-        tokens = usage.get("prompt_tokens")
-        if isinstance(tokens, int):
-            out["gen_ai.usage.input_tokens"] = tokens
-        tokens = usage.get("completion_tokens")
-        if isinstance(tokens, int):
-            out["gen_ai.usage.output_tokens"] = tokens
-    calls = (first.get("message") or {}).get("tool_calls") if first is not None else None
-    out["toolquake.answer.tool_calls"] = [str((c.get("function") or {}).get("name")) for c in calls
-                                          if isinstance(c, dict)] if calls else []
+        tokens_in, tokens_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    message = first.get("message") if first is not None else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    names = tuple(str(fn.get("name") if isinstance(fn := c.get("function"), dict) else None) for c in calls
+                  if isinstance(c, dict)) if calls and isinstance(calls, list) else ()
+    return AnswerSummary(model if isinstance(model, str) else None, answer_id if isinstance(answer_id, str) else None,
+                         tuple(reasons), tokens_in if isinstance(tokens_in, int) else None,
+                         tokens_out if isinstance(tokens_out, int) else None, names)
+
+
+class _Function(msgspec.Struct):
+    name: Any = None
+
+
+class _Call(msgspec.Struct):
+    function: _Function | None = None
+
+
+class _Message(msgspec.Struct):
+    tool_calls: list[_Call] | None = None
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: Any = None
+    message: _Message | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: Any = None
+    completion_tokens: Any = None
+
+
+class _Answer(msgspec.Struct):
+    """What `relayed_summary` reads of a chat completion (the rest is skipped, not built)."""
+
+    id: Any = None
+    model: Any = None
+    usage: _Usage | None = None
+    choices: list[_Choice] | None = None
+
+
+_read_answer = msgspec.json.Decoder(_Answer).decode
+_NOT_READ = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
+
+
+def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None:
+    """`answer_summary` of an answer's bytes as relayed (a stream's whole SSE body, else its JSON): a chat
+    completion read into the few fields it gives; what is not of a well-formed answer's shape, decoded whole and
+    read as `answer_summary` reads it (the same summary). None: no answer could be read."""
+    if stream:
+        answer = api.summarize(data)
+        if answer is None:
+            native = api.assemble(data)
+            answer = api.answer_to_internal(native) if native else None
+        return answer_summary(answer) if answer is not None else None
+    if api.route == "chat_completions":
+        try:
+            typed = _read_answer(data)
+        except _NOT_READ:
+            pass
+        else:
+            usage, model, answer_id = typed.usage, typed.model, typed.id
+            tokens_in = usage.prompt_tokens if usage is not None else None
+            tokens_out = usage.completion_tokens if usage is not None else None
+            reasons, names = [], ()
+            for i, choice in enumerate(typed.choices or ()):
+                if choice.finish_reason:
+                    reasons.append(str(choice.finish_reason))
+                if not i and choice.message is not None and choice.message.tool_calls:
+                    names = tuple(str(c.function.name if c.function is not None else None)
+                                  for c in choice.message.tool_calls)
+            return AnswerSummary(model if isinstance(model, str) else None,
+                                 answer_id if isinstance(answer_id, str) else None, tuple(reasons),
+                                 tokens_in if isinstance(tokens_in, int) else None,
+                                 tokens_out if isinstance(tokens_out, int) else None, names)
+    try:
+        decoded = msgspec.json.decode(data)
+    except _NOT_READ:
+        return None
+    return answer_summary(api.answer_to_internal(decoded)) if isinstance(decoded, dict) else None
+
+
+def answer_into(out: dict[str, Any], answer: dict[str, Any]) -> None:
+    """`answer_attributes`, added to `out`."""
+    summary_into(out, answer_summary(answer))
+
+
+def summary_into(out: dict[str, Any], summary: AnswerSummary, with_id: bool = True) -> None:
+    if summary.model is not None:
+        out["gen_ai.response.model"] = summary.model
+    if summary.id is not None and with_id:
+        out["gen_ai.response.id"] = summary.id
+    if summary.finish_reasons:
+        out["gen_ai.response.finish_reasons"] = list(summary.finish_reasons)
+    if summary.input_tokens is not None:
+        out["gen_ai.usage.input_tokens"] = summary.input_tokens
+    if summary.output_tokens is not None:
+        out["gen_ai.usage.output_tokens"] = summary.output_tokens
+    out["toolquake.answer.tool_calls"] = list(summary.tool_calls)
 
 
 def finish_into(out: dict[str, Any], served: Served) -> None:

@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import ROOT, free_port, recorded, start_process
 from tests.server.test_proxy_core import metric_value
@@ -93,6 +97,8 @@ def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(pr
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
     ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER"),
     ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "between 0 and 1"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=a%0D%0Ax-injected: 1"}, "no line break"),  # header injection
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "x%20tenant=a"}, "a name is a token"),
 ])
 def test_bad_tracing_settings_stop_serve_with_what_to_do(fake_upstream, env, says):
     port = free_port()
@@ -302,8 +308,8 @@ def test_sampled_out_requests_export_nothing_and_forward_an_unsampled_context(pr
 
 def test_a_full_span_queue_drops_and_counts(sink):
     """The exporter's queue is bounded (OTEL_BSP_MAX_QUEUE_SIZE): spans past it are dropped and counted, never
-    queued; once its thread runs, what was queued reaches the collector, but for a span that cannot be encoded
-    (an id out of range), which is left out of its batch and counted."""
+    queued, and a span that cannot be encoded (an id out of range) is left out as it ends and counted; once its
+    thread runs, what was queued reaches the collector."""
     from prometheus_client import CollectorRegistry, Counter
 
     from toolquake.proxy.server.spans import SERVER, Exporter
@@ -318,11 +324,11 @@ def test_a_full_span_queue_drops_and_counts(sink):
     assert len(exporter.queue) == 4 and failures._value.get() == 2
     exporter.start()
     try:
-        spans = _spans(sink, {f"{trace_id:032x}"}, 3)
+        spans = _spans(sink, {f"{trace_id:032x}"}, 4)
     finally:
         exporter.shutdown()
-    assert sorted(s["name"] for s in spans) == ["s0", "s1", "s2"]
-    assert failures._value.get() == 3
+    assert sorted(s["name"] for s in spans) == ["s0", "s1", "s2", "s3"]
+    assert failures._value.get() == 2
 
 
 def _sse(*events: object) -> bytes:
@@ -402,3 +408,171 @@ def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_u
     for trace_id, attrs in expected.items():
         (request,) = [s for s in spans if s["trace_id"] == trace_id and s["name"] == "chat fake-model"]
         assert {k: request["values"].get(k) for k in attrs} == attrs, trace_id
+
+
+_JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**70),
+                       st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+_JSON = st.recursive(_JSON_LEAF, lambda children: st.lists(children, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=12)
+_FUNCTION = st.one_of(_JSON, st.fixed_dictionaries({}, optional={"name": _JSON, "arguments": _JSON}))
+_CALL = st.one_of(_JSON, st.fixed_dictionaries({}, optional={"id": _JSON, "function": _FUNCTION}))
+_MESSAGE = st.one_of(_JSON, st.fixed_dictionaries({}, optional={
+    "content": _JSON, "tool_calls": st.one_of(_JSON, st.lists(_CALL, max_size=3))}))
+_CHOICE = st.one_of(_JSON, st.fixed_dictionaries({}, optional={"index": _JSON, "finish_reason": _JSON,
+                                                               "message": _MESSAGE}))
+_ANSWER = st.fixed_dictionaries({}, optional={
+    "id": _JSON, "model": _JSON, "object": _JSON, "choices": st.one_of(_JSON, st.lists(_CHOICE, max_size=3)),
+    "usage": st.one_of(_JSON, st.fixed_dictionaries({}, optional={"prompt_tokens": _JSON,
+                                                                   "completion_tokens": _JSON}))})
+
+
+@settings(max_examples=400, deadline=None)
+@given(_ANSWER)
+def test_a_relayed_answers_summary_is_the_decoded_answers(answer):
+    """What a passed-through request's span reads of its answer's bytes (`relayed_summary`: a few fields read,
+    the rest skipped) is what `answer_summary` reads of the same answer decoded whole, whatever its shape."""
+    from toolquake.proxy.server.apis import CHAT as CHAT_API
+    from toolquake.proxy.server.tracing import answer_summary, relayed_summary
+
+    data = json.dumps(answer).encode()
+    assert relayed_summary(CHAT_API, False, data) == answer_summary(json.loads(data))
+
+
+def _decoded(spans: list[bytes]) -> list:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest.FromString(otlp.request(spans, otlp.resource({"service.name": "t"}),
+                                                                otlp.scope("toolquake", "0")))
+    return list(request.resource_spans[0].scope_spans[0].spans)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model", ["fake-model", None])
+@pytest.mark.parametrize("status,upstream_s,rules,remote", [
+    (200, 0.0123456, [], False), (200, 0.5, ["tool_name_unknown", "arguments_not_json"], True),
+    (404, None, None, False), (429, 0.002, None, True)])
+def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, status, upstream_s,
+                                                                                rules, remote):
+    """A request passed through has its span written straight to the wire format, what it shares with other
+    requests from a cache (`Tracing.plain_span`); decoded, it is the span the general path writes from the same
+    request's attributes gathered in a dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status
+    and every attribute with its type. Each case twice, the second from the cache."""
+    from toolquake.proxy.server.apis import CHAT as CHAT_API
+    from toolquake.proxy.server.config import ProfileSpec, TracingConfig
+    from toolquake.proxy.server.metrics import Metrics
+    from toolquake.proxy.server.profiles import build_profile
+    from toolquake.proxy.server.state import Asked, Served
+    from toolquake.proxy.server.tracing import RequestTrace, Tracing
+
+    tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
+                      Metrics(), "http://127.0.0.1:8000/v1")
+    tracing.started = True  # spans queue up; nothing sends them
+    profile = build_profile("off", ProfileSpec(mode="off"))
+    answer = json.dumps({"id": "chatcmpl-1", "model": "fake-model",
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+                         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"tool_calls": [
+                             {"function": {"name": "get_weather", "arguments": "{}"}}]}}]}).encode()
+    headers = [("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01")] if remote else []
+    for _ in range(2):
+        spans = {}
+        for path in ("plain", "dict"):
+            t0 = time.perf_counter()
+            asked = Asked(secrets.token_hex(8), t0, CHAT_API, profile, stream, model)
+            served = Served(status=status, t_upstream=t0 + 0.001, upstream_s=upstream_s, total_s=0.75)
+            served.trace = trace = tracing.begin(headers, t0)
+            trace.hold()  # as the answer path holds it for the checks after the last byte
+            trace.sending(asked, served, [])
+            trace.relayed(asked, answer)
+            trace.finish(asked, served)
+            if rules is not None:
+                trace.conformance(rules)
+            with pytest.MonkeyPatch.context() as mp:
+                if path == "dict":
+                    mp.setattr(RequestTrace, "plain", lambda self: False)  # the general path
+                trace.release()
+            spans[path] = _decoded(list(tracing.exporter.queue))
+            tracing.exporter.queue.clear()
+        plain, general = spans["plain"], spans["dict"]
+        assert len(plain) == len(general) == 2
+        for a, b in zip(plain, general):
+            assert a.span_id != b.span_id and (a.trace_id == b.trace_id) == remote
+            for field in ("name", "kind", "flags", "status"):
+                assert getattr(a, field) == getattr(b, field), field
+            assert (a.end_time_unix_nano - a.start_time_unix_nano) == (b.end_time_unix_nano - b.start_time_unix_nano)
+            assert bool(a.parent_span_id) == bool(b.parent_span_id)
+            values = [{kv.key: (kv.value.WhichOneof("value"), str(kv.value)) for kv in s.attributes} for s in (a, b)]
+            values[0].pop("toolquake.request_id", None), values[1].pop("toolquake.request_id", None)
+            assert values[0] == values[1]
+
+
+def _hostile_collector(kind: str) -> tuple[str, threading.Event]:
+    """An OTLP endpoint that misbehaves: `silent` reads and never answers, `endless_head` sends header bytes and
+    never ends them, `huge_body` announces 100 MB and sends them (slowly), `garbage` answers what is not HTTP."""
+    stop = threading.Event()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+
+    def serve(conn: socket.socket) -> None:
+        conn.settimeout(0.2)
+        try:
+            while not stop.is_set():
+                try:
+                    if not conn.recv(65536):
+                        return
+                except socket.timeout:
+                    pass
+                if kind == "endless_head":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"a" * 60000 + b"\r\n")
+                elif kind == "huge_body":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n" + b"b" * 65536)
+                elif kind == "garbage":
+                    conn.sendall(b"\x00\xffnot http at all\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        server.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", stop
+
+
+@pytest.mark.parametrize("kind", ["silent", "endless_head", "huge_body", "garbage"])
+def test_a_hostile_collector_costs_no_request_and_is_counted(proxy_factory, kind):
+    """The exporter sends from the server's event loop: a collector that never answers, answers an endless head or
+    an endless body, or answers what is not HTTP, holds no request up and takes no unbounded memory (an answer's
+    head is read up to 64 KiB, its body up to 1 MiB, all within the export timeout); its failed exports are
+    counted, and the proxy goes on serving."""
+    url, stop = _hostile_collector(kind)
+    try:
+        tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": url,
+                                  "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+                                  "OTEL_EXPORTER_OTLP_TIMEOUT": "2"})
+        pid = tq.popen.pid
+        rss = [int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")][0]
+        deadline, failed = time.monotonic() + 30, 0.0
+        with httpx.Client(timeout=10) as client:
+            while time.monotonic() < deadline and not failed:
+                for _ in range(8):
+                    t0 = time.perf_counter()
+                    assert client.post(tq.url + "/v1/chat/completions", json=CHAT).status_code == 200
+                    assert time.perf_counter() - t0 < 2.0  # never held up by the export
+                failed = metric_value(client.get(tq.url + "/metrics").text, "toolquake_tracing_failures_total",
+                                      stage="export") or 0.0
+                time.sleep(0.3)
+            assert failed >= 1, kind
+            assert client.get(tq.url + "/healthz").status_code == 200
+        grown = [int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")][0] - rss
+        assert grown < 64 * 1024, f"{kind}: RSS grew {grown} KiB"
+    finally:
+        stop.set()

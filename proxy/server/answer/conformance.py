@@ -55,8 +55,7 @@ class Conformance(AnswerStep):
             m.conformance_violations.labels(model, route, s, v.rule).inc()
         m.child(m.conformance_checks, model, route, s).inc()  # after its violations: a reader sees both
         if served.trace is not None:
-            served.trace.note({"toolquake.conformance.checked": True,
-                               "toolquake.conformance.rules": [v.rule for v in found]})
+            served.trace.conformance([v.rule for v in found])
         if not found:
             return
         served.violations = found
