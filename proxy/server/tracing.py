@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 from urllib.parse import urlsplit
@@ -60,6 +61,9 @@ _MASK64 = (1 << 64) - 1
 _SPAN_ATTRIBUTES = b"\x4a"  # Span.attributes' tag (otlp.attributes)
 _LOCAL_UNSET, _REMOTE_UNSET = otlp.tail(0, "", False), otlp.tail(0, "", True)
 _SHAPES, _SHAPE_BYTES = 4096, 2048  # `Tracing.shapes`: at most 8 MiB
+_UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
+                                                                          "toolquake.overhead_ms"))
+_pack_double = struct.Struct("<d").pack
 
 
 def sampler(name: str, arg: str) -> Sampler:
@@ -119,6 +123,8 @@ class Tracing:
         #: a request span's attributes shared by a route and profile, an upstream call's by a route: encoded once
         self.fixed_cache: dict[tuple[Any, str, str], bytes] = {}
         self.upstream_cache: dict[Any, tuple[bytes, bytes]] = {}
+        #: the upstream call's span name and all its attributes, by route and status (`plain_span`)
+        self.up_shared: dict[tuple[Any, int], tuple[bytes, bytes]] = {}
         #: what `plain_span` writes of a request span that other requests share (its name field, and its attributes
         #: but its own values), by what it depends on: bounded in entries and each in bytes
         self.shapes: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
@@ -248,21 +254,34 @@ class Tracing:
                 if len(self.shapes) >= _SHAPES:
                     self.shapes.clear()
                 self.shapes[key] = shared
-        exporter = self.exporter
-        if trace.up_start is not None:  # the upstream call's span first, as the general path writes it
-            self.upstream_span(trace, served.status, trace.at(trace.up_start), trace.up_end_ns)
-        if not exporter.room():
-            return True
-        trace_id, parent, upstream_s = span.trace_id, span.parent_id, served.upstream_s
-        own = [otlp.head(trace_id, span.span_id, parent, span.tracestate, shared[0], SERVER, span.start,
-                         trace.end_ns or 0), shared[1], otlp.str_attribute("toolquake.request_id", asked.request_id),
-               b"" if summary is None or summary.id is None else otlp.str_attribute("gen_ai.response.id", summary.id)]
+        exporter, up_start, upstream_s = self.exporter, trace.up_start, served.upstream_s
+        own = otlp.str_attribute("toolquake.request_id", asked.request_id)
+        if summary is not None and summary.id is not None:
+            own += otlp.str_attribute("gen_ai.response.id", summary.id)
         if upstream_s is not None:
-            own += (otlp.float_attribute("toolquake.upstream_ms", round(upstream_s * 1000, 3)),
-                    otlp.float_attribute("toolquake.overhead_ms",
-                                         round(max(served.total_s - upstream_s, 0.0) * 1000, 3)))
-        own.append(_REMOTE_UNSET if parent and span.remote else _LOCAL_UNSET)
-        exporter.put_encoded(otlp.framed_parts(*own))
+            own += _UPSTREAM_MS + _pack_double(round(upstream_s * 1000, 3)) + _OVERHEAD_MS + _pack_double(
+                round(max(served.total_s - upstream_s, 0.0) * 1000, 3))
+        if up_start is None:  # refused before it went upstream: the request's span alone
+            if exporter.room():
+                exporter.put_encoded(otlp.framed_parts(
+                    otlp.head(span.trace_id, span.span_id, span.parent_id, span.tracestate, shared[0], SERVER,
+                              span.start, trace.end_ns or 0), shared[1], own,
+                    _REMOTE_UNSET if span.parent_id and span.remote else _LOCAL_UNSET))
+            return True
+        up = self.up_shared.get((trace.api, served.status))
+        if up is None:
+            name, fixed = self.upstream_fixed(trace.api)
+            up = (name, fixed + otlp.int_attribute("http.response.status_code", served.status))
+            if len(self.up_shared) >= 256:
+                self.up_shared.clear()
+            self.up_shared[(trace.api, served.status)] = up
+        server, client = otlp.passthrough(span.trace_id, span.span_id, span.parent_id, span.remote, span.tracestate,
+                                          shared[0], span.start, trace.end_ns or 0, shared[1], own, trace.up_id,
+                                          up[0], up[1], trace.at(up_start), trace.up_end_ns)
+        if exporter.room():  # the upstream call's span first, as the general path writes it
+            exporter.put_encoded(client)
+        if exporter.room():
+            exporter.put_encoded(server)
         return True
 
     def failed(self, exc: BaseException) -> None:

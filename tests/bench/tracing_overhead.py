@@ -126,7 +126,8 @@ def floor(n: int = 3000) -> dict[str, float]:
     from toolquake.proxy.server.tracing import Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
-                                                        "OTEL_TRACES_SAMPLER": "always_on"}),
+                                                        "OTEL_TRACES_SAMPLER": "always_on",
+                                                        "OTEL_BSP_MAX_QUEUE_SIZE": "100000"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
     tracing.started = True
     queue = tracing.exporter.queue

@@ -448,11 +448,11 @@ def _decoded(spans: list[bytes]) -> list:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", ["fake-model", None])
-@pytest.mark.parametrize("status,upstream_s,rules,remote", [
-    (200, 0.0123456, [], False), (200, 0.5, ["tool_name_unknown", "arguments_not_json"], True),
-    (404, None, None, False), (429, 0.002, None, True)])
+@pytest.mark.parametrize("status,upstream_s,rules,remote,sent", [
+    (200, 0.0123456, [], False, True), (200, 0.5, ["tool_name_unknown", "arguments_not_json"], True, True),
+    (404, None, None, False, True), (429, 0.002, None, True, True), (413, None, None, True, False)])
 def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, status, upstream_s,
-                                                                                rules, remote):
+                                                                                rules, remote, sent):
     """A request passed through has its span written straight to the wire format, what it shares with other
     requests from a cache (`Tracing.plain_span`); decoded, it is the span the general path writes from the same
     request's attributes gathered in a dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status
@@ -481,7 +481,8 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
             served = Served(status=status, t_upstream=t0 + 0.001, upstream_s=upstream_s, total_s=0.75)
             served.trace = trace = tracing.begin(headers, t0)
             trace.hold()  # as the answer path holds it for the checks after the last byte
-            trace.sending(asked, served, [])
+            if sent:  # else refused before it went upstream
+                trace.sending(asked, served, [])
             trace.relayed(asked, answer)
             trace.finish(asked, served)
             if rules is not None:
@@ -493,7 +494,7 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
             spans[path] = _decoded(list(tracing.exporter.queue))
             tracing.exporter.queue.clear()
         plain, general = spans["plain"], spans["dict"]
-        assert len(plain) == len(general) == 2
+        assert len(plain) == len(general) == (2 if sent else 1)
         for a, b in zip(plain, general):
             assert a.span_id != b.span_id and (a.trace_id == b.trace_id) == remote
             for field in ("name", "kind", "flags", "status"):
