@@ -577,3 +577,18 @@ def test_a_hostile_collector_costs_no_request_and_is_counted(proxy_factory, kind
         assert grown < 64 * 1024, f"{kind}: RSS grew {grown} KiB"
     finally:
         stop.set()
+
+
+@pytest.mark.parametrize("fault", ["status:429", "status:400"])
+def test_an_error_answers_span_is_exported_at_once(proxy_factory, sink, fault):
+    """An answer the backend refused (no check runs after its last byte) ends its span with the request: it
+    reaches the collector on the next export, with its status, even on a proxy that then sits idle."""
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    trace_id = secrets.token_hex(16)
+    got = httpx.post(tq.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                     headers={"x-fake-fault": fault, "traceparent": f"00-{trace_id}-{'cd' * 8}-01"})
+    assert got.status_code == int(fault.split(":")[1])
+    spans = _spans(sink, {trace_id}, 2, timeout=5.0)
+    (request,) = [s for s in spans if s["kind"] == 2]
+    assert request["values"]["http.response.status_code"] == got.status_code

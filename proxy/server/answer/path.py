@@ -36,10 +36,10 @@ class AnswerPath:
     async def serve(self, asked: Asked, served: Served, upstream: UpstreamResponse) -> Plain | Stream:
         """The upstream's answer (its status and headers arrived) on its way to the client."""
         plan = make_plan(self.steps, asked, served)
-        if plan.bytes and served.trace is not None:  # the span waits for the checks after the last byte
-            served.trace.hold()
         if asked.stream and 200 <= upstream.status_code < 300 \
                 and "text/event-stream" in upstream.header("content-type"):
+            if plan.bytes and served.trace is not None:  # the span waits for the checks after the last byte
+                served.trace.hold()
             if plan.events is not None:
                 return plan.events.on_stream(self, asked, served, upstream, plan)
             if plan.whole:

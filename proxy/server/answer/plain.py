@@ -86,8 +86,10 @@ async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream:
     headers["X-Toolquake-Overhead-Ms"] = f"{(total - served.upstream_s) * 1000:.3f}"
     headers["X-Toolquake-Request-Id"] = asked.request_id
     st.metrics.child(st.metrics.ttfb, asked.profile_name, "false").observe(total)
-    finish(st, asked, served)
     after = partial(path.after_bytes, asked, served, plan, relayed) if ok and plan.bytes else None
+    if after is not None and served.trace is not None:  # the span waits for the checks after the last byte
+        served.trace.hold()
+    finish(st, asked, served)
     return Plain(data, served.status, headers, upstream.header("content-type", JSON), after)
 
 
