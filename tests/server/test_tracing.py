@@ -592,3 +592,46 @@ def test_an_error_answers_span_is_exported_at_once(proxy_factory, sink, fault):
     spans = _spans(sink, {trace_id}, 2, timeout=5.0)
     (request,) = [s for s in spans if s["kind"] == 2]
     assert request["values"]["http.response.status_code"] == got.status_code
+
+
+def test_a_hostile_answer_is_read_in_linear_time_and_not_kept():
+    """What a span reads of a 1 MiB answer the model controls (a huge id, thousands of calls or choices, a huge
+    model name) takes linear time, and a shape that large is not kept in the passthrough cache."""
+    from toolquake.proxy.server.apis import CHAT as CHAT_API
+    from toolquake.proxy.server.config import ProfileSpec, TracingConfig
+    from toolquake.proxy.server.metrics import Metrics
+    from toolquake.proxy.server.profiles import build_profile
+    from toolquake.proxy.server.state import Asked, Served
+    from toolquake.proxy.server.tracing import Tracing, relayed_summary
+
+    mib = 1 << 20
+    calls = [{"function": {"name": "f" * 8}}] * (mib // 32)
+    answers = {
+        "id": {"id": "x" * mib},
+        "calls": {"choices": [{"finish_reason": "tool_calls", "message": {"tool_calls": calls}}]},
+        "choices": {"choices": [{"finish_reason": "stop" * 4}] * (mib // 40)},
+        "model": {"model": "m" * mib, "choices": [{"finish_reason": "r" * mib}]},
+    }
+    tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                                                        "OTEL_BSP_MAX_QUEUE_SIZE": "100"}),
+                      Metrics(), "http://127.0.0.1:8000/v1")
+    tracing.started = True
+    profile = build_profile("off", ProfileSpec(mode="off"))
+    for name, answer in answers.items():
+        data = json.dumps(answer).encode()
+        t0 = time.process_time()
+        assert relayed_summary(CHAT_API, False, data) is not None
+        t0_span = time.perf_counter()
+        asked = Asked(secrets.token_hex(8), t0_span, CHAT_API, profile, False, "m" * mib if name == "model" else "m")
+        served = Served(status=200, t_upstream=t0_span, upstream_s=0.001, total_s=0.002)
+        served.trace = trace = tracing.begin([], t0_span)
+        trace.hold()
+        trace.sending(asked, served, [])
+        trace.finish(asked, served)
+        trace.relayed(asked, data)
+        trace.release()
+        took = time.process_time() - t0
+        assert took < 1.0, f"{name}: {took:.2f} s"
+        assert sum(len(v[1]) for v in tracing.shapes.values()) <= 4096, name  # nothing that large kept
+        assert len(tracing.exporter.queue) >= 1, name  # the span was written all the same
+        tracing.exporter.queue.clear()
