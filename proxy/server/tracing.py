@@ -602,7 +602,7 @@ def perturbation_attributes(outcome: Any) -> dict[str, Any]:
 def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
     """gen_ai.response.* and gen_ai.usage.* of a chat-shaped answer (both APIs' answers take this form)."""
     out: dict[str, Any] = {}
-    answer_into(out, answer)
+    summary_into(out, answer_summary(answer))
     return out
 
 
@@ -714,11 +714,6 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
     except _NOT_READ:
         return None
     return answer_summary(api.answer_to_internal(decoded)) if isinstance(decoded, dict) else None
-
-
-def answer_into(out: dict[str, Any], answer: dict[str, Any]) -> None:
-    """`answer_attributes`, added to `out`."""
-    summary_into(out, answer_summary(answer))
 
 
 def summary_into(out: dict[str, Any], summary: AnswerSummary, with_id: bool = True) -> None:
