@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
+# `make test` runs the tests in this many pytest-xdist worker processes, a test file at a time on each (a file's
+# tests share its servers): most tests wait on the servers they start, so two workers on two cores halve the
+# wall time. TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo sweep-demo clean image \
 	test-image \
@@ -128,12 +132,12 @@ lint: install
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
 test: install-embeddings corpus tools install-local containers phoenix tiktoken-files
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # without the heavy extras and the corpus: the proxy core only
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not needs_corpus and not needs_embeddings and not container" $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not needs_corpus and not needs_embeddings and not container" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)

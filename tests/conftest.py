@@ -168,10 +168,16 @@ def _suite_processes() -> dict[int, str]:
     return found
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run if a process the suite started is still alive after it (then stop those processes)."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
+    """Fail the run if a process the suite started is still alive after it (then stop those processes).
+
+    A wrapper, checking after every other `pytest_sessionfinish`: under pytest-xdist (`make test` runs the suite
+    in worker processes) the controller's own hook stops the workers there, and the workers' sessions do not
+    check (the marker names the controller), so what a worker's tests left running is found here too."""
+    yield
     if not sys.platform.startswith("linux") or os.environ.get(ORPHAN_MARK, "").split("-")[0] != str(os.getpid()):
-        return  # only the session that set the marker checks (not pytest runs nested inside tests)
+        return  # only the session that set the marker checks (not pytest runs nested inside tests, nor workers)
     deadline = time.monotonic() + 10.0
     left = _suite_processes()
     while left and time.monotonic() < deadline:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ def test_leaks():
     p = subprocess.Popen([sys.executable, "-c", "import time; print('leaked', flush=True); time.sleep(120)"],
                          start_new_session=True)
     print("PID", p.pid)
+    with open(__file__ + ".pid", "w") as f:  # an xdist worker's output is not shown
+        f.write(str(p.pid))
 """
 TIDY = """
 import subprocess, sys
@@ -32,19 +33,23 @@ def test_tidy():
 """
 
 
-def nested(tmp_path, source: str) -> subprocess.CompletedProcess:
+def nested(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
     test = tmp_path / "test_nested.py"
     test.write_text(source)
-    env = {k: v for k, v in os.environ.items() if k != ORPHAN_MARK}  # the nested run is a session of its own
+    # the nested run is a session of its own (and not a worker of this one, when this one runs under xdist)
+    env = {k: v for k, v in os.environ.items() if k != ORPHAN_MARK and not k.startswith("PYTEST_XDIST")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "tests.conftest", "-p",
-                           "no:cacheprovider", "--rootdir", str(tmp_path), str(test)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+                           "no:cacheprovider", *args, "--rootdir", str(tmp_path), str(test)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
 
 
-def test_a_run_that_leaks_a_process_fails_and_the_process_is_stopped(tmp_path):
-    r = nested(tmp_path, LEAKY)
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist-workers"])
+def test_a_run_that_leaks_a_process_fails_and_the_process_is_stopped(tmp_path, workers):
+    """Also when the tests run in pytest-xdist's workers, as `make test` runs them: the controller checks, after
+    its workers are gone (a worker's own session does not), and finds what a worker's test left running."""
+    r = nested(tmp_path, LEAKY, *workers)
     out = r.stdout + r.stderr
-    pid = int(re.search(r"PID (\d+)", out).group(1))
+    pid = int((tmp_path / "test_nested.py.pid").read_text())
     assert r.returncode == 1, out
     assert "outlived it" in out and str(pid) in out
     deadline = time.monotonic() + 5
@@ -53,7 +58,9 @@ def test_a_run_that_leaks_a_process_fails_and_the_process_is_stopped(tmp_path):
     assert not os.path.exists(f"/proc/{pid}"), "the leaked process was not stopped"
 
 
-def test_a_tidy_run_passes(tmp_path):
-    r = nested(tmp_path, TIDY)
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist-workers"])
+def test_a_tidy_run_passes(tmp_path, workers):
+    """The workers themselves (and their helpers) are not counted as left running."""
+    r = nested(tmp_path, TIDY, *workers)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "outlived" not in r.stdout + r.stderr
