@@ -255,13 +255,13 @@ def passthrough(trace_id: int, span_id: int, parent: int, remote: bool, tracesta
                      _PARENT(0x22, 0x08, parent) if parent else b"", name, b"\x30\x02",
                      _TIMES(0x39, start & _MASK64, 0x41, end & _MASK64), shared, own,
                      _UNSET_REMOTE if parent and remote else _UNSET_LOCAL))
-    n = len(body)
-    server = b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
+    n = len(body)  # a span's length: two bytes of varint, as a rule
+    server = b"\x12" + (bytes((n & 0x7F | 0x80, n >> 7)) if 0x80 <= n < 0x4000 else _varint(n)) + body
     body = b"".join((_IDS(0x0A, 0x10, hi, lo, 0x12, 0x08, up_id), state, _PARENT(0x22, 0x08, span_id), up_name,
                      b"\x30\x03", _TIMES(0x39, up_start & _MASK64, 0x41, up_end & _MASK64), up_shared,
                      _UNSET_LOCAL))
     n = len(body)
-    return server, b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
+    return server, b"\x12" + (bytes((n & 0x7F | 0x80, n >> 7)) if 0x80 <= n < 0x4000 else _varint(n)) + body
 
 
 def framed_parts(*parts: bytes) -> bytes:

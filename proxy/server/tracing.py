@@ -235,8 +235,8 @@ class Tracing:
             return False  # equal to 1 and 0 as keys: left to the dict
         rules = trace.rules
         fixed = self.fixed(asked)  # the same bytes object for every request of a route and profile
-        key = (fixed, asked.model, asked.stream, served.status, summary[:1] + summary[2:] if summary is not None
-               else None, None if rules is None else tuple(rules))
+        key = (fixed, asked.model, asked.stream, served.status, summary[:-1] if summary is not None else None,
+               None if rules is None else tuple(rules))
         shared = self.shapes.get(key)
         if shared is None:
             attrs: dict[str, Any] = {}
@@ -607,14 +607,18 @@ def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 class AnswerSummary(NamedTuple):
-    """What a span reads of an answer (`answer_summary`); `None`: the answer has no such value."""
+    """What a span reads of an answer (`answer_summary`); `None`: the answer has no such value. The id last: all
+    but it (`[:-1]`) is what requests share (`Tracing.plain_span`'s cache key)."""
 
     model: str | None
-    id: str | None
     finish_reasons: tuple[str, ...]
     input_tokens: int | None
     output_tokens: int | None
     tool_calls: tuple[str, ...]
+    id: str | None
+
+
+_new_summary = tuple.__new__  # an AnswerSummary from a tuple of its fields, without NamedTuple's Python __new__
 
 
 def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
@@ -639,9 +643,10 @@ def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     names = tuple(str(fn.get("name") if isinstance(fn := c.get("function"), dict) else None) for c in calls
                   if isinstance(c, dict)) if calls and isinstance(calls, list) else ()
-    return AnswerSummary(model if isinstance(model, str) else None, answer_id if isinstance(answer_id, str) else None,
-                         tuple(reasons), tokens_in if isinstance(tokens_in, int) else None,
-                         tokens_out if isinstance(tokens_out, int) else None, names)
+    return AnswerSummary(model if isinstance(model, str) else None, tuple(reasons),
+                         tokens_in if isinstance(tokens_in, int) else None,
+                         tokens_out if isinstance(tokens_out, int) else None, names,
+                         answer_id if isinstance(answer_id, str) else None)
 
 
 class _Function(msgspec.Struct):
@@ -694,21 +699,29 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
             typed = _read_answer(data)
         except _NOT_READ:
             pass
-        else:
-            usage, model, answer_id = typed.usage, typed.model, typed.id
-            tokens_in = usage.prompt_tokens if usage is not None else None
-            tokens_out = usage.completion_tokens if usage is not None else None
-            reasons, names = [], ()
-            for i, choice in enumerate(typed.choices or ()):
-                if choice.finish_reason:
-                    reasons.append(str(choice.finish_reason))
-                if not i and choice.message is not None and choice.message.tool_calls:
-                    names = tuple(str(c.function.name if c.function is not None else None)
-                                  for c in choice.message.tool_calls)
-            return AnswerSummary(model if isinstance(model, str) else None,
-                                 answer_id if isinstance(answer_id, str) else None, tuple(reasons),
-                                 tokens_in if isinstance(tokens_in, int) else None,
-                                 tokens_out if isinstance(tokens_out, int) else None, names)
+        else:  # the hot path of a passed-through request's span: no generator, no NamedTuple __new__ frame
+            usage, choices, model, answer_id = typed.usage, typed.choices, typed.model, typed.id
+            tokens_in = tokens_out = None
+            if usage is not None:
+                tokens_in, tokens_out = usage.prompt_tokens, usage.completion_tokens
+            reasons: tuple[str, ...] = ()
+            names: tuple[str, ...] = ()
+            if choices:
+                first = choices[0]
+                if len(choices) == 1:
+                    reason = first.finish_reason
+                    if reason:
+                        reasons = (str(reason),)
+                else:
+                    reasons = tuple([str(c.finish_reason) for c in choices if c.finish_reason])
+                message = first.message
+                if message is not None and message.tool_calls:
+                    names = tuple([str(c.function.name if c.function is not None else None)
+                                   for c in message.tool_calls])
+            return _new_summary(AnswerSummary, (
+                model if isinstance(model, str) else None, reasons,
+                tokens_in if isinstance(tokens_in, int) else None, tokens_out if isinstance(tokens_out, int) else None,
+                names, answer_id if isinstance(answer_id, str) else None))
     try:
         decoded = msgspec.json.decode(data)
     except _NOT_READ:

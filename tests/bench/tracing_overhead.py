@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -212,11 +213,30 @@ def print_floor() -> None:
     print()
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values` (order statistics: the k-th smallest
+    and k-th largest, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2, so it covers the median with
+    probability >= `level`), or None when there are too few values for that level (fewer than 6 for 95 %)."""
+    n = len(values)
+    tail, k = 0.0, 0
+    while True:  # P(X <= k) for X ~ Binomial(n, 1/2), while it stays within the tail
+        tail += math.comb(n, k) / 2 ** n
+        if tail > (1 - level) / 2:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
 def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, seconds: float, load) -> None:
     rounds, med = alternating_rounds(procs, payload, conns, rounds_n, seconds, load)
-    # the added CPU, round by round (each traced round against the `off` round next to it), then its median
-    added = {n: statistics.median(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]
-                                  for a, b in zip(rounds[n], rounds["off"])) for n in rounds if n != "off"}
+    # the added CPU, round by round (each traced round against the `off` round next to it), then its median and
+    # the median's 95 % interval
+    paired = {n: [a["cpu_ms_per_request"] - b["cpu_ms_per_request"] for a, b in zip(rounds[n], rounds["off"])]
+              for n in rounds if n != "off"}
+    added = {n: statistics.median(d) for n, d in paired.items()}
     print(f"\n{work}, {conns} connections, medians of {rounds_n} alternating rounds of {seconds:g} s")
     print("| arm | req/s | p50 | CPU per request | vs off (req/s, CPU) | non-2xx |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -226,7 +246,10 @@ def compare(procs: dict, work: str, payload: bytes, conns: int, rounds_n: int, s
         print(f"| {n} | {m['rps']:.0f} | {m['p50_ms']:.3f} ms | {m['cpu_ms_per_request']:.3f} ms | "
               f"{rps:.2f}×, {cpu:.2f}× | {bad} |")
     for n, a in added.items():
-        print(f"{n} − off: {a * 1000:+.1f} µs of proxy CPU per request (median of the paired rounds; "
+        interval = median_interval(paired[n])
+        said = (f", 95 % interval [{interval[0] * 1000:+.1f}, {interval[1] * 1000:+.1f}]" if interval is not None
+                else f" (no 95 % interval from {len(paired[n])} rounds: 6 or more give one)")
+        print(f"{n} − off: {a * 1000:+.1f} µs of proxy CPU per request (median of the paired rounds{said}; "
               f"goal for tracing on, passthrough: ≤ 50 µs)")
 
 
