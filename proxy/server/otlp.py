@@ -131,15 +131,19 @@ def _framed(tag: bytes, key: str, value: Any) -> bytes:
 
 def str_attribute(key: str, value: str) -> bytes:
     """A span attribute of a string (unique to one span: an id), encoded: the field's first bytes, which depend on
-    the key and the string's length only, from a bounded cache."""
+    the key and the string's length only, from a bounded cache (`string_prefix`)."""
     raw = value.encode("utf-8", "replace")
-    n = len(raw)
+    return string_prefix(key, len(raw)) + raw
+
+
+def string_prefix(key: str, n: int) -> bytes:
+    """A span attribute of a string of `n` bytes (UTF-8), encoded but the string (a bounded cache)."""
     prefix = _STR_PREFIX.get((key, n))
     if prefix is None:
-        prefix = _framed(_SPAN_TAG, key, value)[:-n or None]
+        prefix = _framed(_SPAN_TAG, key, "x" * n)[:-n or None]
         if n < 0x80:
             _kept(_STR_PREFIX, (key, n), prefix)
-    return prefix + raw
+    return prefix
 
 
 def _kept(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
@@ -262,6 +266,50 @@ def passthrough(trace_id: int, span_id: int, parent: int, remote: bool, tracesta
                      _UNSET_LOCAL))
     n = len(body)
     return server, b"\x12" + (bytes((n & 0x7F | 0x80, n >> 7)) if 0x80 <= n < 0x4000 else _varint(n)) + body
+
+
+class PassthroughLayout:
+    """`passthrough` for the spans of requests that share a shape (name and attributes of both spans), the lengths
+    of their request and response ids, and whether their parent is remote, local or absent (no trace state): both
+    spans' bytes are a fixed layout of constant parts and per-request values, written by two `struct` packs (the
+    constant parts passed along, not copied; the span lengths are known in advance). `spans` writes what
+    `passthrough` would (tests/server/test_tracing.py compares them)."""
+
+    __slots__ = ("server", "client", "parts")
+
+    def __init__(self, name: bytes, shared: bytes, prefixes: tuple[bytes, bytes, bytes, bytes],
+                 id_lengths: tuple[int, int], parent: bool, remote: bool, up_name: bytes, up_shared: bytes) -> None:
+        rid_prefix, resp_prefix, upstream_ms, overhead_ms = prefixes  # resp_prefix empty: no response id
+        rid_n, resp_n = id_lengths
+        par, tail = b"\x22\x08" if parent else b"", _UNSET_REMOTE if remote else _UNSET_LOCAL
+        constant = (len(par), len(name), len(shared), len(rid_prefix), len(resp_prefix), len(upstream_ms),
+                    len(overhead_ms), len(tail))
+        # the server span's body: its ids 28 bytes, parent 8, kind and start tags 3, times 17, durations 8 each
+        n = 28 + (8 if parent else 0) + 3 + 17 + rid_n + resp_n + 16 + sum(constant)
+        head = b"\x12" + _varint(n) + b"\x0a\x10"
+        server = struct.Struct(
+            f"<{len(head)}s16s2s8s{len(par)}s{8 if parent else 0}s{len(name)}s3sQBQ{len(shared)}s{len(rid_prefix)}s"
+            f"{rid_n}s{len(resp_prefix)}s{resp_n}s{len(upstream_ms)}sd{len(overhead_ms)}sd{len(tail)}s")
+        m = 28 + 10 + len(up_name) + 3 + 17 + len(up_shared) + len(_UNSET_LOCAL)
+        up_head = b"\x12" + _varint(m) + b"\x0a\x10"
+        client = struct.Struct(f"<{len(up_head)}s16s2s8s2s8s{len(up_name)}s3sQBQ{len(up_shared)}s{len(_UNSET_LOCAL)}s")
+        self.server, self.client = server.pack, client.pack
+        self.parts = (head, par, name, shared, rid_prefix, resp_prefix, upstream_ms, overhead_ms, tail, up_head,
+                      up_name, up_shared)
+
+    def spans(self, trace_id: int, span_id: int, parent: int, start: int, end: int, request_id: bytes,
+              response_id: bytes, upstream_ms: float, overhead_ms: float, up_id: int, up_start: int,
+              up_end: int) -> tuple[bytes, bytes]:
+        """The request's span and its upstream call's (`framed`), as `passthrough` writes them. The ids must be of
+        the lengths the layout was made for (a `struct` field pads or cuts what is not)."""
+        head, par, name, shared, rid_prefix, resp_prefix, up_ms, over_ms, tail, up_head, up_name, up_shared = \
+            self.parts
+        t, s = trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big")
+        return (self.server(head, t, b"\x12\x08", s, par, parent.to_bytes(8, "big") if par else b"", name,
+                            b"\x30\x02\x39", start & _MASK64, 0x41, end & _MASK64, shared, rid_prefix, request_id,
+                            resp_prefix, response_id, up_ms, upstream_ms, over_ms, overhead_ms, tail),
+                self.client(up_head, t, b"\x12\x08", up_id.to_bytes(8, "big"), b"\x22\x08", s, up_name,
+                            b"\x30\x03\x39", up_start & _MASK64, 0x41, up_end & _MASK64, up_shared, _UNSET_LOCAL))
 
 
 def framed_parts(*parts: bytes) -> bytes:

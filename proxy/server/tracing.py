@@ -60,7 +60,8 @@ _getrandbits = random.getrandbits  # reseeded in a forked worker by the random m
 _MASK64 = (1 << 64) - 1
 _SPAN_ATTRIBUTES = b"\x4a"  # Span.attributes' tag (otlp.attributes)
 _LOCAL_UNSET, _REMOTE_UNSET = otlp.tail(0, "", False), otlp.tail(0, "", True)
-_SHAPES, _SHAPE_BYTES = 4096, 2048  # `Tracing.shapes`: at most 8 MiB
+_SHAPES, _SHAPE_BYTES = 4096, 2048  # `Tracing.shapes`: at most 8 MiB of attributes
+_LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each (the shape's bytes are not copied), at most 1 MiB
 _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
@@ -128,6 +129,8 @@ class Tracing:
         #: what `plain_span` writes of a request span that other requests share (its name field, and its attributes
         #: but its own values), by what it depends on: bounded in entries and each in bytes
         self.shapes: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        #: how a shape's passthrough spans are laid out, by the shape, the ids' lengths and the parent (`_laid_out`)
+        self.layouts: dict[tuple[Any, ...], otlp.PassthroughLayout] = {}
         #: epoch ns minus perf_counter() ns, and when that was read (`epoch`)
         self.clock_at, self.clock_offset = float("-inf"), 0
 
@@ -255,6 +258,8 @@ class Tracing:
                     self.shapes.clear()
                 self.shapes[key] = shared
         exporter, up_start, upstream_s = self.exporter, trace.up_start, served.upstream_s
+        if up_start is not None and upstream_s is not None and span.tracestate is None:
+            return self._laid_out(trace, span, served, shared, summary, up_start, upstream_s)
         own = otlp.str_attribute("toolquake.request_id", asked.request_id)
         if summary is not None and summary.id is not None:
             own += otlp.str_attribute("gen_ai.response.id", summary.id)
@@ -268,16 +273,55 @@ class Tracing:
                               span.start, trace.end_ns or 0), shared[1], own,
                     _REMOTE_UNSET if span.parent_id and span.remote else _LOCAL_UNSET))
             return True
-        up = self.up_shared.get((trace.api, served.status))
-        if up is None:
-            name, fixed = self.upstream_fixed(trace.api)
-            up = (name, fixed + otlp.int_attribute("http.response.status_code", served.status))
-            if len(self.up_shared) >= 256:
-                self.up_shared.clear()
-            self.up_shared[(trace.api, served.status)] = up
+        up = self.up_spanned(trace.api, served.status)
         server, client = otlp.passthrough(span.trace_id, span.span_id, span.parent_id, span.remote, span.tracestate,
                                           shared[0], span.start, trace.end_ns or 0, shared[1], own, trace.up_id,
                                           up[0], up[1], trace.at(up_start), trace.up_end_ns)
+        if exporter.room():  # the upstream call's span first, as the general path writes it
+            exporter.put_encoded(client)
+        if exporter.room():
+            exporter.put_encoded(server)
+        return True
+
+    def up_spanned(self, api: Any, status: int) -> tuple[bytes, bytes]:
+        """The upstream call's span name and all its attributes, by route and status (a bounded cache)."""
+        up = self.up_shared.get((api, status))
+        if up is None:
+            name, fixed = self.upstream_fixed(api)
+            up = (name, fixed + otlp.int_attribute("http.response.status_code", status))
+            if len(self.up_shared) >= 256:
+                self.up_shared.clear()
+            self.up_shared[(api, status)] = up
+        return up
+
+    def _laid_out(self, trace: RequestTrace, span: Span, served: Served, shared: tuple[bytes, bytes],
+                  summary: AnswerSummary | None, up_start: float, upstream_s: float) -> bool:
+        """`plain_span` of a request that went upstream, with no trace state: both spans from the layout of its
+        shape, id lengths and parent (`otlp.PassthroughLayout`, from a cache bounded in entries)."""
+        assert trace.asked is not None
+        rid = trace.asked.request_id.encode("utf-8", "replace")
+        answer_id = summary.id if summary is not None else None
+        resp = answer_id.encode("utf-8", "replace") if answer_id is not None else b""
+        parent = span.parent_id
+        kind = (shared[1], shared[0], len(rid), -1 if answer_id is None else len(resp),
+                0 if not parent else 2 if span.remote else 1)  # the shape's bytes say its route and status
+        layout = self.layouts.get(kind)
+        if layout is None:
+            up = self.up_spanned(trace.api, served.status)
+            rid_n, resp_n = kind[2], max(kind[3], 0)
+            prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
+                        b"" if answer_id is None else otlp.string_prefix("gen_ai.response.id", resp_n),
+                        _UPSTREAM_MS, _OVERHEAD_MS)
+            layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, resp_n), kind[4] != 0,
+                                            kind[4] == 2, up[0], up[1])
+            if len(self.layouts) >= _LAYOUTS:
+                self.layouts.clear()
+            self.layouts[kind] = layout
+        server, client = layout.spans(span.trace_id, span.span_id, parent, span.start, trace.end_ns or 0, rid, resp,
+                                      round(upstream_s * 1000, 3), round(max(served.total_s - upstream_s, 0.0) * 1000,
+                                                                         3),
+                                      trace.up_id, trace.at(up_start), trace.up_end_ns)
+        exporter = self.exporter
         if exporter.room():  # the upstream call's span first, as the general path writes it
             exporter.put_encoded(client)
         if exporter.room():

@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -438,6 +439,41 @@ def test_a_relayed_answers_summary_is_the_decoded_answers(answer):
     assert relayed_summary(CHAT_API, False, data) == answer_summary(json.loads(data))
 
 
+_ID = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(trace_id=st.integers(1, (1 << 128) - 1), span_id=st.integers(1, (1 << 64) - 1),
+       parent=st.one_of(st.just(0), st.integers(1, (1 << 64) - 1)), remote=st.booleans(),
+       up_id=st.integers(1, (1 << 64) - 1), times=st.lists(st.integers(0, (1 << 64) - 1), min_size=4, max_size=4),
+       request_id=_ID, response_id=st.one_of(st.none(), _ID), durations=st.tuples(st.floats(0, 1e6), st.floats(0, 1e6)),
+       name=st.binary(max_size=300), shared=st.binary(max_size=3000), up_name=st.binary(max_size=200),
+       up_shared=st.binary(max_size=300))
+def test_a_laid_out_passthrough_writes_the_bytes_passthrough_writes(trace_id, span_id, parent, remote, up_id, times,
+                                                                    request_id, response_id, durations, name, shared,
+                                                                    up_name, up_shared):
+    """`otlp.PassthroughLayout` (two `struct` packs of a shape's constant parts and a request's values, the hot path
+    of a passed-through request's spans) writes, byte for byte, what `otlp.passthrough` writes from the same
+    request: ids of any length and characters, a parent or none, a response id or none, spans of any length."""
+    from toolquake.proxy.server.tracing import _OVERHEAD_MS, _UPSTREAM_MS
+
+    start, end, up_start, up_end = times
+    rid, resp = request_id.encode(), (response_id or "").encode()
+    up_ms, over_ms = durations
+    own = (otlp.str_attribute("toolquake.request_id", request_id)
+           + (otlp.str_attribute("gen_ai.response.id", response_id) if response_id is not None else b"")
+           + _UPSTREAM_MS + struct.pack("<d", up_ms) + _OVERHEAD_MS + struct.pack("<d", over_ms))
+    expected = otlp.passthrough(trace_id, span_id, parent, remote, None, name, start, end, shared, own, up_id,
+                                up_name, up_shared, up_start, up_end)
+    layout = otlp.PassthroughLayout(
+        name, shared, (otlp.string_prefix("toolquake.request_id", len(rid)),
+                       b"" if response_id is None else otlp.string_prefix("gen_ai.response.id", len(resp)),
+                       _UPSTREAM_MS, _OVERHEAD_MS), (len(rid), len(resp)), bool(parent), bool(parent) and remote,
+        up_name, up_shared)
+    assert layout.spans(trace_id, span_id, parent, start, end, rid, resp, up_ms, over_ms, up_id, up_start,
+                        up_end) == expected
+
+
 def _decoded(spans: list[bytes]) -> list:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -448,15 +484,18 @@ def _decoded(spans: list[bytes]) -> list:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", ["fake-model", None])
+@pytest.mark.parametrize("answer_id", ["chatcmpl-1", None, "é"])
 @pytest.mark.parametrize("status,upstream_s,rules,remote,sent", [
     (200, 0.0123456, [], False, True), (200, 0.5, ["tool_name_unknown", "arguments_not_json"], True, True),
-    (404, None, None, False, True), (429, 0.002, None, True, True), (413, None, None, True, False)])
-def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, status, upstream_s,
-                                                                                rules, remote, sent):
+    (404, None, None, False, True), (429, 0.002, None, True, True), (413, None, None, True, False),
+    (200, 0.01, None, "tracestate", True)])
+def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, answer_id, status,
+                                                                                upstream_s, rules, remote, sent):
     """A request passed through has its span written straight to the wire format, what it shares with other
-    requests from a cache (`Tracing.plain_span`); decoded, it is the span the general path writes from the same
-    request's attributes gathered in a dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status
-    and every attribute with its type. Each case twice, the second from the cache."""
+    requests from a cache (`Tracing.plain_span`: laid out by `otlp.PassthroughLayout` when it went upstream with no
+    trace state); decoded, it is the span the general path writes from the same request's attributes gathered in a
+    dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status and every attribute with its type.
+    Each case twice, the second from the caches."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
     from toolquake.proxy.server.config import ProfileSpec, TracingConfig
     from toolquake.proxy.server.metrics import Metrics
@@ -468,11 +507,13 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
                       Metrics(), "http://127.0.0.1:8000/v1")
     tracing.started = True  # spans queue up; nothing sends them
     profile = build_profile("off", ProfileSpec(mode="off"))
-    answer = json.dumps({"id": "chatcmpl-1", "model": "fake-model",
+    answer = json.dumps({**({"id": answer_id} if answer_id is not None else {}), "model": "fake-model",
                          "usage": {"prompt_tokens": 10, "completion_tokens": 5},
                          "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"tool_calls": [
                              {"function": {"name": "get_weather", "arguments": "{}"}}]}}]}).encode()
     headers = [("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01")] if remote else []
+    if remote == "tracestate":  # a client's trace state: the spans carry it (written without a layout)
+        headers.append(("tracestate", "vendor=abc"))
     for _ in range(2):
         spans = {}
         for path in ("plain", "dict"):
@@ -496,8 +537,8 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
         plain, general = spans["plain"], spans["dict"]
         assert len(plain) == len(general) == (2 if sent else 1)
         for a, b in zip(plain, general):
-            assert a.span_id != b.span_id and (a.trace_id == b.trace_id) == remote
-            for field in ("name", "kind", "flags", "status"):
+            assert a.span_id != b.span_id and (a.trace_id == b.trace_id) == bool(remote)
+            for field in ("name", "kind", "flags", "status", "trace_state"):
                 assert getattr(a, field) == getattr(b, field), field
             assert (a.end_time_unix_nano - a.start_time_unix_nano) == (b.end_time_unix_nano - b.start_time_unix_nano)
             assert bool(a.parent_span_id) == bool(b.parent_span_id)
