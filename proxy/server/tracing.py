@@ -61,7 +61,7 @@ _MASK64 = (1 << 64) - 1
 _SPAN_ATTRIBUTES = b"\x4a"  # Span.attributes' tag (otlp.attributes)
 _LOCAL_UNSET, _REMOTE_UNSET = otlp.tail(0, "", False), otlp.tail(0, "", True)
 _SHAPES, _SHAPE_BYTES = 4096, 2048  # `Tracing.shapes`: at most 8 MiB of attributes
-_LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each (the shape's bytes are not copied), at most 1 MiB
+_LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each, and its shape (at most 2 KiB + a name of 2 KiB): 3 MiB
 _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
@@ -258,7 +258,8 @@ class Tracing:
                     self.shapes.clear()
                 self.shapes[key] = shared
         exporter, up_start, upstream_s = self.exporter, trace.up_start, served.upstream_s
-        if up_start is not None and upstream_s is not None and span.tracestate is None:
+        if up_start is not None and upstream_s is not None and span.tracestate is None \
+                and len(shared[1]) <= _SHAPE_BYTES and len(shared[0]) <= _SHAPE_BYTES:  # a layout keeps its shape
             return self._laid_out(trace, span, served, shared, summary, up_start, upstream_s)
         own = otlp.str_attribute("toolquake.request_id", asked.request_id)
         if summary is not None and summary.id is not None:
