@@ -317,6 +317,13 @@ class Exporter:
             self.woken = True
             self._wake()
 
+    def put_pair(self, first: bytes, second: bytes) -> None:
+        """Two spans encoded, queued in this order as the queue has room (`room`, `put_encoded`)."""
+        if self.room():
+            self.put_encoded(first)
+        if self.room():
+            self.put_encoded(second)
+
     def _wake(self) -> None:
         loop, wake = self.loop, self.async_wake
         if loop is None or wake is None:

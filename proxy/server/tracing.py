@@ -278,10 +278,7 @@ class Tracing:
         server, client = otlp.passthrough(span.trace_id, span.span_id, span.parent_id, span.remote, span.tracestate,
                                           shared[0], span.start, trace.end_ns or 0, shared[1], own, trace.up_id,
                                           up[0], up[1], trace.at(up_start), trace.up_end_ns)
-        if exporter.room():  # the upstream call's span first, as the general path writes it
-            exporter.put_encoded(client)
-        if exporter.room():
-            exporter.put_encoded(server)
+        exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
         return True
 
     def up_spanned(self, api: Any, status: int) -> tuple[bytes, bytes]:
@@ -322,11 +319,7 @@ class Tracing:
                                       round(upstream_s * 1000, 3), round(max(served.total_s - upstream_s, 0.0) * 1000,
                                                                          3),
                                       trace.up_id, trace.at(up_start), trace.up_end_ns)
-        exporter = self.exporter
-        if exporter.room():  # the upstream call's span first, as the general path writes it
-            exporter.put_encoded(client)
-        if exporter.room():
-            exporter.put_encoded(server)
+        self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
         return True
 
     def failed(self, exc: BaseException) -> None:
