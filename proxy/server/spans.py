@@ -318,7 +318,16 @@ class Exporter:
             self._wake()
 
     def put_pair(self, first: bytes, second: bytes) -> None:
-        """Two spans encoded, queued in this order as the queue has room (`room`, `put_encoded`)."""
+        """Two spans encoded, queued in this order as the queue has room (`room`, `put_encoded`; one call where
+        both fit, the passthrough request's hot path)."""
+        queue = self.queue
+        if len(queue) + 2 <= self.max_queue:
+            queue.append(first)
+            queue.append(second)
+            if len(queue) >= self.max_batch and not self.woken:
+                self.woken = True
+                self._wake()
+            return
         if self.room():
             self.put_encoded(first)
         if self.room():

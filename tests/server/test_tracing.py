@@ -332,6 +332,22 @@ def test_a_full_span_queue_drops_and_counts(sink):
     assert failures._value.get() == 2
 
 
+def test_a_pair_of_spans_takes_the_room_left_and_the_rest_is_counted_dropped():
+    """`Exporter.put_pair` (a passed-through request's two spans): both queued where both fit, in order; with one
+    place left the first is queued and the second dropped and counted; with none, both."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from toolquake.proxy.server.spans import Exporter
+
+    failures = Counter("t_pair_failures", "t", registry=CollectorRegistry())
+    exporter = Exporter("http://127.0.0.1:9/v1/traces", {"OTEL_BSP_MAX_QUEUE_SIZE": "5"}, {"service.name": "t"},
+                        "0", failures)
+    for i in range(4):
+        exporter.put_pair(b"a%d" % i, b"b%d" % i)
+    assert list(exporter.queue) == [b"a0", b"b0", b"a1", b"b1", b"a2"]
+    assert failures._value.get() == 3 and exporter.dropped == 3
+
+
 def _sse(*events: object) -> bytes:
     return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
 
