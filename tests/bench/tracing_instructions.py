@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import json
 import os
 import re
 import shutil
@@ -72,13 +73,14 @@ async def _send(url: str, n: int, connections: int) -> int:
     """`n` passthrough requests over `connections` kept-alive connections; how many were not answered 200."""
     bad = 0
     left = n
+    body = json.dumps(BODY).encode()
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
         async def worker() -> None:
             nonlocal left, bad
             while left > 0:
                 left -= 1
-                r = await client.post(url, content=BODY, headers={"content-type": "application/json",
+                r = await client.post(url, content=body, headers={"content-type": "application/json",
                                                                  "authorization": "Bearer sk-test"})
                 bad += r.status_code != 200
         await asyncio.gather(*[worker() for _ in range(connections)])
