@@ -164,14 +164,20 @@ def extract(headers: Iterable[tuple[str, str]]) -> Context | None:
 
 def scan(headers: Iterable[tuple[str, str]]) -> tuple[Context | None, bool]:
     """The client's span context (as `extract`), and whether any trace header was sent at all."""
-    parents: list[str] = []
-    states: list[str] = []
+    parents: list[str] | None = None
+    states: list[str] | None = None
     for k, v in headers:
         n = len(k)
         if n == 11 and k.lower() == "traceparent":
+            if parents is None:
+                parents = []
             parents.append(v)
         elif n == 10 and k.lower() == "tracestate":
+            if states is None:
+                states = []
             states.append(v)
+    if parents is None:
+        return None, states is not None
     if len(parents) != 1:
         return None, bool(parents or states)
     parsed = parse_traceparent(parents[0])

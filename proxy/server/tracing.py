@@ -167,21 +167,23 @@ class Tracing:
 
     def begin(self, headers: list[tuple[str, str]], t0: float) -> RequestTrace | None:
         """The span of a model request that just arrived (a child of the client's span when it sent one). One
-        random draw gives the trace id (when the client sent none), the span's id and its upstream call's."""
+        random draw gives the trace id (when the client sent none), the span's id and its upstream call's. The
+        span itself is the trace's own fields (a `Span` is made only when something is noted on it)."""
         if not self.started:
             return None
         try:
             parent, sent = scan(headers)
             ids = _getrandbits(256)
-            if parent is None:
-                trace_id, tracestate = ids >> 128 or 1, None
+            if parent is None:  # the sampler's rule for a root, inline (`Sampler.__call__`)
+                trace_id = ids >> 128 or 1
+                sampled = (trace_id & _MASK64) < self.sampler.bound
             else:
-                trace_id, tracestate = parent.trace_id, parent.tracestate
-            span = None
-            if self.sampler(trace_id, parent):
-                span = Span(self.exporter, trace_id, 0 if parent is None else parent.span_id, parent is not None,
-                            "chat", SERVER, self.epoch(t0), {}, tracestate, ids & _MASK64)
-            return RequestTrace(self, span, trace_id, tracestate, t0, (ids >> 64) & _MASK64 or 1, not sent)
+                trace_id = parent.trace_id
+                sampled = self.sampler(trace_id, parent)
+            if t0 - self.clock_at > 1.0:
+                self.epoch(t0)
+            return RequestTrace(self, sampled, trace_id, parent, self.clock_offset + int(t0 * 1e9), t0, ids,
+                                not sent)
         except Exception as exc:
             self.failed(exc)
             return None
@@ -218,25 +220,79 @@ class Tracing:
 
     def upstream_span(self, trace: RequestTrace, status: int, start: int, end: int) -> None:
         """The upstream call's span (a client span under the request's), written straight to the wire format."""
-        span, exporter = trace.span, self.exporter
-        if span is None or not exporter.room():
+        exporter = self.exporter
+        if not trace.sampled or not exporter.room():
             return
         name, fixed = self.upstream_fixed(trace.api)
         exporter.put_encoded(otlp.framed_parts(
-            otlp.head(span.trace_id, trace.up_id, span.span_id, span.tracestate, name, CLIENT, start, end), fixed,
+            otlp.head(trace.trace_id, trace.up_id, trace.span_id, trace.tracestate, name, CLIENT, start, end), fixed,
             otlp.int_attribute("http.response.status_code", status), _LOCAL_UNSET))
 
     def plain_span(self, trace: RequestTrace) -> bool:
         """A `plain` request's span written straight to the wire format: what it shares with other requests (its
         route and profile's attributes, then its model, stream flag, status, the answer's summary but its id, the
-        conformance check) from bounded caches, then its own ids and times. False (nothing written) where only
-        its attributes gathered in a dict can say it (`fill`)."""
-        span, asked, served = trace.span, trace.asked, trace.served
-        assert span is not None and asked is not None and served is not None
-        summary = trace.summary
+        conformance check) from bounded caches, then its own ids and times. A request that went upstream with no
+        trace state: both spans from the layout of its shape, id lengths and parent (`otlp.PassthroughLayout`),
+        found by one lookup. False (nothing written) where only its attributes gathered in a dict can say it
+        (`fill`)."""
+        asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
+        assert asked is not None and served is not None
         if summary is not None and (type(summary.input_tokens) is bool or type(summary.output_tokens) is bool):
             return False  # equal to 1 and 0 as keys: left to the dict
-        rules = trace.rules
+        up_start, upstream_s = trace.up_start, served.upstream_s
+        if up_start is not None and upstream_s is not None and trace.tracestate is None:
+            rid = asked.request_id.encode("utf-8", "replace")
+            if summary is None:
+                resp, shape = b"", None
+            else:
+                answer_id, shape = summary.id, summary[:-1]
+                resp = answer_id.encode("utf-8", "replace") if answer_id is not None else b""
+            profile, parent = asked.profile, trace.parent_id
+            # everything the layout depends on: what the shape's bytes say (route, profile, model, stream, status,
+            # the answer's summary but its id, the conformance check), the ids' lengths and the parent
+            key = (asked.api, profile.name if profile is not None else "-",
+                   profile.spec.mode if profile is not None else "off", asked.model, asked.stream, served.status,
+                   shape, None if rules is None else tuple(rules), len(rid),
+                   -1 if summary is None or summary.id is None else len(resp),
+                   0 if not parent else 2 if trace.remote else 1)
+            layout = self.layouts.get(key)
+            if layout is None:
+                layout = self._layout(trace, key)
+            if layout is not None:
+                start = trace.start
+                server, client = layout.spans(
+                    trace.trace_id, trace.span_id, parent, start, trace.end_ns or 0, rid, resp,
+                    round(upstream_s * 1e6) / 1000, round(max(served.total_s - upstream_s, 0.0) * 1e6) / 1000,
+                    trace.up_id, start + int((up_start - trace.t0) * 1e9), trace.up_end_ns)
+                self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path does
+                return True
+        shared = self.shape(trace)
+        exporter = self.exporter
+        own = otlp.str_attribute("toolquake.request_id", asked.request_id)
+        if summary is not None and summary.id is not None:
+            own += otlp.str_attribute("gen_ai.response.id", summary.id)
+        if upstream_s is not None:
+            own += _UPSTREAM_MS + _pack_double(_ms(upstream_s)) + _OVERHEAD_MS + _pack_double(
+                _ms(max(served.total_s - upstream_s, 0.0)))
+        if up_start is None:  # refused before it went upstream: the request's span alone
+            if exporter.room():
+                exporter.put_encoded(otlp.framed_parts(
+                    otlp.head(trace.trace_id, trace.span_id, trace.parent_id, trace.tracestate, shared[0], SERVER,
+                              trace.start, trace.end_ns or 0), shared[1], own,
+                    _REMOTE_UNSET if trace.parent_id and trace.remote else _LOCAL_UNSET))
+            return True
+        up = self.up_spanned(trace.api, served.status)
+        server, client = otlp.passthrough(trace.trace_id, trace.span_id, trace.parent_id, trace.remote,
+                                          trace.tracestate, shared[0], trace.start, trace.end_ns or 0, shared[1], own,
+                                          trace.up_id, up[0], up[1], trace.at(up_start), trace.up_end_ns)
+        exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
+        return True
+
+    def shape(self, trace: RequestTrace) -> tuple[bytes, bytes]:
+        """What a `plain` request's span shares with other requests: its name field, and its attributes but its
+        own values (from a cache bounded in entries and each in bytes)."""
+        asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
+        assert asked is not None and served is not None
         fixed = self.fixed(asked)  # the same bytes object for every request of a route and profile
         key = (fixed, asked.model, asked.stream, served.status, summary[:-1] if summary is not None else None,
                None if rules is None else tuple(rules))
@@ -251,35 +307,13 @@ class Tracing:
             if rules is not None:
                 attrs["toolquake.conformance.checked"] = True
                 attrs["toolquake.conformance.rules"] = rules
-            name = otlp.name_field("chat " + asked.model if asked.model else span.name)
+            name = otlp.name_field("chat " + asked.model if asked.model else "chat")
             shared = (name, fixed + otlp.attributes(_SPAN_ATTRIBUTES, attrs))
             if len(shared[1]) <= _SHAPE_BYTES:  # bounded in bytes: a hostile model or answer is not kept
                 if len(self.shapes) >= _SHAPES:
                     self.shapes.clear()
                 self.shapes[key] = shared
-        exporter, up_start, upstream_s = self.exporter, trace.up_start, served.upstream_s
-        if up_start is not None and upstream_s is not None and span.tracestate is None \
-                and len(shared[1]) <= _SHAPE_BYTES and len(shared[0]) <= _SHAPE_BYTES:  # a layout keeps its shape
-            return self._laid_out(trace, span, served, shared, summary, up_start, upstream_s)
-        own = otlp.str_attribute("toolquake.request_id", asked.request_id)
-        if summary is not None and summary.id is not None:
-            own += otlp.str_attribute("gen_ai.response.id", summary.id)
-        if upstream_s is not None:
-            own += _UPSTREAM_MS + _pack_double(round(upstream_s * 1000, 3)) + _OVERHEAD_MS + _pack_double(
-                round(max(served.total_s - upstream_s, 0.0) * 1000, 3))
-        if up_start is None:  # refused before it went upstream: the request's span alone
-            if exporter.room():
-                exporter.put_encoded(otlp.framed_parts(
-                    otlp.head(span.trace_id, span.span_id, span.parent_id, span.tracestate, shared[0], SERVER,
-                              span.start, trace.end_ns or 0), shared[1], own,
-                    _REMOTE_UNSET if span.parent_id and span.remote else _LOCAL_UNSET))
-            return True
-        up = self.up_spanned(trace.api, served.status)
-        server, client = otlp.passthrough(span.trace_id, span.span_id, span.parent_id, span.remote, span.tracestate,
-                                          shared[0], span.start, trace.end_ns or 0, shared[1], own, trace.up_id,
-                                          up[0], up[1], trace.at(up_start), trace.up_end_ns)
-        exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
-        return True
+        return shared
 
     def up_spanned(self, api: Any, status: int) -> tuple[bytes, bytes]:
         """The upstream call's span name and all its attributes, by route and status (a bounded cache)."""
@@ -292,35 +326,24 @@ class Tracing:
             self.up_shared[(api, status)] = up
         return up
 
-    def _laid_out(self, trace: RequestTrace, span: Span, served: Served, shared: tuple[bytes, bytes],
-                  summary: AnswerSummary | None, up_start: float, upstream_s: float) -> bool:
-        """`plain_span` of a request that went upstream, with no trace state: both spans from the layout of its
-        shape, id lengths and parent (`otlp.PassthroughLayout`, from a cache bounded in entries)."""
-        assert trace.asked is not None
-        rid = trace.asked.request_id.encode("utf-8", "replace")
-        answer_id = summary.id if summary is not None else None
-        resp = answer_id.encode("utf-8", "replace") if answer_id is not None else b""
-        parent = span.parent_id
-        kind = (shared[1], shared[0], len(rid), -1 if answer_id is None else len(resp),
-                0 if not parent else 2 if span.remote else 1)  # the shape's bytes say its route and status
-        layout = self.layouts.get(kind)
-        if layout is None:
-            up = self.up_spanned(trace.api, served.status)
-            rid_n, resp_n = kind[2], max(kind[3], 0)
-            prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
-                        b"" if answer_id is None else otlp.string_prefix("gen_ai.response.id", resp_n),
-                        _UPSTREAM_MS, _OVERHEAD_MS)
-            layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, resp_n), kind[4] != 0,
-                                            kind[4] == 2, up[0], up[1])
-            if len(self.layouts) >= _LAYOUTS:
-                self.layouts.clear()
-            self.layouts[kind] = layout
-        server, client = layout.spans(span.trace_id, span.span_id, parent, span.start, trace.end_ns or 0, rid, resp,
-                                      round(upstream_s * 1000, 3), round(max(served.total_s - upstream_s, 0.0) * 1000,
-                                                                         3),
-                                      trace.up_id, trace.at(up_start), trace.up_end_ns)
-        self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
-        return True
+    def _layout(self, trace: RequestTrace, key: tuple[Any, ...]) -> otlp.PassthroughLayout | None:
+        """The layout of `plain_span`'s `key` (its shape, id lengths, parent), kept in a cache bounded in entries;
+        None where the shape is too large to keep (a hostile model or answer: written by the general encoder)."""
+        assert trace.served is not None
+        shared = self.shape(trace)
+        if len(shared[1]) > _SHAPE_BYTES or len(shared[0]) > _SHAPE_BYTES:  # the key is no larger than its shape
+            return None
+        up = self.up_spanned(trace.api, trace.served.status)
+        rid_n, resp_n, parent = key[-3], key[-2], key[-1]
+        prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
+                    b"" if resp_n < 0 else otlp.string_prefix("gen_ai.response.id", resp_n), _UPSTREAM_MS,
+                    _OVERHEAD_MS)
+        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, max(resp_n, 0)), parent != 0,
+                                        parent == 2, up[0], up[1])
+        if len(self.layouts) >= _LAYOUTS:
+            self.layouts.clear()
+        self.layouts[key] = layout
+        return layout
 
     def failed(self, exc: BaseException) -> None:
         self.span_failures.inc()
@@ -336,31 +359,49 @@ class RequestTrace:
     part they share with other requests from a cache (`Tracing.plain_span`); any other's are gathered in the span's
     dict (`fill`) and encoded from it. Every method fails open."""
 
-    __slots__ = ("tracing", "span", "trace_id", "tracestate", "t0", "end_ns", "holds", "ended", "up_id", "up_start",
-                 "api", "clean", "asked", "served", "summary", "rules", "up_end_ns")
+    __slots__ = ("tracing", "sampled", "trace_id", "span_id", "parent_id", "remote", "tracestate", "start", "t0",
+                 "end_ns", "holds", "ended", "up_id", "up_start", "api", "clean", "asked", "served", "summary",
+                 "rules", "up_end_ns", "made")
 
-    def __init__(self, tracing: Tracing, span: Span | None, trace_id: int, tracestate: str | None, t0: float,
-                 up_id: int, clean: bool) -> None:
-        self.tracing, self.span, self.trace_id, self.tracestate, self.t0 = tracing, span, trace_id, tracestate, t0
+    def __init__(self, tracing: Tracing, sampled: bool, trace_id: int, parent: Context | None, start: int, t0: float,
+                 ids: int, clean: bool) -> None:
+        """`ids`: 256 random bits, the span's id the low 64, the upstream call's the next 64; `start`: epoch ns of
+        `t0` (perf_counter)."""
+        self.tracing, self.sampled, self.trace_id, self.t0, self.start = tracing, sampled, trace_id, t0, start
+        self.span_id, self.up_id = ids & _MASK64 or 1, (ids >> 64) & _MASK64 or 1
+        if parent is None:
+            self.parent_id, self.remote, self.tracestate = 0, False, None
+        else:
+            self.parent_id, self.remote, self.tracestate = parent.span_id, True, parent.tracestate
         self.end_ns: int | None = None
         self.holds = 1  # the request itself, until its last byte
         self.ended = False
-        #: the upstream call's span id, and when the request went upstream (None: it did not)
-        self.up_id, self.up_start, self.api, self.up_end_ns = up_id, None, None, 0
+        #: when the request went upstream (None: it did not), its route, and the upstream call's end (epoch ns)
+        self.up_start, self.api, self.up_end_ns = None, None, 0
         self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
         self.asked: Asked | None = None  # set when the request finishes
         self.served: Served | None = None
         self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`answered`, `relayed`)
         self.rules: list[str] | None = None  # the conformance rules the answer broke, once it was checked
+        self.made: Span | None = None  # the request's span as a `Span`, once something was noted on it (`span`)
+
+    @property
+    def span(self) -> Span | None:
+        """The request's span (None: not sampled), made from the trace's fields the first time it is asked for
+        (a passthrough request's never is: `Tracing.plain_span` writes it from the fields)."""
+        span = self.made
+        if span is None and self.sampled:
+            span = self.made = Span(self.tracing.exporter, self.trace_id, self.parent_id, self.remote, "chat",
+                                    SERVER, self.start, {}, self.tracestate, self.span_id)
+        return span
 
     @property
     def recording(self) -> bool:
-        return self.span is not None
+        return self.sampled
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
-        span = self.span
-        return (span.start if span is not None else 0) + int((t - self.t0) * 1e9)
+        return self.start + int((t - self.t0) * 1e9)
 
     def child(self, name: str, kind: int = INTERNAL, start: float | None = None,
               attributes: dict[str, Any] | None = None) -> Span | None:
@@ -382,8 +423,8 @@ class RequestTrace:
         try:
             self.up_start, self.api = served.t_upstream or _perf_counter(), asked.api
             out = list(headers) if self.clean else [h for h in headers if h[0].lower() not in TRACE_HEADERS]
-            out.append(("traceparent", f"00-{self.trace_id:032x}-{self.up_id:016x}-"
-                                       f"{'00' if self.span is None else '01'}"))
+            out.append(("traceparent", "00-%032x-%016x-%s" % (self.trace_id, self.up_id,
+                                                              "01" if self.sampled else "00")))
             if self.tracestate:
                 out.append(("tracestate", self.tracestate))
             return out
@@ -393,7 +434,7 @@ class RequestTrace:
 
     def answered(self, asked: Asked, served: Served, answer: dict[str, Any] | None) -> None:
         """The final answer (chat-shaped), as the client got it: what the span reads of it."""
-        if self.span is None or answer is None:
+        if not self.sampled or answer is None:
             return
         try:
             self.summary = answer_summary(answer)
@@ -402,7 +443,7 @@ class RequestTrace:
 
     def relayed(self, asked: Asked, data: bytes) -> None:
         """The answer's bytes as relayed to the client (a request passed through): what the span reads of them."""
-        if self.span is None or not data or asked.api is None:
+        if not self.sampled or not data or asked.api is None:
             return
         try:
             self.summary = relayed_summary(asked.api, asked.stream, data)
@@ -415,27 +456,25 @@ class RequestTrace:
 
     def client_got(self, wire: dict[str, Any]) -> None:
         """A rewritten answer in the client's wire form: the response id the client sees."""
-        if self.span is not None and isinstance(wire.get("id"), str):
-            self.span.attributes["gen_ai.response.id"] = wire["id"]
+        if self.sampled and isinstance(wire.get("id"), str):
+            self.span.attributes["gen_ai.response.id"] = wire["id"]  # type: ignore[union-attr]
 
     def finish(self, asked: Asked, served: Served) -> None:
         """The request's last byte was sent (or it was refused): its end time; the upstream call's span, from the
         times recorded."""
-        span = self.span
-        if span is None:
+        if not self.sampled:
             self.end_ns = 0
             self.release()
             return
         try:
             self.asked, self.served = asked, served
-            t0 = self.t0
-            end = t0 + served.total_s
+            start, upstream_s = self.start, served.upstream_s
             if self.up_start is not None:  # its span is written when the request's is
-                self.up_end_ns = self.at(end if served.upstream_s is None else
-                                         (served.t_upstream or t0) + served.upstream_s)
+                self.up_end_ns = start + int(((served.t_upstream or self.t0) + upstream_s - self.t0) * 1e9) \
+                    if upstream_s is not None else start + int(served.total_s * 1e9)
             if self.tracing.config.contents and asked.request is not None:
                 self.contents(asked, served)
-            self.end_ns = self.at(end)
+            self.end_ns = start + int(served.total_s * 1e9)
         except Exception as exc:
             self.tracing.failed(exc)
             self.end_ns = _time_ns()
@@ -444,10 +483,11 @@ class RequestTrace:
     def plain(self) -> bool:
         """The request span's attributes are the request's own values only: a request not decoded, unchanged,
         of no case, answered without an error or a repair, and nothing was noted on it but its conformance."""
-        span, asked, served = self.span, self.asked, self.served
-        return span is not None and asked is not None and served is not None and not span.attributes \
-            and span.events is None and asked.request is None and asked.case is None and served.outcome is None \
-            and not served.injected_calls and not served.repaired and 0 < served.status < 500
+        made, asked, served = self.made, self.asked, self.served
+        return self.sampled and asked is not None and served is not None \
+            and (made is None or (not made.attributes and made.events is None)) and asked.request is None \
+            and asked.case is None and served.outcome is None and not served.injected_calls and not served.repaired \
+            and 0 < served.status < 500
 
     def fill(self) -> None:
         """The request span's name, attributes and status, gathered in the span (a request that is not `plain`):
@@ -502,8 +542,7 @@ class RequestTrace:
         if self.ended:
             return
         self.ended = True
-        span = self.span
-        if span is None:
+        if not self.sampled:
             return
         try:
             if not (self.plain() and self.tracing.plain_span(self)):
@@ -511,7 +550,7 @@ class RequestTrace:
                 if self.up_start is not None and served is not None:
                     self.tracing.upstream_span(self, served.status, self.at(self.up_start), self.up_end_ns)
                 self.fill()
-                span.finish(self.end_ns)
+                self.span.finish(self.end_ns)  # type: ignore[union-attr]
         except Exception as exc:
             self.tracing.failed(exc)
         self.asked = self.served = None  # `served` holds this trace: no cycle left for the collector
@@ -687,29 +726,29 @@ def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
                          answer_id if isinstance(answer_id, str) else None)
 
 
-class _Function(msgspec.Struct):
+class _Function(msgspec.Struct, gc=False):
     name: Any = None
 
 
-class _Call(msgspec.Struct):
+class _Call(msgspec.Struct, gc=False):
     function: _Function | None = None
 
 
-class _Message(msgspec.Struct):
+class _Message(msgspec.Struct, gc=False):
     tool_calls: list[_Call] | None = None
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     finish_reason: Any = None
     message: _Message | None = None
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: Any = None
     completion_tokens: Any = None
 
 
-class _Answer(msgspec.Struct):
+class _Answer(msgspec.Struct, gc=False):
     """What `relayed_summary` reads of a chat completion (the rest is skipped, not built)."""
 
     id: Any = None
@@ -767,6 +806,12 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
     return answer_summary(api.answer_to_internal(decoded)) if isinstance(decoded, dict) else None
 
 
+def _ms(seconds: float) -> float:
+    """Seconds as milliseconds to the microsecond (`round(seconds * 1e6) / 1000`, written out where it is hot:
+    `round(x, 3)` goes through a decimal string)."""
+    return round(seconds * 1e6) / 1000
+
+
 def summary_into(out: dict[str, Any], summary: AnswerSummary, with_id: bool = True) -> None:
     if summary.model is not None:
         out["gen_ai.response.model"] = summary.model
@@ -784,8 +829,8 @@ def summary_into(out: dict[str, Any], summary: AnswerSummary, with_id: bool = Tr
 def finish_into(out: dict[str, Any], served: Served) -> None:
     out["http.response.status_code"] = served.status
     if served.upstream_s is not None:
-        out["toolquake.upstream_ms"] = round(served.upstream_s * 1000, 3)
-        out["toolquake.overhead_ms"] = round(max(served.total_s - served.upstream_s, 0.0) * 1000, 3)
+        out["toolquake.upstream_ms"] = _ms(served.upstream_s)
+        out["toolquake.overhead_ms"] = _ms(max(served.total_s - served.upstream_s, 0.0))
     if served.injected_calls:
         out["toolquake.injected_calls"] = list(served.injected_calls)
     if served.repaired:
