@@ -24,7 +24,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Sequence
 from urllib.parse import unquote, urlsplit
 
 import structlog
@@ -157,13 +157,21 @@ def parse_tracestate(values: list[str]) -> str | None:
     return ",".join(members) or None
 
 
-def extract(headers: Iterable[tuple[str, str]]) -> Context | None:
+def extract(headers: Sequence[tuple[str, str]]) -> Context | None:
     """The client's span context, or None (none sent, malformed, or sent twice: a fresh trace then)."""
     return scan(headers)[0]
 
 
-def scan(headers: Iterable[tuple[str, str]]) -> tuple[Context | None, bool]:
+_TRACE_NAMES, _TRACE_LENGTHS = frozenset({"traceparent", "tracestate"}), frozenset({10, 11})
+
+
+def scan(headers: Sequence[tuple[str, str]]) -> tuple[Context | None, bool]:
     """The client's span context (as `extract`), and whether any trace header was sent at all."""
+    for k, _ in headers:  # most requests carry none: one cheap pass says so
+        if len(k) in _TRACE_LENGTHS and k.lower() in _TRACE_NAMES:
+            break
+    else:
+        return None, False
     parents: list[str] | None = None
     states: list[str] | None = None
     for k, v in headers:

@@ -237,8 +237,6 @@ class Tracing:
         (`fill`)."""
         asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
         assert asked is not None and served is not None
-        if summary is not None and (type(summary.input_tokens) is bool or type(summary.output_tokens) is bool):
-            return False  # equal to 1 and 0 as keys: left to the dict
         up_start, upstream_s = trace.up_start, served.upstream_s
         if up_start is not None and upstream_s is not None and trace.tracestate is None:
             rid = asked.request_id.encode("utf-8", "replace")
@@ -700,7 +698,7 @@ _new_summary = tuple.__new__  # an AnswerSummary from a tuple of its fields, wit
 
 def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
     """The response's model and id, the choices' finish reasons, the token usage, the first choice's calls' names
-    (one pass over the choices; values not of their type are left out)."""
+    (one pass over the choices; values not of their type are left out: a token count is an int, not a bool)."""
     model, answer_id = answer.get("model"), answer.get("id")
     reasons: list[str] = []
     first = None
@@ -721,8 +719,8 @@ def answer_summary(answer: dict[str, Any]) -> AnswerSummary:
     names = tuple(str(fn.get("name") if isinstance(fn := c.get("function"), dict) else None) for c in calls
                   if isinstance(c, dict)) if calls and isinstance(calls, list) else ()
     return AnswerSummary(model if isinstance(model, str) else None, tuple(reasons),
-                         tokens_in if isinstance(tokens_in, int) else None,
-                         tokens_out if isinstance(tokens_out, int) else None, names,
+                         tokens_in if type(tokens_in) is int else None,
+                         tokens_out if type(tokens_out) is int else None, names,
                          answer_id if isinstance(answer_id, str) else None)
 
 
@@ -739,20 +737,22 @@ class _Message(msgspec.Struct, gc=False):
 
 
 class _Choice(msgspec.Struct, gc=False):
-    finish_reason: Any = None
+    finish_reason: str | None = None
     message: _Message | None = None
 
 
 class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: Any = None
-    completion_tokens: Any = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 class _Answer(msgspec.Struct, gc=False):
-    """What `relayed_summary` reads of a chat completion (the rest is skipped, not built)."""
+    """What `relayed_summary` reads of a chat completion (the rest is skipped, not built); typed as
+    `answer_summary` keeps them (a value of another type fails the decode, and the answer is read the slow way,
+    to the same summary)."""
 
-    id: Any = None
-    model: Any = None
+    id: str | None = None
+    model: str | None = None
     usage: _Usage | None = None
     choices: list[_Choice] | None = None
 
@@ -777,9 +777,10 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
         except _NOT_READ:
             pass
         else:  # the hot path of a passed-through request's span: no generator, no NamedTuple __new__ frame
-            usage, choices, model, answer_id = typed.usage, typed.choices, typed.model, typed.id
-            tokens_in = tokens_out = None
-            if usage is not None:
+            usage, choices = typed.usage, typed.choices
+            if usage is None:
+                tokens_in = tokens_out = None
+            else:
                 tokens_in, tokens_out = usage.prompt_tokens, usage.completion_tokens
             reasons: tuple[str, ...] = ()
             names: tuple[str, ...] = ()
@@ -788,17 +789,14 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
                 if len(choices) == 1:
                     reason = first.finish_reason
                     if reason:
-                        reasons = (str(reason),)
+                        reasons = (reason,)
                 else:
-                    reasons = tuple([str(c.finish_reason) for c in choices if c.finish_reason])
+                    reasons = tuple([c.finish_reason for c in choices if c.finish_reason])
                 message = first.message
                 if message is not None and message.tool_calls:
                     names = tuple([str(c.function.name if c.function is not None else None)
                                    for c in message.tool_calls])
-            return _new_summary(AnswerSummary, (
-                model if isinstance(model, str) else None, reasons,
-                tokens_in if isinstance(tokens_in, int) else None, tokens_out if isinstance(tokens_out, int) else None,
-                names, answer_id if isinstance(answer_id, str) else None))
+            return _new_summary(AnswerSummary, (typed.model, reasons, tokens_in, tokens_out, names, typed.id))
     try:
         decoded = msgspec.json.decode(data)
     except _NOT_READ:
