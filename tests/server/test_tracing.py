@@ -563,6 +563,75 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
             assert values[0] == values[1]
 
 
+@pytest.mark.parametrize("noted", ["note", "client_got", "child", None])
+def test_what_is_noted_on_a_passthrough_requests_span_is_exported_with_it(noted):
+    """A passed-through request's span is its trace's fields until something is noted on it (a verdict's
+    attributes, the id the client got, a child span): then it is written by the general path with what was noted,
+    its ids and times the same; with nothing noted, by the layout. Either way one request span, under its
+    client's parent, and its upstream call's span under it."""
+    from toolquake.proxy.server.apis import CHAT as CHAT_API
+    from toolquake.proxy.server.config import ProfileSpec, TracingConfig
+    from toolquake.proxy.server.metrics import Metrics
+    from toolquake.proxy.server.profiles import build_profile
+    from toolquake.proxy.server.state import Asked, Served
+    from toolquake.proxy.server.tracing import Tracing
+
+    tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
+                      Metrics(), "http://127.0.0.1:8000/v1")
+    tracing.started = True
+    profile = build_profile("off", ProfileSpec(mode="off"))
+    answer = json.dumps({"id": "chatcmpl-9", "model": "fake-model", "usage": {"prompt_tokens": 3,
+                         "completion_tokens": 2}, "choices": [{"finish_reason": "stop", "message": {}}]}).encode()
+    parent_trace, parent_span = secrets.token_hex(16), secrets.token_hex(8)
+    t0 = time.perf_counter()
+    asked = Asked(secrets.token_hex(8), t0, CHAT_API, profile, False, "fake-model")
+    served = Served(status=200, t_upstream=t0 + 0.001, upstream_s=0.002, total_s=0.004)
+    served.trace = trace = tracing.begin([("traceparent", f"00-{parent_trace}-{parent_span}-01")], t0)
+    trace.hold()
+    upstream_headers = trace.sending(asked, served, [])
+    trace.relayed(asked, answer)
+    trace.finish(asked, served)
+    if noted == "note":
+        trace.note({"toolquake.verdict.valid": False, "toolquake.nothing": None})
+    elif noted == "client_got":
+        trace.client_got({"id": "resp-client"})
+    elif noted == "child":
+        trace.child("twin").finish()
+    trace.release()
+    spans = _decoded(list(tracing.exporter.queue))
+    requests = [s for s in spans if s.name == "chat fake-model"]
+    assert len(requests) == 1 and len(spans) == (3 if noted == "child" else 2)
+    (request,) = requests
+    (upstream,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert request.trace_id.hex() == parent_trace and request.parent_span_id.hex() == parent_span
+    assert upstream.parent_span_id == request.span_id
+    assert upstream_headers == [("traceparent", f"00-{parent_trace}-{upstream.span_id.hex()}-01")]
+    assert request.end_time_unix_nano - request.start_time_unix_nano == 4_000_000
+    values = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in request.attributes}
+    assert values["gen_ai.usage.input_tokens"] == 3 and values["gen_ai.response.finish_reasons"].values[0] \
+        .string_value == "stop"
+    assert values["gen_ai.response.id"] == ("resp-client" if noted == "client_got" else "chatcmpl-9")
+    assert ("toolquake.verdict.valid" in values) == (noted == "note") and "toolquake.nothing" not in values
+    if noted == "note":
+        assert values["toolquake.verdict.valid"] is False
+    if noted == "child":
+        (twin,) = [s for s in spans if s.name == "twin"]
+        assert twin.parent_span_id == request.span_id and twin.trace_id == request.trace_id
+
+
+@pytest.mark.parametrize("tokens", [True, 2.0, "3", None])
+def test_a_token_count_that_is_not_an_integer_is_left_out_on_both_paths(tokens):
+    """`gen_ai.usage.*_tokens` are integers: a count sent as a boolean, a float or a string is left out, whether
+    the answer's bytes were read (a passthrough request) or the answer was decoded whole."""
+    from toolquake.proxy.server.apis import CHAT as CHAT_API
+    from toolquake.proxy.server.tracing import answer_summary, relayed_summary
+
+    answer = {"model": "m", "usage": {"prompt_tokens": tokens, "completion_tokens": 7}}
+    relayed = relayed_summary(CHAT_API, False, json.dumps(answer).encode())
+    assert relayed == answer_summary(answer)
+    assert relayed.input_tokens is None and relayed.output_tokens == 7
+
+
 def _hostile_collector(kind: str) -> tuple[str, threading.Event]:
     """An OTLP endpoint that misbehaves: `silent` reads and never answers, `endless_head` sends header bytes and
     never ends them, `huge_body` announces 100 MB and sends them (slowly), `garbage` answers what is not HTTP."""
