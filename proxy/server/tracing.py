@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 from urllib.parse import urlsplit
@@ -65,6 +66,7 @@ _LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each, and its shape (at most 2 
 _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
+_MAKING = threading.Lock()  # a request's `Span` is made once (`RequestTrace.span`)
 
 
 def sampler(name: str, arg: str) -> Sampler:
@@ -389,8 +391,11 @@ class RequestTrace:
         (a passthrough request's never is: `Tracing.plain_span` writes it from the fields)."""
         span = self.made
         if span is None and self.sampled:
-            span = self.made = Span(self.tracing.exporter, self.trace_id, self.parent_id, self.remote, "chat",
-                                    SERVER, self.start, {}, self.tracestate, self.span_id)
+            with _MAKING:  # once: a verdict's thread and the event loop may both ask first
+                span = self.made
+                if span is None:
+                    span = self.made = Span(self.tracing.exporter, self.trace_id, self.parent_id, self.remote,
+                                            "chat", SERVER, self.start, {}, self.tracestate, self.span_id)
         return span
 
     @property

@@ -619,6 +619,40 @@ def test_what_is_noted_on_a_passthrough_requests_span_is_exported_with_it(noted)
         assert twin.parent_span_id == request.span_id and twin.trace_id == request.trace_id
 
 
+def test_a_requests_span_is_made_once_whoever_asks_first():
+    """The request's `Span` is made the first time something is noted on it, from the event loop or a verdict's
+    thread: threads asking at once (the interpreter switching threads every microsecond) all get the same span,
+    so nothing noted is lost on a span nobody exports."""
+    import sys
+
+    from toolquake.proxy.server.config import TracingConfig
+    from toolquake.proxy.server.metrics import Metrics
+    from toolquake.proxy.server.tracing import Tracing
+
+    tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
+                      Metrics(), "http://127.0.0.1:8000/v1")
+    tracing.started = True
+    traces = [tracing.begin([], time.perf_counter()) for _ in range(3000)]
+    seen: list[list[int]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def ask(i: int) -> None:
+        start.wait()
+        seen[i] = [id(trace.span) for trace in traces]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen[0] == seen[1] == seen[2] == seen[3] == [id(trace.made) for trace in traces]
+
+
 @pytest.mark.parametrize("tokens", [True, 2.0, "3", None])
 def test_a_token_count_that_is_not_an_integer_is_left_out_on_both_paths(tokens):
     """`gen_ai.usage.*_tokens` are integers: a count sent as a boolean, a float or a string is left out, whether
