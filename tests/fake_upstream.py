@@ -48,7 +48,11 @@ Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (n
 `slow-bytes:MS` (body sent one byte at a time), `chunk-delay:MS` (between SSE frames), `empty-stream` (200
 with an event-stream content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its
 final event), `drop` (the request is read and recorded, then the connection closed without a byte of answer),
-`drop-reused` (the same, only when the request came on a connection that already carried one).
+`drop-reused` (the same, only when the request came on a connection that already carried one), `raw` (200 with
+the `X-Fake-Body` header's value as its JSON body, as it is: an answer of any shape).
+
+Token counts (`--usage-varies`): a chat completion's `usage` differs from answer to answer (prompt tokens 50 to
+8,049, completion tokens 1 to 300, from the answer's sequence number), as a real backend's do; else 10 and 5.
 
 A small context (`--max-tools N`): a chat request with more than N tools gets 400 with OpenAI's error code
 `context_length_exceeded`, as from a backend whose context cannot hold the catalog.
@@ -102,6 +106,7 @@ PEERS: set[tuple] = set()
 MODEL = "fake-model"
 #: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
 MAX_TOOLS: int | None = None
+USAGE_VARIES = False  # `--usage-varies`
 #: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
 TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
 _TOKENIZE_CHOICES = {"both": TOKENIZE_ROUTES.copy(), "vllm": {"/tokenize"}, "llamacpp": {"/extras/tokenize/count"},
@@ -307,8 +312,16 @@ def completion(answer: dict[str, Any], model: str, seq: str | None = None) -> di
         "created": n if seq else int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+        "usage": _usage(n),
     }
+
+
+def _usage(n: int) -> dict[str, int]:
+    """A chat completion's token counts (`--usage-varies`: from its sequence number `n`)."""
+    if not USAGE_VARIES:
+        return {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    prompt, completion = 50 + n * 7919 % 8000, 1 + n * 104729 % 300
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def stream_frames(resp: dict[str, Any], piece: int = 8) -> list[bytes]:
@@ -541,6 +554,8 @@ async def app(scope, receive, send) -> None:
         return await _send(
             send, int(arg), _enc({"error": {"message": f"injected {arg}", "type": "server_error", "code": "injected"}})
         )
+    elif kind == "raw":
+        return await _send(send, 200, headers.get("x-fake-body", "").encode())
     if path.endswith("/chat/completions") and method == "POST":
         return await _chat(raw, headers, kind, arg, send, receive)
     if path.endswith("/responses") and method == "POST":
@@ -892,9 +907,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tools", type=int, default=None, metavar="N",
                         help="refuse a chat request with more than N tools with 400 context_length_exceeded, as a "
                              "backend whose context is too small for the catalog does")
+    parser.add_argument("--usage-varies", action="store_true",
+                        help="token counts that differ from answer to answer, as a real backend's do (else 10 and 5)")
     args = parser.parse_args(argv)
-    global MAX_TOOLS
-    MAX_TOOLS = args.max_tools
+    global MAX_TOOLS, USAGE_VARIES
+    MAX_TOOLS, USAGE_VARIES = args.max_tools, args.usage_varies
     if args.trajectories:
         with open(args.trajectories) as f:
             for line in f:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 _pack_double = struct.Struct("<d").pack
 _pack_fixed64 = struct.Struct("<Q").pack
 _MASK64 = (1 << 64) - 1
-_SMALL = [bytes((i,)) for i in range(128)]
+_SMALL = ONE_BYTE = [bytes((i,)) for i in range(128)]  # the varints of 0 to 127
 # Span.flags (fixed32, field 16): whether the parent is known to be remote (bit 8), and is (bit 9)
 _LOCAL, _REMOTE = b"\x85\x01" + struct.pack("<I", 0x100), b"\x85\x01" + struct.pack("<I", 0x300)
 _UNSET_STATUS = b"\x7a\x00"
@@ -43,6 +43,17 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def uvarint(n: int) -> bytes:
+    """`_varint`, written out for the counts a span carries per request (a token count: one to three bytes)."""
+    if 0 <= n < 0x80:
+        return _SMALL[n]
+    if 0x80 <= n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if 0x4000 <= n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
+    return _varint(n)
 
 
 def _ld(tag: bytes, payload: bytes) -> bytes:
@@ -108,6 +119,7 @@ _INTS: dict[tuple[str, int], bytes] = {}
 _BOOLS: dict[tuple[str, bool], bytes] = {}
 _LISTS: dict[tuple[str, ...], bytes] = {}
 _STR_PREFIX: dict[tuple[str, int], bytes] = {}  # a string attribute's field but the string, by key and length
+_INT_PREFIX: dict[tuple[str, int], bytes] = {}  # an int attribute's field but the varint, by key and its length
 _FLOAT_PREFIX: dict[str, bytes] = {}  # a span attribute's field of a double, but the double's 8 bytes
 _NAMES: dict[str, bytes] = {}  # a span's name as its Span.name field (a few per route and model)
 _SPAN_TAG = b"\x4a"  # Span.attributes
@@ -143,6 +155,14 @@ def string_prefix(key: str, n: int) -> bytes:
         prefix = _framed(_SPAN_TAG, key, "x" * n)[:-n or None]
         if n < 0x80:
             _kept(_STR_PREFIX, (key, n), prefix)
+    return prefix
+
+
+def int_prefix(key: str, n: int) -> bytes:
+    """A span attribute of an int whose varint is `n` bytes (1 to 10), encoded but the varint (a bounded cache)."""
+    prefix = _INT_PREFIX.get((key, n))
+    if prefix is None:
+        prefix = _kept(_INT_PREFIX, (key, n), _framed(_SPAN_TAG, key, 1 << 63 if n >= 10 else 1 << 7 * (n - 1))[:-n])
     return prefix
 
 
@@ -270,46 +290,55 @@ def passthrough(trace_id: int, span_id: int, parent: int, remote: bool, tracesta
 
 class PassthroughLayout:
     """`passthrough` for the spans of requests that share a shape (name and attributes of both spans), the lengths
-    of their request and response ids, and whether their parent is remote, local or absent (no trace state): both
-    spans' bytes are a fixed layout of constant parts and per-request values, written by two `struct` packs (the
-    constant parts passed along, not copied; the span lengths are known in advance). `spans` writes what
-    `passthrough` would (tests/server/test_tracing.py compares them)."""
+    of their request and response ids and of their token counts' varints, and whether their parent is remote,
+    local or absent (no trace state): both spans' bytes are a fixed layout of constant parts and per-request
+    values, written by two `struct` packs (the constant parts passed along, not copied; the span lengths are known
+    in advance). `spans` writes what `passthrough` would with `own` the request's id, the response's id, the token
+    counts and the two durations, in that order (tests/server/test_tracing.py compares them)."""
 
-    __slots__ = ("server", "client", "parts")
+    __slots__ = ("spans", "parts")
 
-    def __init__(self, name: bytes, shared: bytes, prefixes: tuple[bytes, bytes, bytes, bytes],
-                 id_lengths: tuple[int, int], parent: bool, remote: bool, up_name: bytes, up_shared: bytes) -> None:
-        rid_prefix, resp_prefix, upstream_ms, overhead_ms = prefixes  # resp_prefix empty: no response id
-        rid_n, resp_n = id_lengths
+    def __init__(self, name: bytes, shared: bytes, prefixes: tuple[bytes, bytes, bytes, bytes, bytes, bytes],
+                 lengths: tuple[int, int, int, int], parent: bool, remote: bool, up_name: bytes,
+                 up_shared: bytes) -> None:
+        """`prefixes`: the request id's, the response id's, the two token counts' (empty: no such value) and the
+        two durations' fields but their values; `lengths`: the four values' lengths in bytes (0 where none)."""
+        rid_prefix, resp_prefix, in_prefix, out_prefix, upstream_ms_prefix, overhead_ms_prefix = prefixes
+        rid_n, resp_n, in_n, out_n = lengths
         par, tail = b"\x22\x08" if parent else b"", _UNSET_REMOTE if remote else _UNSET_LOCAL
-        constant = (len(par), len(name), len(shared), len(rid_prefix), len(resp_prefix), len(upstream_ms),
-                    len(overhead_ms), len(tail))
+        constant = (len(par), len(name), len(shared), len(rid_prefix), len(resp_prefix), len(in_prefix),
+                    len(out_prefix), len(upstream_ms_prefix), len(overhead_ms_prefix), len(tail))
         # the server span's body: its ids 28 bytes, parent 8, kind and start tags 3, times 17, durations 8 each
-        n = 28 + (8 if parent else 0) + 3 + 17 + rid_n + resp_n + 16 + sum(constant)
+        n = 28 + (8 if parent else 0) + 3 + 17 + rid_n + resp_n + in_n + out_n + 16 + sum(constant)
         head = b"\x12" + _varint(n) + b"\x0a\x10"
         server = struct.Struct(
             f"<{len(head)}s16s2s8s{len(par)}s{8 if parent else 0}s{len(name)}s3sQBQ{len(shared)}s{len(rid_prefix)}s"
-            f"{rid_n}s{len(resp_prefix)}s{resp_n}s{len(upstream_ms)}sd{len(overhead_ms)}sd{len(tail)}s")
+            f"{rid_n}s{len(resp_prefix)}s{resp_n}s{len(in_prefix)}s{in_n}s{len(out_prefix)}s{out_n}s"
+            f"{len(upstream_ms_prefix)}sd{len(overhead_ms_prefix)}sd{len(tail)}s")
         m = 28 + 10 + len(up_name) + 3 + 17 + len(up_shared) + len(_UNSET_LOCAL)
         up_head = b"\x12" + _varint(m) + b"\x0a\x10"
         client = struct.Struct(f"<{len(up_head)}s16s2s8s2s8s{len(up_name)}s3sQBQ{len(up_shared)}s{len(_UNSET_LOCAL)}s")
-        self.server, self.client = server.pack, client.pack
-        self.parts = (head, par, name, shared, rid_prefix, resp_prefix, upstream_ms, overhead_ms, tail, up_head,
-                      up_name, up_shared)
+        server_pack, client_pack = server.pack, client.pack
 
-    def spans(self, trace_id: int, span_id: int, parent: int, start: int, end: int, request_id: bytes,
-              response_id: bytes, upstream_ms: float, overhead_ms: float, up_id: int, up_start: int,
-              up_end: int) -> tuple[bytes, bytes]:
-        """The request's span and its upstream call's (`framed`), as `passthrough` writes them. The ids must be of
-        the lengths the layout was made for (a `struct` field pads or cuts what is not)."""
-        head, par, name, shared, rid_prefix, resp_prefix, up_ms, over_ms, tail, up_head, up_name, up_shared = \
-            self.parts
-        t, s = trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big")
-        return (self.server(head, t, b"\x12\x08", s, par, parent.to_bytes(8, "big") if par else b"", name,
-                            b"\x30\x02\x39", start & _MASK64, 0x41, end & _MASK64, shared, rid_prefix, request_id,
-                            resp_prefix, response_id, up_ms, upstream_ms, over_ms, overhead_ms, tail),
-                self.client(up_head, t, b"\x12\x08", up_id.to_bytes(8, "big"), b"\x22\x08", s, up_name,
-                            b"\x30\x03\x39", up_start & _MASK64, 0x41, up_end & _MASK64, up_shared, _UNSET_LOCAL))
+        def spans(trace_id: bytes, span_id: bytes, parent: bytes, start: int, end: int, request_id: bytes,
+                  response_id: bytes, tokens_in: bytes, tokens_out: bytes, upstream_ms: float, overhead_ms: float,
+                  up_id: bytes, up_start: int, up_end: int) -> tuple[bytes, bytes]:
+            return (server_pack(head, trace_id, b"\x12\x08", span_id, par, parent, name, b"\x30\x02\x39",
+                                start & _MASK64, 0x41, end & _MASK64, shared, rid_prefix, request_id, resp_prefix,
+                                response_id, in_prefix, tokens_in, out_prefix, tokens_out, upstream_ms_prefix,
+                                upstream_ms, overhead_ms_prefix, overhead_ms, tail),
+                    client_pack(up_head, trace_id, b"\x12\x08", up_id, b"\x22\x08", span_id, up_name,
+                                b"\x30\x03\x39", up_start & _MASK64, 0x41, up_end & _MASK64, up_shared,
+                                _UNSET_LOCAL))
+
+        #: `spans(trace_id, span_id, parent, start, end, request_id, response_id, tokens_in, tokens_out,
+        #: upstream_ms, overhead_ms, up_id, up_start, up_end)`: the request's span and its upstream call's
+        #: (`framed`), as `passthrough` writes them; the ids as their bytes (the parent's empty: none), the token
+        #: counts as their varints (`uvarint`), each of the length the layout was made for (a `struct` field pads
+        #: or cuts what is not)
+        self.spans = spans
+        self.parts = (head, par, name, shared, rid_prefix, resp_prefix, in_prefix, out_prefix, upstream_ms_prefix,
+                      overhead_ms_prefix, tail, up_head, up_name, up_shared)
 
 
 def framed_parts(*parts: bytes) -> bytes:

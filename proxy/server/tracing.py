@@ -16,6 +16,7 @@ span (`hold`/`release`); a trace dropped unreleased ends its span when collected
 from __future__ import annotations
 
 import asyncio
+import operator
 import random
 import struct
 import threading
@@ -44,10 +45,11 @@ from toolquake.proxy.server.spans import (
     scan,
     traceparent,
 )
+from toolquake.proxy.server.state import Asked
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.metrics import Metrics
-    from toolquake.proxy.server.state import Asked, Served
+    from toolquake.proxy.server.state import Served
 
 log = structlog.get_logger("toolquake.tracing")
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
@@ -66,6 +68,11 @@ _LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each, and its shape (at most 2 
 _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
+_uvarint, _ONE_BYTE = otlp.uvarint, otlp.ONE_BYTE
+#: a request's id, route, profile, stream flag, model, case and decoded request (`Asked`'s fields by name)
+_ASKED = operator.itemgetter(*(Asked._fields.index(f) for f in ("request_id", "api", "profile", "stream", "model",
+                                                                  "case", "request")))
+_ZERO8, _ONE8, _ONE16 = bytes(8), (1).to_bytes(8, "big"), (1).to_bytes(16, "big")  # no id is 0 (`RequestTrace`)
 _MAKING = threading.Lock()  # a request's `Span` is made once (`RequestTrace.span`)
 
 
@@ -225,52 +232,93 @@ class Tracing:
         exporter = self.exporter
         if not trace.sampled or not exporter.room():
             return
-        name, fixed = self.upstream_fixed(trace.api)
+        name, fixed = self.upstream_fixed(trace.asked.api if trace.asked is not None else None)
         exporter.put_encoded(otlp.framed_parts(
             otlp.head(trace.trace_id, trace.up_id, trace.span_id, trace.tracestate, name, CLIENT, start, end), fixed,
             otlp.int_attribute("http.response.status_code", status), _LOCAL_UNSET))
 
     def plain_span(self, trace: RequestTrace) -> bool:
-        """A `plain` request's span written straight to the wire format: what it shares with other requests (its
-        route and profile's attributes, then its model, stream flag, status, the answer's summary but its id, the
-        conformance check) from bounded caches, then its own ids and times. A request that went upstream with no
-        trace state: both spans from the layout of its shape, id lengths and parent (`otlp.PassthroughLayout`),
-        found by one lookup. False (nothing written) where only its attributes gathered in a dict can say it
-        (`fill`)."""
-        asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
-        assert asked is not None and served is not None
-        up_start, upstream_s = trace.up_start, served.upstream_s
+        """The span of a plain request (its attributes are the request's own values only: a request not decoded,
+        unchanged, of no case, answered without an error or a repair, and nothing was noted on it but its
+        conformance) written straight to the wire format: what it shares with other requests (its
+        route and profile's attributes, then its model, stream flag, status, the answer's summary but its id and
+        token counts, the conformance check) from bounded caches, then its own values (ids, times, the response's
+        id, the token counts, the durations). A request that went upstream with no trace state: both spans from the
+        layout of its shape, the lengths of its values and its parent (`otlp.PassthroughLayout`), found by one
+        lookup. False (nothing written) where the request is not plain: only its attributes gathered in a dict can
+        say it (`fill`)."""
+        asked, served, made = trace.asked, trace.served, trace.made
+        if asked is None or served is None:
+            return False
+        request_id, api, profile, stream, asked_model, case, request = _ASKED(asked)  # one call, not seven lookups
+        if request is not None or case is not None or served.outcome is not None or served.injected_calls \
+                or served.repaired or not 0 < served.status < 500 \
+                or (made is not None and (made.attributes or made.events)):
+            return False
+        summary, rules, up_start, upstream_s = trace.summary, trace.rules, trace.up_start, served.upstream_s
         if up_start is not None and upstream_s is not None and trace.tracestate is None:
-            rid = asked.request_id.encode("utf-8", "replace")
+            rid = request_id.encode("utf-8", "replace")
             if summary is None:
-                resp, shape = b"", None
+                model = reasons = names = None
+                resp = tokens_in = tokens_out = b""
+                resp_n = in_n = out_n = -2  # no summary at all (not the summary of an answer without them)
             else:
-                answer_id, shape = summary.id, summary[:-1]
-                resp = answer_id.encode("utf-8", "replace") if answer_id is not None else b""
-            profile, parent = asked.profile, trace.parent_id
+                model, reasons, count_in, count_out, names, answer_id = summary
+                if answer_id is None:
+                    resp, resp_n = b"", -1
+                else:
+                    resp = answer_id.encode("utf-8", "replace")
+                    resp_n = len(resp)
+                # the counts' varints (`otlp.uvarint`), the usual one or two bytes written out
+                if count_in is None:
+                    tokens_in, in_n = b"", -1
+                else:
+                    if 0 <= count_in < 0x80:
+                        tokens_in = _ONE_BYTE[count_in]
+                    elif 0x80 <= count_in < 0x4000:
+                        tokens_in = bytes((count_in & 0x7F | 0x80, count_in >> 7))
+                    else:
+                        tokens_in = _uvarint(count_in)
+                    in_n = len(tokens_in)
+                if count_out is None:
+                    tokens_out, out_n = b"", -1
+                else:
+                    if 0 <= count_out < 0x80:
+                        tokens_out = _ONE_BYTE[count_out]
+                    elif 0x80 <= count_out < 0x4000:
+                        tokens_out = bytes((count_out & 0x7F | 0x80, count_out >> 7))
+                    else:
+                        tokens_out = _uvarint(count_out)
+                    out_n = len(tokens_out)
+            parent = trace.pid
             # everything the layout depends on: what the shape's bytes say (route, profile, model, stream, status,
-            # the answer's summary but its id, the conformance check), the ids' lengths and the parent
-            key = (asked.api, profile.name if profile is not None else "-",
-                   profile.spec.mode if profile is not None else "off", asked.model, asked.stream, served.status,
-                   shape, None if rules is None else tuple(rules), len(rid),
-                   -1 if summary is None or summary.id is None else len(resp),
-                   0 if not parent else 2 if trace.remote else 1)
+            # the conformance check, the answer's summary but its id and counts), the values' lengths and the parent
+            key = (api, profile.name if profile is not None else "-",
+                   profile.spec.mode if profile is not None else "off", asked_model, stream, served.status,
+                   None if rules is None else tuple(rules), model, reasons, names, len(rid), resp_n, in_n, out_n,
+                   2 if parent else 0)  # a request's parent is remote (the client's) where there is one
             layout = self.layouts.get(key)
             if layout is None:
-                layout = self._layout(trace, key)
+                layout = self._layout(trace, key, (len(rid), resp_n, in_n, out_n))
             if layout is not None:
                 start = trace.start
                 server, client = layout.spans(
-                    trace.trace_id, trace.span_id, parent, start, trace.end_ns or 0, rid, resp,
-                    round(upstream_s * 1e6) / 1000, round(max(served.total_s - upstream_s, 0.0) * 1e6) / 1000,
-                    trace.up_id, start + int((up_start - trace.t0) * 1e9), trace.up_end_ns)
+                    trace.tid, trace.sid, parent, start, trace.end_ns or 0, rid, resp, tokens_in,
+                    tokens_out, round(upstream_s * 1e6) / 1000,
+                    round(over * 1e6) / 1000 if (over := served.total_s - upstream_s) > 0.0 else 0.0, trace.uid,
+                    start + int((up_start - trace.t0) * 1e9), trace.up_end_ns)
                 self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path does
                 return True
         shared = self.shape(trace)
         exporter = self.exporter
-        own = otlp.str_attribute("toolquake.request_id", asked.request_id)
-        if summary is not None and summary.id is not None:
-            own += otlp.str_attribute("gen_ai.response.id", summary.id)
+        own = otlp.str_attribute("toolquake.request_id", request_id)
+        if summary is not None:  # the answer's own values, in the order the layout writes them
+            if summary.id is not None:
+                own += otlp.str_attribute("gen_ai.response.id", summary.id)
+            if summary.input_tokens is not None:
+                own += otlp.int_attribute("gen_ai.usage.input_tokens", summary.input_tokens)
+            if summary.output_tokens is not None:
+                own += otlp.int_attribute("gen_ai.usage.output_tokens", summary.output_tokens)
         if upstream_s is not None:
             own += _UPSTREAM_MS + _pack_double(_ms(upstream_s)) + _OVERHEAD_MS + _pack_double(
                 _ms(max(served.total_s - upstream_s, 0.0)))
@@ -281,7 +329,7 @@ class Tracing:
                               trace.start, trace.end_ns or 0), shared[1], own,
                     _REMOTE_UNSET if trace.parent_id and trace.remote else _LOCAL_UNSET))
             return True
-        up = self.up_spanned(trace.api, served.status)
+        up = self.up_spanned(api, served.status)
         server, client = otlp.passthrough(trace.trace_id, trace.span_id, trace.parent_id, trace.remote,
                                           trace.tracestate, shared[0], trace.start, trace.end_ns or 0, shared[1], own,
                                           trace.up_id, up[0], up[1], trace.at(up_start), trace.up_end_ns)
@@ -289,12 +337,13 @@ class Tracing:
         return True
 
     def shape(self, trace: RequestTrace) -> tuple[bytes, bytes]:
-        """What a `plain` request's span shares with other requests: its name field, and its attributes but its
+        """What a plain request's span shares with other requests: its name field, and its attributes but its
         own values (from a cache bounded in entries and each in bytes)."""
         asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
         assert asked is not None and served is not None
         fixed = self.fixed(asked)  # the same bytes object for every request of a route and profile
-        key = (fixed, asked.model, asked.stream, served.status, summary[:-1] if summary is not None else None,
+        key = (fixed, asked.model, asked.stream, served.status,
+               None if summary is None else (summary.model, summary.finish_reasons, summary.tool_calls),
                None if rules is None else tuple(rules))
         shared = self.shapes.get(key)
         if shared is None:
@@ -302,7 +351,7 @@ class Tracing:
             request_into(attrs, asked, served)
             del attrs["toolquake.request_id"]
             if summary is not None:
-                summary_into(attrs, summary, with_id=False)
+                summary_into(attrs, summary, own=False)
             attrs["http.response.status_code"] = served.status
             if rules is not None:
                 attrs["toolquake.conformance.checked"] = True
@@ -326,19 +375,25 @@ class Tracing:
             self.up_shared[(api, status)] = up
         return up
 
-    def _layout(self, trace: RequestTrace, key: tuple[Any, ...]) -> otlp.PassthroughLayout | None:
-        """The layout of `plain_span`'s `key` (its shape, id lengths, parent), kept in a cache bounded in entries;
+    def _layout(self, trace: RequestTrace, key: tuple[Any, ...],
+                lengths: tuple[int, int, int, int]) -> otlp.PassthroughLayout | None:
+        """The layout of `plain_span`'s `key` (its shape, its values' `lengths`: request id, response id and the
+        token counts' varints, -1 or less where there is none; its parent), kept in a cache bounded in entries;
         None where the shape is too large to keep (a hostile model or answer: written by the general encoder)."""
         assert trace.served is not None
         shared = self.shape(trace)
         if len(shared[1]) > _SHAPE_BYTES or len(shared[0]) > _SHAPE_BYTES:  # the key is no larger than its shape
             return None
-        up = self.up_spanned(trace.api, trace.served.status)
-        rid_n, resp_n, parent = key[-3], key[-2], key[-1]
+        up = self.up_spanned(trace.asked.api if trace.asked is not None else None, trace.served.status)
+        rid_n, resp_n, in_n, out_n = lengths
+        parent = key[-1]
         prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
-                    b"" if resp_n < 0 else otlp.string_prefix("gen_ai.response.id", resp_n), _UPSTREAM_MS,
+                    b"" if resp_n < 0 else otlp.string_prefix("gen_ai.response.id", resp_n),
+                    b"" if in_n < 0 else otlp.int_prefix("gen_ai.usage.input_tokens", in_n),
+                    b"" if out_n < 0 else otlp.int_prefix("gen_ai.usage.output_tokens", out_n), _UPSTREAM_MS,
                     _OVERHEAD_MS)
-        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, max(resp_n, 0)), parent != 0,
+        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes,
+                                        (rid_n, max(resp_n, 0), max(in_n, 0), max(out_n, 0)), parent != 0,
                                         parent == 2, up[0], up[1])
         if len(self.layouts) >= _LAYOUTS:
             self.layouts.clear()
@@ -355,35 +410,54 @@ class RequestTrace:
     its calls upstream still carry a context, sampled flag 0). The upstream call's span is written when the
     request finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets.
     The request span's attributes are worked out when it ends, from the request (`asked`, `served`) and its answer:
-    a passthrough request's (nothing but its own values: `plain`) are written straight to the wire format, the
+    a passthrough request's (nothing but its own values: plain) are written straight to the wire format, the
     part they share with other requests from a cache (`Tracing.plain_span`); any other's are gathered in the span's
     dict (`fill`) and encoded from it. Every method fails open."""
 
-    __slots__ = ("tracing", "sampled", "trace_id", "span_id", "parent_id", "remote", "tracestate", "start", "t0",
-                 "end_ns", "holds", "ended", "up_id", "up_start", "api", "clean", "asked", "served", "summary",
-                 "rules", "up_end_ns", "made")
+    __slots__ = ("tracing", "sampled", "tid", "sid", "pid", "tracestate", "start", "t0", "end_ns", "holds", "ended",
+                 "uid", "up_start", "clean", "asked", "served", "summary", "rules", "up_end_ns", "made")
 
     def __init__(self, tracing: Tracing, sampled: bool, trace_id: int, parent: Context | None, start: int, t0: float,
                  ids: int, clean: bool) -> None:
-        """`ids`: 256 random bits, the span's id the low 64, the upstream call's the next 64; `start`: epoch ns of
-        `t0` (perf_counter)."""
-        self.tracing, self.sampled, self.trace_id, self.t0, self.start = tracing, sampled, trace_id, t0, start
-        self.span_id, self.up_id = ids & _MASK64 or 1, (ids >> 64) & _MASK64 or 1
+        """`ids`: 256 random bits, the trace's id the high 128 (when it has no parent: then `trace_id` is them, or
+        1), the span's id the low 64, the upstream call's the 64 before; `start`: epoch ns of `t0` (perf_counter).
+        The ids are kept as the bytes the wire carries (`tid`, `sid`, `uid`, and `pid` the parent's, the client's:
+        empty where there is none), as ints by the properties of their names. One field a statement (several at
+        once would build a tuple)."""
+        self.tracing = tracing
+        self.sampled = sampled
+        self.t0 = t0
+        self.start = start
+        raw = ids.to_bytes(32, "big")
+        sid = raw[24:]
+        self.sid = sid if sid != _ZERO8 else _ONE8
+        uid = raw[16:24]
+        self.uid = uid if uid != _ZERO8 else _ONE8
         if parent is None:
-            self.parent_id, self.remote, self.tracestate = 0, False, None
+            self.tid = raw[:16] if trace_id != 1 else _ONE16
+            self.pid = b""
+            self.tracestate = None
         else:
-            self.parent_id, self.remote, self.tracestate = parent.span_id, True, parent.tracestate
+            self.tid = trace_id.to_bytes(16, "big")
+            self.pid = parent.span_id.to_bytes(8, "big")
+            self.tracestate = parent.tracestate
         self.end_ns: int | None = None
         self.holds = 1  # the request itself, until its last byte
         self.ended = False
-        #: when the request went upstream (None: it did not), its route, and the upstream call's end (epoch ns)
-        self.up_start, self.api, self.up_end_ns = None, None, 0
+        #: when the request went upstream (None: it did not), and the upstream call's end (epoch ns)
+        self.up_start: float | None = None
+        self.up_end_ns = 0
         self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
         self.asked: Asked | None = None  # set when the request finishes
         self.served: Served | None = None
-        self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`answered`, `relayed`)
+        self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`checked`, ...)
         self.rules: list[str] | None = None  # the conformance rules the answer broke, once it was checked
         self.made: Span | None = None  # the request's span as a `Span`, once something was noted on it (`span`)
+
+    @property
+    def remote(self) -> bool:
+        """The span has a parent of another process's (the client's: the only parent a request's span has)."""
+        return bool(self.pid)
 
     @property
     def span(self) -> Span | None:
@@ -399,8 +473,21 @@ class RequestTrace:
         return span
 
     @property
-    def recording(self) -> bool:
-        return self.sampled
+    def trace_id(self) -> int:
+        return int.from_bytes(self.tid, "big")
+
+    @property
+    def span_id(self) -> int:
+        return int.from_bytes(self.sid, "big")
+
+    @property
+    def up_id(self) -> int:
+        return int.from_bytes(self.uid, "big")
+
+    @property
+    def parent_id(self) -> int:
+        """The parent span's id, 0 where there is none."""
+        return int.from_bytes(self.pid, "big")
 
     def at(self, t: float) -> int:
         """A perf_counter() time of this request as the epoch nanoseconds spans take."""
@@ -424,10 +511,10 @@ class RequestTrace:
         """The request goes upstream with the upstream call's context, which the backend gets (its span is written
         at `finish`). Returns the headers to send."""
         try:
-            self.up_start, self.api = served.t_upstream or _perf_counter(), asked.api
+            self.up_start = served.t_upstream or _perf_counter()
             out = list(headers) if self.clean else [h for h in headers if h[0].lower() not in TRACE_HEADERS]
-            out.append(("traceparent", "00-%032x-%016x-%s" % (self.trace_id, self.up_id,
-                                                              "01" if self.sampled else "00")))
+            out.append(("traceparent", "00-" + self.tid.hex() + "-" + self.uid.hex() + ("-01" if self.sampled
+                                                                                         else "-00")))
             if self.tracestate:
                 out.append(("tracestate", self.tracestate))
             return out
@@ -452,6 +539,18 @@ class RequestTrace:
             self.summary = relayed_summary(asked.api, asked.stream, data)
         except Exception as exc:
             self.tracing.failed(exc)
+
+    def checked(self, asked: Asked, data: bytes) -> Any:
+        """A whole answer's bytes (passed through), read in the proxy's check that they are a JSON object: what the
+        span reads of them, and the decode the check looks at (None: the check decodes them itself)."""
+        if not self.sampled or asked.api is None:
+            return None
+        try:
+            self.summary, decoded = checked_summary(asked.api, data)
+            return decoded
+        except Exception as exc:
+            self.tracing.failed(exc)
+            return None
 
     def conformance(self, rules: list[str]) -> None:
         """The answer was checked (after its last byte): the rules it broke."""
@@ -483,18 +582,9 @@ class RequestTrace:
             self.end_ns = _time_ns()
         self.release()
 
-    def plain(self) -> bool:
-        """The request span's attributes are the request's own values only: a request not decoded, unchanged,
-        of no case, answered without an error or a repair, and nothing was noted on it but its conformance."""
-        made, asked, served = self.made, self.asked, self.served
-        return self.sampled and asked is not None and served is not None \
-            and (made is None or (not made.attributes and made.events is None)) and asked.request is None \
-            and asked.case is None and served.outcome is None and not served.injected_calls and not served.repaired \
-            and 0 < served.status < 500
-
     def fill(self) -> None:
-        """The request span's name, attributes and status, gathered in the span (a request that is not `plain`):
-        those noted on it while it ran win over those worked out here."""
+        """The request span's name, attributes and status, gathered in the span (a request that is not plain:
+        `Tracing.plain_span`): those noted on it while it ran win over those worked out here."""
         span, asked, served = self.span, self.asked, self.served
         if span is None or asked is None or served is None:
             return
@@ -537,18 +627,15 @@ class RequestTrace:
         self.holds += 1
 
     def release(self) -> None:
+        """What held the span is done with it; the last one, once the request ended, ends it (exported)."""
         self.holds -= 1
-        if self.holds <= 0 and self.end_ns is not None:
-            self._end()
-
-    def _end(self) -> None:
-        if self.ended:
+        if self.holds > 0 or self.end_ns is None or self.ended:
             return
         self.ended = True
         if not self.sampled:
             return
         try:
-            if not (self.plain() and self.tracing.plain_span(self)):
+            if not self.tracing.plain_span(self):
                 served = self.served
                 if self.up_start is not None and served is not None:
                     self.tracing.upstream_span(self, served.status, self.at(self.up_start), self.up_end_ns)
@@ -560,7 +647,8 @@ class RequestTrace:
 
     def __del__(self) -> None:  # a trace dropped with a hold never released: its span still ends
         if not self.ended and self.end_ns is not None:
-            self._end()
+            self.holds = 1
+            self.release()
 
     def call(self, name: str, asked: Asked, headers: Iterable[tuple[str, str]],
              attributes: dict[str, Any]) -> tuple[Span | None, list[tuple[str, str]]]:
@@ -687,8 +775,9 @@ def answer_attributes(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 class AnswerSummary(NamedTuple):
-    """What a span reads of an answer (`answer_summary`); `None`: the answer has no such value. The id last: all
-    but it (`[:-1]`) is what requests share (`Tracing.plain_span`'s cache key)."""
+    """What a span reads of an answer (`answer_summary`); `None`: the answer has no such value. Its model, finish
+    reasons and calls' names are what requests share (`Tracing.plain_span`'s cache key); its id and token counts
+    are each answer's own."""
 
     model: str | None
     finish_reasons: tuple[str, ...]
@@ -776,6 +865,19 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
             native = api.assemble(data)
             answer = api.answer_to_internal(native) if native else None
         return answer_summary(answer) if answer is not None else None
+    return checked_summary(api, data)[0]
+
+
+#: what `checked_summary` hands the proxy's check for an answer read typed: a JSON object (the check's own decode
+#: would have built a dict of its raw values, which nobody reads)
+_AN_OBJECT: dict[str, Any] = {}
+
+
+def checked_summary(api: Any, data: bytes) -> tuple[AnswerSummary | None, Any]:
+    """`relayed_summary` of a whole answer's bytes, and what was decoded for the proxy's check that they are a JSON
+    object (answer/plain.py: a dict passes, anything else is refused; None: they did not decode, the check says
+    how). A chat completion is read into the few fields the summary takes (the rest is skipped, not built); what
+    is not of a well-formed answer's shape is decoded whole and read as `answer_summary` reads it."""
     if api.route == "chat_completions":
         try:
             typed = _read_answer(data)
@@ -798,15 +900,22 @@ def relayed_summary(api: Any, stream: bool, data: bytes) -> AnswerSummary | None
                 else:
                     reasons = tuple([c.finish_reason for c in choices if c.finish_reason])
                 message = first.message
-                if message is not None and message.tool_calls:
-                    names = tuple([str(c.function.name if c.function is not None else None)
-                                   for c in message.tool_calls])
-            return _new_summary(AnswerSummary, (typed.model, reasons, tokens_in, tokens_out, names, typed.id))
+                calls = message.tool_calls if message is not None else None
+                if calls:
+                    if len(calls) == 1:
+                        function = calls[0].function
+                        names = (str(function.name if function is not None else None),)
+                    else:
+                        names = tuple([str(c.function.name if c.function is not None else None) for c in calls])
+            return _new_summary(AnswerSummary, (typed.model, reasons, tokens_in, tokens_out, names,
+                                                typed.id)), _AN_OBJECT
     try:
         decoded = msgspec.json.decode(data)
     except _NOT_READ:
-        return None
-    return answer_summary(api.answer_to_internal(decoded)) if isinstance(decoded, dict) else None
+        return None, None
+    if not isinstance(decoded, dict):
+        return None, decoded
+    return answer_summary(api.answer_to_internal(decoded)), decoded
 
 
 def _ms(seconds: float) -> float:
@@ -815,16 +924,18 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e6) / 1000
 
 
-def summary_into(out: dict[str, Any], summary: AnswerSummary, with_id: bool = True) -> None:
+def summary_into(out: dict[str, Any], summary: AnswerSummary, own: bool = True) -> None:
+    """The summary's attributes added to `out`; `own` False: but the values of one answer only (its id, its token
+    counts), which `Tracing.plain_span` writes per request."""
     if summary.model is not None:
         out["gen_ai.response.model"] = summary.model
-    if summary.id is not None and with_id:
+    if summary.id is not None and own:
         out["gen_ai.response.id"] = summary.id
     if summary.finish_reasons:
         out["gen_ai.response.finish_reasons"] = list(summary.finish_reasons)
-    if summary.input_tokens is not None:
+    if summary.input_tokens is not None and own:
         out["gen_ai.usage.input_tokens"] = summary.input_tokens
-    if summary.output_tokens is not None:
+    if summary.output_tokens is not None and own:
         out["gen_ai.usage.output_tokens"] = summary.output_tokens
     out["toolquake.answer.tool_calls"] = list(summary.tool_calls)
 

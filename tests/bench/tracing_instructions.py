@@ -2,13 +2,17 @@
 else the machine does, where CPU time moves by tens of µs from run to run), two ways:
 
 - in process: tracing's calls for one passthrough request (tracing_overhead.floor_request), N requests after 300
-  of warm-up, minus the same process with none: instructions per request;
+  of warm-up, minus the same process making only the check the proxy makes of each answer with tracing off (that
+  it is a JSON object; with tracing on, the span's read of the answer is that check): instructions per request;
 - a whole proxy (lean path, profile `off`, scoring off) under callgrind, tracing off and on (every request
   sampled, exported to a sink that drops), and with `--ref-on NAME=GITREF` another commit's code with tracing on:
   one arm at a time, N requests at C connections after 600 of warm-up, the counters zeroed in between.
 
+The answers' token counts differ from answer to answer, as a real backend's do (the backend: tests/fake_upstream.py
+`--usage-varies`); `--fixed-usage`: all the same, as the passes before the sixth measured.
+
     python -m tests.bench.tracing_instructions [--requests 1500] [--connections 8] [--ref-on NAME=GITREF]
-        [--in-process-only]
+        [--in-process-only] [--fixed-usage]
 
 Needs valgrind (Debian package valgrind). Slow: about a minute per arm and per in-process count.
 """
@@ -32,7 +36,7 @@ import httpx
 
 from tests.bench.ab import install_ref
 from tests.bench.proxy_overhead import BODY
-from tests.bench.tracing_overhead import OFF, floor_request, on
+from tests.bench.tracing_overhead import OFF, floor_answers, floor_base, floor_request, on
 from tests.conftest import ROOT, free_port, start_fake_upstream, start_process
 
 WARM_IN_PROCESS, WARM_PROXY = 300, 600
@@ -44,29 +48,38 @@ def _total(out: str) -> int:
     return int(re.search(r"^summary: (\d+)", Path(dumps[-1]).read_text(), re.M).group(1))
 
 
-def in_process(n: int, site: Path | None = None) -> float:
+def in_process(n: int, site: Path | None = None, fixed: bool = False) -> float:
     """Instructions per request of tracing's calls for a passthrough request, in a process of their own."""
     counts = []
-    for requests in (0, n):
+    for requests in (-n, n):  # -n: n of the proxy's own check of the answer alone (`floor_base`)
         out = tempfile.mkstemp(prefix="toolquake-cg-", suffix=".out")[1]
         # another commit's code: run in its install (found first), this checkout's benchmark code after it
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}" if site else str(ROOT)}
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
-                        "tests.bench.tracing_instructions", "--child", str(requests)], cwd=site or ROOT, env=env,
+                        "tests.bench.tracing_instructions", "--child", str(requests),
+                        *(["--fixed-usage"] if fixed else [])], cwd=site or ROOT, env=env,
                        check=True, capture_output=True)
         counts.append(_total(out))
         os.remove(out)
     return (counts[1] - counts[0]) / n
 
 
-def _child(n: int) -> None:
+def _child(n: int, fixed: bool) -> None:
+    """`n` requests after the warm-up; `-n`: the warm-up, then `n` of the check the proxy makes with tracing off.
+    Their answers' token counts differ from answer to answer, or not (`fixed`)."""
     one, queue = floor_request()
-    ids = [f"{i:016x}" for i in range(WARM_IN_PROCESS + n)]
-    for rid in ids[:WARM_IN_PROCESS]:  # the caches warm, as in a running proxy
-        one(rid)
+    ids = [f"{i:016x}" for i in range(WARM_IN_PROCESS + abs(n))]
+    answers = floor_answers(len(ids), fixed)
+    for rid, answer in zip(ids[:WARM_IN_PROCESS], answers):  # the caches warm, as in a running proxy
+        one(rid, answer)
     queue.clear()
-    for rid in ids[WARM_IN_PROCESS:]:
-        one(rid)
+    if n < 0:
+        check_object = floor_base()
+        for answer in answers[WARM_IN_PROCESS:]:
+            check_object(answer)
+        return
+    for rid, answer in zip(ids[WARM_IN_PROCESS:], answers[WARM_IN_PROCESS:]):
+        one(rid, answer)
 
 
 async def _send(url: str, n: int, connections: int) -> int:
@@ -133,10 +146,13 @@ def main() -> None:
     ap.add_argument("--ref-on", action="append", default=[], metavar="NAME=GITREF",
                     help="also that commit's code with tracing on (installed beside this checkout)")
     ap.add_argument("--in-process-only", action="store_true")
+    ap.add_argument("--fixed-usage", action="store_true",
+                    help="the answers all with the same token counts (the passes before the sixth measured so); by "
+                         "default they differ from answer to answer, as a real backend's do")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        _child(args.child)
+        _child(args.child, args.fixed_usage)
         return
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("skipped: needs valgrind (Debian: apt-get install valgrind)")  # `make bench` runs on without it
@@ -146,13 +162,15 @@ def main() -> None:
     for spec in args.ref_on:
         name, _, ref = spec.partition("=")
         refs[name] = install_ref(ref, Path(tmp.name) / name)
-    print(f"in process, tracing's calls for one passthrough request ({args.requests} after {WARM_IN_PROCESS}):")
-    print(f"  this checkout: {in_process(args.requests) / 1000:.1f}K instructions per request")
+    usage = "the same token counts" if args.fixed_usage else "token counts that differ from answer to answer"
+    print(f"in process, tracing's calls for one passthrough request ({args.requests} after {WARM_IN_PROCESS}; "
+          f"answers with {usage}):")
+    print(f"  this checkout: {in_process(args.requests, None, args.fixed_usage) / 1000:.1f}K instructions per request")
     for name, site in refs.items():
-        print(f"  {name}: {in_process(args.requests, site) / 1000:.1f}K instructions per request")
+        print(f"  {name}: {in_process(args.requests, site, args.fixed_usage) / 1000:.1f}K instructions per request")
     if args.in_process_only:
         return
-    fake = start_fake_upstream()
+    fake = start_fake_upstream(*(() if args.fixed_usage else ("--usage-varies",)))
     port = free_port()
     sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
     try:

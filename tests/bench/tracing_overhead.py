@@ -4,7 +4,10 @@ tests/bench/otlp_sink.py), and with `--ref NAME=GITREF` the code of another comm
 in alternating rounds, passthrough and streaming, on the lean path (profile `off`, scoring off).
 
     python -m tests.bench.tracing_overhead [--ref before=GITREF] [--ref-on NAME=GITREF] [--seconds 3] [--rounds 5]
-        [--concurrency 1,64] [--unsampled] [--no-stream] [--floor-only]
+        [--concurrency 1,64] [--unsampled] [--no-stream] [--floor-only] [--fixed-usage]
+
+The backend's answers carry token counts that differ from answer to answer, as a real backend's do
+(tests/fake_upstream.py `--usage-varies`); `--fixed-usage`: all the same, as the passes before the sixth measured.
 
 Prints, per workload and concurrency, the medians of req/s, p50 and the proxy's CPU per request (its own
 /proc counters, the exporter's thread included), each arm's ratio to the first, and the CPU that tracing on
@@ -51,12 +54,15 @@ def main() -> None:
                     help="also an arm with tracing on and every request left out by the sampler (always_off)")
     ap.add_argument("--no-stream", action="store_true", help="passthrough only")
     ap.add_argument("--floor-only", action="store_true", help="only the in-process floor (no proxies)")
+    ap.add_argument("--fixed-usage", action="store_true",
+                    help="the backend's answers all with the same token counts (the passes before the sixth "
+                         "measured so); by default they differ from answer to answer, as a real backend's do")
     args = ap.parse_args()
     if args.floor_only:
         print_floor()
         return
     load = run_wrk if shutil.which("wrk") else run_asyncio
-    fake = start_fake_upstream()
+    fake = start_fake_upstream(*(() if args.fixed_usage else ("--usage-varies",)))
     port = free_port()
     sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
     tmp = tempfile.TemporaryDirectory(prefix="toolquake-trace-ab-")
@@ -112,10 +118,28 @@ FLOOR_ANSWER = json.dumps({
     "usage": {"prompt_tokens": 57, "completion_tokens": 12, "total_tokens": 69}}).encode()
 
 
-def floor_request() -> tuple[Callable[[str], None], Any]:
+def floor_answers(n: int, fixed: bool = False) -> list[bytes]:
+    """`n` answers as the benchmark's backend gives them: FLOOR_ANSWER, its token counts differing from answer to
+    answer as tests/fake_upstream.py's `--usage-varies` makes them (as a real backend's do), or not (`fixed`)."""
+    if fixed:
+        return [FLOOR_ANSWER] * n
+    answer = json.loads(FLOOR_ANSWER)
+    out = []
+    for i in range(n):
+        prompt, completion = 50 + i * 7919 % 8000, 1 + i * 104729 % 300
+        answer["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+        out.append(json.dumps(answer).encode())
+    return out
+
+
+def floor_request() -> tuple[Callable[[str, bytes], None], Any]:
     """What tracing does for one passthrough request, as the proxy calls it (begin, sending, the answer's bytes
-    read, finish, the conformance check, release: both spans encoded into the exporter's queue, which nobody
-    sends), as a function of the request id; and that queue (clear it now and then)."""
+    read in the proxy's check that they are a JSON object, finish, the conformance check, release: both spans
+    encoded into the exporter's queue, which nobody sends), as a function of the request id and its answer
+    (`floor_answers`); and that queue (clear it now and then). The check is the proxy's own with tracing off too
+    (`floor_base`: subtract it). Run on code from before the check read the answer (`--ref-on`): the check, then
+    the answer read after the client had it."""
     import time
 
     from toolquake.proxy.server.apis import CHAT
@@ -123,7 +147,7 @@ def floor_request() -> tuple[Callable[[str], None], Any]:
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import Tracing
+    from toolquake.proxy.server.tracing import RequestTrace, Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
                                                         "OTEL_TRACES_SAMPLER": "always_on",
@@ -134,7 +158,10 @@ def floor_request() -> tuple[Callable[[str], None], Any]:
     headers = [("host", "127.0.0.1:8000"), ("content-type", "application/json"), ("authorization", "Bearer k"),
                ("content-length", "512"), ("user-agent", "wrk")]
 
-    def one(request_id: str) -> None:
+    check_object = floor_base()
+    reads_in_check = hasattr(RequestTrace, "checked")
+
+    def one(request_id: str, answer: bytes) -> None:
         t0 = time.perf_counter()
         asked = Asked(request_id, t0, CHAT, profile, False, "fake-model")
         served = Served(t_upstream=t0)
@@ -142,12 +169,23 @@ def floor_request() -> tuple[Callable[[str], None], Any]:
         trace.hold()
         trace.sending(asked, served, headers)
         served.status, served.upstream_s, served.total_s = 200, 0.000412, 0.000565
+        if not reads_in_check or trace.checked(asked, answer) is None:
+            check_object(answer)
         trace.finish(asked, served)
-        trace.relayed(asked, FLOOR_ANSWER)
+        if not reads_in_check:
+            trace.relayed(asked, answer)
         trace.conformance([])
         trace.release()
 
     return one, tracing.exporter.queue
+
+
+def floor_base() -> Callable[[bytes], Any]:
+    """The proxy's check that a whole answer is a JSON object, as it makes it with tracing off (what
+    `floor_request` makes too, and a count of tracing's cost leaves out)."""
+    from toolquake.proxy.server.answer import plain
+
+    return plain._check_object
 
 
 def floor(n: int = 3000) -> dict[str, float]:
@@ -158,19 +196,25 @@ def floor(n: int = 3000) -> dict[str, float]:
     import time
 
     one, queue = floor_request()
+    check_object = floor_base()
     ids = [f"{random.getrandbits(64):016x}" for _ in range(n)]
+    answers = floor_answers(n)
 
-    for rid in ids[:500]:  # the caches warm, as in a running proxy
-        one(rid)
+    for rid, answer in zip(ids[:500], answers):  # the caches warm, as in a running proxy
+        one(rid, answer)
     queue.clear()
-    best = float("inf")
+    best = base = float("inf")
     for _ in range(3):
         t0 = time.process_time()
-        for rid in ids:
-            one(rid)
+        for rid, answer in zip(ids, answers):
+            one(rid, answer)
         best = min(best, (time.process_time() - t0) / n * 1e6)
         queue.clear()
-    out = {"path_us": best}
+        t0 = time.process_time()
+        for answer in answers:
+            check_object(answer)
+        base = min(base, (time.process_time() - t0) / n * 1e6)
+    out = {"path_us": best - base}
     try:
         out.update(_sdk_floor(ids))
     except ImportError:

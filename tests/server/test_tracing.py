@@ -427,6 +427,52 @@ def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_u
         assert {k: request["values"].get(k) for k in attrs} == attrs, trace_id
 
 
+#: whole answers the proxy's check refuses or lets through (fault, the `raw` fault's body)
+ODD_ANSWERS = {
+    "not JSON": ("invalid-json", None),
+    "nested past the decoder's limit": ("deep-json", None),
+    "an array": ("raw", "[1, 2]"),
+    "a string": ("raw", '"chatcmpl"'),
+    "an empty object": ("raw", "{}"),
+    "values of other types": ("raw", json.dumps({
+        "id": 7, "model": ["m"], "usage": {"prompt_tokens": "3", "completion_tokens": 2},
+        "choices": [{"finish_reason": "stop", "message": {"tool_calls": [{"function": {"name": 5}}, 3]}}]})),
+    "a chat completion": ("raw", json.dumps({
+        "id": "chatcmpl-7", "model": "m", "usage": {"prompt_tokens": 31, "completion_tokens": 4000},
+        "choices": [{"finish_reason": "tool_calls", "message": {"tool_calls": [{"function": {"name": "f"}}]}}]})),
+}
+
+
+def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(proxy_factory, fake_upstream, sink):
+    """Tracing on, a passed-through whole answer is read for its span in the proxy's check that it is a JSON
+    object (one decode for both): what the check lets through, or refuses and how, is what it does with tracing
+    off, for answers of every kind; the span of one let through has what `answer_attributes` reads of it."""
+    from toolquake.proxy.server.tracing import answer_attributes
+
+    off = proxy_factory(None)
+    on = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    expected = {}
+    for name, (fault, body) in ODD_ANSWERS.items():
+        headers = {"x-fake-fault": fault, **({"x-fake-body": body} if body is not None else {})}
+        got = {}
+        for which, tq in (("off", off), ("on", on)):
+            trace_id = secrets.token_hex(16)
+            r = httpx.post(tq.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                           headers={**headers, "traceparent": f"00-{trace_id}-{'ef' * 8}-01"})
+            got[which] = (r.status_code, r.content if r.status_code == 200 else r.json()["error"])
+        assert got["on"] == got["off"], name
+        if got["on"][0] == 200:
+            expected[trace_id] = answer_attributes(json.loads(body))
+    assert len(expected) == 3  # the empty object, the odd types and the chat completion were let through
+    spans = _spans(sink, set(expected), 2 * len(expected))
+    for trace_id, attrs in expected.items():
+        (request,) = [s for s in spans if s["trace_id"] == trace_id and s["kind"] == 2]
+        assert {k: request["values"].get(k) for k in attrs} == attrs, attrs
+        if "gen_ai.usage.output_tokens" not in attrs:
+            assert "gen_ai.usage.output_tokens" not in request["values"]
+
+
 _JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**70),
                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
 _JSON = st.recursive(_JSON_LEAF, lambda children: st.lists(children, max_size=3)
@@ -464,30 +510,38 @@ _ID = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size
        up_id=st.integers(1, (1 << 64) - 1), times=st.lists(st.integers(0, (1 << 64) - 1), min_size=4, max_size=4),
        request_id=_ID, response_id=st.one_of(st.none(), _ID), durations=st.tuples(st.floats(0, 1e6), st.floats(0, 1e6)),
        name=st.binary(max_size=300), shared=st.binary(max_size=3000), up_name=st.binary(max_size=200),
-       up_shared=st.binary(max_size=300))
+       up_shared=st.binary(max_size=300),
+       tokens=st.lists(st.one_of(st.none(), st.integers(0, 200), st.integers(-(1 << 63), (1 << 64) - 1)),
+                       min_size=2, max_size=2))
 def test_a_laid_out_passthrough_writes_the_bytes_passthrough_writes(trace_id, span_id, parent, remote, up_id, times,
                                                                     request_id, response_id, durations, name, shared,
-                                                                    up_name, up_shared):
+                                                                    up_name, up_shared, tokens):
     """`otlp.PassthroughLayout` (two `struct` packs of a shape's constant parts and a request's values, the hot path
     of a passed-through request's spans) writes, byte for byte, what `otlp.passthrough` writes from the same
-    request: ids of any length and characters, a parent or none, a response id or none, spans of any length."""
+    request: ids of any length and characters, a parent or none, a response id or none, token counts of any size
+    (their varints one to ten bytes) or none, spans of any length."""
     from toolquake.proxy.server.tracing import _OVERHEAD_MS, _UPSTREAM_MS
 
     start, end, up_start, up_end = times
     rid, resp = request_id.encode(), (response_id or "").encode()
     up_ms, over_ms = durations
+    keys = ("gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens")
     own = (otlp.str_attribute("toolquake.request_id", request_id)
            + (otlp.str_attribute("gen_ai.response.id", response_id) if response_id is not None else b"")
+           + b"".join(otlp.int_attribute(k, n) for k, n in zip(keys, tokens) if n is not None)
            + _UPSTREAM_MS + struct.pack("<d", up_ms) + _OVERHEAD_MS + struct.pack("<d", over_ms))
     expected = otlp.passthrough(trace_id, span_id, parent, remote, None, name, start, end, shared, own, up_id,
                                 up_name, up_shared, up_start, up_end)
+    counts = [b"" if n is None else otlp.uvarint(n) for n in tokens]
+    prefixes = [b"" if n is None else otlp.int_prefix(k, len(c)) for k, n, c in zip(keys, tokens, counts)]
     layout = otlp.PassthroughLayout(
         name, shared, (otlp.string_prefix("toolquake.request_id", len(rid)),
                        b"" if response_id is None else otlp.string_prefix("gen_ai.response.id", len(resp)),
-                       _UPSTREAM_MS, _OVERHEAD_MS), (len(rid), len(resp)), bool(parent), bool(parent) and remote,
-        up_name, up_shared)
-    assert layout.spans(trace_id, span_id, parent, start, end, rid, resp, up_ms, over_ms, up_id, up_start,
-                        up_end) == expected
+                       *prefixes, _UPSTREAM_MS, _OVERHEAD_MS), (len(rid), len(resp), *map(len, counts)),
+        bool(parent), bool(parent) and remote, up_name, up_shared)
+    assert layout.spans(trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"),
+                        parent.to_bytes(8, "big") if parent else b"", start, end, rid, resp, *counts, up_ms, over_ms,
+                        up_id.to_bytes(8, "big"), up_start, up_end) == expected
 
 
 def _decoded(spans: list[bytes]) -> list:
@@ -511,26 +565,29 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
     requests from a cache (`Tracing.plain_span`: laid out by `otlp.PassthroughLayout` when it went upstream with no
     trace state); decoded, it is the span the general path writes from the same request's attributes gathered in a
     dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status and every attribute with its type.
-    Each case twice, the second from the caches."""
+    Each case four times, with token counts that differ: the second's of the first's varint lengths, from the
+    caches (no layout added), the third's longer, the fourth's none. A whole answer is read in the proxy's check
+    (`checked`), a stream's bytes after the client had them (`relayed`)."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
     from toolquake.proxy.server.config import ProfileSpec, TracingConfig
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import RequestTrace, Tracing
+    from toolquake.proxy.server.tracing import Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
     tracing.started = True  # spans queue up; nothing sends them
     profile = build_profile("off", ProfileSpec(mode="off"))
-    answer = json.dumps({**({"id": answer_id} if answer_id is not None else {}), "model": "fake-model",
-                         "usage": {"prompt_tokens": 10, "completion_tokens": 5},
-                         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"tool_calls": [
-                             {"function": {"name": "get_weather", "arguments": "{}"}}]}}]}).encode()
     headers = [("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01")] if remote else []
     if remote == "tracestate":  # a client's trace state: the spans carry it (written without a layout)
         headers.append(("tracestate", "vendor=abc"))
-    for _ in range(2):
+    for round_, (tokens_in, tokens_out) in enumerate([(10, 5), (12, 7), (40_000, 300), (None, None)]):
+        answer = json.dumps({**({"id": answer_id} if answer_id is not None else {}), "model": "fake-model",
+                             "usage": {"prompt_tokens": tokens_in, "completion_tokens": tokens_out},
+                             "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"tool_calls": [
+                                 {"function": {"name": "get_weather", "arguments": "{}"}}]}}]}).encode()
+        layouts = len(tracing.layouts)
         spans = {}
         for path in ("plain", "dict"):
             t0 = time.perf_counter()
@@ -540,13 +597,16 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
             trace.hold()  # as the answer path holds it for the checks after the last byte
             if sent:  # else refused before it went upstream
                 trace.sending(asked, served, [])
-            trace.relayed(asked, answer)
+            if stream:
+                trace.relayed(asked, answer)
+            else:
+                assert trace.checked(asked, answer) == {}  # what the proxy's check takes for a JSON object
             trace.finish(asked, served)
             if rules is not None:
                 trace.conformance(rules)
             with pytest.MonkeyPatch.context() as mp:
                 if path == "dict":
-                    mp.setattr(RequestTrace, "plain", lambda self: False)  # the general path
+                    mp.setattr(Tracing, "plain_span", lambda self, trace: False)  # the general path
                 trace.release()
             spans[path] = _decoded(list(tracing.exporter.queue))
             tracing.exporter.queue.clear()
@@ -561,6 +621,10 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
             values = [{kv.key: (kv.value.WhichOneof("value"), str(kv.value)) for kv in s.attributes} for s in (a, b)]
             values[0].pop("toolquake.request_id", None), values[1].pop("toolquake.request_id", None)
             assert values[0] == values[1]
+        if a.kind == 2 and stream is False:  # a.kind: the last pair's second span is the request's
+            assert ("gen_ai.usage.input_tokens" in values[0]) == (tokens_in is not None)
+        if round_ == 1:
+            assert len(tracing.layouts) == layouts  # other counts of the same lengths: the first round's layout
 
 
 @pytest.mark.parametrize("noted", ["note", "client_got", "child", None])

@@ -20,6 +20,9 @@ EVENTS = "events"
 ANSWER = "answer"
 #: the backend's bytes as relayed, once the client has them and the request was counted
 BYTES = "bytes"
+#: a whole answer's bytes that nobody decodes, read in the proxy's own check that they are a JSON object
+#: (`on_check`: one decode, not two; the step only reads them)
+CHECK = "check"
 
 
 class AnswerStep:
@@ -54,15 +57,24 @@ class AnswerStep:
     async def on_bytes(self, asked: Asked, served: Served, relayed: bytes) -> None:
         """BYTES: the backend's answer as the client got it relayed (a stream's raw SSE body, else the JSON)."""
 
+    def on_check(self, asked: Asked, served: Served, data: bytes) -> Any:
+        """CHECK: a whole 2xx answer's bytes, before they are sent, in place of the proxy's check that they are a
+        JSON object: what the step decoded (the check then looks at it: a dict passes, anything else is the
+        backend's bug), or None, where the check is to decode them itself (the bytes did not decode, or the
+        step read them some other way). Never raises; called at most once per answer. A step that asks for CHECK
+        also reads BYTES (`on_bytes`): where another step has the check, or the answer is not a whole one."""
+        return None
+
 
 class Plan:
     """The steps one answer goes through, grouped by what they need, each group in the steps' order."""
 
-    __slots__ = ("whole", "events", "answer", "bytes")
+    __slots__ = ("whole", "events", "answer", "bytes", "check")
 
     def __init__(self) -> None:
         self.whole: list[AnswerStep] = []
         self.events: AnswerStep | None = None
+        self.check: AnswerStep | None = None  # one step at most: the first that asks (`make_plan`)
         self.answer: list[AnswerStep] = []
         self.bytes: list[AnswerStep] = []
 
@@ -90,6 +102,11 @@ def make_plan(steps: tuple[AnswerStep, ...], asked: Asked, served: Served) -> Pl
         if need == EVENTS:
             if plan.events is None:
                 plan.events = step
+        elif need == CHECK:  # one step reads the check's decode; a second gets the bytes after the client
+            if plan.check is None:
+                plan.check = step
+            else:
+                plan.bytes.append(step)
         else:
             getattr(plan, need).append(step)
     return plan

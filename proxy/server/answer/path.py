@@ -38,6 +38,8 @@ class AnswerPath:
         plan = make_plan(self.steps, asked, served)
         if asked.stream and 200 <= upstream.status_code < 300 \
                 and "text/event-stream" in upstream.header("content-type"):
+            if plan.check is not None:  # no whole answer to check: the step reads the bytes relayed
+                plan.bytes.append(plan.check)
             if plan.bytes and served.trace is not None:  # the span waits for the checks after the last byte
                 served.trace.hold()
             if plan.events is not None:

@@ -17,7 +17,7 @@ from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.upstream import UpstreamError, response_headers
 
 if TYPE_CHECKING:
-    from toolquake.proxy.server.answer.base import Plan
+    from toolquake.proxy.server.answer.base import AnswerStep, Plan
     from toolquake.proxy.server.answer.path import AnswerPath
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.state import Asked, Served
@@ -76,8 +76,10 @@ async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream:
     relayed = data
     ok = 200 <= served.status < 300
     if ok:
-        reads = plan.reads(asked)
-        parsed = _parse(st.metrics, data, reads)
+        reads, check = plan.reads(asked), plan.check
+        parsed = _parse(st.metrics, data, reads, check, asked, served)
+        if reads and check is not None:  # the answer is decoded whole for the steps: the check's step reads it too
+            check.on_check(asked, served, data)
         if reads:
             sent = await path.rewrite(asked, served, plan, parsed)
             if sent is not parsed:
@@ -93,11 +95,15 @@ async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream:
     return Plain(data, served.status, headers, upstream.header("content-type", JSON), after)
 
 
-def _parse(m: Metrics, data: bytes, reads: bool) -> Any:
+def _parse(m: Metrics, data: bytes, reads: bool, check: AnswerStep | None, asked: Asked, served: Served) -> Any:
     """A 2xx answer to a model request is a JSON object; anything else is the backend's bug, said as one.
-    When nobody reads the answer it is only checked (its values validated, not built)."""
+    When nobody reads the answer it is only checked (its values validated, not built), by the decode of the step
+    that reads it in the check (`check`, `AnswerStep.on_check`) where there is one."""
     try:
-        parsed = _decode(data) if reads else _check_object(data)
+        if reads:
+            parsed = _decode(data)
+        elif check is None or (parsed := check.on_check(asked, served, data)) is None:
+            parsed = _check_object(data)
     except msgspec.ValidationError:
         parsed = None
     except msgspec.DecodeError:

@@ -1,29 +1,32 @@
 """Trace: the final answer's GenAI attributes (response model and id, finish reasons, token usage, the calls
 made) on the request's span, when `[tracing]` is on and the span is sampled (proxy/server/tracing.py). A request
-that went upstream as it came (not decoded, not changed) has its answer read from the bytes relayed, once the
-client has them (a summary read without building the rest); any other's from the answer as the client got it."""
+that went upstream as it came (not decoded, not changed) has its answer read from the bytes relayed (a summary
+read without building the rest): a whole answer's in the proxy's check that they are a JSON object (one decode for
+both), a stream's once the client has it; any other's from the answer as the client got it."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toolquake.proxy.server.answer.base import ANSWER, BYTES, AnswerStep
+from toolquake.proxy.server.answer.base import ANSWER, BYTES, CHECK, AnswerStep
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.state import Asked, Served
 
 
 class Trace(AnswerStep):
-    """ANSWER (or BYTES, for a request passed through) when the request's span records; reads the answer, never
-    changes it (the trace fails open)."""
+    """ANSWER (or, for a request passed through, CHECK: a whole answer, BYTES: a stream) when the request's span
+    records; reads the answer, never changes it (the trace fails open)."""
 
     name = "trace"
 
     def needs(self, asked: Asked, served: Served) -> str | None:
         trace = served.trace
-        if trace is None or not trace.recording:
+        if trace is None or not trace.sampled:
             return None
-        return BYTES if asked.request is None and served.outcome is None and not asked.observed else ANSWER
+        if asked.request is None and served.outcome is None and not asked.observed:
+            return BYTES if asked.stream else CHECK
+        return ANSWER
 
     def summary_enough(self, asked: Asked, served: Served) -> bool:
         return not self.st.tracing.config.contents  # with contents, the span carries the answer's messages
@@ -34,3 +37,6 @@ class Trace(AnswerStep):
 
     async def on_bytes(self, asked: Asked, served: Served, relayed: bytes) -> None:
         served.trace.relayed(asked, relayed)
+
+    def on_check(self, asked: Asked, served: Served, data: bytes) -> Any:
+        return served.trace.checked(asked, data)
