@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 _pack_double = struct.Struct("<d").pack
 _pack_fixed64 = struct.Struct("<Q").pack
 _MASK64 = (1 << 64) - 1
-_SMALL = ONE_BYTE = [bytes((i,)) for i in range(128)]  # the varints of 0 to 127
+_SMALL = [bytes((i,)) for i in range(128)]
 # Span.flags (fixed32, field 16): whether the parent is known to be remote (bit 8), and is (bit 9)
 _LOCAL, _REMOTE = b"\x85\x01" + struct.pack("<I", 0x100), b"\x85\x01" + struct.pack("<I", 0x300)
 _UNSET_STATUS = b"\x7a\x00"

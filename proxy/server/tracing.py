@@ -68,7 +68,7 @@ _LAYOUTS = 512  # `Tracing.layouts`: about 2 KiB each, and its shape (at most 2 
 _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolquake.upstream_ms",
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
-_uvarint, _ONE_BYTE = otlp.uvarint, otlp.ONE_BYTE
+_uvarint = otlp.uvarint
 #: a request's id, route, profile, stream flag, model, case and decoded request (`Asked`'s fields by name)
 _ASKED = operator.itemgetter(*(Asked._fields.index(f) for f in ("request_id", "api", "profile", "stream", "model",
                                                                   "case", "request")))
@@ -258,10 +258,9 @@ class Tracing:
         summary, rules, up_start, upstream_s = trace.summary, trace.rules, trace.up_start, served.upstream_s
         if up_start is not None and upstream_s is not None and trace.tracestate is None:
             rid = request_id.encode("utf-8", "replace")
-            if summary is None:
+            if summary is None:  # no summary at all: its key's parts None (an answer's are tuples)
                 model = reasons = names = None
-                resp = tokens_in = tokens_out = b""
-                resp_n = in_n = out_n = -2  # no summary at all (not the summary of an answer without them)
+                resp, resp_n, tokens_in, tokens_out = b"", -1, b"", b""
             else:
                 model, reasons, count_in, count_out, names, answer_id = summary
                 if answer_id is None:
@@ -269,37 +268,20 @@ class Tracing:
                 else:
                     resp = answer_id.encode("utf-8", "replace")
                     resp_n = len(resp)
-                # the counts' varints (`otlp.uvarint`), the usual one or two bytes written out
-                if count_in is None:
-                    tokens_in, in_n = b"", -1
-                else:
-                    if 0 <= count_in < 0x80:
-                        tokens_in = _ONE_BYTE[count_in]
-                    elif 0x80 <= count_in < 0x4000:
-                        tokens_in = bytes((count_in & 0x7F | 0x80, count_in >> 7))
-                    else:
-                        tokens_in = _uvarint(count_in)
-                    in_n = len(tokens_in)
-                if count_out is None:
-                    tokens_out, out_n = b"", -1
-                else:
-                    if 0 <= count_out < 0x80:
-                        tokens_out = _ONE_BYTE[count_out]
-                    elif 0x80 <= count_out < 0x4000:
-                        tokens_out = bytes((count_out & 0x7F | 0x80, count_out >> 7))
-                    else:
-                        tokens_out = _uvarint(count_out)
-                    out_n = len(tokens_out)
+                # the counts' varints: never empty, so an empty one says there is no count
+                tokens_in = b"" if count_in is None else _uvarint(count_in)
+                tokens_out = b"" if count_out is None else _uvarint(count_out)
             parent = trace.pid
             # everything the layout depends on: what the shape's bytes say (route, profile, model, stream, status,
             # the conformance check, the answer's summary but its id and counts), the values' lengths and the parent
             key = (api, profile.name if profile is not None else "-",
                    profile.spec.mode if profile is not None else "off", asked_model, stream, served.status,
-                   None if rules is None else tuple(rules), model, reasons, names, len(rid), resp_n, in_n, out_n,
+                   None if rules is None else tuple(rules), model, reasons, names, len(rid), resp_n, len(tokens_in),
+                   len(tokens_out),
                    2 if parent else 0)  # a request's parent is remote (the client's) where there is one
             layout = self.layouts.get(key)
             if layout is None:
-                layout = self._layout(trace, key, (len(rid), resp_n, in_n, out_n))
+                layout = self._layout(trace, key, (len(rid), resp_n, len(tokens_in), len(tokens_out)))
             if layout is not None:
                 start = trace.start
                 server, client = layout.spans(
@@ -377,8 +359,8 @@ class Tracing:
 
     def _layout(self, trace: RequestTrace, key: tuple[Any, ...],
                 lengths: tuple[int, int, int, int]) -> otlp.PassthroughLayout | None:
-        """The layout of `plain_span`'s `key` (its shape, its values' `lengths`: request id, response id and the
-        token counts' varints, -1 or less where there is none; its parent), kept in a cache bounded in entries;
+        """The layout of `plain_span`'s `key` (its shape, its values' `lengths`: request id, response id (-1: none)
+        and the token counts' varints (0: none); its parent), kept in a cache bounded in entries;
         None where the shape is too large to keep (a hostile model or answer: written by the general encoder)."""
         assert trace.served is not None
         shared = self.shape(trace)
@@ -389,12 +371,11 @@ class Tracing:
         parent = key[-1]
         prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
                     b"" if resp_n < 0 else otlp.string_prefix("gen_ai.response.id", resp_n),
-                    b"" if in_n < 0 else otlp.int_prefix("gen_ai.usage.input_tokens", in_n),
-                    b"" if out_n < 0 else otlp.int_prefix("gen_ai.usage.output_tokens", out_n), _UPSTREAM_MS,
+                    b"" if not in_n else otlp.int_prefix("gen_ai.usage.input_tokens", in_n),
+                    b"" if not out_n else otlp.int_prefix("gen_ai.usage.output_tokens", out_n), _UPSTREAM_MS,
                     _OVERHEAD_MS)
-        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes,
-                                        (rid_n, max(resp_n, 0), max(in_n, 0), max(out_n, 0)), parent != 0,
-                                        parent == 2, up[0], up[1])
+        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, max(resp_n, 0), in_n, out_n),
+                                        parent != 0, parent == 2, up[0], up[1])
         if len(self.layouts) >= _LAYOUTS:
             self.layouts.clear()
         self.layouts[key] = layout

@@ -492,13 +492,16 @@ _ANSWER = st.fixed_dictionaries({}, optional={
 @settings(max_examples=400, deadline=None)
 @given(_ANSWER)
 def test_a_relayed_answers_summary_is_the_decoded_answers(answer):
-    """What a passed-through request's span reads of its answer's bytes (`relayed_summary`: a few fields read,
-    the rest skipped) is what `answer_summary` reads of the same answer decoded whole, whatever its shape."""
+    """What a passed-through request's span reads of its answer's bytes (`relayed_summary`, `checked_summary`: a
+    few fields read, the rest skipped) is what `answer_summary` reads of the same answer decoded whole, whatever
+    its shape; and the proxy's check that reads them so lets the object through (hands it a dict)."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
-    from toolquake.proxy.server.tracing import answer_summary, relayed_summary
+    from toolquake.proxy.server.tracing import answer_summary, checked_summary, relayed_summary
 
     data = json.dumps(answer).encode()
     assert relayed_summary(CHAT_API, False, data) == answer_summary(json.loads(data))
+    summary, checked = checked_summary(CHAT_API, data)
+    assert summary == answer_summary(json.loads(data)) and isinstance(checked, dict)
 
 
 _ID = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
