@@ -473,6 +473,39 @@ def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(pr
             assert "gen_ai.usage.output_tokens" not in request["values"]
 
 
+def test_a_repaired_answers_span_reads_the_backends_answer_and_says_the_repair(proxy_factory, fake_upstream, sink):
+    """A profile that repairs answers (`repair = true`) decodes a passed-through request's whole answer (a `WHOLE`
+    step), so the trace step reads it as the client gets it (an `ANSWER` step, not in the check): an answer left
+    alone and one repaired (a call left in the text) both have the response attributes of the answer the client
+    got, the repaired one the rule its repair fixed too (before, the span read the backend's bytes: no call)."""
+    from toolquake.proxy.server.tracing import answer_attributes
+
+    tq = proxy_factory('[profiles.fixed]\nmode = "off"\nrepair = true\n',
+                       {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                        "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    answers = {"left alone": json.dumps({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}),
+               "repaired": json.dumps({"text": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                               '\n</tool_call>'})}
+    got = {}
+    for name, answer in answers.items():
+        trace_id = secrets.token_hex(16)
+        r = httpx.post(tq.url + "/p/fixed/v1/chat/completions", json={**CHAT, "tools": tools}, timeout=30,
+                       headers={"x-fake-answer": answer, "traceparent": f"00-{trace_id}-{'a1' * 8}-01"})
+        assert r.status_code == 200
+        got[trace_id] = (name, r.json())
+    spans = _spans(sink, set(got), 2 * len(got))
+    for trace_id, (name, answer) in got.items():
+        (request,) = [s for s in spans if s["trace_id"] == trace_id and s["kind"] == 2]
+        values = request["values"]
+        attrs = answer_attributes(answer)
+        assert attrs["toolquake.answer.tool_calls"] == ["get_weather"], name
+        assert {k: values.get(k) for k in attrs} == attrs, name
+        assert values.get("toolquake.conformance.repaired") == (None if name == "left alone"
+                                                                else "call_in_content_hermes")
+
+
 _JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**70),
                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
 _JSON = st.recursive(_JSON_LEAF, lambda children: st.lists(children, max_size=3)

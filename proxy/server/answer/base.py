@@ -62,7 +62,8 @@ class AnswerStep:
         JSON object: what the step decoded (the check then looks at it: a dict passes, anything else is the
         backend's bug), or None, where the check is to decode them itself (the bytes did not decode, or the
         step read them some other way). Never raises; called at most once per answer. A step that asks for CHECK
-        also reads BYTES (`on_bytes`): where another step has the check, or the answer is not a whole one."""
+        also reads BYTES (`on_bytes`: where another step has the check, or the answer is a stream that nobody
+        decodes) and ANSWER (`on_answer`: where the answer is decoded for other steps or observers anyway)."""
         return None
 
 
@@ -109,4 +110,7 @@ def make_plan(steps: tuple[AnswerStep, ...], asked: Asked, served: Served) -> Pl
                 plan.bytes.append(step)
         else:
             getattr(plan, need).append(step)
+    if plan.check is not None and plan.reads(asked):  # the answer is decoded anyway: read as the client gets it
+        plan.answer.append(plan.check)
+        plan.check = None
     return plan

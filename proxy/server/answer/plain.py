@@ -76,10 +76,8 @@ async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream:
     relayed = data
     ok = 200 <= served.status < 300
     if ok:
-        reads, check = plan.reads(asked), plan.check
-        parsed = _parse(st.metrics, data, reads, check, asked, served)
-        if reads and check is not None:  # the answer is decoded whole for the steps: the check's step reads it too
-            check.on_check(asked, served, data)
+        reads = plan.reads(asked)
+        parsed = _parse(st.metrics, data, reads, plan.check, asked, served)
         if reads:
             sent = await path.rewrite(asked, served, plan, parsed)
             if sent is not parsed:
