@@ -220,6 +220,25 @@ def spans_of(phoenix: str, trace_id: str, at_least: int, settle_s: float = 1.5) 
     return data
 
 
+def named_span(phoenix: str, name: str) -> dict:
+    """The one span of this name in Phoenix, waited for: Phoenix stores what it received a moment later (a
+    process that exported its spans and exited may be ahead of Phoenix's own writes)."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1", params={"name": name, "limit": 100},
+                        timeout=10)
+        data = got.json().get("data", []) if got.status_code == 200 else []
+        if data:
+            time.sleep(0.5)  # a second span of this name would be stored with the first: look once more
+            data = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1", params={"name": name, "limit": 100},
+                             timeout=10).json()["data"]
+            assert len(data) == 1, data
+            return data[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no span named {name!r} in Phoenix after 60 s")
+        time.sleep(0.3)
+
+
 def upstream_requests(fake: Proc, tag: str) -> list[dict]:
     return [r for r in recorded(fake, tag) if r["path"].startswith("/v1/")]
 
@@ -382,12 +401,9 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
     assert r.returncode == 0, r.stderr
     got = {(x["case_id"], x["profile"]): x for x in rows(out)}
     for case in (CASE, second):
-        found = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
-                          params={"name": f"replay case {case['id']}", "limit": 100}).json()["data"]
-        assert len(found) == 1, found
-        trace_id = found[0]["trace_id"]
-        spans = spans_of(phoenix, trace_id, at_least=7)  # the case, two arms, each a request and its upstream call
-        arms = {s["name"]: s for s in spans if s["parent_span_id"] == found[0]["span_id"]}
+        found = named_span(phoenix, f"replay case {case['id']}")
+        spans = spans_of(phoenix, found["trace_id"], at_least=7)  # the case, two arms, each a request and its call
+        arms = {s["name"]: s for s in spans if s["parent_span_id"] == found["span_id"]}
         assert set(arms) == {"replay off", "replay shuffled"}
         for profile in ("off", "shuffled"):
             arm = arms[f"replay {profile}"]
@@ -419,8 +435,7 @@ def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_pa
     found = stored(out)
     for cid in hidden:
         points = {x: rows[0][1] for x, rows in found[cid].items()}
-        (named,) = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
-                             params={"name": f"sweep case {cid}", "limit": 100}).json()["data"]
+        named = named_span(phoenix, f"sweep case {cid}")
         # the case, and per point asked: the sweep's request span, the proxy's and its upstream call
         spans = spans_of(phoenix, named["trace_id"], at_least=1 + 3 * len(points))
         (case_span,) = [s for s in spans if s["span_id"] == named["span_id"]]
