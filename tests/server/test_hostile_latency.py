@@ -43,18 +43,28 @@ def hostile_requests() -> list[tuple[str, list[dict], list[dict]]]:
     ]
 
 
+POLLS = 50  # the other client's /healthz polls a p99 is read from, at least (the attack is repeated until then)
+
+
 def test_a_hostile_client_does_not_hold_the_loop_for_the_others(proxy_factory):
     proxy = proxy_factory()
     answered: list[str] = []
     errors: list[BaseException] = []
+    rounds: list[int] = []  # the hostile requests sent over again until the other client polled enough
+    latencies: list[float] = []
 
     def attack() -> None:
         client = openai.OpenAI(api_key="sk-test", max_retries=0, timeout=60.0)
         try:
-            for profile, messages, tools in hostile_requests():
-                client.base_url = f"{proxy.url}/p/{profile}/v1"
-                answer = client.chat.completions.create(model="fake-model", messages=messages, tools=tools)
-                answered.append(answer.choices[0].finish_reason)
+            while True:
+                for profile, messages, tools in hostile_requests():
+                    client.base_url = f"{proxy.url}/p/{profile}/v1"
+                    answer = client.chat.completions.create(model="fake-model", messages=messages, tools=tools)
+                    answered.append(answer.choices[0].finish_reason)
+                rounds.append(len(rounds))
+                # a fast machine answers them all before a p99 can be read: again, while time allows
+                if len(latencies) >= POLLS or time.monotonic() - t_start > 20:
+                    break
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -63,7 +73,6 @@ def test_a_hostile_client_does_not_hold_the_loop_for_the_others(proxy_factory):
         warm.base_url = f"{proxy.url}/p/{profile}/v1"
         warm.chat.completions.create(model="fake-model", tools=TOOLS,
                                      messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    latencies: list[float] = []
     with httpx.Client(base_url=proxy.url, timeout=30.0) as health:
         health.get("/healthz")
         attacker = threading.Thread(target=attack, daemon=True)
@@ -76,7 +85,8 @@ def test_a_hostile_client_does_not_hold_the_loop_for_the_others(proxy_factory):
             time.sleep(0.01)
         attacker.join(5)
     assert not errors, errors
-    assert len(answered) == len(hostile_requests()), "the hostile requests were not all answered within 50 s"
+    assert rounds and len(answered) == len(rounds) * len(hostile_requests()), \
+        "the hostile requests were not all answered within 50 s"
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     assert len(latencies) >= 20, latencies
