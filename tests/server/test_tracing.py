@@ -473,7 +473,8 @@ def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(pr
             assert "gen_ai.usage.output_tokens" not in request["values"]
 
 
-def test_a_repaired_answers_span_reads_the_backends_answer_and_says_the_repair(proxy_factory, fake_upstream, sink):
+def test_a_repaired_answers_span_reads_the_answer_the_client_got_and_says_the_repair(proxy_factory, fake_upstream,
+                                                                                     sink):
     """A profile that repairs answers (`repair = true`) decodes a passed-through request's whole answer (a `WHOLE`
     step), so the trace step reads it as the client gets it (an `ANSWER` step, not in the check): an answer left
     alone and one repaired (a call left in the text) both have the response attributes of the answer the client

@@ -223,20 +223,20 @@ def spans_of(phoenix: str, trace_id: str, at_least: int, settle_s: float = 1.5) 
 def named_span(phoenix: str, name: str) -> dict:
     """The one span of this name in Phoenix, waited for: Phoenix stores what it received a moment later (a
     process that exported its spans and exited may be ahead of Phoenix's own writes)."""
-    deadline = time.monotonic() + 60
-    while True:
+    def look() -> list[dict]:
         got = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1", params={"name": name, "limit": 100},
                         timeout=10)
-        data = got.json().get("data", []) if got.status_code == 200 else []
-        if data:
-            time.sleep(0.5)  # a second span of this name would be stored with the first: look once more
-            data = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1", params={"name": name, "limit": 100},
-                             timeout=10).json()["data"]
-            assert len(data) == 1, data
-            return data[0]
+        return got.json().get("data", []) if got.status_code == 200 else []
+
+    deadline = time.monotonic() + 60
+    while not look():
         if time.monotonic() > deadline:
             raise AssertionError(f"no span named {name!r} in Phoenix after 60 s")
         time.sleep(0.3)
+    time.sleep(0.5)  # a second span of this name would be stored with the first: look once more
+    data = look()
+    assert len(data) == 1, data
+    return data[0]
 
 
 def upstream_requests(fake: Proc, tag: str) -> list[dict]:
