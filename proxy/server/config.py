@@ -220,8 +220,14 @@ OTEL_KEYS = (
     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
     "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_TRACES_SAMPLER",
     "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
-    "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
 )
+#: `[tracing] max_queue_bytes`'s default: the encoded spans waiting for the collector (and, as much again, the
+#: contents waiting to be redacted), per worker
+TRACE_QUEUE_BYTES = 32 << 20
+#: the characters a content attribute keeps (gen_ai.input.messages, ...) where OTEL_(SPAN_)ATTRIBUTE_VALUE_LENGTH_LIMIT
+#: is not set
+TRACE_CONTENT_CHARS = 64 << 10
 
 
 class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -233,6 +239,10 @@ class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     #: prompt and answer contents in spans (gen_ai.input.messages, gen_ai.output.messages), redacted as the
     #: recording is (docs/own-cases.md); off: no content of a request or an answer is ever exported
     contents: bool = False
+    #: bytes of encoded spans held for the collector (queued and being sent), per worker: past it a span is
+    #: dropped and counted, as past OTEL_BSP_MAX_QUEUE_SIZE; the contents waiting to be redacted are bounded by as
+    #: much again (past it a span goes without them). TOOLQUAKE_TRACING_MAX_QUEUE_BYTES
+    max_queue_bytes: int = TRACE_QUEUE_BYTES
     #: OTEL_* keys given in the file (the names above)
     otel: dict[str, str] = {}
 
@@ -240,6 +250,24 @@ class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
         unknown = sorted(set(self.otel) - set(OTEL_KEYS))
         if unknown:
             raise ValueError(f"unknown OTEL_* key(s) {', '.join(unknown)}; known: {', '.join(OTEL_KEYS)}")
+        if self.max_queue_bytes < 1 << 16:
+            raise ValueError(f"max_queue_bytes must be at least 65536, got {self.max_queue_bytes}")
+        limit = self.content_chars
+        if limit < 64:
+            raise ValueError(f"OTEL_(SPAN_)ATTRIBUTE_VALUE_LENGTH_LIMIT must be at least 64 characters, got {limit}")
+
+    @property
+    def content_chars(self) -> int:
+        """The characters a content attribute keeps: OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, else
+        OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT (the SDK's order), else 65,536."""
+        for key in ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
+            value = self.otel.get(key, "").strip()
+            if value:
+                try:
+                    return int(value)
+                except ValueError:
+                    raise ValueError(f"{key}={value!r} is not a whole number of characters") from None
+        return TRACE_CONTENT_CHARS
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -312,12 +340,19 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
 
 def _tracing(table: dict[str, Any], env: Any) -> dict[str, Any]:
     """`[tracing]` with its OTEL_* keys gathered under `otel`, the environment over the file
-    (TOOLQUAKE_TRACING, TOOLQUAKE_TRACING_CONTENTS, and the SDK's own OTEL_* variables)."""
+    (TOOLQUAKE_TRACING, TOOLQUAKE_TRACING_CONTENTS, TOOLQUAKE_TRACING_MAX_QUEUE_BYTES, and the SDK's own OTEL_*
+    variables)."""
     otel = {k: str(table.pop(k)) for k in list(table) if k.startswith("OTEL_")}
     otel.update({k: env[k] for k in OTEL_KEYS if env.get(k)})
     for var, key in (("TOOLQUAKE_TRACING", "enabled"), ("TOOLQUAKE_TRACING_CONTENTS", "contents")):
         if env.get(var):
             table[key] = env[var].strip().lower() in ("1", "true", "yes", "on")
+    if env.get("TOOLQUAKE_TRACING_MAX_QUEUE_BYTES"):
+        value = env["TOOLQUAKE_TRACING_MAX_QUEUE_BYTES"]
+        try:
+            table["max_queue_bytes"] = int(value)
+        except ValueError:
+            raise ConfigError(f"TOOLQUAKE_TRACING_MAX_QUEUE_BYTES={value!r} is not a valid int") from None
     if otel:
         table["otel"] = otel
     return table

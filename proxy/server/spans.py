@@ -5,12 +5,12 @@ finished spans in batches over OTLP/HTTP (protobuf, `otlp.py`), with the SDK's `
 
 On the request path a span costs a record and a dict; a request the sampler leaves out costs no record at all
 (its context still goes upstream, sampled flag 0). A span is encoded as it ends (by the thread that ends it,
-after the request's last byte) into a bounded queue of encoded spans (past `OTEL_BSP_MAX_QUEUE_SIZE` they are
-dropped and counted). The exporter sends them in batches and counts what it could not send: in the server, as a
-task of its event loop, over a non-blocking connection (a sending thread cost the event loop more than the
-sending itself: each time it took the interpreter's lock back, the loop had to hand it over); elsewhere (replay,
-sweep), from a thread of its own. Nothing here raises into a request, and nothing on the request path waits on
-the collector.
+after the request's last byte) into a queue of encoded spans bounded in spans (`OTEL_BSP_MAX_QUEUE_SIZE`) and in
+bytes (`[tracing] max_queue_bytes`, the batch being sent included): past either they are dropped and counted.
+The exporter sends them in batches and counts what it could not send: in the server, as a task of its event loop,
+over a non-blocking connection (a sending thread cost the event loop more than the sending itself: each time it took
+the interpreter's lock back, the loop had to hand it over); elsewhere (replay, sweep), from a thread of its own.
+Nothing here raises into a request, and nothing on the request path waits on the collector.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 import structlog
 
 from toolquake.proxy.server import otlp
-from toolquake.proxy.server.config import ConfigError
+from toolquake.proxy.server.config import TRACE_QUEUE_BYTES, ConfigError
 
 log = structlog.get_logger("toolquake.tracing")
 
@@ -247,11 +247,17 @@ class Exporter:
     """The bounded queue of finished spans, encoded, and what sends them (a task of the server's event loop, or a
     thread of its own): every `OTEL_BSP_SCHEDULE_DELAY` ms, or as soon as a batch is full, in batches of
     `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`; each batch one POST, retried on a connection error or 429/502/503/504 with
-    backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`."""
+    backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`. The queue holds at most `OTEL_BSP_MAX_QUEUE_SIZE` spans and
+    `max_bytes` bytes of them, the batch being sent included (`held`: a collector that hangs holds at most that).
+
+    `held` is changed by one statement at a time (`self.held += n`, `self.held -= n`: no call between its read and
+    its write, so no other thread runs in between under the interpreter's lock), from whichever thread puts or
+    sends; a lock there cost a passed-through request more than the rest of its queueing."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
 
-    def __init__(self, url: str, otel: dict[str, str], resource: dict[str, Any], version: str, failures: Any) -> None:
+    def __init__(self, url: str, otel: dict[str, str], resource: dict[str, Any], version: str, failures: Any,
+                 max_bytes: int = TRACE_QUEUE_BYTES) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"OTLP endpoint {url!r}: an http:// or https:// URL is needed")
@@ -284,6 +290,8 @@ class Exporter:
         self.resource = otlp.resource(resource)
         self.scope = otlp.scope("toolquake", version)
         self.queue: deque[bytes] = deque()  # spans encoded (otlp.framed)
+        self.max_bytes = max_bytes
+        self.held = 0  # bytes of the spans queued and of the batch being sent
         self.dropped, self.drop_logged = 0, 0.0  # spans dropped on a full queue, when that was last logged
         self.wake = threading.Event()
         self.stopping = False
@@ -315,15 +323,26 @@ class Exporter:
         dropped."""
         if len(self.queue) < self.max_queue:
             return True
-        self.failures.inc()
-        self.dropped += 1
-        if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:  # at most one line per 10 s
-            self.drop_logged = time.monotonic()
-            log.warning("trace_queue_full", dropped=self.dropped, max_queue=self.max_queue)
+        self._dropped("spans")
         return False
 
+    def _dropped(self, full: str) -> None:
+        """A span dropped on a full queue (`full`: of spans, or of bytes), counted; logged at most every 10 s."""
+        self.failures.inc()
+        self.dropped += 1
+        if self.dropped == 1 or time.monotonic() >= self.drop_logged + 10:
+            self.drop_logged = time.monotonic()
+            log.warning("trace_queue_full", dropped=self.dropped, full=full, max_queue=self.max_queue,
+                        max_bytes=self.max_bytes)
+
     def put_encoded(self, encoded: bytes) -> None:
-        """A span encoded (`otlp.framed`), queued (after `room` said yes)."""
+        """A span encoded (`otlp.framed`), queued (after `room` said yes), or dropped and counted where its bytes
+        do not fit."""
+        size = len(encoded)
+        if self.held + size > self.max_bytes:
+            self._dropped("bytes")
+            return
+        self.held += size
         queue = self.queue
         queue.append(encoded)
         if len(queue) >= self.max_batch and not self.woken:
@@ -334,7 +353,9 @@ class Exporter:
         """Two spans encoded, queued in this order as the queue has room (`room`, `put_encoded`; one call where
         both fit, the passthrough request's hot path)."""
         queue = self.queue
-        if len(queue) + 2 <= self.max_queue:
+        size = len(first) + len(second)
+        if len(queue) + 2 <= self.max_queue and self.held + size <= self.max_bytes:
+            self.held += size
             queue.append(first)
             queue.append(second)
             if len(queue) >= self.max_batch and not self.woken:
@@ -413,6 +434,9 @@ class Exporter:
             except Exception as exc:  # fail-open: the batch is lost, counted
                 log.warning("trace_export_failed", error_type=type(exc).__name__)
                 sent = False
+            finally:
+                done = sum(map(len, batch))
+                self.held -= done  # sent or lost: no longer held (`held`)
             if not sent:
                 self.failures.inc(len(batch))
 
@@ -516,6 +540,9 @@ class Exporter:
             except Exception as exc:  # fail-open: the batch is lost, counted
                 log.warning("trace_export_failed", error_type=type(exc).__name__)
                 sent = False
+            finally:
+                done = sum(map(len, batch))
+                self.held -= done  # sent or lost: no longer held (`held`)
             if not sent:
                 self.failures.inc(len(batch))
 

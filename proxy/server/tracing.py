@@ -30,7 +30,7 @@ from prometheus_client import Counter
 
 from toolquake import __version__
 from toolquake.proxy.server import otlp
-from toolquake.proxy.server.config import ConfigError, TracingConfig
+from toolquake.proxy.server.config import TRACE_CONTENT_CHARS, ConfigError, TracingConfig
 from toolquake.proxy.server.spans import (
     CLIENT,
     ERROR,
@@ -116,8 +116,12 @@ class Tracing:
         self.sampler = sampler(otel.get("OTEL_TRACES_SAMPLER", ""), otel.get("OTEL_TRACES_SAMPLER_ARG", ""))
         failures = Counter("toolquake_tracing_failures", "Tracing that failed, fail-open: spans the exporter could "
                            "not send or dropped on a full queue (stage=export), requests whose tracing raised and "
-                           "were served without it (stage=span).", ["stage"], registry=metrics.registry)
+                           "were served without it (stage=span), spans that went without their contents because "
+                           "too much waited to be redacted (stage=contents).", ["stage"], registry=metrics.registry)
         self.export_failures, self.span_failures = failures.labels("export"), failures.labels("span")
+        self.contents_skipped = failures.labels("contents")
+        #: characters of contents waiting to be redacted (`RequestTrace.contents`; on the event loop only)
+        self.contents_waiting = 0
         url = urlsplit(upstream)  # never its user:password, path or query
         self.server = {"server.address": url.hostname or "", "server.port": url.port or
                        (443 if url.scheme == "https" else 80)}
@@ -128,7 +132,8 @@ class Tracing:
         resource.update({"telemetry.sdk.language": "python", "telemetry.sdk.name": "toolquake",
                          "telemetry.sdk.version": __version__})
         self.service = resource["service.name"]
-        self.exporter = Exporter(self.endpoint, otel, resource, __version__, self.export_failures)
+        self.exporter = Exporter(self.endpoint, otel, resource, __version__, self.export_failures,
+                                 config.max_queue_bytes)
         self.started = False
         #: a request span's attributes shared by a route and profile, an upstream call's by a route: encoded once
         self.fixed_cache: dict[tuple[Any, str, str], bytes] = {}
@@ -247,11 +252,11 @@ class Tracing:
         layout of its shape, the lengths of its values and its parent (`otlp.PassthroughLayout`), found by one
         lookup. False (nothing written) where the request is not plain: only its attributes gathered in a dict can
         say it (`fill`)."""
-        asked, served, made = trace.asked, trace.served, trace.made
-        if asked is None or served is None:
+        asked, made, served = trace.asked, trace.made, trace  # what was served: the trace's copy (`finish`)
+        if asked is None:
             return False
         request_id, api, profile, stream, asked_model, case, request = _ASKED(asked)  # one call, not seven lookups
-        if request is not None or case is not None or served.outcome is not None or served.injected_calls \
+        if request is not None or case is not None or served.perturbation is not None or served.injected_calls \
                 or served.repaired or not 0 < served.status < 500 \
                 or (made is not None and (made.attributes or made.events)):
             return False
@@ -321,8 +326,8 @@ class Tracing:
     def shape(self, trace: RequestTrace) -> tuple[bytes, bytes]:
         """What a plain request's span shares with other requests: its name field, and its attributes but its
         own values (from a cache bounded in entries and each in bytes)."""
-        asked, served, summary, rules = trace.asked, trace.served, trace.summary, trace.rules
-        assert asked is not None and served is not None
+        asked, served, summary, rules = trace.asked, trace, trace.summary, trace.rules
+        assert asked is not None
         fixed = self.fixed(asked)  # the same bytes object for every request of a route and profile
         key = (fixed, asked.model, asked.stream, served.status,
                None if summary is None else (summary.model, summary.finish_reasons, summary.tool_calls),
@@ -362,11 +367,10 @@ class Tracing:
         """The layout of `plain_span`'s `key` (its shape, its values' `lengths`: request id, response id (-1: none)
         and the token counts' varints (0: none); its parent), kept in a cache bounded in entries;
         None where the shape is too large to keep (a hostile model or answer: written by the general encoder)."""
-        assert trace.served is not None
         shared = self.shape(trace)
         if len(shared[1]) > _SHAPE_BYTES or len(shared[0]) > _SHAPE_BYTES:  # the key is no larger than its shape
             return None
-        up = self.up_spanned(trace.asked.api if trace.asked is not None else None, trace.served.status)
+        up = self.up_spanned(trace.asked.api if trace.asked is not None else None, trace.status)
         rid_n, resp_n, in_n, out_n = lengths
         parent = key[-1]
         prefixes = (otlp.string_prefix("toolquake.request_id", rid_n),
@@ -390,13 +394,16 @@ class RequestTrace:
     """The span of one model request and what it takes to end it (`span` None: the sampler left the request out;
     its calls upstream still carry a context, sampled flag 0). The upstream call's span is written when the
     request finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets.
-    The request span's attributes are worked out when it ends, from the request (`asked`, `served`) and its answer:
+    The request span's attributes are worked out when it ends, from the request (`asked`), what was served (the
+    few fields of `Served` a span reads, copied as the request finishes: the trace never holds the `Served`, which
+    holds the trace, nor its bodies) and its answer:
     a passthrough request's (nothing but its own values: plain) are written straight to the wire format, the
     part they share with other requests from a cache (`Tracing.plain_span`); any other's are gathered in the span's
     dict (`fill`) and encoded from it. Every method fails open."""
 
     __slots__ = ("tracing", "sampled", "tid", "sid", "pid", "tracestate", "start", "t0", "end_ns", "holds", "ended",
-                 "uid", "up_start", "clean", "asked", "served", "summary", "rules", "up_end_ns", "made")
+                 "uid", "up_start", "clean", "asked", "summary", "rules", "up_end_ns", "made", "status",
+                 "perturbation", "injected_calls", "repaired", "upstream_s", "total_s")
 
     def __init__(self, tracing: Tracing, sampled: bool, trace_id: int, parent: Context | None, start: int, t0: float,
                  ids: int, clean: bool) -> None:
@@ -429,8 +436,13 @@ class RequestTrace:
         self.up_start: float | None = None
         self.up_end_ns = 0
         self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
-        self.asked: Asked | None = None  # set when the request finishes
-        self.served: Served | None = None
+        self.asked: Asked | None = None  # set when the request finishes, with `Served`'s fields the span reads:
+        self.status = 0
+        self.perturbation: dict[str, Any] | None = None  # what the profile did (`perturbation_attributes`)
+        self.injected_calls: tuple[str, ...] = ()
+        self.repaired: str | None = None
+        self.upstream_s: float | None = None
+        self.total_s = 0.0
         self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`checked`, ...)
         self.rules: list[str] | None = None  # the conformance rules the answer broke, once it was checked
         self.made: Span | None = None  # the request's span as a `Span`, once something was noted on it (`span`)
@@ -550,8 +562,13 @@ class RequestTrace:
             self.release()
             return
         try:
-            self.asked, self.served = asked, served
-            start, upstream_s = self.start, served.upstream_s
+            self.asked = asked  # and what the span reads of `served` (which holds this trace: no cycle, no body)
+            self.status, self.injected_calls, self.repaired = served.status, served.injected_calls, served.repaired
+            self.total_s = served.total_s
+            self.upstream_s = upstream_s = served.upstream_s
+            if served.outcome is not None:
+                self.perturbation = perturbation_attributes(served.outcome)
+            start = self.start
             if self.up_start is not None:  # its span is written when the request's is
                 self.up_end_ns = start + int(((served.t_upstream or self.t0) + upstream_s - self.t0) * 1e9) \
                     if upstream_s is not None else start + int(served.total_s * 1e9)
@@ -566,8 +583,8 @@ class RequestTrace:
     def fill(self) -> None:
         """The request span's name, attributes and status, gathered in the span (a request that is not plain:
         `Tracing.plain_span`): those noted on it while it ran win over those worked out here."""
-        span, asked, served = self.span, self.asked, self.served
-        if span is None or asked is None or served is None:
+        span, asked, served = self.span, self.asked, self
+        if span is None or asked is None:
             return
         attrs: dict[str, Any] = {}
         if asked.model:
@@ -587,21 +604,37 @@ class RequestTrace:
         span.attributes = attrs
 
     def contents(self, asked: Asked, served: Served) -> None:
-        """Prompt and answer, redacted off the event loop (the span waits for them); none without a redactor."""
-        redact, span = self.tracing.redact, self.span
+        """Prompt and answer, redacted off the event loop (the span waits for them), each attribute cut to
+        `TracingConfig.content_chars`; none without a redactor. What waits to be redacted is bounded (characters,
+        `[tracing] max_queue_bytes`): past it the span goes without contents (`toolquake.contents.skipped`),
+        counted (stage `contents`). The work holds the request and the answer, never this trace or `served`."""
+        tracing, span = self.tracing, self.span
+        redact = tracing.redact
         if redact is None or span is None:
             return
         request, answer = asked.request or {}, served.response
+        bound = tracing.config.max_queue_bytes
+        size = text_size((request.get("messages"), request.get("tools"), answer), bound)
+        if tracing.contents_waiting + size > bound:
+            tracing.contents_skipped.inc()
+            span.attributes["toolquake.contents.skipped"] = "backlog"
+            return
+        tracing.contents_waiting += size  # changed on the event loop only (here and in `done`)
+        limit = tracing.config.content_chars
+        attributes = span.attributes
         self.hold()
 
         def work() -> None:
             try:
-                span.attributes.update(content_attributes(redact, request, answer))
+                attributes.update(content_attributes(redact, request, answer, limit))
             except Exception as exc:
-                self.tracing.failed(exc)
+                tracing.failed(exc)
 
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(None, work).add_done_callback(lambda _: loop.call_soon_threadsafe(self.release))
+        def done(_: Any, release: Callable[[], None] = self.release) -> None:  # on the event loop
+            tracing.contents_waiting -= size
+            release()
+
+        asyncio.get_running_loop().run_in_executor(None, work).add_done_callback(done)
 
     def hold(self) -> None:
         """Something will still add to this span (a check after the last byte, a verdict, a twin)."""
@@ -617,14 +650,13 @@ class RequestTrace:
             return
         try:
             if not self.tracing.plain_span(self):
-                served = self.served
-                if self.up_start is not None and served is not None:
-                    self.tracing.upstream_span(self, served.status, self.at(self.up_start), self.up_end_ns)
+                if self.up_start is not None and self.asked is not None:
+                    self.tracing.upstream_span(self, self.status, self.at(self.up_start), self.up_end_ns)
                 self.fill()
                 self.span.finish(self.end_ns)  # type: ignore[union-attr]
         except Exception as exc:
             self.tracing.failed(exc)
-        self.asked = self.served = None  # `served` holds this trace: no cycle left for the collector
+        self.asked = None
 
     def __del__(self) -> None:  # a trace dropped with a hold never released: its span still ends
         if not self.ended and self.end_ns is not None:
@@ -697,7 +729,7 @@ class RequestTrace:
             self.tracing.failed(exc)
 
 
-def request_into(out: dict[str, Any], asked: Asked, served: Served) -> None:
+def request_into(out: dict[str, Any], asked: Asked, served: RequestTrace) -> None:
     """What the request is and what the profile did to it, added to `out` (the route's and profile's attributes
     are the span's `fixed` ones: `Tracing.fixed`)."""
     out["gen_ai.request.stream"] = asked.stream
@@ -714,9 +746,8 @@ def request_into(out: dict[str, Any], asked: Asked, served: Served) -> None:
         out["toolquake.seed"] = str(asked.seed)
     if asked.case is not None:
         out["toolquake.case_id"] = str(getattr(asked.case, "id", ""))
-    outcome = served.outcome
-    if outcome is not None:
-        out.update(perturbation_attributes(outcome))
+    if served.perturbation is not None:
+        out.update(served.perturbation)
 
 
 _REQUEST_NUMBERS = (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
@@ -921,7 +952,7 @@ def summary_into(out: dict[str, Any], summary: AnswerSummary, own: bool = True) 
     out["toolquake.answer.tool_calls"] = list(summary.tool_calls)
 
 
-def finish_into(out: dict[str, Any], served: Served) -> None:
+def finish_into(out: dict[str, Any], served: RequestTrace) -> None:
     out["http.response.status_code"] = served.status
     if served.upstream_s is not None:
         out["toolquake.upstream_ms"] = _ms(served.upstream_s)
@@ -933,17 +964,41 @@ def finish_into(out: dict[str, Any], served: Served) -> None:
 
 
 def content_attributes(redact: Callable[[Any], Any], request: dict[str, Any],
-                       answer: dict[str, Any] | None) -> dict[str, str]:
-    """gen_ai.input.messages, gen_ai.output.messages and gen_ai.tool.definitions, every string redacted."""
+                       answer: dict[str, Any] | None, limit: int = TRACE_CONTENT_CHARS) -> dict[str, str]:
+    """gen_ai.input.messages, gen_ai.output.messages and gen_ai.tool.definitions, every string redacted, then each
+    attribute cut to `limit` characters (`cut`: redacted first, so a cut never leaves part of a secret)."""
     messages = [genai_message(m) for m in request.get("messages") or [] if isinstance(m, dict)]
-    out = {"gen_ai.input.messages": _encode(redact(messages)).decode()}
+    out = {"gen_ai.input.messages": cut(_encode(redact(messages)).decode(), limit)}
     if request.get("tools"):
-        out["gen_ai.tool.definitions"] = _encode(redact(request["tools"])).decode()
+        out["gen_ai.tool.definitions"] = cut(_encode(redact(request["tools"])).decode(), limit)
     if answer is not None:
         outputs = [{**genai_message(c.get("message") or {}), "finish_reason": str(c.get("finish_reason") or "stop")}
                    for c in answer.get("choices") or [] if isinstance(c, dict)]
-        out["gen_ai.output.messages"] = _encode(redact(outputs)).decode()
+        out["gen_ai.output.messages"] = cut(_encode(redact(outputs)).decode(), limit)
     return out
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` cut to its first `limit` characters, marked with how many were cut (`…[N characters cut]`)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…[{len(text) - limit} characters cut]"
+
+
+def text_size(value: Any, most: int) -> int:
+    """The characters of the strings in `value` (dicts' keys and values, lists, nested: what redacting it reads),
+    counted until they pass `most` (the walk stops there)."""
+    total, stack = 0, [value]
+    while stack and total <= most:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def genai_message(message: dict[str, Any]) -> dict[str, Any]:
