@@ -11,13 +11,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
 from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber, Services
 
 __all__ = ["NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build",
-           "operator_only_set"]
+           "operator_only_set", "shown_params", "without_credentials"]
 
 _REGISTRY: dict[str, type[Perturber]] = {}
 _loaded = False
@@ -59,6 +60,26 @@ def operator_only_set(name: str, params: dict[str, Any], allowed: dict[str, Any]
     if allowed is not None and all(params.get(k, d) == allowed.get(k, d) for k, d in defaults.items()):
         return []
     return changed
+
+
+def without_credentials(value: Any) -> Any:
+    """A URL's user, password and query hidden (`***`); anything else as it is."""
+    if not isinstance(value, str) or "://" not in value:
+        return value
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
+def shown_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A step's parameters as shown outside the operator's configuration (the admin API's GET, the results stores):
+    URLs without their credentials and queries (`without_credentials`)."""
+    return {k: without_credentials(v) for k, v in params.items()}
 
 
 def build(name: str, params: dict[str, Any] | None = None) -> Perturber:

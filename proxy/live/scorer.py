@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from toolquake.perturbers import shown_params
 from toolquake.proxy.live import recovery
 from toolquake.proxy.live.grader import Grader, is_followup
 from toolquake.proxy.live.metrics import ScoringMetrics
@@ -316,7 +317,7 @@ class LiveScorer:
             case_id=case.id if case is not None else None,
             category=case.category if case is not None else None,
             resolved_by=None if case is None else ("header" if origin.case_header else "content"),
-            perturbers=[{"name": a.name, "params": a.params,
+            perturbers=[{"name": a.name, "params": shown_params(a.params),
                          "report": a.report if keep_text else _safe_report(a.report)} for a in job.applied],
             total_ms=None if job.total_s is None else job.total_s * 1000, upstream_ms=job.upstream_s * 1000,
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),

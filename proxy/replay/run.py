@@ -38,6 +38,7 @@ import httpx
 import msgspec
 
 from toolquake.bfcl.corpus import case_request
+from toolquake.perturbers import shown_params
 from toolquake.proxy.live.grader import Grader
 from toolquake.proxy.live.usercases import is_user_case, request_body
 from toolquake.proxy.replay.errors import ReplayError
@@ -143,7 +144,7 @@ def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
         if spec is None:
             out[name] = {"mode": "off", "perturbers": []}
             continue
-        steps = [{"name": p.name, "params": msgspec.to_builtins(build(p.name, p.params).params()),
+        steps = [{"name": p.name, "params": shown_params(msgspec.to_builtins(build(p.name, p.params).params())),
                   "probability": p.probability} for p in spec.perturbers]
         out[name] = {"mode": spec.mode, "perturbers": steps}
     return out
@@ -243,7 +244,7 @@ class _Sender:
         ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
         outcome = ex.outcome if ex is not None else None
         if outcome is not None:
-            rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
+            rec.perturbers = {"applied": [{"name": a.name, "params": shown_params(a.params), "report": a.report}
                                           for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
         if isinstance(r, Failed):

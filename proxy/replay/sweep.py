@@ -134,10 +134,10 @@ class _Profiles:
 
     def recorded(self, i: int) -> dict[str, Any]:
         """The profile as the results file keeps it: every parameter (defaults included), and the sweep point."""
-        from toolquake.perturbers import build
+        from toolquake.perturbers import build, shown_params
 
         spec = self.spec(i)
-        steps = [{"name": s["name"], "params": build(s["name"], s["params"]).params(), "probability": 1.0}
+        steps = [{"name": s["name"], "params": shown_params(build(s["name"], s["params"]).params()), "probability": 1.0}
                  for s in spec["perturbers"]]
         return {"mode": spec["mode"], "perturbers": steps, "sweep": {"axis": self.axis.name, "x": self.points[i]}}
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hmac
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 from litestar import Request, Response, route
 
-from toolquake.perturbers import operator_only_set
+from toolquake.perturbers import operator_only_set, shown_params
 from toolquake.proxy.server.config import ConfigError, ProfileSpec, decode_profile
 from toolquake.proxy.server.errors import error_body
 
@@ -51,20 +50,6 @@ def _refused(spec: ProfileSpec, current: ProfileSpec | None) -> str | None:
     return None
 
 
-def _without_credentials(value: Any) -> Any:
-    """A URL's user, password and query hidden (`***`); anything else as it is."""
-    if not isinstance(value, str) or "://" not in value:
-        return value
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        return "***"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
-
-
 def routes(st: ProxyState) -> list[Any]:
     def guard(request: Request) -> Response | None:
         if not st.admin_token:
@@ -78,7 +63,7 @@ def routes(st: ProxyState) -> list[Any]:
         spec = msgspec.to_builtins(st.profiles.get(name).spec)
         for step in spec.get("perturbers", []):
             if isinstance(step.get("params"), dict):
-                step["params"] = {k: _without_credentials(v) for k, v in step["params"].items()}
+                step["params"] = shown_params(step["params"])
         return {"name": name, **spec}
 
     @route("/admin/profiles", http_method=["GET"], name="admin_list")
