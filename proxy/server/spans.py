@@ -252,7 +252,8 @@ class Exporter:
 
     `held` is changed by one statement at a time (`self.held += n`, `self.held -= n`: no call between its read and
     its write, so no other thread runs in between under the interpreter's lock), from whichever thread puts or
-    sends; a lock there cost a passed-through request more than the rest of its queueing."""
+    sends; a lock there cost a passed-through request more than the rest of its queueing. Two threads putting at
+    once may each pass the check before either adds: the bound is then passed by a span."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
 

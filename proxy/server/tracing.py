@@ -612,6 +612,7 @@ class RequestTrace:
         redact = tracing.redact
         if redact is None or span is None:
             return
+        loop = asyncio.get_running_loop()
         request, answer = asked.request or {}, served.response
         bound = tracing.config.max_queue_bytes
         size = text_size((request.get("messages"), request.get("tools"), answer), bound)
@@ -634,7 +635,7 @@ class RequestTrace:
             tracing.contents_waiting -= size
             release()
 
-        asyncio.get_running_loop().run_in_executor(None, work).add_done_callback(done)
+        loop.run_in_executor(None, work).add_done_callback(done)
 
     def hold(self) -> None:
         """Something will still add to this span (a check after the last byte, a verdict, a twin)."""
