@@ -250,10 +250,11 @@ class Exporter:
     backoff within `OTEL_EXPORTER_OTLP_TIMEOUT`. The queue holds at most `OTEL_BSP_MAX_QUEUE_SIZE` spans and
     `max_bytes` bytes of them, the batch being sent included (`held`: a collector that hangs holds at most that).
 
-    `held` is changed by one statement at a time (`self.held += n`, `self.held -= n`: no call between its read and
-    its write, so no other thread runs in between under the interpreter's lock), from whichever thread puts or
-    sends; a lock there cost a passed-through request more than the rest of its queueing. Two threads putting at
-    once may each pass the check before either adds: the bound is then passed by a span."""
+    What is left of `max_bytes` (`left`) is only changed by augmented assignments (`self.left -= n`, `self.left +=
+    n`: one statement each, no call between its read and its write, so no other thread runs in between under the
+    interpreter's lock), from whichever thread puts or sends: a put takes its bytes first and gives them back where
+    they do not fit, so no change is ever lost (two puts at once near the bound may both find no room). A lock there
+    cost a passed-through request more than the rest of its queueing."""
 
     RETRYABLE = frozenset({429, 502, 503, 504})
 
@@ -292,7 +293,7 @@ class Exporter:
         self.scope = otlp.scope("toolquake", version)
         self.queue: deque[bytes] = deque()  # spans encoded (otlp.framed)
         self.max_bytes = max_bytes
-        self.held = 0  # bytes of the spans queued and of the batch being sent
+        self.left = max_bytes  # `max_bytes` less the bytes of the spans queued and of the batch being sent
         self.dropped, self.drop_logged = 0, 0.0  # spans dropped on a full queue, when that was last logged
         self.wake = threading.Event()
         self.stopping = False
@@ -319,6 +320,11 @@ class Exporter:
             return
         self.put_encoded(encoded)
 
+    @property
+    def held(self) -> int:
+        """Bytes of the spans queued and of the batch being sent."""
+        return self.max_bytes - self.left
+
     def room(self) -> bool:
         """Whether the queue takes one more span; False: it is full, and the span about to be put is counted
         dropped."""
@@ -340,10 +346,11 @@ class Exporter:
         """A span encoded (`otlp.framed`), queued (after `room` said yes), or dropped and counted where its bytes
         do not fit."""
         size = len(encoded)
-        if self.held + size > self.max_bytes:
+        self.left -= size  # taken, then given back where it does not fit (`Exporter`: no change is lost)
+        if self.left < 0:
+            self.left += size
             self._dropped("bytes")
             return
-        self.held += size
         queue = self.queue
         queue.append(encoded)
         if len(queue) >= self.max_batch and not self.woken:
@@ -355,14 +362,15 @@ class Exporter:
         both fit, the passthrough request's hot path)."""
         queue = self.queue
         size = len(first) + len(second)
-        if len(queue) + 2 <= self.max_queue and self.held + size <= self.max_bytes:
-            self.held += size
+        self.left -= size  # taken, then given back where they do not fit (`Exporter`: no change is lost)
+        if self.left >= 0 and len(queue) + 2 <= self.max_queue:
             queue.append(first)
             queue.append(second)
             if len(queue) >= self.max_batch and not self.woken:
                 self.woken = True
                 self._wake()
             return
+        self.left += size
         if self.room():
             self.put_encoded(first)
         if self.room():
@@ -437,7 +445,7 @@ class Exporter:
                 sent = False
             finally:
                 done = sum(map(len, batch))
-                self.held -= done  # sent or lost: no longer held (`held`)
+                self.left += done  # sent or lost: no longer held
             if not sent:
                 self.failures.inc(len(batch))
 
@@ -543,7 +551,7 @@ class Exporter:
                 sent = False
             finally:
                 done = sum(map(len, batch))
-                self.held -= done  # sent or lost: no longer held (`held`)
+                self.left += done  # sent or lost: no longer held
             if not sent:
                 self.failures.inc(len(batch))
 

@@ -436,13 +436,10 @@ class RequestTrace:
         self.up_start: float | None = None
         self.up_end_ns = 0
         self.clean = clean  # the client sent no trace header (its headers go upstream as they are, plus ours)
-        self.asked: Asked | None = None  # set when the request finishes, with `Served`'s fields the span reads:
-        self.status = 0
-        self.perturbation: dict[str, Any] | None = None  # what the profile did (`perturbation_attributes`)
-        self.injected_calls: tuple[str, ...] = ()
-        self.repaired: str | None = None
-        self.upstream_s: float | None = None
-        self.total_s = 0.0
+        #: set when the request finishes (`finish`), after the fields of `Served` the span reads: `status`,
+        #: `perturbation` (what the profile did: `perturbation_attributes`), `injected_calls`, `repaired`,
+        #: `upstream_s`, `total_s` (unset until then: read only where `asked` is set)
+        self.asked: Asked | None = None
         self.summary: AnswerSummary | None = None  # what the span reads of the final answer (`checked`, ...)
         self.rules: list[str] | None = None  # the conformance rules the answer broke, once it was checked
         self.made: Span | None = None  # the request's span as a `Span`, once something was noted on it (`span`)
@@ -562,12 +559,13 @@ class RequestTrace:
             self.release()
             return
         try:
-            self.asked = asked  # and what the span reads of `served` (which holds this trace: no cycle, no body)
+            # what the span reads of `served` (which holds this trace: no cycle, and none of its bodies), then `asked`
             self.status, self.injected_calls, self.repaired = served.status, served.injected_calls, served.repaired
             self.total_s = served.total_s
             self.upstream_s = upstream_s = served.upstream_s
-            if served.outcome is not None:
-                self.perturbation = perturbation_attributes(served.outcome)
+            outcome = served.outcome
+            self.perturbation = None if outcome is None else perturbation_attributes(outcome)
+            self.asked = asked
             start = self.start
             if self.up_start is not None:  # its span is written when the request's is
                 self.up_end_ns = start + int(((served.t_upstream or self.t0) + upstream_s - self.t0) * 1e9) \
