@@ -18,6 +18,7 @@ from typing import Any
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.replay.report.rows import Results, Row
 from toolquake.scorers.aggregate import (
+    ALPHA,
     mcnemar,
     paired_drop_ci,
     pass_at_k,
@@ -29,7 +30,6 @@ from toolquake.scorers.aggregate import (
 )
 
 BASELINE = "off"
-ALPHA = 0.05
 
 
 def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
