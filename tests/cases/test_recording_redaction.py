@@ -444,3 +444,36 @@ def test_a_new_recording_is_0600_whatever_the_umask(tmp_path, umask):
         os.umask(old)
         _PREPARED.clear()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_cases_from_a_recording_written_unredacted_come_out_redacted(tmp_path):
+    """A recording with every secret of both corpora left in (an old or foreign file, or one edited by hand):
+    `cases from-recording` redacts what it copies, and the cases are still valid."""
+    c, m = corpus(), more_secrets()
+    first, second = build_request(c), more_request(m)
+    answer = {"message": {"role": "assistant", "tool_calls": [{"id": "call_9", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "units": c["anthropic"],
+                                                        "api_key": m["pwd_key"]})}}]}, "finish_reason": "tool_calls"}
+    lines = [{"toolquake_recording": 1, "created": 1.0}]
+    for i, request in enumerate([first, second]):
+        lines.append({"v": 1, "ts": 1763900000.0 + i, "request_id": f"r{i}", "route": "chat_completions",
+                      "profile": "off", "model": "m", "stream": False, "request": request,
+                      "answer": answer if i == 0 else {"message": {"role": "assistant", "content": "Done."}}})
+    recording = tmp_path / "by-hand.jsonl"
+    recording.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    raw = recording.read_bytes()
+    assert all(v.encode() in raw for v in m.values()) and c["openai"].encode() in raw  # the secrets are there
+
+    cases = tmp_path / "cases.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 0, r.stderr
+    made = [json.loads(line) for line in cases.read_text().splitlines()]
+    assert len(made) == 2
+    out = cases.read_bytes()
+    for name, value in c.items():
+        for needle in needles(name, value):
+            assert needle.encode() not in out, (name, needle)
+    check_more(m, out, strings(made))
+    assert made[0]["expected"] == [{"name": "get_weather", "arguments": {
+        "city": ["Paris"], "units": ["[redacted]"], "api_key": ["[redacted]"]}}]
+    assert toolquake("cases", "validate", str(cases)).returncode == 0
