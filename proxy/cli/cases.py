@@ -54,7 +54,7 @@ def run_from_recording(args: argparse.Namespace) -> int:
         redactor = Redactor(args.redact or [])
     except regex.error as exc:
         return _refuse(f"bad --redact pattern: {exc}")
-    records = []
+    records, unredacted = [], 0
     for path in args.recordings:
         try:
             rec = read_recording(path)
@@ -70,7 +70,9 @@ def run_from_recording(args: argparse.Namespace) -> int:
         if rec.torn:
             print(f"toolquake: {path}: skipped a torn last line (the proxy was stopped mid-write)", file=sys.stderr)
         # redacted again, as the recorder does: an old or foreign file, or one edited by hand, may hold secrets
-        records += [redactor(r) for r in rec.records]
+        for record in rec.records:
+            records.append(redactor(record))
+            unredacted += records[-1] != record
     prefix = args.id_prefix or Path(args.recordings[0]).stem
     made = from_records(records, prefix=prefix, category=args.category, loosen=args.loosen_strings,
                         tools=_names(args.tools), tags=_names(args.tags), calls_only=args.calls_only)
@@ -86,6 +88,9 @@ def run_from_recording(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "w") as f:
         for case in made.cases:
             f.write(json.dumps(case, ensure_ascii=False) + "\n")
+    if unredacted:
+        print(f"toolquake: {unredacted} exchange(s) held secret-shaped strings the recording had kept; they are "
+              "[redacted] in the cases (the recording itself is left as it is)", file=sys.stderr)
     if redactor.timeouts:
         print(f"toolquake: {redactor.timeouts} text(s) took too long to scan and were replaced whole", file=sys.stderr)
     print(f"toolquake: wrote {len(made.cases)} case(s) to {out} from {len(records)} exchange(s): "

@@ -76,7 +76,9 @@ _T = r"A-Za-z0-9_\-"  # the characters of a token
 _START = rf"(?<![{_T}])"  # a match starts only where a token starts: no quadratic restarts inside a run
 #: an optional quote around a key or value, possibly backslash-escaped (JSON inside a JSON string: {\"k\": \"v\"})
 _Q = r"(?:\\{0,3}+[\"'])?"
-#: a value's characters: up to a quote, space or separator; a backslash only when it escapes no quote
+#: a value's characters: up to a quote, space or separator; a backslash only when it escapes no quote (a value that
+#: is already `[redacted]` is left as it is: redacting a redacted text changes nothing)
+_NOT_REDACTED = r"(?!\[++redacted\])"
 _VALUE = r"(?:[^\s\"'`,;<>\\]|\\(?![\"']))"
 _KEYWORD = (r"(?i:(?:api|access|secret|private|client|auth|session|refresh|master|signing)[_\-]?(?:access[_\-]?)?"
             r"(?:key|token|secret)|password|passwd|passphrase|secret|credentials?)")
@@ -95,13 +97,12 @@ OWN_PATTERNS: tuple[str, ...] = (
     r"(?<![A-Za-z0-9])(?i:bearer)\s{1,8}+([A-Za-z0-9._~+/\-]{8,}+=*+)",  # Bearer <token>
     rf"(?i:authorization){_Q}\s{{0,8}}+[:=]\s{{0,8}}+{_Q}(?:(?i:basic|bearer|token|digest)\s{{1,8}}+)?"
     r"((?:[^\s\"',;\\]|\\(?![\"'])){6,}+)",  # Authorization: <value>
-    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+(?::=|=>|[:=])\s{{0,8}}+(?:\[\s{{0,8}}+)?{_Q}"
-    rf"({_VALUE}{{6,}}+)",  # x = value (or the first of a list)
-    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+[:=]\s{{0,8}}+\[([^\[\]\r\n]++)\]",  # x = [a list]: all of it
+    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+(?::=|=>|[:=])\s{{0,8}}+{_Q}{_NOT_REDACTED}({_VALUE}{{6,}}+)",  # x = v
+    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+[:=]\s{{0,8}}+\[(?!redacted\])([^\[\]\r\n]++)\]",  # x = [list]
     # `pass` and `pwd` are ordinary words: only as a quoted key ("pass": ...), right before `=` (pass=...), or
     # after a separator (db_pass: ...)
     rf"(?:(?<![A-Za-z0-9_\-.])(?i:pass|pwd)(?:\\{{0,3}}+[\"']\s{{0,8}}+[:=]|=)|(?<=[A-Za-z0-9][_\-.])(?i:pass|pwd)"
-    rf"{_Q}\s{{0,8}}+[:=])\s{{0,8}}+(?:\[\s{{0,8}}+)?{_Q}(?![/~])({_VALUE}{{4,}}+)",  # not PWD=/home/...
+    rf"{_Q}\s{{0,8}}+[:=])\s{{0,8}}+{_Q}(?![/~]){_NOT_REDACTED}({_VALUE}{{4,}}+)",  # not PWD=/home
     # cookie headers, when a `name=value` follows: the whole value, to the end of the line or the quote
     rf"(?<![A-Za-z0-9_\-])(?i:(?:set-)?cookie){_Q}\s{{0,8}}+:\s{{0,8}}+{_Q}"
     r"(?=[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,256}+=)((?:[^\r\n\"\\]|\\(?![\"']))++)",

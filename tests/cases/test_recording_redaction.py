@@ -199,6 +199,7 @@ def test_no_secret_of_the_corpus_is_left_in_the_recording(fake_upstream, tmp_pat
     cases = tmp_path / "cases.jsonl"
     r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
     assert r.returncode == 0, r.stderr
+    assert "held secret-shaped strings" not in r.stderr  # what the recorder redacted is not changed again
     made = [json.loads(line) for line in cases.read_text().splitlines()]
     assert 3 <= len(made) <= sent  # the two Responses exchanges hold one conversation: one case (a conflict)
     assert all(m["expected"] == "no call" or m["expected"][0]["name"] == "get_weather" for m in made)
@@ -304,6 +305,7 @@ def test_the_shapes_of_45_are_redacted_and_their_look_alikes_stay():
     double = json.loads(json.loads(redacted["messages"][6]["content"]))  # still JSON in a JSON string
     assert double == {"api_key": "[redacted]", "note": "ok"}
     assert redacted["tools"] == more_request(m)["tools"]  # a schema under a secret-named key is walked, not replaced
+    assert Redactor()(redacted) == redacted  # redacting again changes nothing (`cases from-recording` does)
 
 
 def test_the_shapes_of_45_are_not_in_a_real_recording(fake_upstream, tmp_path):
@@ -347,7 +349,7 @@ HOSTILE_UNITS = ["a", "A", "1", "/", ":", "-", "_", " ", "\n", "://a", "://a:b",
                  "hf_", "hf_a", "basic ", "Basic QUFB", "Basic YTpi", "cookie:", "cookie: a=", "Set-Cookie: a=b",
                  "cookie: a=\\", "\\", '\\"', '\\"api_key\\": \\"', '"api_key": [', "api_key:[", "api_key:[a",
                  "redis://:", "://:", "://:a", "://a:", "pass=", '"pass": "', "db_pass: ", "a_pass:", "pwd=", "_pwd",
-                 'pass\\"', '{"a":', "[", '"', '{\\"']
+                 'pass\\"', '{"a":', "[", '"', '{\\"', "password=[", "password=[[", "api_key: [redacted]"]
 
 
 def test_the_redactor_is_linear_on_hostile_text():
@@ -467,6 +469,7 @@ def test_cases_from_a_recording_written_unredacted_come_out_redacted(tmp_path):
     cases = tmp_path / "cases.jsonl"
     r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
     assert r.returncode == 0, r.stderr
+    assert "2 exchange(s) held secret-shaped strings the recording had kept" in r.stderr
     made = [json.loads(line) for line in cases.read_text().splitlines()]
     assert len(made) == 2
     out = cases.read_bytes()
