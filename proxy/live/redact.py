@@ -76,10 +76,10 @@ _T = r"A-Za-z0-9_\-"  # the characters of a token
 _START = rf"(?<![{_T}])"  # a match starts only where a token starts: no quadratic restarts inside a run
 #: an optional quote around a key or value, possibly backslash-escaped (JSON inside a JSON string: {\"k\": \"v\"})
 _Q = r"(?:\\{0,3}+[\"'])?"
-#: a value's characters: up to a quote, space or separator; a backslash only when it escapes no quote (a value that
-#: is already `[redacted]` is left as it is: redacting a redacted text changes nothing)
-_NOT_REDACTED = r"(?!\[++redacted\])"
+#: a value's characters: up to a quote, space or separator; a backslash only when it escapes no quote
 _VALUE = r"(?:[^\s\"'`,;<>\\]|\\(?![\"']))"
+#: a value that is already `[redacted]` is left as it is: redacting a redacted text changes nothing
+_NOT_REDACTED = r"(?!\[++redacted\])"
 _KEYWORD = (r"(?i:(?:api|access|secret|private|client|auth|session|refresh|master|signing)[_\-]?(?:access[_\-]?)?"
             r"(?:key|token|secret)|password|passwd|passphrase|secret|credentials?)")
 #: our own secret shapes (a capture group, where there is one, is the part replaced)
