@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from toolquake.proxy.server.paths import DEFAULT_PASSTHROUGH, check_entries
+
 # the example profiles shipped in the package (proxy/profiles.toml)
 PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "profiles.toml"
 
@@ -116,6 +118,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     lean_protocol: bool = True
     #: worker processes sharing the port (`toolquake serve --workers`); 0 = one per CPU this process may use
     workers: int = 0
+    #: the paths under /v1/ (and /p/<profile>/v1/) and at the backend's root that are relayed to the backend: a
+    #: path, or a path ending in /* for every path below it; "default" stands for the default list (the OpenAI
+    #: API's resources, /tokenize, /detokenize, /extras/*; docs/security.md). Any other path gets 404 `not_found`
+    passthrough: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PASSTHROUGH))
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -130,6 +136,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_url_bytes must be positive and max_header_bytes at least max_url_bytes")
         if self.max_client_connections < 1 or self.max_in_flight_requests < 1:
             raise ValueError("max_client_connections and max_in_flight_requests must be at least 1")
+        check_entries(self.passthrough)
 
 
 class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -265,6 +272,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_WARM_UP": ("warm_up", bool),
     "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
     "TOOLQUAKE_WORKERS": ("workers", int),
+    "TOOLQUAKE_PASSTHROUGH": ("passthrough", list),
 }
 
 
