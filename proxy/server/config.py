@@ -84,6 +84,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds a client has to send a request's line and headers: from the connection's start, or from the first
     #: byte of a later request on a kept-alive connection; then 408 and the connection is closed
     header_timeout: float = 10.0
+    #: seconds a client has to send a request's whole body, from the end of its headers (a total deadline: a body
+    #: that stops or trickles is cut alike); then 408 and the connection is closed
+    body_timeout: float = 30.0
     #: request line and headers larger than this (bytes) are refused with 431 and the connection closed
     max_header_bytes: int = 64 * 1024
     #: request URLs longer than this (bytes) are refused with 414 and the connection closed
@@ -124,8 +127,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_body_bytes must be positive")
         if self.workers < 0:
             raise ValueError("workers must be 0 (one per CPU) or more")
-        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
-            raise ValueError("header_timeout and keep_alive_timeout must be positive")
+        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0 or not self.body_timeout > 0:
+            raise ValueError("header_timeout, body_timeout and keep_alive_timeout must be positive")
         if self.max_url_bytes < 1 or self.max_header_bytes < self.max_url_bytes:
             raise ValueError("max_url_bytes must be positive and max_header_bytes at least max_url_bytes")
         if self.max_client_connections < 1 or self.max_in_flight_requests < 1:
@@ -258,6 +261,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_DEFAULT_PROFILE": ("default_profile", str),
     "TOOLQUAKE_MAX_BODY_BYTES": ("max_body_bytes", int),
     "TOOLQUAKE_READ_TIMEOUT": ("read_timeout", float),
+    "TOOLQUAKE_BODY_TIMEOUT": ("body_timeout", float),
     "TOOLQUAKE_TOKEN_COUNTER": ("token_counter", str),
     "TOOLQUAKE_LOG_CONTENTS": ("log_contents", bool),
     "TOOLQUAKE_LOG_LEVEL": ("log_level", str),

@@ -114,7 +114,7 @@ class Metrics:
         """Connections refused at the limits, requests in flight, the upstream pool, the event loop."""
         self.connections_rejected = Counter(
             "toolquake_connections_rejected", "Client connections and requests the proxy refused at its limits "
-            "([server] header_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
+            "([server] header_timeout, body_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
             "max_in_flight_requests), by reason.", ["reason"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r,
                                multiprocess_mode="livesum")
