@@ -20,6 +20,13 @@ PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "profiles.toml"
 
 #: the `profile` label of the unperturbed (noise) twins' metrics: never a profile's name
 NOISE_PROFILE = "<noise>"
+#: the `profile` label of requests that reached no profile (passthrough, unknown profile): never a profile's name
+NO_PROFILE = "-"
+#: the longest profile name (it is a metric label value, a path segment and a header value)
+MAX_PROFILE_NAME = 64
+#: a profile's name: letters, digits, '.', '_' and '-', starting with a letter or digit (never NOISE_PROFILE, nor
+#: the "-" label of requests with no profile)
+_PROFILE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_PROFILE_NAME - 1}}}")
 
 
 class ConfigError(ValueError):
@@ -96,6 +103,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: requests being served at once, per worker (streams included); a request beyond gets 503 (Retry-After);
     #: /healthz, /readyz and /metrics are never refused
     max_in_flight_requests: int = 1024
+    #: profiles the proxy holds at once (the config file's and the admin API's; `off` not counted), for the whole
+    #: proxy whatever its workers; an admin PUT adding one more gets 409 `too_many_profiles`
+    max_profiles: int = 256
     #: set up every profile's perturbers (tool pool, embedding model, corpus filler) at start-up and when
     #: the admin API adds a profile, in the background; off: they load on first use
     warm_up: bool = False
@@ -133,6 +143,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_url_bytes must be positive and max_header_bytes at least max_url_bytes")
         if self.max_client_connections < 1 or self.max_in_flight_requests < 1:
             raise ValueError("max_client_connections and max_in_flight_requests must be at least 1")
+        if self.max_profiles < 1:
+            raise ValueError("max_profiles must be at least 1")
 
 
 class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -269,6 +281,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_WARM_UP": ("warm_up", bool),
     "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
     "TOOLQUAKE_WORKERS": ("workers", int),
+    "TOOLQUAKE_MAX_PROFILES": ("max_profiles", int),
 }
 
 
@@ -311,6 +324,10 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
     config = _decode(raw, str(source))
     load_plugins(config.server.plugins)
     validate_profiles(config.profiles)
+    defined = len(set(config.profiles) - {"off"})
+    if defined > config.server.max_profiles:
+        raise ConfigError(f"{source}: {defined} profiles defined, more than [server] max_profiles = "
+                          f"{config.server.max_profiles}")
     return config
 
 
@@ -350,12 +367,19 @@ def decode_profile(payload: bytes | dict[str, Any], name: str) -> ProfileSpec:
     return spec
 
 
+def shown_name(name: str) -> str:
+    """A profile name as an error message shows it: quoted, cut past MAX_PROFILE_NAME characters (a client's
+    name can be as long as a URL or a header)."""
+    return repr(name) if len(name) <= MAX_PROFILE_NAME else repr(name[:MAX_PROFILE_NAME]) + "..."
+
+
 def validate_profiles(profiles: dict[str, ProfileSpec]) -> None:
     from toolquake.perturbers import build
 
     for name, spec in profiles.items():
-        if not name or "/" in name or name == NOISE_PROFILE:
-            raise ConfigError(f"invalid profile name {name!r}")
+        if not _PROFILE_NAME.fullmatch(name):
+            raise ConfigError(f"invalid profile name {shown_name(name)}: 1 to {MAX_PROFILE_NAME} letters, digits, "
+                              "'.', '_' or '-', starting with a letter or digit")
         if name == "off" and spec.perturbers:
             raise ConfigError("profile 'off' is reserved and has no perturbers")
         for i, p in enumerate(spec.perturbers):
