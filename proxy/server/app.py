@@ -20,7 +20,7 @@ from toolquake.perturbers import Services
 from toolquake.proxy.server import admin
 from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
-from toolquake.proxy.server.config import Config
+from toolquake.proxy.server.config import NO_PROFILE, NOISE_PROFILE, Config
 from toolquake.proxy.server.errors import error_body
 from toolquake.proxy.server.lean import LeanPath
 from toolquake.proxy.server.metrics import REFRESH_S, Metrics
@@ -141,7 +141,8 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
     server = config.server
     st = ProxyState(
         config=config,
-        profiles=ProfileStore(config.profiles, SharedProfiles(shared / "profiles") if shared else None),
+        profiles=ProfileStore(config.profiles, SharedProfiles(shared / "profiles") if shared else None,
+                              limit=server.max_profiles),
         upstream=make_upstream(server.upstream, client=server.upstream_client, connect_timeout=server.connect_timeout,
                                read_timeout=server.read_timeout, max_connections=server.max_connections),
         metrics=Metrics(server.model_allowlist, multiprocess=shared is not None),
@@ -149,6 +150,8 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
         admin_token=admin_token,
     )
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
+    st.profiles.on_gone = st.metrics.forget_profiles
+    st.metrics.profiles_shown = lambda: (*st.profiles.names(), NO_PROFILE, NOISE_PROFILE)
     if config.tracing.enabled:
         st.tracing = tracer(config, st.metrics)
     return st
@@ -197,7 +200,7 @@ def _passthrough_routes(st: ProxyState) -> list:
     @route("/p/{profile:str}/v1/{path:path}", http_method=methods, name="v1_profile_passthrough", status_code=200)
     async def v1_profile_other(request: Request, profile: str, path: str) -> Response:
         if st.profiles.get(profile) is None:
-            return error_response(unknown_profile(profile, st.profiles.names()))
+            return error_response(unknown_profile(profile, st.profiles))
         full: str = request.scope["path"]
         return await passthrough(request, full[full.index("/", 3):], "v1_other")
 
@@ -239,7 +242,7 @@ def _probe_routes(st: ProxyState, life: Lifecycle) -> list:
 
     @get("/metrics", name="metrics")
     async def metrics_route() -> Response:
-        return Response(content=st.metrics.exposition(), media_type=st.metrics.content_type)
+        return Response(content=await st.metrics.render(), media_type=st.metrics.content_type)
 
     return [healthz, readyz, metrics_route]
 
