@@ -274,11 +274,13 @@ def next_call_grade(case: Any, answer: Mapping[str, Any] | None, name_map: Mappi
     if answer is None:
         turn = len(case.ground_truth) - 1
         expected = len(case.ground_truth[turn])
-        v_valid, error_type = expected == 0, None if expected == 0 else INFERENCE_ERROR
-        errors = [] if v_valid else ["the request got no usable answer (scored as BFCL scores an inference error)"]
-        out = {"valid": v_valid, "error_type": error_type, "taxonomy": None if v_valid else INFERENCE, "errors": errors}
-        return {**out, "next_call": {"valid": v_valid, "error_type": error_type, "turn": turn,
-                                     "expected_calls": expected, "calls": 0}}
+        if not expected:  # no call expected: no answer makes none, as BFCL grades irrelevance
+            return {"valid": True, "error_type": None, "taxonomy": None, "errors": [],
+                    "next_call": {"valid": True, "error_type": None, "turn": turn, "expected_calls": 0, "calls": 0}}
+        return {"valid": False, "error_type": INFERENCE_ERROR, "taxonomy": INFERENCE,
+                "errors": ["the request got no usable answer (scored as BFCL scores an inference error)"],
+                "next_call": {"valid": False, "error_type": INFERENCE_ERROR, "turn": turn,
+                              "expected_calls": expected, "calls": 0}}
     choices = answer.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = choice.get("message")

@@ -134,6 +134,11 @@ def test_one_graded_request_per_pair_each_at_its_budget(given) -> None:
             counts.remove(near[0])
         # every other request of the case (conv-off, the unplaced pairs) is the given conversation, unlengthened
         assert len(set(counts)) == 1, (case_id, counts)
+    # the report's tokens reached, arm by arm: within the budget's 2 % (the pairs left out are not among them)
+    reached = given[2]["lengthening"]["fake-model"]
+    for profile in ARMS[1:]:
+        b, spread = _budget(profile), reached[profile]["tokens_total"]
+        assert b * 0.98 <= spread["min"] <= spread["max"] <= b * 1.02
 
 
 def test_the_ground_truth_model_scores_one_in_both_settings(given) -> None:
@@ -154,7 +159,7 @@ def test_the_ground_truth_model_scores_one_in_both_settings(given) -> None:
 
 
 def test_the_cases_where_no_fact_can_be_placed_are_listed_and_left_out(given, backends) -> None:
-    _, rows, data, md = given
+    _, _, data, md = given
     listed = {(u["case_id"], p): u["reason"] for u in data["conversation_unplaced"]["fake-model"]
               for p in u["profiles"]}
     counter = EstimateCounter()
@@ -167,7 +172,6 @@ def test_the_cases_where_no_fact_can_be_placed_are_listed_and_left_out(given, ba
                         f"no earlier {kind} message holds a value of the expected next call",
                         "no value of the expected next call that the final user message does not already hold")
                     continue
-                row = next(r for r in rows if r["case_id"] == case_id and r["profile"] == profile)
                 size = counter.count_request(_given_body(case_id, backends))
                 if size > 1.02 * b:  # the given conversation alone is past the budget: listed, not sent as is
                     assert "already over the budget" in listed[(case_id, profile)]
@@ -251,3 +255,56 @@ def test_bfcl_s_whole_conversation_verdict_is_its_own_arm_family(backends, tmp_p
     assert cells["10000"]["conversation"] == "played" and "final_call" in cells["10000"]
     md = _report(tmp_path / "run", "--no-plots")
     assert "| fake-model | played, fact tool_response | BFCL, whole conversation |" in md
+
+
+def test_the_next_call_verdict_is_bfcl_s_ast_verdict_on_the_first_call(backends, tmp_path) -> None:
+    """Wrong answers too: the last turn's calls reversed (right as a set, wrong as the next call), a wrong argument
+    in the first call, a text answer; each stored verdict is BFCL's own AST checker (the `bfcl-eval` wheel) on the
+    answer's first call against the turn's first ground-truth call."""
+    from tests.replay.test_final_call import _possible
+    from toolquake.scorers.bfcl_reference import Reference
+
+    answers = {"multi_turn_base_0": lambda calls: list(reversed(calls)),
+               "multi_turn_base_1": lambda calls: [{**calls[0], "arguments": {**calls[0]["arguments"],
+                                                                               "file_name": "not-log.txt"}}],
+               "multi_turn_base_2": lambda calls: calls,
+               "multi_turn_base_3": lambda calls: None}
+    lines = []
+    for case_id, change in answers.items():
+        case = load(case_id)
+        turns = scripted_turns(mt.ground_truth_result(case, backends))
+        calls = change(turns[-1][0]["calls"])
+        turns[-1][0] = {"calls": calls} if calls else {"text": "I would rather not."}
+        users = [m["content"] for turn in case.turns for m in turn if m["role"] == "user"]
+        lines.append(json.dumps({"first_user": first_user(case), "turns": turns, "users": users}))
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
+    fake = start_fake_upstream("--trajectories", str(tmp_path / "trajectories.jsonl"))
+    try:
+        r = _replay(fake.url, tmp_path / "run", "conv-off", len(answers))
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = Reference(tmp_path / "bfcl-eval")
+    verdicts = {}
+    for row in _rows(tmp_path / "run"):
+        case = load(row["case_id"])
+        message = json.loads(row["answer"])["choices"][0]["message"]
+        made = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in message.get("tool_calls") or []]
+        expected = [_possible(case.ground_truth[-1][0], case.functions)]
+        theirs = reference.check(case.functions, expected, "multiple", made[:1])[0] if made else False
+        assert bool(row["valid"]) == theirs, row["case_id"]
+        verdicts[row["case_id"]] = bool(row["valid"])
+    assert verdicts == {"multi_turn_base_0": False, "multi_turn_base_1": False, "multi_turn_base_2": True,
+                        "multi_turn_base_3": False}
+
+
+def test_given_conversations_are_refused_through_another_proxy(proxy, fake_upstream, tmp_path) -> None:
+    """With --proxy the perturbers' reports are not visible, so a pair whose fact could not be placed, or whose
+    request missed its budget, could not be listed apart: refused, naming the played family instead."""
+    r = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend",
+                        f"{fake_upstream.url}/v1", "--proxy", proxy.url, "--profiles", "@seed003-conversations",
+                        "--limit", "1", "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "@seed003-conversations-bfcl" in r.stderr and "--proxy" in r.stderr
+    assert not (tmp_path / "run" / "replay.sqlite").exists()

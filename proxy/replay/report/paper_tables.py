@@ -215,14 +215,15 @@ def rephrasers(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
 def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {counter: n}, "tokens_total": spread}}}: the
     tokens each long-response / long-conversation arm (seed 003 challenges 2 and 3) reached, by the counter it
-    used (one report per lengthened request; a multi-turn pair may hold several)."""
+    used (one report per lengthened request; a multi-turn pair may hold several). A request left out of its arm (a
+    given conversation that did not hold its budget) is counted in `requests`, not in the tokens reached."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     for model, profile, report in step_reports(res, names_of(RESPONSES) + names_of(CONVERSATIONS)):
         a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [],
                                               "budget": report.get("budget_tokens")})
         a["requests"] += 1
         a["token_counter"][str(report.get("counter", "unknown"))] += 1
-        if isinstance(report.get("tokens_total"), int):
+        if isinstance(report.get("tokens_total"), int) and NOT_PERTURBED not in report:
             a["tokens"].append(float(report["tokens_total"]))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), a in acc.items():
