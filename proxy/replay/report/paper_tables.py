@@ -705,8 +705,9 @@ def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
              _acc_ci(arm["final_call"])]
             for model, data in summary["models"].items() for p, arm in data["arms"].items() if arm.get("final_call")]
     if rows:
-        out.append(("Multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of the "
-                    "last turn's calls (seed 003 challenge 3's final-call score) [95 % Wilson]",
+        out.append(("Played multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of "
+                    "all the calls of the last turn (not seed 003's protocol: its next-call score is the given "
+                    "conversations' Table 2) [95 % Wilson]",
                     ["model", "profile", "conversations", "BFCL, whole conversation", "AST, final call"], rows))
     return out
 
