@@ -100,8 +100,8 @@ def final_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
 def next_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
     """Seed 003 challenge 3 as the paper measures it: the AST verdict on the next call of each given conversation
     (the row's own verdict), {"n", "valid", "accuracy", "accuracy_ci"}, and the same apart for the last turns whose
-    ground truth makes one call (`one_call`) and several (`multi_call`: only the first is graded); None when no row
-    is a given conversation."""
+    ground truth makes one call or none (`one_call`) and several (`multi_call`: only the first is graded); None when
+    no row is a given conversation."""
     mine = [r for r in scored if r.next_expected is not None]
     if not mine:
         return None
