@@ -343,8 +343,8 @@ class _Sender:
 def _given_scored(rec: Record, grade: dict[str, Any]) -> Record:
     """`rec` with a given conversation's next-call verdict (`next_call_grade`): final."""
     rec.status, rec.expected = "scored", "ground_truth" if grade["next_call"]["expected_calls"] else "irrelevance"
-    rec.valid, rec.error_type, rec.taxonomy, rec.errors = grade["valid"], grade["error_type"], grade["taxonomy"], \
-        grade["errors"]
+    rec.valid, rec.error_type, rec.taxonomy = grade["valid"], grade["error_type"], grade["taxonomy"]
+    rec.errors = list(grade["errors"])
     return rec
 
 
@@ -362,8 +362,8 @@ def hold_budgets(perturbers: dict[str, Any]) -> None:
             continue
         if not within_budget(total, budget):
             over = "already over" if report.get("tokens_added") == 0 and total > budget else "not within 2 % of"
-            report[NOT_PERTURBED] = (f"the request is {total} tokens by {report.get('counter')}, {over} the "
-                                     f"budget of {budget}")
+            step["report"] = {**report, NOT_PERTURBED: f"the request is {total} tokens by {report.get('counter')}, "
+                                                       f"{over} the budget of {budget}"}
 
 
 def _scored(rec: Record, grade: Any) -> Record:
