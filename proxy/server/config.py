@@ -63,6 +63,11 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     #: turn a call the backend left in the answer's text (Hermes tags, Python-style list, JSON naming an offered
     #: tool) into proper tool_calls; a streamed answer is then read whole before it is sent (docs/conformance.md)
     repair: bool = False
+    #: how replay plays a multi-turn case under this profile: "played" — the model plays every turn through the
+    #: proxy (BFCL's loop, BFCL's whole-conversation verdict) — or "given" — the conversation up to the last user
+    #: turn is the ground truth's (its calls and the simulators' results), one request asks for the next call,
+    #: graded by BFCL's AST checker against the turn's first ground-truth call (seed 003 §3.3)
+    conversation: Literal["played", "given"] = "played"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:
