@@ -11,6 +11,7 @@ the proxy's RSS is read from /proc.
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import time
 
@@ -19,6 +20,7 @@ import pytest
 
 from tests.live.test_case_header_memory import rss
 from tests.live.test_shadow import metric, wait_for
+from tests.server.test_tracing import _spans, sink  # noqa: F401 (a fixture)
 from toolquake.proxy.server import conformance
 from toolquake.proxy.server.conformance import Offered
 from toolquake.proxy.server.streaming import assemble_sse, summarize_sse
@@ -33,6 +35,9 @@ PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 BOUNDED = f"[server]\nmax_answer_bytes = {LIMIT}\n"
 #: a profile whose answer must be read whole before the client gets it (the repair step rewrites it)
 REPAIRING = BOUNDED + '[profiles.fixed]\nmode = "off"\nrepair = true\n'
+#: a profile that streams the text through and restores the whole answer at its end
+FORMAT_PYTHON = ('[profiles.fmt]\nmode = "perturb"\nperturbers = [{ name = "format_rewrite", params = { '
+                 'return_format = "python", function_doc_format = "json" } }]\n')
 
 
 def body(api: str, stream: bool) -> dict:
@@ -149,8 +154,7 @@ def test_a_huge_answer_a_profile_must_rewrite_gets_an_openai_error(proxy_factory
 def test_a_huge_text_through_stream_ends_with_an_in_band_error(proxy_factory, api):
     """A format-rewrite profile streams the text through and must restore the whole answer at its end: past the
     bound the stream ends with an OpenAI-shaped error event."""
-    proxy = proxy_factory(BOUNDED + '[profiles.fmt]\nmode = "perturb"\nperturbers = [{ name = "format_rewrite", '
-                          'params = { return_format = "python", function_doc_format = "json" } }]\n')
+    proxy = proxy_factory(BOUNDED + FORMAT_PYTHON)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     if api == "responses":
@@ -177,6 +181,25 @@ def test_every_upstream_client_stops_reading_a_whole_answer_at_the_bound(proxy_f
              what="the answer to be counted as uninspected")
     r = httpx.post(f"{proxy.url}/p/fixed/v1/chat/completions", json=body("chat", False), headers=fault, timeout=60)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_answer_too_large"
+
+
+def test_the_span_of_an_answer_past_the_bound_is_exported(proxy_factory, sink):  # noqa: F811
+    """The request span waits for the checks after a stream's last byte: an answer past the bound has none (a
+    stream relayed uninspected, one refused before or after its headers), and its span still ends, exported."""
+    proxy = proxy_factory(REPAIRING + FORMAT_PYTHON, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                                                      "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    statuses = {}
+    for profile in ("off", "fixed", "fmt"):
+        trace_id = secrets.token_hex(16)
+        headers = {"X-Fake-Fault": f"huge:{3 * LIMIT}:65536", "traceparent": f"00-{trace_id}-{'a1' * 8}-01"}
+        with httpx.stream("POST", f"{proxy.url}/p/{profile}/v1/chat/completions", headers=headers, timeout=60,
+                          json={**body("chat", True), "tools": tools}) as r:
+            statuses[trace_id] = (profile, r.status_code, len(b"".join(r.iter_raw())))
+    assert [s[:2] for s in statuses.values()] == [("off", 200), ("fixed", 502), ("fmt", 200)], statuses
+    spans = _spans(sink, set(statuses), 2 * len(statuses))
+    ended = {s["trace_id"] for s in spans if s["kind"] == 2}
+    assert ended == set(statuses), [statuses[t] for t in set(statuses) - ended]
 
 
 def test_max_answer_bytes_is_a_server_limit_with_an_env_var(tmp_path):

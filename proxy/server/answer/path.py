@@ -15,6 +15,7 @@ from toolquake.proxy.server.answer.restore import Restore
 from toolquake.proxy.server.answer.streams import Relay, Rewritten, Uninspected
 from toolquake.proxy.server.answer.text_through import TextThrough
 from toolquake.proxy.server.answer.trace import Trace
+from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.upstream import AnswerTooLarge
 
 if TYPE_CHECKING:
@@ -46,7 +47,12 @@ class AnswerPath:
             if plan.events is not None:
                 return plan.events.on_stream(self, asked, served, upstream, plan)
             if plan.whole:
-                return (await Rewritten(self, asked, served, upstream, plan).prepare()).response()
+                try:
+                    return (await Rewritten(self, asked, served, upstream, plan).prepare()).response()
+                except ProxyError:  # answered with an error instead: the span held for the checks ends with it
+                    if plan.bytes and served.trace is not None:
+                        served.trace.release()
+                    raise
             return Relay(self, asked, served, upstream, plan).response()
         try:
             return await plain_answer(self, asked, served, upstream, plan)
