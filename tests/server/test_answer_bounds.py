@@ -136,6 +136,7 @@ def test_a_huge_plain_answer_is_relayed_as_it_comes(proxy_factory, api):
         text = answer["choices"][0]["message"]["content"] if api == "chat" else \
             answer["output"][0]["content"][0]["text"]
         assert len(text) >= size and set(text) == {"x"}
+        assert '"uninspected":"too_large"' in proxy.output()  # on the request's log line
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
