@@ -125,7 +125,8 @@ def test_live_traffic_and_a_replay_of_the_same_verdicts_give_the_same_report(bot
     # every format, every table
     md = report("--db", str(db), "--no-plots").stdout
     for title in ("## Summary: which perturbations hurt most", "## AST accuracy per arm", "## Per category: live",
-                  "## Fixed-sample and anytime-valid 95% intervals", "## Per-case diffs against off"):
+                  "## Live results store", "## Fixed-sample and anytime-valid 95% intervals",
+                  "## Per-case diffs against off"):
         assert title in md, title
     csv = report("--db", str(db), "--format", "csv", "--csv-stats").stdout.splitlines()
     assert csv[0].startswith("Rank,Overall Acc,Model,Profile") and any(",live,reversed," in line for line in csv)
@@ -141,6 +142,7 @@ def test_live_traffic_and_a_replay_of_the_same_verdicts_give_the_same_report(bot
 def test_a_live_store_and_a_replay_directory_in_one_report(both, tmp_path):
     _, db, runs = both
     together = json.loads(report("--db", str(db), str(runs), "--format", "json").stdout)
+    assert together["arms"]["reversed [live]"]["source"] == "live"
     from toolquake.proxy.replay.report import load, summarize, summarize_db
 
     live, replayed = summarize_db(db), summarize(load([runs]))

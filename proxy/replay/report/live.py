@@ -108,9 +108,23 @@ def bounds(interval: list[float | None] | None, signed: bool = False) -> str:
 
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The anytime-valid table, then the live store's consistency, noise floor and conformance tables."""
-    return [*_anytime_table(summary), *_consistency_table(summary), *_noise_table(summary),
+    """The live store's counts, the anytime-valid table, then the store's consistency, noise floor and conformance
+    tables."""
+    return [*_store_table(summary), *_anytime_table(summary), *_consistency_table(summary), *_noise_table(summary),
             *_conformance_table(summary)]
+
+
+def _store_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    if "db" not in summary:
+        return []
+    arms = [a for a in summary["arms"].values() if a.get("source") == "live"]
+    twins = sum(c["n"] for c in (summary.get("consistency") or {}).values())
+    noise = ((summary.get("noise") or {}).get(NOISE_PROFILE) or {}).get("n", 0)
+    return [("Live results store (rows: every answer stored; scored: tied to a case and graded, the perturbed ones "
+             "in the accuracy)", ["store", "rows", "scored", "scored, not perturbed", "profiles scored",
+                                  "shadow twins compared", "noise twins compared"],
+             [[summary["db"], str(summary["rows"]), str(sum(a["n"] + a["not_perturbed"] for a in arms)),
+               str(sum(a["not_perturbed"] for a in arms)), str(len(arms)), str(twins), str(noise)]])]
 
 
 def _anytime_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
