@@ -83,8 +83,6 @@ class Results:
     sweep_runs: list[SweepRun] = field(default_factory=list)
     #: (model, profile) → the profile's definition when it was replayed
     arms: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    sources: list[Path] = field(default_factory=list)
-    duplicates: int = 0
     #: indices into `sources` of live results stores (`serve --results-db`); every other source is a replay file
     live_sources: set[int] = field(default_factory=set)
     #: per live model (`LIVE`): every row of its store in the store's order, as the shadow consistency, the noise
@@ -92,6 +90,8 @@ class Results:
     live_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: per live model: its store's conformance violations ({model, rule}), oldest first
     conformance: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    sources: list[Path] = field(default_factory=list)
+    duplicates: int = 0
 
     @property
     def models(self) -> list[str]:
