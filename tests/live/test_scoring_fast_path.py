@@ -30,7 +30,8 @@ CHAT_PATHS = ("/v1/chat/completions", "/v1/responses", "/p/off/v1/chat/completio
 
 
 def _scope(path: str) -> dict:
-    return {"type": "http", "method": "POST", "path": path, "headers": []}
+    # as uvicorn gives it (the lean path reads the raw path: an escape in it goes to the framework's guard)
+    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "headers": []}
 
 
 def _app(tmp_path, extra: str = ""):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator
+from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
 
-from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, classify
+from toolquake.proxy.server.upstream.base import QUERY_SAFE, AnswerTooLarge, Upstream, UpstreamResponse, classify
 
 
 class _AiohttpResponse(UpstreamResponse):
@@ -17,11 +19,22 @@ class _AiohttpResponse(UpstreamResponse):
         self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
         self._done = False
 
-    async def aread(self) -> bytes:
+    async def aread(self, limit: int | None = None) -> bytes:
+        parts, size = [], 0
         try:
-            data = await self._resp.read()
+            if limit is None:
+                data = await self._resp.read()
+            else:
+                async for chunk in self._resp.content.iter_any():
+                    parts.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                data = b"".join(parts)
         except BaseException as exc:
             raise _error(exc) from exc
+        if limit is not None and size > limit:
+            raise AnswerTooLarge(data)
         self._done = True
         return data
 
@@ -68,11 +81,12 @@ class AiohttpUpstream(Upstream):
     async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
                    params: str = "", timeout: float | None = None) -> UpstreamResponse:
         if params:
-            url = f"{url}?{params}"
+            url = f"{url}?{quote(params, safe=QUERY_SAFE)}"
         kwargs = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
         try:
-            resp = await self._client().request(method, url, headers=headers, data=content, allow_redirects=False,
-                                                compress=False, **kwargs)
+            # encoded: sent as it is (yarl would otherwise resolve dot segments and re-decode escapes)
+            resp = await self._client().request(method, URL(url, encoded=True), headers=headers, data=content,
+                                                allow_redirects=False, compress=False, **kwargs)
         except BaseException as exc:
             raise _error(exc) from exc
         return _AiohttpResponse(resp)

@@ -19,6 +19,9 @@ _RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 # never sent upstream: our evaluation metadata, and encodings we would have to undo to score
 _REQUEST_DROP = HOP_BY_HOP | {"accept-encoding"}
 INTERNAL_PREFIX = "x-toolquake-"
+#: characters a query string keeps as they are (RFC 3986 query, and "%" of escapes already there); the others are
+#: escaped where a client would send them raw
+QUERY_SAFE = "/:@!$&'()*+,;=-._~%?"
 
 
 class UpstreamError(Exception):
@@ -28,6 +31,15 @@ class UpstreamError(Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.kind = kind
         self.cause_name = type(cause).__name__
+
+
+class AnswerTooLarge(Exception):
+    """An answer read whole (`UpstreamResponse.aread(limit)`) ran past `limit` bytes: `head` is what was read of it
+    (at most `limit` plus one chunk); the rest is still to come from `aiter_raw()`, or the response is closed."""
+
+    def __init__(self, head: bytes) -> None:
+        super().__init__(f"the upstream's answer is larger than the limit ({len(head)} bytes read)")
+        self.head = head
 
 
 def classify(exc: BaseException, timeouts: tuple[type[BaseException], ...],
@@ -117,7 +129,8 @@ class UpstreamResponse:
                 return value
         return default
 
-    async def aread(self) -> bytes:  # pragma: no cover - interface
+    async def aread(self, limit: int | None = None) -> bytes:  # pragma: no cover - interface
+        """The whole body; past `limit` bytes (when given) `AnswerTooLarge`, with what was read, and the rest unread."""
         raise NotImplementedError
 
     def aiter_raw(self) -> AsyncIterator[bytes]:  # pragma: no cover - interface
@@ -142,7 +155,8 @@ class Upstream:
         self.connect_timeout, self.read_timeout, self.max_connections = connect_timeout, read_timeout, max_connections
 
     def api_url(self, path: str) -> str:
-        """`path` is what follows `/v1/` in the client's URL."""
+        """`path` is what follows `/v1/` in the client's URL, percent-encoded (`paths.encoded`); the URL is sent
+        as it is (no client may resolve dot segments or decode escapes in it)."""
         return f"{self.base}/{path.lstrip('/')}"
 
     def root_url(self, path: str) -> str:
