@@ -43,6 +43,9 @@ class ConversationLengthening(Perturber):
     #: earlier user message / tool response that holds a value of the expected calls (seed 003 settings 1 / 2)
     fact: str = "any"
 
+    def fills_token_budget(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
             raise ValueError("budget_tokens must be positive")
