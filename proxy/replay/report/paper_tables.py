@@ -233,6 +233,35 @@ def rephrasers(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+#: which of seed 001's two rephrasing drops its Table 2 gives: over all cases (its manual review found no drift)
+CHECKED, ALL_CASES = "checked", "all cases"
+
+
+def rephrasing_drops(res: Results, summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 001's rephrasing drop both ways, per model and `paraphrase` arm: `cases` = "checked" (a rephrasing the
+    value check rejects is not sent; the pair leaves the arm) or "all cases" (`rejected = "send"`: sent anyway, and
+    counted in `rejected_sent`); `table2` says which one the paper's Table 2 corresponds to (all cases: the paper
+    rephrased all 200 and kept them after a review). {model: {profile: {"cases", "table2", "n", "accuracy",
+    "drop_vs_off", "drop_vs_off_ci", "paired_n", "not_perturbed", "rejected_sent"}}}."""
+    sent: Counter[tuple[str, str]] = Counter()
+    for model, profile, report in step_reports(res, ["paraphrase"]):
+        if report.get("paraphrase") == "rejected, sent":
+            sent[(model, profile)] += 1
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model, data in summary["models"].items():
+        for p, arm in data["arms"].items():
+            step = next((s for s in arm.get("perturbers") or [] if s.get("name") == "paraphrase"), None)
+            if step is None:
+                continue
+            every = (step.get("params") or {}).get("rejected") == "send"
+            out.setdefault(model, {})[p] = {
+                "cases": ALL_CASES if every else CHECKED, "table2": every, "n": arm["n"], "accuracy": arm["accuracy"],
+                "drop_vs_off": arm.get("drop_vs_off"), "drop_vs_off_ci": arm.get("drop_vs_off_ci"),
+                "paired_n": (arm.get("paired") or {}).get("n"), "not_perturbed": arm.get("not_perturbed", 0),
+                "rejected_sent": sent[(model, p)]}
+    return out
+
+
 def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {counter: n}, "tokens_total": spread}}}: the
     tokens each long-response / long-conversation arm (seed 003 challenges 2 and 3) reached, by the counter it
@@ -593,6 +622,7 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
             "padding_same_position": padding_same_position(summary),
             "padding_same_budget": padding_same_budget(summary), "padding_reached": padding_reached(res),
             "lengthening": lengthening_stats(res), "rephrasers": rephrasers(res),
+            "rephrasing_drops": rephrasing_drops(res, summary),
             "response_experiments": response_experiments(summary), "conversation_grid": conversation_grid(summary),
             "format_sensitivity": format_sensitivity(summary)}
 
@@ -641,8 +671,30 @@ def _share(x: float | None) -> str:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the tables these measures add to the report."""
-    return [*_seed001_tables(summary), *_rephraser_table(summary), *_seed003_tables(summary),
+    return [*_seed001_tables(summary), *_rephrasing_drop_table(summary), *_rephraser_table(summary),
+            *_seed003_tables(summary),
             *_format_and_padding_tables(summary)]
+
+
+def _rephrasing_drop_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    rows = []
+    for model, arms in (summary.get("rephrasing_drops") or {}).items():
+        for p, d in arms.items():
+            drop, ci = d["drop_vs_off"], d["drop_vs_off_ci"]
+            rows.append([model, p, "all cases, rejected rephrasings sent (labelled)" if d["table2"] else
+                         "cases whose rephrasing passed the value check", "yes" if d["table2"] else "no",
+                         str(d["n"]), "" if d["accuracy"] is None else f"{d['accuracy']:.3f}",
+                         "" if drop is None else f"{drop * 100:+.1f} %" + ("" if ci is None else
+                                                                          f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"),
+                         str(d["paired_n"] or 0), str(d["not_perturbed"]), str(d["rejected_sent"])])
+    if not rows:
+        return []
+    return [("Seed 001 Table 2 (left), the rephrased query: the drop against the baseline on the cases whose "
+             "rephrasing passed the value check, and on all cases (the rejected rephrasings — mostly numbers or dates "
+             "reformatted, which break exact matching most — sent anyway and counted); the paper's Table 2 is over "
+             "all its cases (a manual review found no drift), so compare the all-cases arm with it",
+             ["model", "profile", "cases", "the paper's Table 2", "n", "accuracy", "drop [95 % CI]", "paired cases",
+              "not perturbed (left out)", "rejected rephrasings sent"], rows)]
 
 
 def _rephraser_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
