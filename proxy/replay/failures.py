@@ -104,8 +104,9 @@ def _field_matches(field: str, value: str, needle: str) -> bool:
 
 
 def refusal(http_status: int | None, code: str, param: str = "", message: str = "") -> Refusal | None:
-    """The `REFUSALS` row an error answer matches (None: not a refusal this table knows)."""
-    if http_status not in REFUSAL_STATUSES:
+    """The `REFUSALS` row an error answer matches (None: not a refusal this table knows, or the proxy's own error:
+    those are retried, never classified)."""
+    if http_status not in REFUSAL_STATUSES or code in PROXY_CODES:
         return None
     fields = {"code": code.lower(), "param": param.lower(), "message": message.lower()}
     return next((r for r in REFUSALS if _field_matches(r.field, fields[r.field], r.needle)), None)

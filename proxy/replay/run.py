@@ -516,6 +516,9 @@ def refuse_estimate(arms: list[str], why: str, options: Options) -> None:
     if not arms or options.allow_estimate:
         return
     shown = ", ".join(arms[:6]) + (f" and {len(arms) - 6} more" if len(arms) > 6 else "")
+    presets = [p.strip() for p in options.profiles.split(",") if p.strip().startswith("@")]
+    if presets:  # name what was typed too
+        shown = f"{', '.join(presets)} ({shown})"
     raise ReplayError(
         f"{shown}: these arms fill a token budget, meant in the model's own tokens (seed 003's budgets are), and "
         f"this run would count it with the estimate ({why}). Pick the model's tokenizer: --token-counter "

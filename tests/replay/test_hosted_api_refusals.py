@@ -101,7 +101,7 @@ def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusa
 
     md = report(str(out))
     assert "not comparable (refused for the request's shape, in no number)" in md
-    assert f"| fake-model | pad-8k-p10 | 0 | – |" in md or f"| fake-model | pad-8k-p10 | 0 | - |" in md
+    assert "| fake-model | pad-8k-p10 | 0 | – |" in md  # the arms table: n 0, no accuracy
     assert f"{len(cases)} ({SHAPE_CODE} {len(cases)})" in md
     table = list(csv.DictReader(io.StringIO(report("--format", "csv", "--csv-stats", str(out)))))
     row = next(x for x in table if x["Profile"] == "pad-8k-p10")
@@ -244,3 +244,40 @@ def test_generated_related_tools_need_a_fixed_generator_or_consent(tmp_path):
         fake.stop()
     assert r.returncode == 2, r.stderr[-2000:]
     assert "gen-tools: no fixed generator model is configured" in r.stderr and "--self-rephrase" in r.stderr
+
+
+@pytest.mark.parametrize("status,code,param,message,kind", [
+    # OpenAI
+    (400, "context_length_exceeded", "messages", "This model's maximum context length is 128000 tokens.", "context"),
+    (400, "array_above_max_length", "tools", "Invalid 'tools': array too long. Expected an array with maximum "
+     "length 128, but got an array with length 300 instead.", "shape"),
+    (400, "unsupported_value", "temperature", "Unsupported value: 'temperature' does not support 0 with this model. "
+     "Only the default (1) value is supported.", "shape"),
+    (400, "unsupported_parameter", "max_tokens", "Unsupported parameter: 'max_tokens' is not supported with this "
+     "model. Use 'max_completion_tokens' instead.", "shape"),
+    (400, "invalid_function_parameters", "tools[0].function.parameters", "Invalid schema for function 'f'.", "shape"),
+    (400, "invalid_request_error", "tools[3].function.name", "Invalid 'tools[3].function.name': string too long.",
+     "shape"),
+    (400, "invalid_request_error", "messages", "Invalid 'messages[1].content': empty.", None),
+    # vLLM (a flat or nested BadRequestError whose message says why)
+    (400, "BadRequestError", "", "This model's maximum context length is 4096 tokens. However, you requested 5000 "
+     "tokens (4000 in the messages, 1000 in the completion).", "context"),
+    (400, "BadRequestError", "", "The prompt (9000 tokens) is longer than the maximum model length of 8192.",
+     "context"),
+    (400, "BadRequestError", "", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+     "set", "shape"),
+    # llama.cpp
+    (400, "exceed_context_size_error", "", "the request exceeds the available context size", "context"),
+    # not a validation answer, or the proxy's own error: never classified
+    (500, "array_above_max_length", "tools", "maximum length 128", None),
+    (400, "invalid_json", "", "the body's 'tools' is not JSON", None),
+    (404, "model_not_found", "model", "The model 'x' does not exist", None),
+])
+def test_the_refusals_table_tells_the_request_s_shape_from_the_context(status, code, param, message, kind):
+    from toolquake.proxy.replay.failures import refusal, refusal_warning
+
+    found = refusal(status, code, param, message)
+    assert (found.kind if found else None) == kind
+    if kind == "shape" and param == "tools":
+        assert refusal_warning(found, code, param, message).startswith(
+            "the backend refuses more than 128 tools: these pairs measure the API, not the model")
