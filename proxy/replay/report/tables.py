@@ -310,6 +310,7 @@ def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list
                     else f"{acc(cat['accuracy'])} (n={cat['n']})"
                     + ("" if p == baseline else rel(cat.get("drop_vs_off")))
                     + (f" {ci(cat['accuracy_ci'])}" if cat.get("accuracy_ci") else "")
+                    + (f" ({cat['not_comparable']} not comparable)" if cat.get("not_comparable") else "")
                 )
             rows.append([p, *cells])
         out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
