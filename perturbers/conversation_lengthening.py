@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Iterator
 from toolquake.perturbers import register
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, NumericAxis, PerturbContext, Perturber, Services
 from toolquake.perturbers.helpers.lengthening.budget import check_position, fit, learned_ratio, slot
-from toolquake.perturbers.helpers.lengthening.facts import FACT_KINDS, Fact, filler_text, locate
+from toolquake.perturbers.helpers.lengthening.facts import FACT_KINDS, NEEDLE_SCOPES, Fact, filler_text, locate
 from toolquake.perturbers.helpers.lengthening.filler import SETTINGS, FillerItem, filler_pool
 from toolquake.perturbers.helpers.tokens import counter_label
 
@@ -42,6 +42,9 @@ class ConversationLengthening(Perturber):
     #: "any": the history kept together at `position`; "user_turn" / "tool_response": the filler right after the
     #: earlier user message / tool response that holds a value of the expected calls (seed 003 settings 1 / 2)
     fact: str = "any"
+    #: with `fact`, whose values the fact must hold: "turn" (any ground-truth call of the request's turn) or
+    #: "next_call" (for a multi-turn case, the turn's first ground-truth call: the call seed 003 grades)
+    needles: str = "turn"
 
     def fills_token_budget(self) -> bool:
         return True
@@ -53,6 +56,8 @@ class ConversationLengthening(Perturber):
             raise ValueError(f"setting must be one of {', '.join(SETTINGS)}")
         if self.fact not in FACT_KINDS:
             raise ValueError(f"fact must be one of {', '.join(FACT_KINDS)}")
+        if self.needles not in NEEDLE_SCOPES:
+            raise ValueError(f"needles must be one of {', '.join(NEEDLE_SCOPES)}")
         check_position(self.position)
         if self.fact != "any" and self.position != 1:
             raise ValueError("position applies to fact 'any' only: with a fact the filler follows the fact message")
@@ -98,7 +103,7 @@ class ConversationLengthening(Perturber):
         """The earlier message that holds what the answer needs (`fact` other than "any"), or why there is none."""
         if self.fact == "any":
             return None
-        fact = locate(self.fact, ctx.case, messages, last_user)
+        fact = locate(self.fact, ctx.case, messages, last_user, next_call=self.needles == "next_call")
         if isinstance(fact, str):
             return fact
         ctx.report.update(fact_located=fact.located, fact_message=fact.index)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
+
+#: the error rate of every interval and test of the reports, live and replayed (95 % intervals)
+ALPHA = 0.05
 
 
 def ratio(num: int, den: int) -> float | None:
@@ -96,3 +100,91 @@ def spread(values: list[float]) -> dict[str, float | None]:
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
     return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+# Anytime-valid intervals (confidence sequences) for live traffic, which is watched continuously: an interval that
+# holds at a fixed sample size fails far more often than 5 % when looked at after every verdict and acted on the
+# first time it excludes a value. Robbins' normal mixture (Robbins 1970; Howard, Ramdas, McAuliffe & Sekhon 2021,
+# "Time-uniform, nonparametric, nonasymptotic confidence sequences", Ann. Statist. 49(2), the normal-mixture
+# boundary for sub-Gaussian observations): for observations in an interval of width w (sub-Gaussian with variance
+# proxy w²/4) with mean mu, with probability at least 1 - alpha, for every n at once,
+#     |S_n - n mu| <= sqrt((v n + rho) ln((v n + rho) / (rho alpha²)))
+# (Ville's inequality on the mixture martingale). rho only decides at which n the boundary is tightest; any fixed
+# choice is valid.
+
+#: the number of observations at which the confidence sequences are tightest (their rho is tuned for it)
+CS_TUNED_FOR = 100
+
+
+@functools.lru_cache(maxsize=64)
+def _mixture_rho(var: float, alpha: float, tuned_for: int) -> float:
+    """The rho that makes the normal-mixture boundary tightest at `tuned_for` observations: rho = v t / u, with u
+    the root of u = 2 ln(1/alpha) + ln(1 + u) (the boundary's derivative in rho set to zero)."""
+    c = 2.0 * math.log(1.0 / alpha)
+    u = c + 1.0
+    for _ in range(60):  # a contraction (slope 1/(1+u) < 1/6): converged long before
+        u = c + math.log1p(u)
+    return var * tuned_for / u
+
+
+def mixture_radius(n: int, var: float, alpha: float, tuned_for: int = CS_TUNED_FOR) -> float:
+    """Half-width around the running mean of n observations of the two-sided normal-mixture confidence sequence
+    (variance proxy `var`), valid at every n at once with probability 1 - alpha."""
+    rho = _mixture_rho(var, alpha, tuned_for)
+    v = var * n + rho
+    return math.sqrt(v * math.log(v / (rho * alpha * alpha))) / n
+
+
+def rate_cs(k: int, n: int, alpha: float = 0.05) -> list[float] | None:
+    """Anytime-valid interval [lo, hi] for a rate after k successes in n trials (variance proxy 1/4, the widest a
+    0/1 observation has); None when n is 0. Looked at after every trial, it excludes the true rate at any time with
+    probability at most alpha."""
+    if n <= 0:
+        return None
+    if not 0 <= k <= n:
+        raise ValueError(f"rate_cs: need 0 <= k <= n, got k={k}, n={n}")
+    r = mixture_radius(n, 0.25, alpha)
+    return [max(0.0, k / n - r), min(1.0, k / n + r)]
+
+
+def paired_drop_cs(both: int, base_only: int, arm_only: int, neither: int,
+                   alpha: float = 0.05) -> list[float] | None:
+    """Anytime-valid interval for the relative drop acc_arm / acc_base - 1 on paired cases (the counts of
+    `paired_drop_ci`), valid at every number of pairs at once. With D the chance that a pair is discordant and q
+    the chance that a discordant pair is one the arm lost (valid→invalid), the drop is D (1 - 2q) / acc_base:
+    its sign is q's side of 1/2, read from the discordant pairs alone as McNemar's test reads it (concordant
+    pairs say nothing about it). Confidence sequences for q (alpha/2, over the discordant pairs), D and acc_base
+    (alpha/4 each, over all pairs), combined by the union bound. The upper end is `math.inf` while the baseline's
+    accuracy may still be 0. None before the first pair, or while the baseline has no success (no ratio)."""
+    n = both + base_only + arm_only + neither
+    if n <= 0 or both + base_only == 0:
+        return None
+    q_lo, q_hi = rate_cs(base_only, base_only + arm_only, alpha / 2) or [0.0, 1.0]
+    s_lo, s_hi = 1.0 - 2.0 * q_hi, 1.0 - 2.0 * q_lo  # the sign factor 1 - 2q
+    d_lo, d_hi = rate_cs(base_only + arm_only, n, alpha / 4) or [0.0, 1.0]
+    b_lo, b_hi = rate_cs(both + base_only, n, alpha / 4) or [0.0, 1.0]
+    num_lo = s_lo * (d_hi if s_lo < 0 else d_lo)  # the arm's accuracy minus the baseline's
+    num_hi = s_hi * (d_lo if s_hi < 0 else d_hi)
+    if num_lo < 0:
+        lo = -1.0 if b_lo <= 0 else num_lo / b_lo
+    else:
+        lo = num_lo / b_hi
+    if num_hi > 0:
+        hi = math.inf if b_lo <= 0 else num_hi / b_lo
+    else:
+        hi = num_hi / b_hi
+    return [max(-1.0, lo), hi]
+
+
+def rate_excess_cs(k: int, n: int, floor_k: int, floor_n: int, alpha: float = 0.05) -> list[float] | None:
+    """Anytime-valid interval for a rate minus a floor rate measured on other trials (a shadow profile's
+    disagreement minus the model's own, from its noise twins): confidence sequences at alpha/2 for each, their
+    difference's extremes (union bound). Without floor trials, the rate's own interval (the floor taken as 0).
+    None when n is 0."""
+    if n <= 0:
+        return None
+    if floor_n <= 0:
+        return rate_cs(k, n, alpha)
+    lo, hi = rate_cs(k, n, alpha / 2) or [0.0, 1.0]
+    f_lo, f_hi = rate_cs(floor_k, floor_n, alpha / 2) or [0.0, 1.0]
+    return [lo - f_hi, hi - f_lo]

@@ -150,15 +150,45 @@ def final_call(case: Any, result: MultiTurnResult) -> MultiTurnVerdict:
     if len(result.turns) <= last:
         return _fail(FORCE_TERMINATED, f"the run stopped before the last turn ({len(result.turns)} of {last + 1})",
                      turn=last)
-    functions = [dict(f) for f in case.functions]
-    for held in (case.extra.get("missed_function") or {}).values():
-        functions += [dict(f) for f in held]
+    functions = _all_functions(case)
     calls = [c for step in result.turns[last] if step.calls and is_well_formed(step.calls) for c in step.calls]
     expected = [_as_possible_answer(parse_call(text), functions) for text in case.ground_truth[last]]
     category = "irrelevance" if not expected else ("parallel" if len(expected) > 1 else "multiple")
     v = check_calls(functions, expected or None, category, calls)
     return MultiTurnVerdict(valid=v.valid, error_type=v.error_type, errors=list(v.errors), taxonomy=v.taxonomy,
                             turn=last)
+
+
+def _all_functions(case: Any) -> list[dict[str, Any]]:
+    """The case's functions with the ones miss_func holds back (every function a turn can name)."""
+    functions = [dict(f) for f in case.functions]
+    for held in (case.extra.get("missed_function") or {}).values():
+        functions += [dict(f) for f in held]
+    return functions
+
+
+def next_call(case: Any, calls: Any, turn: int | None = None) -> MultiTurnVerdict:
+    """Seed 003 challenge 3 as the paper measures it (§3.3): the conversation up to user turn u_n is given and the
+    model's answer to it is the one call llm_n, graded by BFCL's AST checker (its `multiple` dispatch) against the
+    ground truth's first call of turn `turn` (default: the last). `calls` are the answer's decoded calls (or a
+    `DecodeFailure`): the first is graded, any after it are not (a turn whose ground truth makes several calls asks
+    only for its first here). A turn whose ground truth makes no call is valid iff the answer makes none.
+    `details`: `expected_calls` (the turn's ground-truth calls), `calls` (the answer's)."""
+    from toolquake.bfcl.decode import DecodeFailure
+    from toolquake.scorers.ast_checker import check_calls
+
+    turn = len(case.ground_truth) - 1 if turn is None else turn
+    functions = _all_functions(case)
+    expected = case.ground_truth[turn]
+    made = [] if isinstance(calls, DecodeFailure) else list(calls or [])
+    details = {"expected_calls": len(expected), "calls": len(made)}
+    if not expected:
+        v = check_calls(functions, None, "irrelevance", calls)
+    else:
+        first = calls if isinstance(calls, DecodeFailure) or not made else made[:1]
+        v = check_calls(functions, [_as_possible_answer(parse_call(expected[0]), functions)], "multiple", first)
+    return MultiTurnVerdict(valid=v.valid, error_type=v.error_type, errors=list(v.errors), taxonomy=v.taxonomy,
+                            turn=turn, details=details)
 
 
 def held_out_names(case: Any) -> dict[int, set[str]]:

@@ -45,19 +45,20 @@ class Proc:
 
 
 def start_process(args: list[str], port: int, ready_path: str = "/healthz", env: dict[str, str] | None = None,
-                  timeout: float = 30.0, cwd: Path = ROOT) -> Proc:
-    """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers."""
+                  timeout: float = 30.0, cwd: Path = ROOT, scheme: str = "http") -> Proc:
+    """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers (over `scheme`;
+    https: any certificate)."""
     log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     popen = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=log.open("wb"),
                              stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if popen.poll() is not None:
             raise RuntimeError(f"{args} exited with {popen.returncode}:\n{log.read_text(errors='replace')}")
         try:
-            if httpx.get(url + ready_path, timeout=1.0).status_code < 500:
+            if httpx.get(url + ready_path, timeout=1.0, verify=scheme == "http").status_code < 500:
                 return Proc(popen, url, log)
         except httpx.HTTPError:
             pass
@@ -68,7 +69,8 @@ def start_process(args: list[str], port: int, ready_path: str = "/healthz", env:
 
 def start_fake_upstream(*extra: str) -> Proc:
     port = free_port()
-    return start_process(["-m", "tests.fake_upstream", "--port", str(port), *extra], port, "/v1/models")
+    return start_process(["-m", "tests.fake_upstream", "--port", str(port), *extra], port, "/v1/models",
+                         scheme="https" if "--tls" in extra else "http")
 
 
 def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str, str] | None = None,
@@ -119,7 +121,7 @@ def proxy_factory(fake_upstream: Proc) -> Iterator[Callable[..., Proc]]:
 
 def recorded(fake: Proc, tag: str) -> list[dict]:
     """What the fake upstream received for requests sent with `X-Test-Tag: tag`."""
-    return httpx.get(f"{fake.url}/_fake/requests", params={"tag": tag}).json()
+    return httpx.get(f"{fake.url}/_fake/requests", params={"tag": tag}, verify=False).json()
 
 
 @pytest.fixture(scope="session")

@@ -79,8 +79,10 @@ item_id never opened). A call left in the text needs no knob: `X-Fake-Answer: {"
 `X-Fake-Seq: N` makes the ids and timestamps of the answer N instead of a counter and the clock, so two
 requests with the same headers get the same bytes (direct and through the proxy, to compare them).
 
+HTTPS (`--tls CERT KEY`): served over TLS with that certificate, as an `https://` backend.
+
 Introspection for tests: every request is recorded (last 2,000; with the client's address and port,
-`peer`, to see connections reused); `GET /_fake/requests` returns
+`peer`, to see connections reused; `raw_path`, the path as it arrived, escapes and all); `GET /_fake/requests` returns
 them (`?tag=X` filters on the `X-Test-Tag` header); `DELETE /_fake/requests` clears.
 """
 
@@ -540,6 +542,7 @@ async def app(scope, receive, send) -> None:
         {
             "method": method,
             "path": path,
+            "raw_path": (scope.get("raw_path") or b"").decode("latin-1"),  # as it arrived, escapes and all
             "query": scope.get("query_string", b"").decode(),
             "peer": list(scope.get("client") or ()),  # the connection it came on (keep-alive tests)
             "headers": headers,
@@ -942,6 +945,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refuse-temperature", action="store_true",
                         help="refuse a request sending a temperature other than 1 with 400 unsupported_value (param "
                              "temperature), as OpenAI's reasoning models do")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"),
+                        help="serve HTTPS with this certificate and key (PEM files), as an https:// backend does")
     args = parser.parse_args(argv)
     global MAX_TOOLS, USAGE_VARIES, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
     MAX_TOOLS, USAGE_VARIES = args.max_tools, args.usage_varies
@@ -972,6 +977,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=args.keep_alive,
+        **({"ssl_certfile": args.tls[0], "ssl_keyfile": args.tls[1]} if args.tls else {}),
     )
 
 

@@ -70,7 +70,8 @@ class LocalBackend:
 
     def __init__(self, *, port: int | None = None, host: str = "127.0.0.1", n_ctx: int = 8192,
                  threads: int | None = None, model_path: str | Path | None = None, parallel: int = 1,
-                 max_tokens: int = 512, log_path: str | Path | None = None) -> None:
+                 max_tokens: int = 512, log_path: str | Path | None = None,
+                 request_timeout: float | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.n_ctx = n_ctx
@@ -80,6 +81,7 @@ class LocalBackend:
         self.threads = threads
         self.model_path = Path(model_path) if model_path else None
         self.max_tokens = max_tokens
+        self.request_timeout = request_timeout  # None: the server's default (`--request-timeout`)
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen | None = None
 
@@ -104,6 +106,8 @@ class LocalBackend:
                "--parallel", str(self.parallel), "--max-tokens", str(self.max_tokens)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
+        if self.request_timeout is not None:
+            cmd += ["--request-timeout", str(self.request_timeout)]
         return cmd
 
     def start(self, timeout: float = 180.0) -> LocalBackend:

@@ -67,6 +67,9 @@ class Limits:
     idle_timeout: float = 15.0  # seconds a connection may wait for its first or next request
     write_timeout: float = 30.0  # seconds one write to the client may block (a client that reads nothing)
     max_connections: int = 64  # connections served at once (503 beyond)
+    #: seconds one request may hold a model instance (its prompt and its answer; the wait for a free instance does
+    #: not count): past it the answer is cut, the instance freed, and the request answered 504 `timeout`
+    request_timeout: float = 120.0
 
 
 class ApiError(Exception):
@@ -77,6 +80,27 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Deadline:
+    """A request's time on a model instance (`Limits.request_timeout`), from when it first gets one (the repeat
+    guard's second generation shares it). Checked at every token: llama.cpp stops the generation."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.at, self.passed = seconds, math.inf, False
+
+    def start(self) -> None:
+        if self.at == math.inf:
+            self.at = time.monotonic() + self.seconds
+
+    def __call__(self, _tokens: Any, _logits: Any) -> bool:
+        """llama-cpp-python's stopping criterion: True stops the generation."""
+        self.passed = self.passed or time.monotonic() >= self.at
+        return self.passed
+
+    def error(self) -> ApiError:
+        return ApiError(504, f"the answer was not done within the server's request timeout ({self.seconds:g} s, "
+                        "`--request-timeout`)", "timeout", kind="server_error")
 
 
 @dataclass
@@ -212,8 +236,9 @@ class Engine:
 
     def generate(self, prompt: list[t.Segment] | list[int], schema: dict[str, Any] | None, *, max_tokens: int,
                  temperature: float, top_p: float, seed: int | None, stop: list[str],
-                 on_text: Callable[[str], None] | None = None) -> Generation:
-        """One answer to a prompt (segments, or its tokens from `prompt_tokens`)."""
+                 on_text: Callable[[str], None] | None = None, deadline: Deadline | None = None) -> Generation:
+        """One answer to a prompt (segments, or its tokens from `prompt_tokens`); an ApiError 504 when `deadline`
+        passes before it is done (the generation is stopped there and the instance given back)."""
         tokens = prompt if prompt and isinstance(prompt[0], int) else self.prompt_tokens(prompt)  # type: ignore
         room = self.n_ctx - len(tokens)
         max_tokens = min(max_tokens, room)
@@ -222,8 +247,13 @@ class Engine:
         try:
             kwargs = dict(max_tokens=max_tokens, temperature=max(0.0, temperature), top_p=top_p,
                           seed=self.seed if seed is None else seed, stop=[t.IM_END, *stop], grammar=grammar)
+            if deadline is not None:
+                deadline.start()
+                kwargs["stopping_criteria"] = deadline
             if on_text is None:
                 out = llm.create_completion(tokens, **kwargs)
+                if deadline is not None and deadline.passed:
+                    raise deadline.error()
                 choice = out["choices"][0]
                 return Generation(choice["text"], len(tokens), out["usage"]["completion_tokens"],
                                   "length" if choice["finish_reason"] == "length" else "stop")
@@ -236,6 +266,8 @@ class Engine:
                     on_text(choice["text"])
                 if choice.get("finish_reason"):
                     finish = "length" if choice["finish_reason"] == "length" else "stop"
+            if deadline is not None and deadline.passed:
+                raise deadline.error()
             whole = "".join(text)
             return Generation(whole, len(tokens), len(self.tokenize(whole, special=False)) if whole else n, finish)
         finally:
@@ -259,6 +291,7 @@ class Job:
     schema: dict[str, Any] | None
     stream: bool
     tokens: list[int] | None = None  # the prompt's tokens, once `prepare` has counted them
+    deadline: Deadline | None = None  # the request's time on a model instance (set by the HTTP handler)
 
     @property
     def prompt(self) -> str:
@@ -475,7 +508,8 @@ def complete(engine: Engine, job: Job, on_text: Callable[[str], None] | None = N
     plain = job.schema is None or job.mode == "none"
     prompt = job.tokens or job.segments
     gen = engine.generate(prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                          top_p=job.top_p, seed=job.seed, stop=job.stop, on_text=on_text if plain else None)
+                          top_p=job.top_p, seed=job.seed, stop=job.stop, on_text=on_text if plain else None,
+                          deadline=job.deadline)
     if plain or job.mode != "auto" or not repeat_guard:
         return gen
     _, calls = g.decode_answer(gen.text)
@@ -483,7 +517,7 @@ def complete(engine: Engine, job: Job, on_text: Callable[[str], None] | None = N
     if calls and done and all(_canonical(n, a) in done for n, a in calls):
         job.schema = g.reply_schema()
         return engine.generate(prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                               top_p=job.top_p, seed=job.seed, stop=job.stop)
+                               top_p=job.top_p, seed=job.seed, stop=job.stop, deadline=job.deadline)
     return gen
 
 
@@ -907,6 +941,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _chat(self, body: Any, streaming: list[bool]) -> None:
         job = parse_job(body, "chat", self.app.default_max_tokens)
+        job.deadline = Deadline(self.limits.request_timeout)
         model = model_name(body, self.app.model)
         prepare(self.app.engine, job)
         if not job.stream:
@@ -922,6 +957,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _responses(self, body: Any, streaming: list[bool]) -> None:
         job = parse_job(body, "responses", self.app.default_max_tokens)
+        job.deadline = Deadline(self.limits.request_timeout)
         model = model_name(body, self.app.model)
         if body.get("previous_response_id"):
             raise ApiError(400, "previous_response_id is not supported: this server stores no responses; send the "
@@ -1036,6 +1072,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {d.write_timeout:g})")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help=f"connections served at once; one more gets a 503 (default {d.max_connections})")
+    p.add_argument("--request-timeout", type=positive, default=d.request_timeout,
+                   help="seconds one request may hold a model instance (prompt and answer; waiting for a free one "
+                        "does not count): past it the answer is cut, the instance freed for the next request, and "
+                        "the request answered 504 `timeout` (a stream: an error event) "
+                        f"(default {d.request_timeout:g})")
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -1046,7 +1098,8 @@ def limits_from(args: argparse.Namespace) -> Limits:
                   body_timeout=getattr(args, "body_timeout", d.body_timeout),
                   idle_timeout=getattr(args, "idle_timeout", d.idle_timeout),
                   write_timeout=getattr(args, "write_timeout", d.write_timeout),
-                  max_connections=getattr(args, "max_connections", d.max_connections))
+                  max_connections=getattr(args, "max_connections", d.max_connections),
+                  request_timeout=getattr(args, "request_timeout", d.request_timeout))
 
 
 def default_threads(parallel: int) -> int:

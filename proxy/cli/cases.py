@@ -31,32 +31,68 @@ def _names(text: str | None) -> set[str] | None:
     return None if text is None else {n.strip() for n in text.split(",") if n.strip()}
 
 
+def _refuse(message: str) -> int:
+    print(f"toolquake: {message}; nothing written", file=sys.stderr)
+    return 2
+
+
 def run_from_recording(args: argparse.Namespace) -> int:
-    from toolquake.proxy.live.recording import read_recording
+    import os
+
+    import regex
+
+    from toolquake.proxy.live.recording import HEADER_KEY, read_recording
+    from toolquake.proxy.live.redact import Redactor
     from toolquake.proxy.live.usercases import from_records
 
-    records = []
+    out = Path(args.out)
+    if out.resolve() in {Path(p).resolve() for p in args.recordings}:
+        return _refuse(f"--out {out} is one of the recordings")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        return _refuse(f"{out} exists; pass --force to overwrite it")
+    try:
+        redactor = Redactor(args.redact or [])
+    except regex.error as exc:
+        return _refuse(f"bad --redact pattern: {exc}")
+    records, unredacted = [], 0
     for path in args.recordings:
         try:
             rec = read_recording(path)
         except OSError as exc:
-            print(f"toolquake: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+            return _refuse(f"cannot read {path}: {exc.strerror or exc}")
+        if not rec.header_first and not args.force:
+            return _refuse(f"{path} is not a toolquake recording: its first line is not the recording header "
+                           f"({{\"{HEADER_KEY}\": 1, ...}}, written by `toolquake serve --record`). A recording "
+                           "written before headers existed, or JSON lines of the same shape from elsewhere: check "
+                           "it, then pass --force")
         for line, reason in rec.problems:
             print(f"toolquake: {path}:{line}: skipped, not a record ({reason})", file=sys.stderr)
         if rec.torn:
             print(f"toolquake: {path}: skipped a torn last line (the proxy was stopped mid-write)", file=sys.stderr)
-        records += rec.records
-    out = Path(args.out)
+        # redacted again, as the recorder does: an old or foreign file, or one edited by hand, may hold secrets
+        for record in rec.records:
+            records.append(redactor(record))
+            unredacted += records[-1] != record
     prefix = args.id_prefix or Path(args.recordings[0]).stem
     made = from_records(records, prefix=prefix, category=args.category, loosen=args.loosen_strings,
                         tools=_names(args.tools), tags=_names(args.tags), calls_only=args.calls_only)
     for reason in made.invalid:
         print(f"toolquake: left out {reason}", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
+    # 0600 like the recording (the cases hold its conversations); never through an existing file unless --force
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if args.force else os.O_EXCL)
+    try:
+        fd = os.open(out, flags, 0o600)
+    except OSError as exc:
+        return _refuse(f"cannot write {out}: {exc.strerror or exc}")
+    with os.fdopen(fd, "w") as f:
         for case in made.cases:
             f.write(json.dumps(case, ensure_ascii=False) + "\n")
+    if unredacted:
+        print(f"toolquake: {unredacted} exchange(s) held secret-shaped strings the recording had kept; they are "
+              "[redacted] in the cases (the recording itself is left as it is)", file=sys.stderr)
+    if redactor.timeouts:
+        print(f"toolquake: {redactor.timeouts} text(s) took too long to scan and were replaced whole", file=sys.stderr)
     print(f"toolquake: wrote {len(made.cases)} case(s) to {out} from {len(records)} exchange(s): "
           f"{made.duplicates} duplicate(s), {made.conflicts} with another answer to the same conversation "
           f"(the first kept), {made.filtered} filtered out, {len(made.invalid)} unusable. Review the file, "
@@ -86,9 +122,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "argument's recorded value as its one acceptable value); a text answer becomes a \"no call\" "
                     "case. Exchanges of the same conversation (same messages and tool names) are kept once. "
                     "Every case is tagged tool:<name> for each tool called, call or no_call, and api:<route>. "
-                    "The file is meant to be reviewed and edited by hand.")
+                    "Every string is redacted again on the way (secret shapes become [redacted]), whatever wrote "
+                    "the recording. The file is meant to be reviewed and edited by hand.")
     r.add_argument("recordings", nargs="+", metavar="REC", help="recording files (JSON lines of `serve --record`)")
-    r.add_argument("--out", required=True, help="the cases file to write")
+    r.add_argument("--out", required=True, help="the cases file to write (created 0600; an existing file is "
+                   "refused unless --force)")
+    r.add_argument("--force", action="store_true",
+                   help="overwrite an existing --out, and read files that do not start with the recording header "
+                        "(recordings made before headers existed)")
+    r.add_argument("--redact", metavar="REGEX", action="append",
+                   help="replace what this regular expression matches by [redacted] too, on top of the built-in "
+                        "secret shapes every string is redacted for (as `[record] redact`; repeatable)")
     r.add_argument("--category", help="category of every case (default: none, so the cases file's stem)")
     r.add_argument("--id-prefix", help="prefix of the case ids (default: the first recording's stem)")
     r.add_argument("--loosen-strings", action="store_true",

@@ -109,9 +109,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'@seed003-responses' (off, resp-*: the last tool response grown with real records to "
                         "10K-80K tokens and, at 80K, the originals after (p-1)/7 of the padding records, p = 1-8; "
                         "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations; "
-                        "format_sensitivity unless --categories), '@seed003-conversations' (off, conv-*: 10K-80K "
-                        "conversations × fact in a user turn / a tool response; multi_turn_base unless "
-                        "--categories), '@tool_order', '@tool_removal'. Several presets together replay the union "
+                        "format_sensitivity unless --categories), '@seed003-conversations' (conv-off, conv-*: each "
+                        "conversation given up to its last user turn, lengthened to 10K-80K tokens after the fact "
+                        "in a user turn / a tool response, its next call graded by AST; multi_turn_base unless "
+                        "--categories), '@seed003-conversations-bfcl' (off, bfcl-conv-*: the same, played live, "
+                        "BFCL's whole-conversation verdict), '@tool_order', '@tool_removal'. Several presets "
+                        "together replay the union "
                         "of their categories")
     what_to_send(p)
     how_to_send(p)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, upstream=args.upstream, host=args.host, port=args.port,
                               default_profile=args.default_profile, token_counter=args.token_counter,
-                              workers=args.workers)
+                              workers=args.workers, body_timeout=args.body_timeout)
     config = apply_cli(config, corpus=args.corpus, no_scoring=args.no_scoring, results_db=args.results_db,
                        store_contents=args.store_contents, no_content_match=args.no_content_match,
                        cases=args.cases, record=args.record)
@@ -171,6 +171,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "TOOLQUAKE_WORKERS, [server] workers; default: one per CPU this process may use). Metrics "
                        "are summed over the workers and admin-API profile changes reach all of them; "
                        "1 for a sidecar")
+    serve.add_argument("--body-timeout", type=float, metavar="SECONDS", help="seconds a client has to send a "
+                       "request's whole body after its headers, else 408 and the connection is closed (env "
+                       "TOOLQUAKE_BODY_TIMEOUT, [server] body_timeout; default 30)")
     serve.add_argument("--config", help="TOML config file with [server] and [profiles.*] (env TOOLQUAKE_CONFIG; "
                        "default: the packaged example profiles)")
     serve.add_argument("--default-profile", help="profile for requests that name none (env "

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from toolquake.proxy.live.anytime import Monitor
 from toolquake.proxy.live.resolver import CaseResolver, use_corpus_dir
-from toolquake.proxy.live.results import ConformanceRow, ResultsStore, StoreError, default_path
+from toolquake.proxy.live.results import ConformanceRow, ResultsStore, StoreError, default_path, not_perturbed
 from toolquake.proxy.live.scorer import LiveScorer
 from toolquake.proxy.live.usercases import UserCases, load_files
 from toolquake.proxy.server.config import ScoringConfig
@@ -46,6 +47,8 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
 
         st.tracing.redact = Redactor(st.config.record.redact, st.config.record.redact_timeout)
     scorer = None
+    monitor: Monitor | None = None
+    tasks: list[asyncio.Task] = []
     if settings.enabled:
         store = None
         if path is not None:
@@ -61,14 +64,23 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
         st.case_observers.append(scorer.observe)
         if store is not None:
             st.conformance_sinks.append(_store_violations(store, scorer))
+            # the anytime-valid gauges (toolquake_live_*), read back from the store every worker writes
+            monitor = Monitor(store.path, scorer.metrics, not_perturbed)
 
     async def startup() -> None:
         if scorer is not None:
             scorer._start()
+        if monitor is not None:
+            tasks.append(asyncio.get_running_loop().create_task(monitor.run(), name="toolquake-anytime"))
         if settings.match_content:
             asyncio.get_running_loop().create_task(_load_index(resolver, scorer))
 
     async def shutdown() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if monitor is not None:
+            monitor.close()
         if scorer is not None:
             await scorer.aclose()
 

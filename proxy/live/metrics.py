@@ -37,6 +37,22 @@ class ScoringMetrics:
                                 registry=r)
         self.store_errors = Counter("toolquake_results_store_errors", "Rows the results store could not write.",
                                     registry=r)
+        # anytime-valid 95 % intervals (confidence sequences, proxy/live/anytime.py) read from the results store:
+        # every worker reads the same store, so across workers the tightest end is the one to keep
+        def bounds(name: str, what: str) -> tuple[Gauge, Gauge]:
+            return (Gauge(f"toolquake_live_{name}_lower", f"Lower end of the anytime-valid 95 % interval of {what}.",
+                          ["profile"], registry=r, multiprocess_mode="livemax"),
+                    Gauge(f"toolquake_live_{name}_upper", f"Upper end of the anytime-valid 95 % interval of {what}.",
+                          ["profile"], registry=r, multiprocess_mode="livemin"))
+
+        self.live_accuracy = bounds("accuracy", "the profile's accuracy (scored answers)")
+        self.live_drop = bounds("drop", "the profile's relative drop against off, acc / acc_off - 1, on the cases "
+                                "both scored (below 0: the profile hurts accuracy)")
+        self.live_disagreement = bounds("disagreement", "the share of the profile's shadow twins that disagree "
+                                        "with the original, minus the noise twins' (above 0: beyond the model's "
+                                        "own noise)")
+        self.live_pairs = Gauge("toolquake_live_pairs", "Cases scored under both off and the profile (the pairs "
+                                "of its drop interval).", ["profile"], registry=r, multiprocess_mode="livemax")
         self.corpus_cases = Gauge("toolquake_corpus_cases", "BFCL cases available for content matching "
                                   "(0 until the index is loaded).", registry=r,
                                   multiprocess_mode="max")  # every worker loads the same index

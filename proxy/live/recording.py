@@ -371,6 +371,8 @@ class Recording:
     torn: int = 0
     #: header lines seen (0 in a recording written before headers existed)
     headers: int = 0
+    #: whether the first line that is not blank is a recording header (what `cases from-recording` asks for)
+    header_first: bool = False
 
 
 def read_recording(path: str | Path) -> Recording:
@@ -386,6 +388,7 @@ def read_recording(path: str | Path) -> Recording:
         try:
             rec = json.loads(line)
             if isinstance(rec, dict) and HEADER_KEY in rec:  # the header (or that of a concatenated recording)
+                out.header_first |= not (out.headers or out.records or out.problems or out.torn)
                 out.headers += 1
                 continue
             if not isinstance(rec, dict) or "request" not in rec or "answer" not in rec:

@@ -14,14 +14,21 @@ What counts as a secret, in three layers:
   high-entropy and keyword plugins (not patterns: they flag ids, hashes and base64 content by the dozen);
 - `OWN_PATTERNS`, for what the library misses or finds only in part: every `sk-` key (OpenAI `sk-proj-`,
   Anthropic `sk-ant-api03-`, ...), Stripe keys of every kind and length, Google API keys, GitHub fine-grained
-  tokens, npm tokens, JWTs, `Bearer` tokens, `Authorization:` values and `password = ...`-style assignments;
-  each starts only where a token starts and uses possessive repeats, so it never backtracks;
+  tokens, npm tokens, JWTs, Hugging Face tokens, `Bearer` tokens, `Authorization:` values, `Cookie:` and
+  `Set-Cookie:` values, a password in a URL with no user (`redis://:pw@host`), `password = ...`-style
+  assignments (also with the quotes of JSON inside a JSON string, `{\"api_key\": \"...\"}`, and of a list:
+  all of it), and `pass`/`pwd` as a quoted key, before `=` or after a separator (never the word in prose);
+  each starts only where a token starts or at a fixed word, and uses possessive repeats, so it never
+  backtracks; `Basic <base64>` anywhere, when the base64 decodes to readable `user:password` text;
 - the operator's `[record] redact` patterns.
 
 Beyond patterns: PEM private-key blocks are cut whole (from `-----BEGIN ... PRIVATE KEY-----` to its
-`-----END`, or to the end of the text), and a string under a key named like a secret (`password`, `api_key`,
-`client_secret`, `token`, ...) is replaced whole. A match is widened to the end of its token, so a key longer
-than the shape a pattern knows is not left half there.
+`-----END`, or to the end of the text); under a key named like a secret (`password`, `api_key`,
+`client_secret`, `token`, `pwd`, `pass`, `db_pass`, ...) a string or a number is replaced whole, and so is
+every one in a list there (an object there, such as a tool's parameter schema, is walked as usual); a string
+that is JSON (call arguments, a tool result) is redacted as what it decodes to and written back as JSON, so
+escapes hide nothing, keys count, and JSON inside a JSON string is decoded in turn. A match is widened to the
+end of its token, so a key longer than the shape a pattern knows is not left half there.
 
 All matching uses the `regex` module, which releases the GIL while it matches (the writer thread never
 holds up the event loop) and takes a timeout: a text whose scan takes more than `[record] redact_timeout`
@@ -30,6 +37,7 @@ seconds of CPU (a slow operator pattern on a large text) is replaced whole, neve
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import re
@@ -66,6 +74,12 @@ LIBRARY_DETECTORS: dict[str, tuple[str, tuple[int, ...] | None]] = {
 }
 _T = r"A-Za-z0-9_\-"  # the characters of a token
 _START = rf"(?<![{_T}])"  # a match starts only where a token starts: no quadratic restarts inside a run
+#: an optional quote around a key or value, possibly backslash-escaped (JSON inside a JSON string: {\"k\": \"v\"})
+_Q = r"(?:\\{0,3}+[\"'])?"
+#: a value's characters: up to a quote, space or separator; a backslash only when it escapes no quote
+_VALUE = r"(?:[^\s\"'`,;<>\\]|\\(?![\"']))"
+#: a value that is already `[redacted]` is left as it is: redacting a redacted text changes nothing
+_NOT_REDACTED = r"(?!\[++redacted\])"
 _KEYWORD = (r"(?i:(?:api|access|secret|private|client|auth|session|refresh|master|signing)[_\-]?(?:access[_\-]?)?"
             r"(?:key|token|secret)|password|passwd|passphrase|secret|credentials?)")
 #: our own secret shapes (a capture group, where there is one, is the part replaced)
@@ -79,18 +93,34 @@ OWN_PATTERNS: tuple[str, ...] = (
     rf"{_START}npm_[A-Za-z0-9]{{30,}}+",  # npm tokens
     rf"{_START}xox[abeoprs]-[A-Za-z0-9\-]{{10,}}+",  # Slack tokens in any form
     rf"{_START}eyJ[{_T}]{{8,}}+\.[{_T}]{{4,}}+(?:\.[{_T}=+/]*+)?",  # JWT
+    rf"{_START}hf_[A-Za-z0-9]{{30,}}+",  # Hugging Face tokens
     r"(?<![A-Za-z0-9])(?i:bearer)\s{1,8}+([A-Za-z0-9._~+/\-]{8,}+=*+)",  # Bearer <token>
-    r"(?i:authorization)[\"']?\s{0,8}+[:=]\s{0,8}+[\"']?(?:(?i:basic|bearer|token|digest)\s{1,8}+)?"
-    r"([^\s\"',;]{6,}+)",  # Authorization: <value>
-    rf"(?<![A-Za-z0-9]){_KEYWORD}[\"']?\s{{0,8}}+(?::=|=>|[:=])\s{{0,8}}+[\"']?([^\s\"'`,;<>]{{6,}}+)",  # x = value
+    rf"(?i:authorization){_Q}\s{{0,8}}+[:=]\s{{0,8}}+{_Q}(?:(?i:basic|bearer|token|digest)\s{{1,8}}+)?"
+    r"((?:[^\s\"',;\\]|\\(?![\"'])){6,}+)",  # Authorization: <value>
+    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+(?::=|=>|[:=])\s{{0,8}}+{_Q}{_NOT_REDACTED}({_VALUE}{{6,}}+)",  # x = v
+    rf"(?<![A-Za-z0-9]){_KEYWORD}{_Q}\s{{0,8}}+[:=]\s{{0,8}}+\[(?!redacted\])([^\[\]\r\n]++)\]",  # x = [list]
+    # `pass` and `pwd` are ordinary words: only as a quoted key ("pass": ...), right before `=` (pass=...), or
+    # after a separator (db_pass: ...)
+    rf"(?:(?<![A-Za-z0-9_\-.])(?i:pass|pwd)(?:\\{{0,3}}+[\"']\s{{0,8}}+[:=]|=)|(?<=[A-Za-z0-9][_\-.])(?i:pass|pwd)"
+    rf"{_Q}\s{{0,8}}+[:=])\s{{0,8}}+{_Q}(?![/~]){_NOT_REDACTED}({_VALUE}{{4,}}+)",  # not PWD=/home
+    # cookie headers, when a `name=value` follows: the whole value, to the end of the line or the quote
+    rf"(?<![A-Za-z0-9_\-])(?i:(?:set-)?cookie){_Q}\s{{0,8}}+:\s{{0,8}}+{_Q}"
+    r"(?=[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,256}+=)((?:[^\r\n\"\\]|\\(?![\"']))++)",
+    r"://[^\s:@/{}]{0,256}+:([^\s@/{}]++)@",  # a password in a URL, with or without a user (redis://:pw@host)
 )
+#: `Basic <base64>` anywhere (not only after `Authorization:`): a secret when the base64 decodes to readable
+#: `user:password` text (`basic_credentials`), so "a basic understanding" stays
+BASIC_PATTERN = r"(?<![A-Za-z0-9])(?i:basic)\s{1,8}+([A-Za-z0-9+/]{8,}+={0,2}+)"
 _PEM_BEGIN = r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----"
 _PEM_END = "-----END "
 #: widening a match: the characters a key or token continues with
 _WIDEN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-+/=")
 #: dict keys whose string values are replaced whole (compared lower-case, without `_`, `-`, `.`)
 _SECRET_KEY_ENDINGS = ("password", "passwd", "passphrase", "secret", "apikey", "token", "authorization",
-                       "privatekey", "accesskey", "secretkey", "credential", "credentials", "cookie")
+                       "privatekey", "accesskey", "secretkey", "credential", "credentials", "cookie", "pwd")
+#: secret keys only as the key's last word (`pass`, `db_pass`, `dbPass`, but not `bypass` or `compass`)
+_SECRET_LAST_WORDS = ("pass",)
+_SEPARATORS = "_-. "
 #: the flags a `re` pattern of the library keeps when compiled with `regex` (the values are the same)
 _FLAGS = re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE | re.ASCII
 
@@ -107,9 +137,29 @@ def library_patterns() -> list[regex.Pattern[str]]:
     return out
 
 
+def last_word(key: str) -> str:
+    """A key's last word, lower-case: after its last separator, or from its last capital in a camelCase word."""
+    word = key[max(key.rfind(c) for c in _SEPARATORS) + 1:]
+    if not (word.isupper() or word.islower()):
+        caps = [i for i, c in enumerate(word) if c.isupper()]
+        if caps:
+            word = word[caps[-1]:]
+    return word.lower()
+
+
 def secret_key(key: str) -> bool:
     k = key.lower().replace("_", "").replace("-", "").replace(".", "")
-    return k.endswith(_SECRET_KEY_ENDINGS) and k not in ("maxtoken", "tokens")
+    return (k.endswith(_SECRET_KEY_ENDINGS) and k not in ("maxtoken", "tokens")) \
+        or last_word(key) in _SECRET_LAST_WORDS
+
+
+def basic_credentials(b64: str) -> bool:
+    """Whether base64 text decodes to `user:password`: readable text with a colon (no control characters)."""
+    try:
+        text = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True).decode("utf-8")
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return False
+    return ":" in text and text.isprintable()
 
 
 class ScanTimeout(Exception):
@@ -122,6 +172,7 @@ class Redactor:
     def __init__(self, patterns: list[str] | tuple[str, ...] = (), timeout: float = SCAN_TIMEOUT_S) -> None:
         self.patterns = [*library_patterns(), *(regex.compile(p) for p in OWN_PATTERNS),
                          *(regex.compile(p) for p in patterns)]
+        self.basic = regex.compile(BASIC_PATTERN)
         self.pem = regex.compile(_PEM_BEGIN)
         self.timeout = timeout
         self.timeouts = 0  # texts replaced whole because their scan took too long
@@ -137,6 +188,9 @@ class Redactor:
                         found += [m.span(g) for g in range(1, m.re.groups + 1) if m.start(g) < m.end(g)]
                     elif m.start() < m.end():
                         found.append(m.span())
+            for m in self.basic.finditer(text, timeout=self._left(deadline)):
+                if basic_credentials(m.group(1)):
+                    found.append(m.span(1))
             if "-----BEGIN " in text:  # PEM private-key blocks: to their END line, or to the end of the text
                 pos = 0
                 for m in self.pem.finditer(text, timeout=self._left(deadline)):
@@ -187,20 +241,34 @@ class Redactor:
 
     # -- a whole structure
     def __call__(self, value: Any, key: str | None = None) -> Any:
+        """`value` redacted; `key` is the dict key it is under: under a secret-named key, a string or a number is
+        replaced whole, and so is every one in a list there (objects under it are walked as usual)."""
+        secret = key is not None and secret_key(key)
         if isinstance(value, str):
-            if key is not None and value and secret_key(key):
+            if secret and value:
                 return REDACTED
-            if key == "arguments":  # JSON text: redact what it decodes to (escapes hide nothing), keep it JSON
-                try:
-                    decoded = json.loads(value)
-                except ValueError:
-                    return self.text(value)
-                redacted = self(decoded)
-                return value if redacted == decoded else json.dumps(redacted, ensure_ascii=False)
-            return self.text(value)
+            return self.string(value, key == "arguments")
+        if secret and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return REDACTED
         if isinstance(value, list):
-            return [self(v) for v in value]
+            return [self(v, key if secret else None) for v in value]
         if isinstance(value, dict):
             return {(self.text(k) if isinstance(k, str) else k): self(v, k if isinstance(k, str) else None)
                     for k, v in value.items()}
         return value
+
+    def string(self, value: str, is_json: bool = False) -> str:
+        """A string; one that is JSON (call arguments, `is_json`; a tool result or any text that is a JSON object,
+        array or string) is redacted as what it decodes to (escapes hide nothing, secret-named keys count, JSON
+        inside a JSON string is decoded again) and stays JSON. Too deeply nested to walk: replaced whole."""
+        if is_json or value.lstrip()[:1] in ('{', '[', '"'):
+            try:
+                decoded = json.loads(value)
+                if is_json or isinstance(decoded, (dict, list, str)):
+                    redacted = self(decoded)
+                    return value if redacted == decoded else json.dumps(redacted, ensure_ascii=False)
+            except ValueError:
+                pass
+            except RecursionError:
+                return REDACTED
+        return self.text(value)

@@ -18,8 +18,9 @@ from typing import Any, Callable, Sequence
 
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.escape import md_text
+from toolquake.proxy.live.anytime import Sequences, finite
 from toolquake.proxy.server.config import NOISE_PROFILE
-from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
+from toolquake.scorers.aggregate import ALPHA, mcnemar, paired_drop_ci, ratio, relative_drop, wilson_ci
 
 #: the schema version this code writes; older files are migrated on open, newer ones refused
 SCHEMA_VERSION = 4
@@ -341,6 +342,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
     arms = _arm_counts(rows)
     _with_paired(arms, rows)
     consistency, consistency_ci = _agreement([r for r in rows if r["arm"] != "noise"])
+    _with_anytime(arms, consistency_ci, rows)
     noise, noise_ci = _agreement([r for r in rows if r["arm"] == "noise"])
     if noise:
         pooled, pooled_ci = _agreement([{**r, "profile": NOISE_PROFILE} for r in rows if r["arm"] == "noise"])
@@ -401,14 +403,36 @@ def _with_paired(arms: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) ->
             latest.setdefault(r["profile"], {})[r["case_id"]] = (r["category"] or "unknown", bool(r["valid"]))
     base = arms.get("off")
     for name_, arm in arms.items():
-        arm["drop_vs_off"] = relative_drop(arm["accuracy"], base["accuracy"] if base else None)
         arm["paired"] = _paired(latest.get("off", {}), latest.get(name_, {})) if base and name_ != "off" else None
+        # the drop on the cases both arms scored, the one its interval and McNemar's test are about; the two arms'
+        # overall accuracies (over different cases) only while they share no case
+        arm["drop_vs_off"] = (arm["paired"]["drop"] if arm["paired"] and arm["paired"]["n"] else
+                              relative_drop(arm["accuracy"], base["accuracy"] if base else None))
         arm["drop_vs_off_ci"] = arm["paired"]["drop_ci"] if arm["paired"] else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
             cat["drop_vs_off"] = relative_drop(cat["accuracy"], b["accuracy"] if b else None)
             cmp = (_paired(latest.get("off", {}), latest.get(name_, {}), name) if b and name_ != "off" else None)
             cat["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
+
+
+def _with_anytime(arms: dict[str, dict[str, Any]], consistency_ci: dict[str, dict[str, Any]],
+                  rows: list[dict[str, Any]]) -> None:
+    """The anytime-valid intervals (proxy/live/anytime.py; the live gauges' numbers over the same rows) beside the
+    fixed-sample ones: `accuracy_cs`, `drop_vs_off_cs` (over `anytime_pairs`, the first verdict of each case in
+    each arm) and, in `consistency_ci` per shadow profile, `disagreement_cs` (its twins' disagreement minus the
+    noise twins')."""
+    seq = Sequences()
+    for r in rows:
+        seq.feed(r, not_perturbed(r["perturbers"]))
+    intervals = seq.intervals(ALPHA)
+    for name, arm in arms.items():
+        iv = intervals.get(name) or {}
+        arm["accuracy_cs"] = finite(iv.get("accuracy_cs"))
+        arm["drop_vs_off_cs"] = finite(iv.get("drop_vs_off_cs"))
+        arm["anytime_pairs"] = iv.get("pairs", 0)
+    for name, c in consistency_ci.items():
+        c["disagreement_cs"] = finite((intervals.get(name) or {}).get("disagreement_cs"))
 
 
 def not_perturbed(perturbers: Any) -> bool:
@@ -449,7 +473,7 @@ def _paired(base: dict[str, tuple[str, bool]], arm: dict[str, tuple[str, bool]],
     p = mcnemar(lost, gained)
     ci = paired_drop_ci(both, lost, gained, neither)
     return {"n": len(cases), "both_valid": both, "valid_to_invalid": lost, "invalid_to_valid": gained,
-            "both_invalid": neither, "p_value": p, "significant": p < 0.05,
+            "both_invalid": neither, "p_value": p, "significant": p < ALPHA,
             "drop": relative_drop(ratio(both + gained, len(cases)), ratio(both + lost, len(cases))),
             "drop_ci": None if ci is None else list(ci)}
 
@@ -459,10 +483,14 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.1f}%"
 
 
-def _pct_ci(ci: list[float] | None, signed: bool = False) -> str:
+def _pct_ci(ci: list[float | None] | None, signed: bool = False) -> str:
     if ci is None:
         return "–"
-    return f"[{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if signed else f"[{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]"
+
+    def end(x: float | None) -> str:  # an unbounded end of an anytime interval is None
+        return "+∞" if x is None else f"{x * 100:+.1f}" if signed else f"{x * 100:.1f}"
+
+    return f"[{end(ci[0])}, {end(ci[1])}]"
 
 
 def _p(p: float) -> str:
@@ -485,17 +513,23 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _arms_md(arms: dict[str, Any]) -> list[str]:
     md = md_text
-    lines = ["| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
-             "paired cases | valid→invalid | invalid→valid | McNemar p | drop ≠ 0 at 0.05 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["Intervals: \"95 % CI\" holds at this sample size only (read once, at the end); \"anytime 95 %\" is a "
+             "confidence sequence, valid however often it is looked at (the live gauges and alerts use it; the drop's "
+             "over the first verdict of each case in each arm).", "",
+             "| profile | n | accuracy | semantic flips | accuracy 95 % CI | drop vs off [95 % CI] | "
+             f"paired cases | valid→invalid | invalid→valid | McNemar p | drop ≠ 0 at {ALPHA} | "
+             "accuracy anytime 95 % | drop anytime 95 % (pairs) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, arm in arms.items():
         drop = "" if arm["drop_vs_off"] is None or name == "off" else f" ({arm['drop_vs_off'] * 100:+.0f}%)"
         cmp = arm.get("paired")
         stats = (f"{_pct(arm['drop_vs_off'])} {_pct_ci(arm['drop_vs_off_ci'], True)} | {cmp['n']} | "
                  f"{cmp['valid_to_invalid']} | {cmp['invalid_to_valid']} | {_p(cmp['p_value'])} | "
                  f"{'yes' if cmp['significant'] else 'no'}") if cmp else "– | – | – | – | – | –"
+        anytime = ("–" if name == "off" or not arm.get("anytime_pairs") else
+                   f"{_pct_ci(arm.get('drop_vs_off_cs'), True)} ({arm['anytime_pairs']})")
         lines.append(f"| {md(name)} | {arm['n']} | {_pct(arm['accuracy'])}{drop} | {arm['semantic_flips']} | "
-                     f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} |")
+                     f"{_pct_ci(arm.get('accuracy_ci'))} | {stats} | {_pct_ci(arm.get('accuracy_cs'))} | {anytime} |")
     lines += ["", "## By category", "", "| profile | category | n | accuracy | drop vs off | accuracy 95 % CI | "
               "drop 95 % CI |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, arm in arms.items():
@@ -526,8 +560,9 @@ def _consistency_md(summary: dict[str, Any]) -> list[str]:
     md = md_text
     floor = (summary.get("noise") or {}).get(NOISE_PROFILE)
     lines = ["", "## Shadow consistency", "", "| profile | n | exact | semantic | disagree | consistent | "
-             "consistent 95 % CI | exact 95 % CI | disagree rate | noise floor (all noise twins) | net of noise |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "consistent 95 % CI | exact 95 % CI | disagree rate | noise floor (all noise twins) | net of noise | "
+             "net of noise, anytime 95 % |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     cis = summary.get("consistency_ci") or {}
     for name, c in summary["consistency"].items():
         ci = cis.get(name) or {}
@@ -536,7 +571,8 @@ def _consistency_md(summary: dict[str, Any]) -> list[str]:
                      f"{_pct(c['rate_semantic'])} | {_pct_ci(ci.get('rate_semantic'))} | "
                      f"{_pct_ci(ci.get('rate_exact'))} | {_pct(c['rate_disagree'])} "
                      f"{_pct_ci(ci.get('rate_disagree'))} | "
-                     f"{'–' if floor is None else _pct(floor['rate_disagree'])} | {net} |")
+                     f"{'–' if floor is None else _pct(floor['rate_disagree'])} | {net} | "
+                     f"{_pct_ci(ci.get('disagreement_cs'), True)} |")
     return lines
 
 

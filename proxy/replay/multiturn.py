@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from toolquake.bfcl.convert import to_openai_tools, with_language_hints
+from toolquake.bfcl.convert import openai_name, to_openai_tools, with_language_hints
 from toolquake.bfcl.decode import DecodeFailure, calls_from_message
 from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
 from toolquake.perturbers.base import NOT_PERTURBED
@@ -38,7 +39,8 @@ from toolquake.scorers.multiturn import (
     long_context_of,
 )
 
-__all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "replay_fields", "run_case", "tools_for"]
+__all__ = ["ADDITIONAL_FUNCTIONS_PROMPT", "check", "given_request", "next_call_grade", "replay_fields", "run_case",
+           "tools_for"]
 
 #: BFCL's user message for FC models when held-out functions are revealed (miss_func)
 ADDITIONAL_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
@@ -208,6 +210,84 @@ async def _play_turn(play: _Play, t: int, messages: list[dict[str, Any]], tools:
             result.force_terminated = True
             return False
     return True  # pragma: no cover (itertools.count never ends)
+
+
+#: the assistant's text that closes a given turn whose ground truth makes no call (as `ground_truth_result` says it)
+_NO_CALL_TEXT = "I cannot do that with the functions I have."
+
+
+def given_request(case: Any, model: str, backends: Backends | None = None
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Seed 003 challenge 3's request (§3.3: the conversation u_1 … u_n is given, the model makes llm_n): the
+    chat request for the first step of the case's last turn, with every earlier turn as the ground truth played
+    it, and the OpenAI→BFCL name map of its tools.
+
+    Each earlier turn is its user message(s), then each ground-truth call as one assistant step (one tool call,
+    keyword arguments, id `call_<turn>_<i>`) answered by its `tool` message: the simulators' result, the calls
+    executed in order on one world from the case's `initial_config`. A turn whose ground truth makes no call is
+    answered by an assistant text. miss_func's held-out functions join the tools at their turn (BFCL's sentence
+    as its user message), as in the played loop. Raises `BackendError` when the simulators fail."""
+    from toolquake.scorers.multiturn import ground_truth_result
+
+    backends = backends or shared()
+    played = ground_truth_result(case, backends)
+    held = case.extra.get("missed_function") or {}
+    functions = [dict(f) for f in case.functions]
+    messages: list[dict[str, Any]] = []
+    last = len(case.turns) - 1
+    world = backends.world(list(case.extra.get("involved_classes") or []), case.extra.get("initial_config") or {},
+                           long_context_of(case))
+    try:
+        for t, turn_messages in enumerate(case.turns):
+            if str(t) in held:
+                functions.extend(dict(f) for f in held[str(t)])
+                if not turn_messages:
+                    turn_messages = [{"role": "user", "content": ADDITIONAL_FUNCTIONS_PROMPT}]
+            messages.extend(dict(m) for m in turn_messages)
+            if t == last:
+                break
+            calls = [c for step in played.turns[t] for c in step.calls or []]
+            if not calls:
+                messages.append({"role": "assistant", "content": _NO_CALL_TEXT})
+                continue
+            for i, (call, output) in enumerate(zip(calls, world.execute([Call.of(c) for c in calls]))):
+                call_id = f"call_{t}_{i}"
+                messages.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function",
+                     "function": {"name": openai_name(call["name"]), "arguments": json.dumps(call["arguments"])}}]})
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    finally:
+        world.close()
+    tools, name_map = tools_for(case, functions)
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    if tools:
+        body["tools"] = tools
+    return body, name_map
+
+
+def next_call_grade(case: Any, answer: Mapping[str, Any] | None, name_map: Mapping[str, str]) -> dict[str, Any]:
+    """The grade of a given conversation's answer (`given_request`): `scorers.multiturn.next_call` on the calls of
+    its first choice; no answer (the backend failed) is BFCL's inference error, wrong wherever the turn expects a
+    call. {"valid", "error_type", "taxonomy", "errors", "next_call": {"valid", "error_type", "turn",
+    "expected_calls", "calls"}}."""
+    from toolquake.scorers.multiturn import INFERENCE, INFERENCE_ERROR, next_call
+
+    if answer is None:
+        turn = len(case.ground_truth) - 1
+        expected = len(case.ground_truth[turn])
+        if not expected:  # no call expected: no answer makes none, as BFCL grades irrelevance
+            return {"valid": True, "error_type": None, "taxonomy": None, "errors": [],
+                    "next_call": {"valid": True, "error_type": None, "turn": turn, "expected_calls": 0, "calls": 0}}
+        return {"valid": False, "error_type": INFERENCE_ERROR, "taxonomy": INFERENCE,
+                "errors": ["the request got no usable answer (scored as BFCL scores an inference error)"],
+                "next_call": {"valid": False, "error_type": INFERENCE_ERROR, "turn": turn,
+                              "expected_calls": expected, "calls": 0}}
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = choice.get("message")
+    v = next_call(case, calls_from_message(message if isinstance(message, dict) else None, dict(name_map)))
+    return {"valid": v.valid, "error_type": v.error_type, "taxonomy": v.taxonomy, "errors": list(v.errors),
+            "next_call": {"valid": v.valid, "error_type": v.error_type, "turn": v.turn, **v.details}}
 
 
 def _summary(result: MultiTurnResult) -> dict[str, Any]:

@@ -38,12 +38,13 @@ import httpx
 import msgspec
 
 from toolquake.bfcl.corpus import case_request
+from toolquake.bfcl.simulators import BackendError
 from toolquake.proxy.live.grader import Grader
 from toolquake.proxy.live.usercases import is_user_case, request_body
 from toolquake.proxy.replay.errors import ReplayError
 from toolquake.proxy.replay.failures import BAD_RESPONSE, NOT_COMPARABLE, Failed, post
 from toolquake.proxy.replay.inproc import InProcessProxy
-from toolquake.proxy.replay.multiturn import replay_fields
+from toolquake.proxy.replay.multiturn import given_request, next_call_grade, replay_fields
 from toolquake.proxy.replay.progress import Progress
 from toolquake.proxy.replay.selection import expand_profiles, results_name, select_cases
 from toolquake.proxy.replay.store import Record, ResultsFile
@@ -148,7 +149,14 @@ def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
         steps = [{"name": p.name, "params": msgspec.to_builtins(build(p.name, p.params).params()),
                   "probability": p.probability} for p in spec.perturbers]
         out[name] = {"mode": spec.mode, "perturbers": steps}
+        if spec.conversation != "played":  # recorded only when not the default, so older results files resume
+            out[name]["conversation"] = spec.conversation
     return out
+
+
+def given_profiles(config: Any, arms: list[str]) -> frozenset[str]:
+    """The arms whose multi-turn cases are given up to their last user turn (`conversation = "given"`)."""
+    return frozenset(p for p in arms if p in config.profiles and config.profiles[p].conversation == "given")
 
 
 def prepare(options: Options, say: Callable[[str], None] = print) -> tuple[Any, list[str], list[Any]]:
@@ -193,9 +201,12 @@ class _Sender:
 
     def __init__(self, options: Options, proxy_url: str, client: httpx.AsyncClient, model: str,
                  in_process: InProcessProxy | None, traces: ReplayTraces | None = None,
-                 say: Callable[[str], None] | None = None, command: str = "replay") -> None:
+                 given: frozenset[str] = frozenset(), say: Callable[[str], None] | None = None,
+                 command: str = "replay") -> None:
         self.options, self.proxy_url, self.client, self.model = options, proxy_url, client, model
         self.in_process = in_process
+        #: the profiles whose multi-turn cases are given up to their last user turn (`conversation = "given"`)
+        self.given = given
         self.traces = traces
         self.grader = Grader(semantic=options.semantic)
         self.headers = _auth(options)
@@ -241,11 +252,19 @@ class _Sender:
             self.traces.done(span, case, trial, rec)
 
     async def _one(self, case: Any, profile: str, trial: int, traced: dict[str, str]) -> Record:
-        if case.is_multi_turn:
-            return await self.multi_turn(case, profile, trial, traced)
-        body = request_body(case, self.model) if is_user_case(case) else case_request(case, model=self.model)
-        body.update(self.sampling(case.id, trial))
+        given: dict[str, str] | None = None  # a given conversation's name map (seed 003 §3.3: one graded request)
         rec = Record(case_id=case.id, profile=profile, category=case.category, status="error", trial=trial)
+        if case.is_multi_turn and profile not in self.given:
+            return await self.multi_turn(case, profile, trial, traced)
+        if case.is_multi_turn:
+            try:
+                body, given = await asyncio.to_thread(given_request, case, self.model)
+            except BackendError as exc:  # the simulators failed, not the model: retried on the next run
+                rec.error_code, rec.error = "backend_error", str(exc)[:500]
+                return rec
+        else:
+            body = request_body(case, self.model) if is_user_case(case) else case_request(case, model=self.model)
+        body.update(self.sampling(case.id, trial))
         t0 = time.perf_counter()
         r = await post(self.client, f"{self.proxy_url}/p/{profile}/v1/chat/completions", body,
                        {**self.headers, CASE_HEADER: case.id, **traced}, self.options.timeout,
@@ -260,12 +279,15 @@ class _Sender:
             rec.perturbers = {"applied": [{"name": a.name, "params": a.params, "report": a.report}
                                           for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+            if given is not None:
+                hold_budgets(rec.perturbers)
         if isinstance(r, Failed):
-            return await self.failed(rec, case, r, outcome)
+            return await self.failed(rec, case, r, outcome, given)
         rec.http_status = r.status_code
-        return await self.graded(rec, case, r, outcome)
+        return await self.graded(rec, case, r, outcome, given)
 
-    async def failed(self, rec: Record, case: Any, failed: Failed, outcome: Any) -> Record:
+    async def failed(self, rec: Record, case: Any, failed: Failed, outcome: Any,
+                     given: dict[str, str] | None = None) -> Record:
         """A request that got no usable answer: scored as BFCL scores an inference error when the failure is the
         backend's (`failures.is_model_failure`), else an error row, retried on the next run."""
         rec.http_status, rec.error_code, rec.error = failed.http_status, failed.code, failed.message
@@ -274,22 +296,29 @@ class _Sender:
             return rec
         if not failed.counts:
             return rec
+        if given is not None:
+            return _given_scored(rec, next_call_grade(case, None, given))
         applied = list(outcome.applied) if outcome is not None else []
         return _scored(rec, self.grader.failed(case, applied))
 
-    async def graded(self, rec: Record, case: Any, r: httpx.Response, outcome: Any) -> Record:
+    async def graded(self, rec: Record, case: Any, r: httpx.Response, outcome: Any,
+                     given: dict[str, str] | None = None) -> Record:
         """The record of an answered request: an answer that is not a JSON object is the model's failure, else it
-        is scored by the grader."""
+        is scored by the grader (a given conversation: its next call, `next_call_grade`)."""
         try:
             answer = r.json()
         except ValueError:
             answer = None
         if not isinstance(answer, dict):
             return await self.failed(rec, case, Failed(BAD_RESPONSE, f"the answer is not a JSON object: {r.text}"[:500],
-                                                       r.status_code, counts=True), outcome)
+                                                       r.status_code, counts=True), outcome, given)
         rec.answer = answer
         usage = answer.get("usage") or {}
         rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if given is not None:
+            grade = await asyncio.to_thread(next_call_grade, case, answer, given)
+            rec.answer = {**answer, "next_call": grade["next_call"]}
+            return _given_scored(rec, grade)
         applied = list(outcome.applied) if outcome is not None else []
         restorers = list(outcome.restorers) if outcome is not None else []
         try:
@@ -332,6 +361,32 @@ class _Sender:
             self.stop.set()
 
 
+def _given_scored(rec: Record, grade: dict[str, Any]) -> Record:
+    """`rec` with a given conversation's next-call verdict (`next_call_grade`): final."""
+    rec.status, rec.expected = "scored", "ground_truth" if grade["next_call"]["expected_calls"] else "irrelevance"
+    rec.valid, rec.error_type, rec.taxonomy = grade["valid"], grade["error_type"], grade["taxonomy"]
+    rec.errors = list(grade["errors"])
+    return rec
+
+
+def hold_budgets(perturbers: dict[str, Any]) -> None:
+    """A given conversation's graded request must hold each lengthening budget (`within_budget`, by the run's
+    counter): a step whose request landed elsewhere (already over the budget, or filler that missed it) is marked
+    not perturbed with why, so the pair is listed apart and left out of its arm, never scored at another length."""
+    from toolquake.perturbers.base import NOT_PERTURBED
+    from toolquake.perturbers.helpers.lengthening.budget import within_budget
+
+    for step in perturbers.get("applied") or []:
+        report = step.get("report") or {}
+        total, budget = report.get("tokens_total"), report.get("budget_tokens")
+        if NOT_PERTURBED in report or not isinstance(total, int) or not isinstance(budget, int):
+            continue
+        if not within_budget(total, budget):
+            over = "already over" if report.get("tokens_added") == 0 and total > budget else "not within 2 % of"
+            step["report"] = {**report, NOT_PERTURBED: f"the request is {total} tokens by {report.get('counter')}, "
+                                                       f"{over} the budget of {budget}"}
+
+
 def _scored(rec: Record, grade: Any) -> Record:
     """`rec` with the grader's verdict: final (a rerun never sends the pair again)."""
     rec.status = "scored"
@@ -343,7 +398,7 @@ def _scored(rec: Record, grade: Any) -> Record:
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
                     progress: Progress, model: str, in_process: InProcessProxy | None,
-                    summary: Summary, traces: ReplayTraces | None = None,
+                    summary: Summary, traces: ReplayTraces | None = None, given: frozenset[str] = frozenset(),
                     say: Callable[[str], None] | None = None) -> None:
     queue: asyncio.Queue[tuple[Any, str, int]] = asyncio.Queue()
     for pair in pairs:
@@ -351,7 +406,7 @@ async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str
     limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        sender = _Sender(options, proxy_url, client, model, in_process, traces, say)
+        sender = _Sender(options, proxy_url, client, model, in_process, traces, given, say)
         await asyncio.gather(*(sender.worker(queue, results, progress, summary)
                                for _ in range(max(1, options.concurrency))))
 
@@ -397,6 +452,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         say("replay: note: the proxy at --proxy does not say which token counter it uses (its /readyz has no "
             "token_counter): the budgets are counted by its own [server] token_counter, unchecked here")
     _check_rephraser(options, specs)
+    _check_given(options, config, arms, cases)
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
         _start_file(results, options, specs, model, counter)
@@ -417,6 +473,20 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
         return summary
     finally:
         results.close()
+
+
+def _check_given(options: Options, config: Any, arms: list[str], cases: list[Any]) -> None:
+    """Given-conversation arms (seed 003 challenge 3 as the paper measures it) on multi-turn cases need the
+    in-process proxy: whether the fact was placed and the budget held is read from its perturbers' reports, and a
+    pair where it was not is listed apart, never scored at another length."""
+    given = sorted(given_profiles(config, arms))
+    if options.proxy and given and any(c.is_multi_turn for c in cases):
+        raise ReplayError(
+            f"{', '.join(given)}: these arms give each multi-turn conversation up to its last user turn and grade one "
+            "request, which must hold its fact and its token budget; with --proxy, what that proxy's perturbers did "
+            "is not visible here, so a conversation that could not be lengthened would be scored at another "
+            "length. Run without --proxy (the in-process proxy), or pick the played arms "
+            "(@seed003-conversations-bfcl).")
 
 
 def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
@@ -495,7 +565,7 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
     try:
         with Progress(list(totals), totals, tallies, enabled=options.progress) as progress:
             asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary, traces,
-                                  say))
+                                  given_profiles(config, list(totals)), say))
     finally:
         if in_process is not None:
             in_process.stop()

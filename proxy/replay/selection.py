@@ -29,8 +29,11 @@ PRESETS: dict[str, list[str]] = {
     # (p1), and at 80K the original records after (p − 1)/7 of the padding records, p = 1…8 (Fig. 4b's 8 answer
     # positions); run on multi-turn cases (docs/replay.md)
     "seed003-responses": ["off", "resp-*"],
-    # seed 003 challenge 3 (Table 2): 4 conversation sizes × 2 settings (fact in a user turn / a tool response)
-    "seed003-conversations": ["off", "conv-*"],
+    # seed 003 challenge 3 (Table 2) as the paper measures it: each conversation given up to its last user turn,
+    # 4 sizes × 2 settings (fact in a user turn / a tool response), one request graded on its next call by AST
+    "seed003-conversations": ["conv-off", "conv-*k-s*"],
+    # the same sizes and settings with the whole conversation played live, BFCL's multi-turn verdict
+    "seed003-conversations-bfcl": ["off", "bfcl-conv-*"],
 }
 #: the BFCL categories a preset replays when --categories is not given: the papers' own data (seed 003 §4.1:
 #: BFCL's simple, live_simple and multiple, 858 cases; seed 002: BFCL V4's 200-case format-sensitivity selection;
@@ -42,6 +45,7 @@ PRESET_CATEGORIES: dict[str, list[str]] = {
     "seed002": ["format_sensitivity"],
     "seed003-responses": ["multi_turn_base"],
     "seed003-conversations": ["multi_turn_base"],
+    "seed003-conversations-bfcl": ["multi_turn_base"],
 }
 
 

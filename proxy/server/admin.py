@@ -1,7 +1,8 @@
 """Runtime admin API for profiles: GET/PUT/DELETE /admin/profiles/{name}, GET /admin/profiles.
 
 Enabled only when an admin token is configured (TOOLQUAKE_ADMIN_TOKEN); every call needs
-`Authorization: Bearer <token>`. A PUT is validated like the config file; an invalid one changes nothing.
+`Authorization: Bearer <token>`. A PUT is validated like the config file; an invalid one changes nothing. A PUT
+adding a profile past `[server] max_profiles` gets 409 `too_many_profiles`.
 The token changes profiles, never hosts, paths, environment variables or secrets: a PUT that sets a perturber's
 operator-only parameter (`Perturber.operator_only`) is refused with 403, and GET shows URLs without credentials.
 """
@@ -16,8 +17,9 @@ import msgspec
 from litestar import Request, Response, route
 
 from toolquake.perturbers import operator_only_set
-from toolquake.proxy.server.config import ConfigError, ProfileSpec, decode_profile
+from toolquake.proxy.server.config import ConfigError, ProfileSpec, decode_profile, shown_name
 from toolquake.proxy.server.errors import error_body
+from toolquake.proxy.server.profiles import TooManyProfiles
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.state import ProxyState
@@ -94,13 +96,13 @@ def routes(st: ProxyState) -> list[Any]:
             return denied
         if request.method == "GET":
             if st.profiles.get(name) is None:
-                return _err(404, f"Unknown profile {name!r}.", "unknown_profile")
+                return _err(404, f"Unknown profile {shown_name(name)}.", "unknown_profile")
             return Response(content=msgspec.json.encode(profile_json(name)), media_type=JSON)
         if name == "off":
             return _err(400, "Profile 'off' is built in and cannot be changed.", "reserved_profile")
         if request.method == "DELETE":
             if not st.profiles.delete(name):
-                return _err(404, f"Unknown profile {name!r}.", "unknown_profile")
+                return _err(404, f"Unknown profile {shown_name(name)}.", "unknown_profile")
             return Response(content=b"", status_code=204)
         try:
             spec = decode_profile(await request.body(), name)
@@ -110,6 +112,8 @@ def routes(st: ProxyState) -> list[Any]:
             profile = st.profiles.put(name, spec)
             if st.warm is not None:
                 st.warm([profile])
+        except TooManyProfiles as exc:
+            return _err(409, str(exc), "too_many_profiles")
         except (ConfigError, ValueError) as exc:
             return _err(400, str(exc), "invalid_profile")
         return Response(content=msgspec.json.encode(profile_json(name)), media_type=JSON)

@@ -21,7 +21,7 @@ from toolquake.perturbers import Services
 from toolquake.proxy.server import admin
 from toolquake.proxy.server.apis import CHAT, RESPONSES
 from toolquake.proxy.server.chat import ChatHandler, error_response, unknown_profile
-from toolquake.proxy.server.config import Config
+from toolquake.proxy.server.config import NO_PROFILE, NOISE_PROFILE, Config
 from toolquake.proxy.server.errors import error_body
 from toolquake.proxy.server.lean import LeanPath
 from toolquake.proxy.server.metrics import REFRESH_S, Metrics
@@ -142,7 +142,8 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
     server = config.server
     st = ProxyState(
         config=config,
-        profiles=ProfileStore(config.profiles, SharedProfiles(shared / "profiles") if shared else None),
+        profiles=ProfileStore(config.profiles, SharedProfiles(shared / "profiles") if shared else None,
+                              limit=server.max_profiles),
         upstream=make_upstream(server.upstream, client=server.upstream_client, connect_timeout=server.connect_timeout,
                                read_timeout=server.read_timeout, max_connections=server.max_connections),
         metrics=Metrics(server.model_allowlist, multiprocess=shared is not None),
@@ -150,6 +151,8 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
         admin_token=admin_token,
     )
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
+    st.profiles.on_gone = st.metrics.forget_profiles
+    st.metrics.profiles_shown = lambda: (*st.profiles.names(), NO_PROFILE, NOISE_PROFILE)
     if config.tracing.enabled:
         st.tracing = tracer(config, st.metrics)
     return st
@@ -186,29 +189,34 @@ def _model_routes(chat_handler: ChatHandler, responses_handler: ChatHandler) -> 
 
 
 def _passthrough_routes(st: ProxyState) -> list:
-    """Every other route of the API and the backend's own extras, relayed untouched."""
+    """The rest of the API and the backend's own routes that `[server] passthrough` lists, relayed untouched."""
     passthrough = Passthrough(st)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
+    # `path` (the framework's decoding) is declared for the OpenAPI schema; the path relayed is the request's own
     @route("/v1/{path:path}", http_method=methods, name="v1_passthrough", status_code=200)
     async def v1_other(request: Request, path: str) -> Response:
-        return await passthrough(request, st.upstream.api_url(path), "v1_other")
+        return await passthrough(request, request.scope["path"], "v1_other")
 
     @route("/p/{profile:str}/v1/{path:path}", http_method=methods, name="v1_profile_passthrough", status_code=200)
     async def v1_profile_other(request: Request, profile: str, path: str) -> Response:
         if st.profiles.get(profile) is None:
-            return error_response(unknown_profile(profile, st.profiles.names()))
-        return await passthrough(request, st.upstream.api_url(path), "v1_other")
+            return error_response(unknown_profile(profile, st.profiles))
+        full: str = request.scope["path"]
+        return await passthrough(request, full[full.index("/", 3):], "v1_other")
 
-    @route(["/tokenize", "/detokenize"], http_method=["POST"], name="backend_tokenize", status_code=200)
-    async def backend_tokenize(request: Request) -> Response:
-        return await passthrough(request, st.upstream.root_url(request.url.path), "backend_extra")
+    async def backend_root(request: Request) -> Response:
+        return await passthrough(request, request.scope["path"], "backend_extra")
 
-    @route("/extras/{path:path}", http_method=methods, name="backend_extras", status_code=200)
-    async def backend_extras(request: Request, path: str) -> Response:
-        return await passthrough(request, st.upstream.root_url(f"extras/{path.lstrip('/')}"), "backend_extra")
+    async def backend_below(request: Request, path: str) -> Response:
+        return await passthrough(request, request.scope["path"], "backend_extra")
 
-    return [v1_other, v1_profile_other, backend_tokenize, backend_extras]
+    whole, below = passthrough.passlist.root_routes()
+    root = [route(path, http_method=methods, name=f"backend_root_{i}", status_code=200)(backend_root)
+            for i, path in enumerate(whole)]
+    root += [route(f"/{first}/{{path:path}}", http_method=methods, name=f"backend_below_{i}",
+                   status_code=200)(backend_below) for i, first in enumerate(below)]
+    return [v1_other, v1_profile_other, *root]
 
 
 def _probe_routes(st: ProxyState, life: Lifecycle) -> list:
@@ -237,7 +245,7 @@ def _probe_routes(st: ProxyState, life: Lifecycle) -> list:
 
     @get("/metrics", name="metrics")
     async def metrics_route() -> Response:
-        return Response(content=st.metrics.exposition(), media_type=st.metrics.content_type)
+        return Response(content=await st.metrics.render(), media_type=st.metrics.content_type)
 
     return [healthz, readyz, metrics_route]
 
@@ -251,12 +259,17 @@ def _ready_body(counter: Any) -> bytes:
 def _exception_handlers(max_body_bytes: int) -> dict:
     """OpenAI-shaped errors for what the framework raises (404, 405, 413, ...) and for anything unexpected."""
 
-    def on_http_exception(_: Request, exc: HTTPException) -> Response:
+    def on_http_exception(request: Request, exc: HTTPException) -> Response:
         status = exc.status_code
         kind = "invalid_request_error" if status < 500 else "server_error"
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
-        message = exc.detail if status != 413 else (
-            f"Request body is larger than {max_body_bytes} bytes; raise [server] max_body_bytes if needed.")
+        message = exc.detail
+        if status == 413:
+            message = f"Request body is larger than {max_body_bytes} bytes; raise [server] max_body_bytes if needed."
+        elif status == 404:  # no route: say which paths there are
+            message = (f"The proxy has no route {request.scope['path']}: it serves the model routes, /healthz, "
+                       "/readyz, /metrics, /admin/profiles, and relays to the backend the paths [server] "
+                       "passthrough lists.")
         return Response(content=error_body(str(message), kind, code), status_code=status, media_type=JSON)
 
     def on_exception(_: Request, exc: Exception) -> Response:

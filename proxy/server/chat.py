@@ -24,17 +24,20 @@ from toolquake.proxy.server.answer.observe import finish
 from toolquake.proxy.server.answer.path import AnswerPath
 from toolquake.proxy.server.answer.plain import JSON, Plain
 from toolquake.proxy.server.apis import Api
+from toolquake.proxy.server.config import shown_name
 from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.pipeline import PerturbationFailed, run_profile, seed_for
 from toolquake.proxy.server.state import UNDECIDED, Asked, ProxyState, Served
 from toolquake.proxy.server.upstream import UpstreamError, UpstreamResponse, request_headers
 
 if TYPE_CHECKING:
-    from toolquake.proxy.server.profiles import Profile
+    from toolquake.proxy.server.profiles import Profile, ProfileStore
 
 __all__ = ["ChatHandler", "Plain", "client_headers", "error_response", "send_upstream", "unknown_profile"]
 
 log = structlog.get_logger("toolquake.proxy")
+#: the most profiles an unknown-profile error names
+UNKNOWN_PROFILE_NAMES = 8
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
@@ -82,8 +85,14 @@ def error_response(exc: ProxyError, extra_headers: dict[str, str] | None = None)
     return Response(content=exc.body(), status_code=exc.status, media_type=JSON, headers=extra_headers)
 
 
-def unknown_profile(name: str, known: list[str]) -> ProxyError:
-    return ProxyError(404, f"Unknown profile {name!r}. Known profiles: {', '.join(known)}.", code="unknown_profile")
+def unknown_profile(name: str, profiles: ProfileStore) -> ProxyError:
+    """404 for a profile that does not exist, naming at most UNKNOWN_PROFILE_NAMES of the operator's profiles (any
+    client can ask: never one the admin API added, nor all of a long list)."""
+    known = profiles.configured_now()
+    listed = ", ".join(known[:UNKNOWN_PROFILE_NAMES])
+    more = f" (and {len(known) - UNKNOWN_PROFILE_NAMES} more)" if len(known) > UNKNOWN_PROFILE_NAMES else ""
+    return ProxyError(404, f"Unknown profile {shown_name(name)}. Known profiles: {listed}{more}.",
+                      code="unknown_profile")
 
 
 async def send_upstream(st: ProxyState, method: str, url: str, headers: list[tuple[str, str]],
@@ -168,7 +177,7 @@ class ChatHandler:
         name = profile_name or header(headers, "x-toolquake-profile") or st.config.server.default_profile
         profile = st.profiles.get(name)
         if profile is None:
-            raise Refused(unknown_profile(name, st.profiles.names()),
+            raise Refused(unknown_profile(name, st.profiles),
                           Asked(request_id, t0, api, stream=stream, model=model))
         case_header = header(headers, "x-toolquake-case")
         read, case = self._reads(profile, case_header, typed)

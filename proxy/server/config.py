@@ -14,12 +14,21 @@ from typing import Any, Literal
 
 import msgspec
 
+from toolquake.proxy.server.paths import DEFAULT_PASSTHROUGH, check_entries
+
 # the example profiles shipped in the package (proxy/profiles.toml)
 PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "profiles.toml"
 
 
 #: the `profile` label of the unperturbed (noise) twins' metrics: never a profile's name
 NOISE_PROFILE = "<noise>"
+#: the `profile` label of requests that reached no profile (passthrough, unknown profile): never a profile's name
+NO_PROFILE = "-"
+#: the longest profile name (it is a metric label value, a path segment and a header value)
+MAX_PROFILE_NAME = 64
+#: a profile's name: letters, digits, '.', '_' and '-', starting with a letter or digit (never NOISE_PROFILE, nor
+#: the "-" label of requests with no profile)
+_PROFILE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_PROFILE_NAME - 1}}}")
 
 
 class ConfigError(ValueError):
@@ -54,6 +63,11 @@ class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     #: turn a call the backend left in the answer's text (Hermes tags, Python-style list, JSON naming an offered
     #: tool) into proper tool_calls; a streamed answer is then read whole before it is sent (docs/conformance.md)
     repair: bool = False
+    #: how replay plays a multi-turn case under this profile: "played" — the model plays every turn through the
+    #: proxy (BFCL's loop, BFCL's whole-conversation verdict) — or "given" — the conversation up to the last user
+    #: turn is the ground truth's (its calls and the simulators' results), one request asks for the next call,
+    #: graded by BFCL's AST checker against the turn's first ground-truth call (seed 003 §3.3)
+    conversation: Literal["played", "given"] = "played"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:
@@ -84,6 +98,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: seconds a client has to send a request's line and headers: from the connection's start, or from the first
     #: byte of a later request on a kept-alive connection; then 408 and the connection is closed
     header_timeout: float = 10.0
+    #: seconds a client has to send a request's whole body, from the end of its headers (a total deadline: a body
+    #: that stops or trickles is cut alike); then 408 and the connection is closed
+    body_timeout: float = 30.0
     #: request line and headers larger than this (bytes) are refused with 431 and the connection closed
     max_header_bytes: int = 64 * 1024
     #: request URLs longer than this (bytes) are refused with 414 and the connection closed
@@ -93,6 +110,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     #: requests being served at once, per worker (streams included); a request beyond gets 503 (Retry-After);
     #: /healthz, /readyz and /metrics are never refused
     max_in_flight_requests: int = 1024
+    #: profiles the proxy holds at once (the config file's and the admin API's; `off` not counted), for the whole
+    #: proxy whatever its workers; an admin PUT adding one more gets 409 `too_many_profiles`
+    max_profiles: int = 256
     #: set up every profile's perturbers (tool pool, embedding model, corpus filler) at start-up and when
     #: the admin API adds a profile, in the background; off: they load on first use
     warm_up: bool = False
@@ -116,6 +136,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     lean_protocol: bool = True
     #: worker processes sharing the port (`toolquake serve --workers`); 0 = one per CPU this process may use
     workers: int = 0
+    #: the paths under /v1/ (and /p/<profile>/v1/) and at the backend's root that are relayed to the backend: a
+    #: path, or a path ending in /* for every path below it; "default" stands for the default list (the OpenAI
+    #: API's resources, /tokenize, /detokenize, /extras/*; docs/security.md). Any other path gets 404 `not_found`
+    passthrough: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PASSTHROUGH))
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -124,12 +148,15 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("max_body_bytes must be positive")
         if self.workers < 0:
             raise ValueError("workers must be 0 (one per CPU) or more")
-        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
-            raise ValueError("header_timeout and keep_alive_timeout must be positive")
+        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0 or not self.body_timeout > 0:
+            raise ValueError("header_timeout, body_timeout and keep_alive_timeout must be positive")
         if self.max_url_bytes < 1 or self.max_header_bytes < self.max_url_bytes:
             raise ValueError("max_url_bytes must be positive and max_header_bytes at least max_url_bytes")
         if self.max_client_connections < 1 or self.max_in_flight_requests < 1:
             raise ValueError("max_client_connections and max_in_flight_requests must be at least 1")
+        check_entries(self.passthrough)
+        if self.max_profiles < 1:
+            raise ValueError("max_profiles must be at least 1")
 
 
 class ScoringConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -258,6 +285,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_DEFAULT_PROFILE": ("default_profile", str),
     "TOOLQUAKE_MAX_BODY_BYTES": ("max_body_bytes", int),
     "TOOLQUAKE_READ_TIMEOUT": ("read_timeout", float),
+    "TOOLQUAKE_BODY_TIMEOUT": ("body_timeout", float),
     "TOOLQUAKE_TOKEN_COUNTER": ("token_counter", str),
     "TOOLQUAKE_LOG_CONTENTS": ("log_contents", bool),
     "TOOLQUAKE_LOG_LEVEL": ("log_level", str),
@@ -265,6 +293,8 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_WARM_UP": ("warm_up", bool),
     "TOOLQUAKE_UPSTREAM_CLIENT": ("upstream_client", str),
     "TOOLQUAKE_WORKERS": ("workers", int),
+    "TOOLQUAKE_PASSTHROUGH": ("passthrough", list),
+    "TOOLQUAKE_MAX_PROFILES": ("max_profiles", int),
 }
 
 
@@ -307,6 +337,10 @@ def load_config(path: str | Path | None = None, *, env: dict[str, str] | None = 
     config = _decode(raw, str(source))
     load_plugins(config.server.plugins)
     validate_profiles(config.profiles)
+    defined = len(set(config.profiles) - {"off"})
+    if defined > config.server.max_profiles:
+        raise ConfigError(f"{source}: {defined} profiles defined, more than [server] max_profiles = "
+                          f"{config.server.max_profiles}")
     return config
 
 
@@ -346,12 +380,19 @@ def decode_profile(payload: bytes | dict[str, Any], name: str) -> ProfileSpec:
     return spec
 
 
+def shown_name(name: str) -> str:
+    """A profile name as an error message shows it: quoted, cut past MAX_PROFILE_NAME characters (a client's
+    name can be as long as a URL or a header)."""
+    return repr(name) if len(name) <= MAX_PROFILE_NAME else repr(name[:MAX_PROFILE_NAME]) + "..."
+
+
 def validate_profiles(profiles: dict[str, ProfileSpec]) -> None:
     from toolquake.perturbers import build
 
     for name, spec in profiles.items():
-        if not name or "/" in name or name == NOISE_PROFILE:
-            raise ConfigError(f"invalid profile name {name!r}")
+        if not _PROFILE_NAME.fullmatch(name):
+            raise ConfigError(f"invalid profile name {shown_name(name)}: 1 to {MAX_PROFILE_NAME} letters, digits, "
+                              "'.', '_' or '-', starting with a letter or digit")
         if name == "off" and spec.perturbers:
             raise ConfigError("profile 'off' is reserved and has no perturbers")
         for i, p in enumerate(spec.perturbers):

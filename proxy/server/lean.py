@@ -23,12 +23,14 @@ the framework's statuses, headers, bodies, upstream requests, metrics and log li
   (proxy/server/limits.py) subclass this protocol in turn.
 
 **How it falls back.** A request the lean path does not take (another route or method, a perturbing or unknown
-profile, an observer of every request attached) goes to the framework. Inside the protocol: a body still arriving
-is read through uvicorn's `receive` (100-continue, flow control); an answer uvicorn must write itself (the client
-gone, the transport paused, a header it would refuse) and every stream go through uvicorn's `send`; an exception
-becomes uvicorn's 500, or a closed connection once answering began (`run_asgi`). Where the installed uvicorn lacks
-what the protocol seam uses (`protocol()` returns None), the lean path runs as ASGI instead, answering the
-same; the start-up line `{"event": "lean_path", "served_in": "protocol" | "asgi" | "off"}` says which.
+profile, an observer of every request attached, a path with an escape or one `paths.unsafe` refuses) goes to the
+framework, whose guard answers an unsafe path 400 `invalid_path` (proxy/server/paths.py). Inside the protocol: a
+body still arriving is read through uvicorn's `receive` (100-continue, flow control); an answer uvicorn must write
+itself (the client gone, the transport paused, a header it would refuse) and every stream go through uvicorn's
+`send`; an exception becomes uvicorn's 500, or a closed connection once answering began (`run_asgi`). Where the
+installed uvicorn lacks what the protocol seam uses (`protocol()` returns None), the lean path runs as ASGI
+instead, answering the same; the start-up line `{"event": "lean_path", "served_in": "protocol" | "asgi" | "off"}`
+says which.
 
 **Why uvicorn internals.** Serving in the protocol skips the ASGI hop through the framework's handler, takes a
 body that already arrived whole as it is, and writes a whole answer's head and body in one socket write
@@ -60,6 +62,8 @@ from litestar.response import Stream
 
 from toolquake.proxy.server.chat import Plain
 from toolquake.proxy.server.errors import error_body
+from toolquake.proxy.server.limits import rejection_counter
+from toolquake.proxy.server.paths import guarded, unsafe
 from toolquake.proxy.server.upstream.base import split_joined, split_joined_app
 
 if TYPE_CHECKING:
@@ -106,8 +110,9 @@ class LeanPath:
     def install(cls, app: Litestar, st: ProxyState, handlers: dict[str, ChatHandler], *,
                 enabled: bool) -> LeanPath | None:
         """Put the lean path (when `enabled`) in front of `app`'s framework handler, which is kept behind
-        `split_joined_app`; the only place `app.asgi_handler` is replaced. The adapter, or None."""
-        framework = split_joined_app(app.asgi_handler)
+        `split_joined_app` and the refusal of unsafe paths (`paths.guarded`: 400 `invalid_path`); the only place
+        `app.asgi_handler` is replaced. The adapter, or None."""
+        framework = guarded(split_joined_app(app.asgi_handler), rejection_counter(app))
         lean = cls(st, handlers, framework) if enabled else None
         app.asgi_handler = lean or framework
         return lean
@@ -160,8 +165,9 @@ class LeanPath:
             if not named:
                 return None
         handler = self.handlers.get(path)
-        if handler is None:
-            return None
+        raw = scope.get("raw_path")
+        if handler is None or raw is None or b"%" in raw or unsafe(raw, scope["path"]):
+            return None  # an escape, a dot segment (a profile named ".."): the framework's guard judges it
         name = named
         if name is None:
             for k, v in scope["headers"]:

@@ -8,6 +8,9 @@ path and the admin and health routes are all behind the same limits:
   start for its first request, from a request's first byte for a later one on a kept-alive connection (408, or
   a plain close when not a byte of the request came); the idle time between requests is uvicorn's
   `timeout_keep_alive` ([server] keep_alive_timeout);
+- the request body must arrive whole within `body_timeout` seconds of the end of its head (a total deadline, not
+  a minimum rate: a body that trickles is cut as one that stopped), else 408 and the connection is closed; the
+  request's handler, waiting for the body, sees the client gone and ends, which frees its in-flight slot;
 - a head larger than `max_header_bytes` gets 431 (measured as the bytes arrive, so a huge header is never
   buffered whole), a URL longer than `max_url_bytes` 414;
 - beyond `max_client_connections` open connections a new one gets 503 at once; beyond
@@ -17,9 +20,11 @@ path and the admin and health routes are all behind the same limits:
 Every refusal is an OpenAI-shaped error, counted in `toolquake_connections_rejected_total{reason}`. A
 refused connection is closed without losing the answer: the write side is shut first and what the client
 still sends is read and dropped for up to `LINGER_S`, so the client reads the answer rather than a reset.
-The cost per request is three more Python calls (57 → 60 per request through the protocol: on_message_begin,
-on_headers_complete, _start_asgi_task) with a few attribute reads, lengths and one clock read; a body chunk
-costs one length and one comparison.
+The cost per request is four more Python calls (on_message_begin, on_headers_complete, _start_asgi_task: 57 → 60
+per request through the protocol, measured before the body deadline, which adds on_message_complete) with a few
+attribute reads, lengths and two clock reads; a body chunk costs one length and one comparison. One timer per
+connection serves both deadlines (the head's and the body's): it is re-armed only when it fires early, or when a
+body is due before it.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ RETRY_AFTER_S = 1
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 #: the protocol methods and attributes this relies on (uvicorn's httptools protocol)
 _NEEDED = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_headers_complete",
-           "_start_asgi_task", "_unset_keepalive_if_required", "send_400_response", "_should_upgrade",
-           "handle_websocket_upgrade", "_unsupported_upgrade_warning")
+           "on_message_complete", "_start_asgi_task", "_unset_keepalive_if_required", "send_400_response",
+           "_should_upgrade", "handle_websocket_upgrade", "_unsupported_upgrade_warning")
 
 
 class _Refused(Exception):
@@ -63,6 +68,9 @@ def _refusals(server: ServerConfig) -> dict[str, bytes]:
         "header_timeout": _answer(408, b"Request Timeout", f"The request headers did not arrive within "
                                   f"{server.header_timeout:g} s ([server] header_timeout).", "invalid_request_error",
                                   "request_timeout"),
+        "body_timeout": _answer(408, b"Request Timeout", f"The request body did not arrive whole within "
+                                f"{server.body_timeout:g} s of its headers ([server] body_timeout).",
+                                "invalid_request_error", "request_timeout"),
         "header_too_large": _answer(431, b"Request Header Fields Too Large", f"The request line and headers are "
                                     f"larger than {server.max_header_bytes} bytes ([server] max_header_bytes).",
                                     "invalid_request_error", "request_header_fields_too_large"),
@@ -109,9 +117,11 @@ def _busy_app(server: ServerConfig, count: Callable[[str], None]) -> Callable[..
 class _Limits:
     """The limits, mixed in ahead of uvicorn's protocol by `limited_protocol`, which sets the class attributes
     below from the [server] section; the protocol behind it in the MRO provides the rest (`loop`, `connections`,
-    `tasks`, `transport`, `parser`, `cycle`, `flow`, `app`, `url`, `headers` and the methods in `_NEEDED`)."""
+    `tasks`, `transport`, `parser`, `cycle`, `pipeline`, `scope`, `flow`, `app`, `url`, `headers` and the methods in
+    `_NEEDED`)."""
 
     header_timeout: float
+    body_timeout: float
     max_header_bytes: int
     max_url_bytes: int
     max_connections: int
@@ -129,7 +139,10 @@ class _Limits:
         self._head_seen = 0
         #: when the head in progress must be complete (loop time)
         self._head_deadline = 0.0
-        self._head_timer: asyncio.TimerHandle | None = None
+        #: when the body in progress must be complete (loop time); 0 when no body is in progress
+        self._body_deadline = 0.0
+        #: the connection's one timer, for the head's deadline or the body's (whichever is in progress)
+        self._timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         #: the size of the read being parsed
         self._chunk = 0
@@ -146,7 +159,7 @@ class _Limits:
             return
         # the first request's head is due header_timeout after the connection opened
         self._head_deadline = self.loop.time() + self.header_timeout
-        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
+        self._timer = self.loop.call_later(self.header_timeout, self._timer_fired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -184,8 +197,8 @@ class _Limits:
         if self._head_seen < 0:  # a later request on a kept-alive connection: its head is due from now
             self._head_seen = 0
             self._head_deadline = self.loop.time() + self.header_timeout
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.header_timeout, self._head_timer_fired)
+            if self._timer is None:
+                self._timer = self.loop.call_later(self.header_timeout, self._timer_fired)
 
     def on_headers_complete(self) -> None:
         # the URL while it arrives is bounded by the head's cap; its own cap is checked here, once
@@ -195,6 +208,19 @@ class _Limits:
             self._stop_parsing("header_too_large")
         self._head_seen = -1
         super().on_headers_complete()
+        if self.cycle is None or self.cycle.scope is not self.scope:  # an upgrade: no request cycle of its own
+            return
+        # the body is due body_timeout from now (a request without one completes before this read's parse ends)
+        due = self._body_deadline = self.loop.time() + self.body_timeout
+        timer = self._timer
+        if timer is None or timer.when() > due:  # else the head's timer, due sooner, finds the body and re-arms
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(due, self._timer_fired)
+
+    def on_message_complete(self) -> None:
+        self._body_deadline = 0.0
+        super().on_message_complete()
 
     def _head_size(self) -> int:
         """The request head's size as sent (request line, headers, line ends), from what was parsed."""
@@ -212,13 +238,17 @@ class _Limits:
         super()._start_asgi_task(cycle, app)
 
     # -- timers and refusals --------------------------------------------------------------------------
-    def _head_timer_fired(self) -> None:
-        self._head_timer = None
-        if self._head_seen < 0 or self._refused or self.transport.is_closing():
-            return  # no head in progress: the next request's first byte arms the timer again
+    def _timer_fired(self) -> None:
+        self._timer = None
+        if self._refused or self.transport.is_closing():
+            return
+        if self._head_seen < 0:
+            if self._body_deadline:
+                self._body_timer_fired()
+            return  # no head or body in progress: the next request's first byte arms the timer again
         left = self._head_deadline - self.loop.time()
         if left > 0:  # the head in progress began after this timer was set
-            self._head_timer = self.loop.call_later(left, self._head_timer_fired)
+            self._timer = self.loop.call_later(left, self._timer_fired)
             return
         if self.cycle is not None and not self.cycle.response_complete:
             # a pipelined head stalled behind an answer still being written: close after that answer
@@ -234,8 +264,29 @@ class _Limits:
             return
         self._refuse("header_timeout")
 
-    def _refuse(self, reason: str) -> None:
-        """Answer `reason`'s error and close: write side first, then drop what still comes for LINGER_S."""
+    def _body_timer_fired(self) -> None:
+        now = self.loop.time()
+        if self.pipeline:  # queued behind an answer still being served (reading paused): due once its turn comes
+            self._body_deadline = max(self._body_deadline, now + self.body_timeout)
+        if self._body_deadline > now:
+            self._timer = self.loop.call_at(self._body_deadline, self._timer_fired)
+            return
+        cycle = self.cycle
+        if cycle.response_started:  # answered without the whole body (a refusal, a route that reads none): close
+            self.counted("body_timeout")
+            self._refused = True
+            self._cancel_timers()
+            self.transport.close()
+            return
+        # the handler waits for the body: it now gets a disconnect and what it still sends is dropped (uvicorn's
+        # cycle), so it ends and frees its slot while the 408 goes out
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refuse("body_timeout", answering=True)
+
+    def _refuse(self, reason: str, answering: bool = False) -> None:
+        """Answer `reason`'s error and close: write side first, then drop what still comes for LINGER_S. `answering`:
+        the request being served is the one refused (its cycle no longer writes), so the answer is ours to write."""
         self.counted(reason)
         self._refused = True
         self._cancel_timers()
@@ -243,7 +294,7 @@ class _Limits:
         transport = self.transport
         if transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
+        if not answering and self.cycle is not None and not self.cycle.response_complete:
             transport.close()  # an answer is being written on this connection: no room for ours
             return
         transport.write(self.refusals[reason])
@@ -254,10 +305,10 @@ class _Limits:
             transport.close()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._linger_timer):
+        for timer in (self._timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._linger_timer = None
+        self._timer = self._linger_timer = None
 
 
 def limited_protocol(base: type, server: ServerConfig, count: Callable[[str], None] | None = None) -> type | None:
@@ -268,7 +319,8 @@ def limited_protocol(base: type, server: ServerConfig, count: Callable[[str], No
     counted = count or (lambda reason: None)
     name = f"Limited{base.__name__}"
     return type(name, (_Limits, base), {
-        "__qualname__": name, "header_timeout": server.header_timeout, "max_header_bytes": server.max_header_bytes,
-        "max_url_bytes": server.max_url_bytes, "max_connections": server.max_client_connections,
+        "__qualname__": name, "header_timeout": server.header_timeout, "body_timeout": server.body_timeout,
+        "max_header_bytes": server.max_header_bytes, "max_url_bytes": server.max_url_bytes,
+        "max_connections": server.max_client_connections,
         "max_requests": server.max_in_flight_requests, "refusals": _refusals(server),
         "counted": staticmethod(counted), "busy": staticmethod(_busy_app(server, counted))})

@@ -5,12 +5,19 @@ and `/metrics` on any worker reports all of them: counters and histograms summed
 `multiprocess_mode` (`livesum`: the sum over the workers alive now; `max` where every worker holds
 the same number). Gauges read from the process (upstream pool, event-loop tasks, the scoring queue)
 are set by `refresh()`: at each scrape, and with several workers every `REFRESH_S` in each worker.
+
+A deleted profile's series (every metric with a `profile` label) are removed (`forget_profiles`); with several
+workers their values stay in the workers' files, so the exposition also leaves out every `profile` label that is
+no profile now (`profiles_shown`). `/metrics` is rendered in a thread (`render`): the event loop serves other
+requests meanwhile, and scrapes that come while one renders share its result.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -45,6 +52,11 @@ class Metrics:
         self.multiprocess = multiprocess
         self._refreshers: list[Callable[[], None]] = []
         self._children: dict[tuple, Any] = {}
+        #: the `profile` label values the exposition shows (the profiles now, and the labels that are no profile's);
+        #: None: every one (set by the app)
+        self.profiles_shown: Callable[[], Collection[str]] | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
+        self._renderer: ThreadPoolExecutor | None = None  # made on the first scrape (in the worker, after a fork)
         self.models = frozenset(model_allowlist or [])
         r = self.registry  # registered in this order, which is the order of the exposition
         self._request_metrics(r)
@@ -114,7 +126,7 @@ class Metrics:
         """Connections refused at the limits, requests in flight, the upstream pool, the event loop."""
         self.connections_rejected = Counter(
             "toolquake_connections_rejected", "Client connections and requests the proxy refused at its limits "
-            "([server] header_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
+            "([server] header_timeout, body_timeout, max_header_bytes, max_url_bytes, max_client_connections, "
             "max_in_flight_requests), by reason.", ["reason"], registry=r)
         self.in_flight = Gauge("toolquake_in_flight_requests", "Requests being handled now.", registry=r,
                                multiprocess_mode="livesum")
@@ -185,11 +197,69 @@ class Metrics:
             return "none"
         return model if model in self.models else "other"
 
+    def forget_profiles(self, names: Iterable[str]) -> None:
+        """Remove every series labelled with one of the profiles `names` (deleted), in each metric that has a
+        `profile` label: the proxy's and live scoring's (registered in the same registry)."""
+        gone = set(names)
+        with self.registry._lock:
+            metrics = list(self.registry._collector_to_names)
+        with warnings.catch_warnings():  # multiprocess mode: the values stay in the files (see profiles_shown)
+            warnings.simplefilter("ignore", UserWarning)
+            for metric in metrics:
+                labelnames = getattr(metric, "_labelnames", ())
+                if "profile" not in labelnames:
+                    continue
+                at = labelnames.index("profile")
+                with metric._lock:
+                    series = [values for values in metric._metrics if values[at] in gone]
+                for values in series:
+                    metric.remove(*values)
+        for key in [key for key in self._children if gone.intersection(key[1])]:
+            del self._children[key]
+
     def exposition(self) -> bytes:
         self.refresh()
+        return self._generate(self._shown())
+
+    def _shown(self) -> frozenset[str] | None:
+        return frozenset(self.profiles_shown()) if self.profiles_shown is not None and self.multiprocess else None
+
+    def _generate(self, shown: frozenset[str] | None) -> bytes:
         if not self.multiprocess:
             return generate_latest(self.registry)
         every_worker = CollectorRegistry()
-        MultiProcessCollector(every_worker)
+        files = MultiProcessCollector(None)
+        every_worker.register(files if shown is None else _ProfilesShown(files, shown))
         return generate_latest(every_worker)
+
+    async def render(self) -> bytes:
+        """The exposition, rendered in a thread (the loop stays free; the process gauges are read on it first).
+        A scrape that comes while one renders gets that one's result."""
+        pending = self._rendering
+        if pending is None:
+            self.refresh()
+            if self._renderer is None:
+                self._renderer = ThreadPoolExecutor(1, thread_name_prefix="toolquake-metrics")
+            pending = self._rendering = asyncio.get_running_loop().run_in_executor(self._renderer, self._generate,
+                                                                                  self._shown())
+            pending.add_done_callback(self._rendered)
+        return await asyncio.shield(pending)
+
+    def _rendered(self, _: asyncio.Future[bytes]) -> None:
+        self._rendering = None
+
+
+class _ProfilesShown:
+    """`collector`'s metrics without the samples whose `profile` label is not in `shown` (several workers: a
+    deleted profile's values stay in the workers' files)."""
+
+    def __init__(self, collector: Any, shown: frozenset[str]) -> None:
+        self.collector = collector
+        self.shown = shown
+
+    def collect(self) -> Iterable[Any]:
+        shown = self.shown
+        for metric in self.collector.collect():
+            metric.samples = [s for s in metric.samples if (p := s.labels.get("profile")) is None or p in shown]
+            yield metric
 

@@ -1,4 +1,5 @@
-"""Every route but chat completions: method, query, body, status and end-to-end headers relayed untouched."""
+"""Every route but the model routes: method, query, body, status and end-to-end headers relayed untouched, for the
+paths `[server] passthrough` lists (proxy/server/paths.py); any other path gets 404 `not_found`, nothing sent."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from litestar.response import Stream
 
 from toolquake.proxy.server.chat import client_headers, error_response, send_upstream
 from toolquake.proxy.server.errors import ProxyError
+from toolquake.proxy.server.paths import Passlist, encoded
 from toolquake.proxy.server.state import ProxyState
 from toolquake.proxy.server.upstream import request_headers, response_headers
 
@@ -18,13 +20,26 @@ from toolquake.proxy.server.upstream import request_headers, response_headers
 class Passthrough:
     def __init__(self, st: ProxyState) -> None:
         self.st = st
+        self.passlist = Passlist(st.config.server.passthrough)
 
-    async def __call__(self, request: Request, url: str, route_label: str) -> Response:
+    def url(self, path: str) -> str:
+        """The upstream URL of a client path (`/v1/...` under the backend's API base, any other at its root);
+        ProxyError 404 when `[server] passthrough` does not list it."""
+        if not self.passlist.allows(path):
+            raise ProxyError(404, f"The proxy does not relay {path} to the backend; the operator may list it in "
+                             "[server] passthrough.", code="not_found")
+        if path.startswith("/v1/"):
+            return self.st.upstream.api_url(encoded(path[4:]))
+        return self.st.upstream.root_url(encoded(path))
+
+    async def __call__(self, request: Request, path: str, route_label: str) -> Response:
+        """Relay `request` to the client path `path` (the request's path without /p/<profile>)."""
         m = self.st.metrics
         t0 = time.perf_counter()
         m.in_flight.inc()
         status = 502
         try:
+            url = self.url(path)
             body = await request.body()
             upstream = await send_upstream(self.st, request.method, url, request_headers(client_headers(request)),
                                            body or None, request.url.query)

@@ -4,6 +4,10 @@ With several workers (`toolquake serve --workers N`) a change made through the a
 reaches the others through `SharedProfiles`: a snapshot file of every profile's spec and a generation
 number in a shared memory page, which each worker compares with its own on every look-up (one memory
 read) and, when they differ, reloads the snapshot.
+
+The number of profiles is bounded (`[server] max_profiles`, `off` not counted) for the whole proxy: a worker
+checks it after taking the other workers' changes, under the same lock. A profile deleted on any worker is
+reported to each worker's `on_gone` (its metric series are removed).
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ def build_profile(name: str, spec: ProfileSpec) -> Profile:
     return Profile(name, spec, steps)
 
 
+class TooManyProfiles(Exception):
+    """A new profile past `[server] max_profiles`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The proxy holds {limit} profiles ([server] max_profiles); delete one first, or ask the "
+                         "operator to raise the limit.")
+        self.limit = limit
+
+
 class SharedProfiles:
     """The profiles the workers of one server agree on, in `directory`: `profiles.json` (every profile but
     `off`, written by the worker that changed one) and `generation` (bumped after each write)."""
@@ -103,16 +116,23 @@ class ProfileStore:
     """Profiles by name. `off` always exists and cannot be replaced or deleted.
 
     `shared` (several workers): changes are published to, and picked up from, the other workers.
-    `on_new` is called with the profiles this worker built from another worker's change (to warm them up).
+    `limit`: the most profiles besides `off` (a put adding one more raises TooManyProfiles).
+    `on_new` is called with the profiles this worker built from another worker's change (to warm them up);
+    `on_gone` with the names of profiles deleted here or by another worker.
     """
 
-    def __init__(self, specs: dict[str, ProfileSpec], shared: SharedProfiles | None = None) -> None:
+    def __init__(self, specs: dict[str, ProfileSpec], shared: SharedProfiles | None = None,
+                 limit: int | None = None) -> None:
         self._profiles: dict[str, Profile] = {OFF: build_profile(OFF, ProfileSpec(mode="off"))}
         for name, spec in specs.items():
             self._profiles[name] = build_profile(name, spec)
+        #: the operator's profiles (`off`, then the config file's in its order): the only names told to any client
+        self.configured = tuple(self._profiles)
         self._shared = shared
         self._gen = 0
+        self.limit = limit
         self.on_new: Callable[[list[Profile]], None] | None = None
+        self.on_gone: Callable[[list[str]], None] | None = None
 
     def _check(self) -> None:
         if self._shared is not None and self._shared.generation() != self._gen:
@@ -125,8 +145,10 @@ class ProfileStore:
         gen, specs = self._shared.read()
         if specs is not None:
             new = []
-            for name in [n for n in self._profiles if n != OFF and n not in specs]:
+            gone = [n for n in self._profiles if n != OFF and n not in specs]
+            for name in gone:
                 del self._profiles[name]
+            self._gone(gone)
             for name, spec in specs.items():
                 current = self._profiles.get(name)
                 if current is not None and current.spec == spec:
@@ -139,6 +161,13 @@ class ProfileStore:
             if new and self.on_new is not None:
                 self.on_new(new)
         self._gen = gen
+
+    def _gone(self, names: list[str]) -> None:
+        if names and self.on_gone is not None:
+            try:
+                self.on_gone(names)
+            except Exception as exc:  # a hook that fails never fails the change
+                log.warning("profile_gone_hook_failed", error_type=type(exc).__name__, error=str(exc)[:300])
 
     def _publish(self, change: Callable[[], object]) -> object:
         if self._shared is None:
@@ -157,16 +186,24 @@ class ProfileStore:
         self._check()
         return sorted(self._profiles)
 
+    def configured_now(self) -> list[str]:
+        """The operator's profiles that exist now (`off` first, then the config file's in its order)."""
+        self._check()
+        return [name for name in self.configured if name in self._profiles]
+
     def specs(self) -> dict[str, ProfileSpec]:
         self._check()
         return {name: p.spec for name, p in self._profiles.items()}
 
     def put(self, name: str, spec: ProfileSpec) -> Profile:
+        """Add or replace `name`; TooManyProfiles (nothing changed) where adding it would pass `limit`."""
         if name == OFF:
             raise ValueError("profile 'off' is built in and cannot be replaced")
         profile = build_profile(name, spec)
 
-        def change() -> None:
+        def change() -> None:  # after every worker's changes are in (under the lock): the count is the proxy's
+            if self.limit is not None and name not in self._profiles and len(self._profiles) - 1 >= self.limit:
+                raise TooManyProfiles(self.limit)
             self._profiles[name] = profile
 
         self._publish(change)
@@ -175,4 +212,7 @@ class ProfileStore:
     def delete(self, name: str) -> bool:
         if name == OFF:
             raise ValueError("profile 'off' is built in and cannot be deleted")
-        return bool(self._publish(lambda: self._profiles.pop(name, None) is not None))
+        deleted = bool(self._publish(lambda: self._profiles.pop(name, None) is not None))
+        if deleted:
+            self._gone([name])
+        return deleted

@@ -160,7 +160,10 @@ def test_a_recording_of_the_format_before_headers_is_still_appended_to(fake_upst
     assert [r["request"]["messages"][0]["content"] for r in read(recording)] == ["old 0", "old 1", "new one"]
     assert stat.S_IMODE(recording.stat().st_mode) == 0o600
     cases = tmp_path / "cases.jsonl"
+    # no header: `cases from-recording` reads it only when told to (#45)
     r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 2 and "--force" in r.stderr and not cases.exists(), r.stderr
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases), "--force")
     assert r.returncode == 0, r.stderr
     assert len(cases.read_text().splitlines()) == 3
 
@@ -200,3 +203,52 @@ def test_two_workers_share_one_recording_with_one_header(fake_upstream, tmp_path
     assert raw.count(b"toolquake_recording") == 1 and raw.endswith(b"\n")
     contents = sorted(r["request"]["messages"][0]["content"] for r in read(recording))
     assert contents == sorted(["old 0", *(f"parallel {i}" for i in range(n))])
+
+
+# -- `cases from-recording` reads only recordings and writes only new files (#45, item 7) ---------------------
+
+HEADER = b'{"toolquake_recording":1,"created":1.0}\n'
+
+
+@pytest.mark.parametrize("content", [
+    b"".join(old_record(i) for i in range(3)),  # records of the right shape, no header
+    b'{"request": {"messages": [{"role": "user", "content": "hi"}]}, "answer": {"message": {"content": "x"}}}\n',
+    b"just some text\n" + HEADER + old_record(0),  # a header, but not on the first line
+], ids=["records", "foreign", "header-later"])
+def test_cases_from_a_file_without_the_recording_header_are_refused_unless_forced(tmp_path, content):
+    recording = tmp_path / "export.jsonl"
+    recording.write_bytes(content)
+    cases = tmp_path / "cases.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 2, r.stderr
+    assert f"{recording} is not a toolquake recording" in r.stderr and "--force" in r.stderr
+    assert "nothing written" in r.stderr and not cases.exists()
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases), "--force")
+    assert r.returncode == 0, r.stderr
+    assert cases.exists()
+
+
+def test_an_existing_cases_file_is_refused_unless_forced(tmp_path):
+    recording = tmp_path / "rec.jsonl"
+    recording.write_bytes(HEADER + old_record(0) + old_record(1))
+    cases = tmp_path / "mine.jsonl"
+    cases.write_text("my hand-edited cases\n")
+    cases.chmod(0o640)
+    before = snapshot(cases)
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 2 and f"{cases} exists; pass --force" in r.stderr, r.stderr
+    assert snapshot(cases) == before
+    link = tmp_path / "link.jsonl"  # nor through a link to it
+    link.symlink_to(cases)
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(link))
+    assert r.returncode == 2 and snapshot(cases) == before, r.stderr
+    rec_before = snapshot(recording)  # the recording itself, even with --force
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(recording), "--force")
+    assert r.returncode == 2 and "is one of the recordings" in r.stderr and snapshot(recording) == rec_before
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases), "--force")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["messages"][0]["content"] for line in cases.read_text().splitlines()] == [
+        "old 0", "old 1"]
+    new = tmp_path / "new.jsonl"
+    assert toolquake("cases", "from-recording", str(recording), "--out", str(new)).returncode == 0
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600  # it holds the recording's conversations

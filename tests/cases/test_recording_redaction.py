@@ -1,5 +1,5 @@
-"""The recording keeps no secret (#28, item 6): a corpus of fake secrets of every common shape, put in every
-place a record has strings (messages, tool calls and their arguments, tool results, tool names, descriptions,
+"""The recording keeps no secret (#28 and #45, item 6): a corpus of fake secrets of every common shape, put in
+every place a record has strings (messages, tool calls and their arguments, tool results, tool names, descriptions,
 parameter defaults, enums and examples, Responses input, the model's answers), sent through a real
 `toolquake serve --record` with the openai SDK (chat and Responses, streamed and not): no secret is left in
 the file's bytes, ordinary text and identifiers are, `cases from-recording` still reads it, and it is 0600.
@@ -199,9 +199,144 @@ def test_no_secret_of_the_corpus_is_left_in_the_recording(fake_upstream, tmp_pat
     cases = tmp_path / "cases.jsonl"
     r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
     assert r.returncode == 0, r.stderr
+    assert "held secret-shaped strings" not in r.stderr  # what the recorder redacted is not changed again
     made = [json.loads(line) for line in cases.read_text().splitlines()]
     assert 3 <= len(made) <= sent  # the two Responses exchanges hold one conversation: one case (a conflict)
     assert all(m["expected"] == "no call" or m["expected"][0]["name"] == "get_weather" for m in made)
+
+
+# -- the shapes of #45: Hugging Face tokens, Basic credentials outside a header, cookies, JSON inside a JSON
+# string, a password in a URL without a user, keys named pass/pwd, numbers and lists under secret-named keys
+
+
+def more_secrets() -> dict[str, str]:
+    """Fake secrets of the shapes #45 found missed, new random values on every run."""
+    return {
+        "huggingface": "hf_" + rand(ALNUM, 34),
+        "basic": base64.b64encode(f"svc-{rand(ALNUM, 6)}:{rand(ALNUM, 20)}".encode()).decode(),
+        "cookie": rand(ALNUM, 32),
+        "set_cookie": rand(ALNUM, 40),
+        "escaped_json": rand(ALNUM, 24),
+        "double_encoded": rand(ALNUM, 24),
+        "redis": rand(ALNUM, 24),
+        "pass_key": rand(ALNUM, 16),
+        "pwd_key": rand(ALNUM, 16),
+        "db_pass": rand(ALNUM, 16),
+        "number": str(secrets.randbelow(9 * 10**15) + 10**15),
+        "listed": rand(ALNUM, 20),
+        "listed_too": rand(ALNUM, 20),
+        "prose_listed": rand(ALNUM, 20),
+        "prose_listed_too": rand(ALNUM, 20),
+    }
+
+
+#: ordinary text that looks like those shapes: it stays as it is
+LOOK_ALIKES = ("You shall not pass: the bridge is closed.", "Boarding pass: confirmed for seat 12A.",
+               "Our password policy asks for a rotation every year.", "A Basic understanding of HTTP helps.",
+               "Basic information is on the wiki.", "Bake a cookie: flour, sugar, butter.", "PWD=/home/agent",
+               "redis://cache.internal:6379/0", "basic authentication is off", '"bypass": "cache"',
+               '"compass": "north"', '"tokens": 12', '"enabled": true')
+
+
+def more_request(m: dict[str, str]) -> dict:
+    """A chat request with the #45 shapes in message texts, call arguments and tool results, and the look-alikes."""
+    escaped = '{\\"api_key\\": \\"%s\\", \\"city\\": \\"Paris\\"}' % m["escaped_json"]
+    assert '\\"api_key\\"' in escaped  # JSON inside a JSON string, as a tool that logs JSON returns it
+    keyed = json.dumps({"db": {"host": "db.internal", "pass": m["pass_key"], "pwd": m["pwd_key"]},
+                        "api_key": int(m["number"]), "client_secret": [m["listed"], m["listed_too"]],
+                        "bypass": "cache", "compass": "north", "tokens": 12, "enabled": True})
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "http_get", "arguments": json.dumps(a)}}
+             for i, a in enumerate([{"url": "https://api.internal/v1", "pass": m["pass_key"]},
+                                    {"url": "https://api.internal/v2", "api_key": int(m["number"])},
+                                    {"url": "https://api.internal/v3"}, {"url": "https://api.internal/v4"}])]
+    results = [f"HTTP/1.1 200 OK\r\nSet-Cookie: session={m['set_cookie']}; Path=/; HttpOnly\r\n\r\n"
+               f"the request sent Cookie: sid={m['cookie']}; theme=dark",
+               f"upstream said: {escaped}", keyed,
+               json.dumps(json.dumps({"api_key": m["double_encoded"], "note": "ok"}))]
+    return {"messages": [
+        {"role": "system", "content": f"You are a DevOps agent. Cache: redis://:{m['redis']}@cache.internal:6379/0"
+                                      f", config line db_pass: {m['db_pass']}. {LOOK_ALIKES[0]}"},
+        {"role": "user", "content": f"Pull the model with {m['huggingface']}, then call the API with "
+                                    f"Basic {m['basic']} in the header. {' '.join(LOOK_ALIKES[1:9])}"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results)),
+        {"role": "user", "content": f'and "api_key": ["{m["prose_listed"]}", "{m["prose_listed_too"]}"] '
+                                    f"too. {LOOK_ALIKES[9]}"},
+    ], "tools": [{"type": "function", "function": {
+        "name": "http_get", "description": "GET a URL.", "parameters": {"type": "object", "properties": {
+            "url": {"type": "string"}, "pass": {"type": "string"}, "api_key": {"type": "integer"}},
+            "required": ["url"]}}}]}
+
+
+def strings(value: object) -> str:
+    """Every string of a structure (keys included), one per line, JSON texts as they are."""
+    if isinstance(value, str):
+        return value + "\n"
+    if isinstance(value, list):
+        return "".join(strings(v) for v in value)
+    if isinstance(value, dict):
+        return "".join(strings(k) + strings(v) for k, v in value.items())
+    return ""
+
+
+def check_more(m: dict[str, str], raw: bytes, text: str) -> None:
+    """No value of `m` in `raw`, the look-alikes and the text around the secrets in `text`."""
+    for name, value in m.items():
+        assert value.encode() not in raw, (name, value)
+    assert b"api.internal" in raw and b"db.internal" in raw
+    for kept in (*LOOK_ALIKES, "Pull the model with [redacted]", "with Basic [redacted] in the header",
+                 "redis://:[redacted]@cache.internal:6379/0", "Set-Cookie: [redacted]", "Cookie: [redacted]",
+                 "db_pass: [redacted]", 'upstream said: {\\"api_key\\": \\"[redacted]\\"',
+                 '"api_key": "[redacted]"', '"client_secret": ["[redacted]", "[redacted]"]', '"pass": "[redacted]"',
+                 '"pwd": "[redacted]"', '"host": "db.internal"'):
+        assert kept in text, kept
+
+
+def test_the_shapes_of_45_are_redacted_and_their_look_alikes_stay():
+    """Through the redactor directly: every #45 shape in every place, and the ordinary text that looks like one."""
+    from toolquake.proxy.live.redact import Redactor
+
+    m = more_secrets()
+    redacted = Redactor()(more_request(m))
+    check_more(m, json.dumps(redacted, ensure_ascii=False).encode(), strings(redacted))
+    args = [json.loads(c["function"]["arguments"]) for c in redacted["messages"][2]["tool_calls"]]
+    assert args[:2] == [{"url": "https://api.internal/v1", "pass": "[redacted]"},
+                        {"url": "https://api.internal/v2", "api_key": "[redacted]"}]
+    double = json.loads(json.loads(redacted["messages"][6]["content"]))  # still JSON in a JSON string
+    assert double == {"api_key": "[redacted]", "note": "ok"}
+    assert redacted["tools"] == more_request(m)["tools"]  # a schema under a secret-named key is walked, not replaced
+    assert Redactor()(redacted) == redacted  # redacting again changes nothing (`cases from-recording` does)
+
+
+def test_the_shapes_of_45_are_not_in_a_real_recording(fake_upstream, tmp_path):
+    """The same request through `toolquake serve --record` with the openai SDK, on chat completions and the
+    Responses API (a function call's output that is JSON with secret-named keys)."""
+    m = more_secrets()
+    recording = tmp_path / "more.jsonl"
+    proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
+    try:
+        sdk = OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-" + rand(ALNUM, 40), max_retries=0)
+        req = more_request(m)
+        answer = sdk.chat.completions.create(model="fake-model", **req,
+                                             extra_headers={"X-Fake-Answer": json.dumps({"text": "Done."})})
+        assert answer.choices[0].message.content == "Done."
+        items = [{"role": "user", "content": req["messages"][1]["content"]},
+                 {"type": "function_call", "call_id": "fc_1", "name": "http_get",
+                  "arguments": req["messages"][2]["tool_calls"][0]["function"]["arguments"]},
+                 {"type": "function_call_output", "call_id": "fc_1", "output": req["messages"][5]["content"]}]
+        tools = [{"type": "function", **t["function"]} for t in req["tools"]]
+        resp = sdk.responses.create(model="fake-model", input=items, tools=tools,
+                                    extra_headers={"X-Fake-Answer": json.dumps({"text": "Done."})})
+        assert resp.output_text == "Done."
+        deadline = time.monotonic() + 20
+        while sum(metric(proxy.url, "toolquake_recorded_total").values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(metric(proxy.url, "toolquake_recorded_total").values()) == 2
+    finally:
+        proxy.stop()
+    records = read(recording)
+    assert sorted(r["route"] for r in records) == ["chat_completions", "responses"]
+    check_more(m, recording.read_bytes(), strings(records))
 
 
 #: inputs that make backtracking patterns quadratic: runs of each pattern's prefixes and characters
@@ -209,7 +344,12 @@ HOSTILE_UNITS = ["a", "A", "1", "/", ":", "-", "_", " ", "\n", "://a", "://a:b",
                  "eyJa.", "eyJaaaaaaaaa.", "xoxb-1", "xoxb-1-", "AKC", "APA", "sk-", "sk-a", "sk_live_", "ghp_",
                  "AIza", "aws key '", "BEGIN ", "-----BEGIN RSA PRIVATE KEY-----", "-----BEGIN ", "bearer ",
                  "bearer", "authorization:", "password=", "api_key: '", "secret_access_key= ", "1234567890:",
-                 "pypi-AgEIcHlwaS5vcmc", "AccountKey=", "SG.", "glpat-", "M", "Ma", "//a/:_authToken=", "é"]
+                 "pypi-AgEIcHlwaS5vcmc", "AccountKey=", "SG.", "glpat-", "M", "Ma", "//a/:_authToken=", "é",
+                 # the shapes of #45
+                 "hf_", "hf_a", "basic ", "Basic QUFB", "Basic YTpi", "cookie:", "cookie: a=", "Set-Cookie: a=b",
+                 "cookie: a=\\", "\\", '\\"', '\\"api_key\\": \\"', '"api_key": [', "api_key:[", "api_key:[a",
+                 "redis://:", "://:", "://:a", "://a:", "pass=", '"pass": "', "db_pass: ", "a_pass:", "pwd=", "_pwd",
+                 'pass\\"', '{"a":', "[", '"', '{\\"', "password=[", "password=[[", "api_key: [redacted]"]
 
 
 def test_the_redactor_is_linear_on_hostile_text():
@@ -222,7 +362,7 @@ def test_the_redactor_is_linear_on_hostile_text():
             """CPU seconds of this thread (the matching runs in it), so a busy machine does not count."""
             text = (unit * (n // len(unit) + 1))[:n] + "!"
             t = time.thread_time()
-            redactor.text(text)
+            redactor(text)  # the text's patterns, and for a text that starts like JSON, its decoding
             return time.thread_time() - t
 
         t_small, t_big = took(small), took(big)
@@ -306,3 +446,37 @@ def test_a_new_recording_is_0600_whatever_the_umask(tmp_path, umask):
         os.umask(old)
         _PREPARED.clear()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_cases_from_a_recording_written_unredacted_come_out_redacted(tmp_path):
+    """A recording with every secret of both corpora left in (an old or foreign file, or one edited by hand):
+    `cases from-recording` redacts what it copies, and the cases are still valid."""
+    c, m = corpus(), more_secrets()
+    first, second = build_request(c), more_request(m)
+    answer = {"message": {"role": "assistant", "tool_calls": [{"id": "call_9", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "units": c["anthropic"],
+                                                        "api_key": m["pwd_key"]})}}]}, "finish_reason": "tool_calls"}
+    lines = [{"toolquake_recording": 1, "created": 1.0}]
+    for i, request in enumerate([first, second]):
+        lines.append({"v": 1, "ts": 1763900000.0 + i, "request_id": f"r{i}", "route": "chat_completions",
+                      "profile": "off", "model": "m", "stream": False, "request": request,
+                      "answer": answer if i == 0 else {"message": {"role": "assistant", "content": "Done."}}})
+    recording = tmp_path / "by-hand.jsonl"
+    recording.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    raw = recording.read_bytes()
+    assert all(v.encode() in raw for v in m.values()) and c["openai"].encode() in raw  # the secrets are there
+
+    cases = tmp_path / "cases.jsonl"
+    r = toolquake("cases", "from-recording", str(recording), "--out", str(cases))
+    assert r.returncode == 0, r.stderr
+    assert "2 exchange(s) held secret-shaped strings the recording had kept" in r.stderr
+    made = [json.loads(line) for line in cases.read_text().splitlines()]
+    assert len(made) == 2
+    out = cases.read_bytes()
+    for name, value in c.items():
+        for needle in needles(name, value):
+            assert needle.encode() not in out, (name, needle)
+    check_more(m, out, strings(made))
+    assert made[0]["expected"] == [{"name": "get_weather", "arguments": {
+        "city": ["Paris"], "units": ["[redacted]"], "api_key": ["[redacted]"]}}]
+    assert toolquake("cases", "validate", str(cases)).returncode == 0

@@ -619,3 +619,39 @@ def test_an_unusable_default_store_does_not_stop_serving_but_a_chosen_one_does(p
     assert "results_store_unavailable" in proxy.output()
     with pytest.raises(RuntimeError, match=r"\[scoring\] store"):
         proxy_factory(shadow + f'[scoring]\nstore = "{not_a_dir / "results.sqlite"}"\n')
+
+
+@pytest.mark.needs_corpus
+def test_anytime_gauges_are_the_reports_confidence_sequences(proxy_factory, tmp_path):
+    """The toolquake_live_* gauges are read back from the store and equal the anytime intervals `report --db`
+    prints over the same rows; 20 cases lost under a profile put its drop's whole interval below 0 (what the
+    ToolquakeProfileHurtsAccuracy alert reads)."""
+    from toolquake.bfcl.corpus import case_request, load_case
+
+    db = tmp_path / "a.sqlite"
+    proxy = proxy_factory(live_config(db, semantic=False))
+    cases = [load_case(f"multiple_{i}") for i in range(20)]
+    for profile, right in (("off", True), ("reversed", False)):
+        for case in cases:
+            calls = gt_calls(case)
+            send(proxy, profile, case_request(case), answer={"calls": calls if right else wrong_value(calls)},
+                 case_header=case.id, stream=False)
+    wait_for(lambda: metric(proxy, "toolquake_scored_total") == 2 * len(cases), what="every answer scored")
+    # the monitor reads the store every few seconds: wait for the pairs it has seen
+    wait_for(lambda: metric(proxy, "toolquake_live_pairs", profile="reversed") == len(cases), timeout=30,
+             what="the anytime monitor read every pair")
+    summary = results.summarize(db)
+    arm, base = summary["arms"]["reversed"], summary["arms"]["off"]
+    assert arm["anytime_pairs"] == len(cases)
+    lo, hi = arm["drop_vs_off_cs"]
+    assert metric(proxy, "toolquake_live_drop_lower", profile="reversed") == pytest.approx(lo)
+    assert metric(proxy, "toolquake_live_drop_upper", profile="reversed") == pytest.approx(hi)
+    assert lo <= arm["drop_vs_off"] == -1.0 <= hi < 0  # every case lost: the whole interval below 0
+    for profile, a in (("reversed", arm), ("off", base)):
+        acc_lo, acc_hi = a["accuracy_cs"]
+        assert metric(proxy, "toolquake_live_accuracy_lower", profile=profile) == pytest.approx(acc_lo)
+        assert metric(proxy, "toolquake_live_accuracy_upper", profile=profile) == pytest.approx(acc_hi)
+        # anytime-valid is wider than the fixed-sample interval at the same n
+        assert acc_lo <= a["accuracy_ci"][0] and a["accuracy_ci"][1] <= acc_hi
+    text = results.format_summary(summary)
+    assert "anytime 95 %" in text and f"({len(cases)})" in text

@@ -247,3 +247,28 @@ def test_report_db_counts_not_perturbed_pairs_apart_and_out_of_the_accuracy(tmp_
     assert json.loads(out)["arms"]["off"]["not_perturbed"] == 0
     md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert f"| rephrased | {len(mine)} | {len(kept)} | {len(mine) / (len(mine) + len(kept)) * 100:.1f}% |" in md
+
+
+def test_the_live_drop_is_the_paired_drop_inside_its_interval(tmp_path):
+    # off scored cases 0–11 (8 valid), expanded 0–5 and 12–17 (9 valid; on the 6 shared cases 6 → 3 valid): the
+    # overall accuracies give +12.5 %, the paired comparison on the shared cases -50 %; the report's drop is the
+    # one its interval and McNemar's test are about
+    path = tmp_path / "p.sqlite"
+    store = ResultsStore(path)
+    off = {i: i < 8 for i in range(12)}
+    expanded = {i: i < 3 for i in range(6)} | {i: True for i in range(12, 18)}
+    for profile, verdicts in (("off", off), ("expanded", expanded)):
+        for i, valid in verdicts.items():
+            store.append(_row(request_id=f"{profile}{i}", profile=profile, case_id=f"multiple_{i}",
+                              category="multiple", valid=valid, error_type=None if valid else "x:y"))
+    store.close()
+    arm = results.summarize(path)["arms"]["expanded"]
+    shared = [i for i in expanded if i in off]
+    base_acc = Fraction(sum(off[i] for i in shared), len(shared))
+    arm_acc = Fraction(sum(expanded[i] for i in shared), len(shared))
+    assert arm["paired"]["n"] == len(shared) == 6
+    assert arm["drop_vs_off"] == pytest.approx(float(arm_acc / base_acc - 1)) == -0.5
+    lo, hi = arm["drop_vs_off_ci"]
+    assert lo <= arm["drop_vs_off"] <= hi
+    lo, hi = arm["drop_vs_off_cs"]
+    assert lo <= arm["drop_vs_off"] <= (hi if hi is not None else float("inf"))

@@ -179,16 +179,20 @@ def test_the_preset_is_the_paper_grid_on_multi_turn_base() -> None:
     from toolquake.proxy.server.config import load_config
 
     config = load_config(None, env={})
-    arms = expand_profiles("@seed003-conversations", ["off", *config.profiles])
-    assert arms[0] == "off" and len(arms) == 9
-    grid = set()
-    for name in arms[1:]:
-        (step,) = config.profiles[name].perturbers
-        p = build(step.name, step.params).params()
-        grid.add((p["budget_tokens"], p["fact"], p["setting"]))
-        assert "Table 2" in config.profiles[name].description
-    assert grid == {(b, f, s) for b in BUDGETS for f, s, _ in SETTINGS}
-    assert default_categories("@seed003-conversations") == ["multi_turn_base"]
+    for preset, base, prefix, needles in (("@seed003-conversations", "conv-off", "conv-", "next_call"),
+                                          ("@seed003-conversations-bfcl", "off", "bfcl-conv-", "turn")):
+        arms = expand_profiles(preset, ["off", *config.profiles])
+        assert arms[0] == base and len(arms) == 9 and all(a.startswith(prefix) for a in arms[1:])
+        grid = set()
+        for name in arms[1:]:
+            (step,) = config.profiles[name].perturbers
+            p = build(step.name, step.params).params()
+            grid.add((p["budget_tokens"], p["fact"], p["setting"]))
+            assert p["needles"] == needles
+        # both settings share the tool-calling filler: they differ only in where the fact sits
+        assert grid == {(b, f, "structured") for b in BUDGETS for f, _, _ in SETTINGS}
+        assert default_categories(preset) == ["multi_turn_base"]
+    assert "Table 2" in config.profiles["conv-10k-s1"].description
 
 
 # -- live: no case, so the fact is the first earlier message of its kind ----------------------------------------------
@@ -263,7 +267,8 @@ def test_a_replayed_conversation_without_a_fact_is_not_perturbed(backends, tmp_p
     try:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend",
-                               f"{model.url}/v1", "--profiles", "off,conv-10k-s1", "--categories", "multi_turn_base",
+                               f"{model.url}/v1", "--profiles", "off,bfcl-conv-10k-s1", "--categories",
+                               "multi_turn_base",
                                "--limit", str(n), "--out", str(tmp_path / "run")],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -273,8 +278,8 @@ def test_a_replayed_conversation_without_a_fact_is_not_perturbed(backends, tmp_p
         model.stop()
     arms = json.loads(report)["arms"]
     assert arms["off"]["n"] == n and arms["off"]["accuracy"] == 1.0
-    assert arms["conv-10k-s1"]["not_perturbed"] == len(none)
-    assert arms["conv-10k-s1"]["n"] == n - len(none)
+    assert arms["bfcl-conv-10k-s1"]["not_perturbed"] == len(none)
+    assert arms["bfcl-conv-10k-s1"]["n"] == n - len(none)
 
 
 @pytest.mark.needs_corpus

@@ -4,9 +4,9 @@ whole-conversation verdict.
 A scripted model (the fake upstream playing trajectories) answers five `multi_turn_base` conversations: two as
 the ground truth, one with a wrong first turn and the right last turn (BFCL: invalid; final call: valid), one
 with a wrong argument in its last turn (both invalid), one unscripted. They are replayed under `off` and a
-conversation-lengthening arm (`conv-20k-s2`). The final-call verdicts are recomputed here from the stored answers
-with BFCL's own AST checker (the `bfcl-eval` wheel, scorers/bfcl_reference.py) and a ground-truth conversion
-written here, then compared with what replay stored and what the report says.
+conversation-lengthening arm of the played family (`bfcl-conv-20k-s2`). The final-call verdicts are recomputed here
+from the stored answers with BFCL's own AST checker (the `bfcl-eval` wheel, scorers/bfcl_reference.py) and a
+ground-truth conversion written here, then compared with what replay stored and what the report says.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from toolquake.scorers import multiturn as mt
 pytestmark = pytest.mark.needs_corpus
 
 CASES = [f"multi_turn_base_{i}" for i in range(5)]
-PROFILES = ("off", "conv-20k-s2")
+PROFILES = ("off", "bfcl-conv-20k-s2")
 
 
 def _wrong_last_turn(result: mt.MultiTurnResult) -> mt.MultiTurnResult:
@@ -133,10 +133,12 @@ def test_final_call_verdicts_are_bfcl_s_ast_verdicts_on_the_stored_last_turn(rep
     # seed 003 Table 2: the conversation arm's cell carries the final-call accuracy beside BFCL's
     ((group, cells),) = data["conversation_grid"]["fake-model"].items()
     cell = cells["20000"]
-    assert cell["final_call"]["accuracy"] == pytest.approx(data["arms"]["conv-20k-s2"]["final_call"]["accuracy"])
-    assert cell["accuracy"] == pytest.approx(data["arms"]["conv-20k-s2"]["accuracy"])
+    arm = data["arms"]["bfcl-conv-20k-s2"]
+    assert cell["final_call"]["accuracy"] == pytest.approx(arm["final_call"]["accuracy"])
+    assert cell["accuracy"] == pytest.approx(data["arms"]["bfcl-conv-20k-s2"]["accuracy"])
     md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--no-plots"], cwd=ROOT,
                         capture_output=True, text=True, check=True).stdout
-    assert f"| fake-model | {group} | AST, final call (the paper's score) |" in md
+    assert group == "played, fact tool_response"
+    assert f"| fake-model | {group} | AST, the last turn's calls |" in md
     off = data["arms"]["off"]["final_call"]
     assert f"| fake-model | off | {off['n']} |" in md

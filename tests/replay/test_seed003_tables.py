@@ -219,8 +219,9 @@ def test_table_2_groups_by_fact_else_setting_with_wilson_intervals(long_runs) ->
     got = json.loads(report(root, "--format", "json"))["conversation_grid"]
     for model, recs in records.items():
         grid = got[model]
-        assert set(grid) == {"fact user_turn", "fact tool_response", "setting structured"}
-        for group, fact in (("fact user_turn", "s1"), ("fact tool_response", "s2")):
+        # arms played live (no `conversation = "given"`: BFCL's loop and verdict) are grouped apart from given ones
+        assert set(grid) == {"played, fact user_turn", "played, fact tool_response", "played, setting structured"}
+        for group, fact in (("played, fact user_turn", "s1"), ("played, fact tool_response", "s2")):
             assert sorted(grid[group], key=int) == ["10000", "20000", "40000", "80000"]
             for k in (10, 20, 40, 80):
                 cell = grid[group][str(k * 1000)]
@@ -229,12 +230,12 @@ def test_table_2_groups_by_fact_else_setting_with_wilson_intervals(long_runs) ->
                 assert cell["n"] == len(mine) and cell["accuracy"] == pytest.approx(valid / len(mine))
                 assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, len(mine))))
         pooled = [r for r in recs if r.profile in ("long-a", "long-b")]
-        cell = grid["setting structured"]["20000"]
+        cell = grid["played, setting structured"]["20000"]
         assert cell["profiles"] == ["long-a", "long-b"] and cell["n"] == len(pooled)
         assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(sum(1 for r in pooled if r.valid), len(pooled))))
     md = report(root, "--no-plots")
     assert "Seed 003 Table 2 (challenge 3" in md
-    c = got["m2"]["fact tool_response"]["40000"]
+    c = got["m2"]["played, fact tool_response"]["40000"]
     assert (f"{c['accuracy']:.3f} [{c['accuracy_ci'][0]:.3f}, {c['accuracy_ci'][1]:.3f}] (n={c['n']})") in md
 
 
@@ -302,7 +303,7 @@ def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own
 def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(tmp_path) -> None:
     """`@seed003-conversations` as replay registers it: s1 = the fact in a user turn, s2 = in a tool response."""
     names, arms = _packaged("@seed003-conversations")
-    conv = [p for p in names if p != "off"]
+    conv = [p for p in names if p != "conv-off"]
     assert len(conv) == 8
     rng = random.Random(29)
     records = [Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=(v := rng.random() < 0.5),

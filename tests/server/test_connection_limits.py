@@ -1,13 +1,14 @@
 """Connection limits (proxy/server/limits.py), attacked as a hostile client would, with raw sockets against real
 `toolquake serve` processes: half-sent headers are cut off, an over-size head gets 431 (a long URL 414), an idle
 kept-alive connection is closed, and beyond the connection or request limit a client gets an OpenAI-shaped 503 with
-Retry-After; after each attack a normal client (the `openai` SDK) is served. On the lean path in the protocol,
-the lean path as ASGI (`lean_protocol = false`), the framework's route (a perturbing profile), and with two
-workers."""
+Retry-After, a body that stalls or trickles gets 408 and frees its in-flight slot; after each attack a normal client
+(the `openai` SDK) is served. On the lean path in the protocol, the lean path as ASGI (`lean_protocol = false`),
+the framework's route (a perturbing profile, or `lean_path = false`), and with two workers."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from tests.conftest import Proc, recorded, start_proxy
 from tests.server.test_proxy_core import TOOLS, body, metric_value, tag
 
 HEADER_TIMEOUT = 3.0
+BODY_TIMEOUT = 4.0
 #: not a whole number of seconds: uvicorn was handed int(keep_alive_timeout) before, closing 0.9 s early
 KEEP_ALIVE = 2.9
 MAX_HEADER = 16384
@@ -34,11 +36,13 @@ EARLY = 0.05
 CONFIG = f"""
 [server]
 header_timeout = {HEADER_TIMEOUT}
+body_timeout = {BODY_TIMEOUT}
 keep_alive_timeout = {KEEP_ALIVE}
 max_header_bytes = {MAX_HEADER}
 max_url_bytes = {MAX_URL}
 max_client_connections = {MAX_CONNECTIONS}
 max_in_flight_requests = {MAX_REQUESTS}
+lean_path = {{lean_path}}
 lean_protocol = {{lean_protocol}}
 [scoring]
 enabled = false
@@ -53,7 +57,7 @@ ARMS = {"lean-protocol": ("true", "off"), "lean-asgi": ("false", "off"), "framew
 @pytest.fixture(scope="module", params=list(ARMS))
 def arm(request, fake_upstream) -> Any:
     lean_protocol, profile = ARMS[request.param]
-    proc = start_proxy(fake_upstream.url, CONFIG.format(lean_protocol=lean_protocol))
+    proc = start_proxy(fake_upstream.url, CONFIG.format(lean_path="true", lean_protocol=lean_protocol))
     proc.profile = profile  # type: ignore[attr-defined]
     proc.fake = fake_upstream  # type: ignore[attr-defined]
     yield proc
@@ -62,7 +66,18 @@ def arm(request, fake_upstream) -> Any:
 
 @pytest.fixture(scope="module")
 def two_workers(fake_upstream) -> Any:
-    proc = start_proxy(fake_upstream.url, CONFIG.format(lean_protocol="true"), None, "--workers", "2")
+    proc = start_proxy(fake_upstream.url, CONFIG.format(lean_path="true", lean_protocol="true"), None, "--workers",
+                       "2")
+    proc.profile = "off"  # type: ignore[attr-defined]
+    proc.fake = fake_upstream  # type: ignore[attr-defined]
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def lean_off(fake_upstream) -> Any:
+    """Every request through the framework (`lean_path = false`, `lean_protocol = false`)."""
+    proc = start_proxy(fake_upstream.url, CONFIG.format(lean_path="false", lean_protocol="false"))
     proc.profile = "off"  # type: ignore[attr-defined]
     proc.fake = fake_upstream  # type: ignore[attr-defined]
     yield proc
@@ -198,6 +213,123 @@ def test_an_idle_kept_alive_connection_is_closed_after_keep_alive_timeout(arm):
     waited = time.monotonic() - started
     sock.close()
     assert KEEP_ALIVE - EARLY <= waited <= KEEP_ALIVE + MARGIN, waited
+
+
+# -- body timeout ------------------------------------------------------------------------------------------
+
+#: what a stalled body announces and what it sends of it
+STALLED_LENGTH, STALLED_SENT = 100_000, 25
+
+
+def _stall(proc: Any, n: int) -> list[socket.socket]:
+    """`n` model requests whose head and first STALLED_SENT of STALLED_LENGTH body bytes are sent, then nothing."""
+    socks = []
+    for _ in range(n):
+        sock = _connect(proc)
+        sock.settimeout(BODY_TIMEOUT + MARGIN)
+        sock.sendall(_model_request(proc, body_bytes=b"{" * STALLED_SENT)
+                     .replace(b"Content-Length: %d" % STALLED_SENT, b"Content-Length: %d" % STALLED_LENGTH))
+        socks.append(sock)
+    return socks
+
+
+def _rejected(proc: Proc, reason: str) -> float:
+    return metric_value(httpx.get(f"{proc.url}/metrics").text, "toolquake_connections_rejected_total", reason=reason)
+
+
+def _stalled_bodies_get_408_and_free_their_slots(proc: Any, n: int) -> None:
+    """`n` stalled bodies (each holding an in-flight slot) are answered 408 at the body timeout, their connections
+    closed and counted; then a normal client is served (the slots are free again)."""
+    before = _rejected(proc, "body_timeout")
+    started = time.monotonic()  # before the requests: the proxy's clock starts later, never earlier
+    socks = _stall(proc, n)
+    try:
+        for sock in socks:
+            status, headers, data = _read_answer(sock)
+            _assert_openai_error(status, headers, data, 408, "request_timeout")
+            assert "body_timeout" in json.loads(data)["error"]["message"]
+            assert headers["connection"] == "close"
+            assert _closed_after(sock) < MARGIN
+        waited = time.monotonic() - started
+        assert BODY_TIMEOUT - EARLY <= waited <= BODY_TIMEOUT + MARGIN, waited
+    finally:
+        for sock in socks:
+            sock.close()
+    _served(proc)
+    assert _rejected(proc, "body_timeout") >= before + n
+
+
+def test_stalled_bodies_holding_every_slot_get_408_and_free_them(arm):
+    """MAX_REQUESTS connections send a head and 25 of 100,000 body bytes, then nothing: while they stall, every
+    other request is refused (they hold every in-flight slot), then each gets 408 at the body timeout and a normal
+    client is served again (before, they held the slots for ever)."""
+    _served(arm)
+    started = time.monotonic()
+    socks = _stall(arm, MAX_REQUESTS)
+    try:
+        while True:  # the stalled requests hold both slots: another request is refused
+            other = _connect(arm)
+            other.sendall(_model_request(arm))
+            status, headers, data = _read_answer(other)
+            other.close()
+            if status == 503:
+                _assert_openai_error(status, headers, data, 503, "too_many_requests")
+                break
+            assert status == 200 and time.monotonic() - started < BODY_TIMEOUT, (status, data)
+        for sock in socks:
+            status, headers, data = _read_answer(sock)
+            _assert_openai_error(status, headers, data, 408, "request_timeout")
+            assert _closed_after(sock) < MARGIN
+    finally:
+        for sock in socks:
+            sock.close()
+    _served(arm)
+
+
+def test_a_stalled_body_gets_408_and_is_counted(arm):
+    _stalled_bodies_get_408_and_free_their_slots(arm, 1)
+
+
+def test_a_stalled_body_gets_408_on_the_framework_with_the_lean_path_off(lean_off):
+    _stalled_bodies_get_408_and_free_their_slots(lean_off, MAX_REQUESTS)
+
+
+def test_a_trickling_body_is_cut_at_the_body_timeout(arm):
+    """A body whose bytes keep coming (one every 0.2 s) but that is not whole by the body timeout is cut alike: the
+    timeout is a deadline for the whole body, not for the gap between two reads."""
+    started = time.monotonic()
+    (sock,) = _stall(arm, 1)
+    sent = STALLED_SENT
+    try:
+        while not select.select([sock], [], [], 0.2)[0]:
+            assert time.monotonic() - started < BODY_TIMEOUT + MARGIN, "no answer to a trickling body"
+            sock.sendall(b" ")
+            sent += 1
+        status, headers, data = _read_answer(sock)
+        waited = time.monotonic() - started
+        _assert_openai_error(status, headers, data, 408, "request_timeout")
+        assert BODY_TIMEOUT - EARLY <= waited <= BODY_TIMEOUT + MARGIN, waited
+        assert sent > STALLED_SENT + 5  # bytes kept coming until the cut
+    finally:
+        sock.close()
+    _served(arm)
+
+
+def test_a_body_sent_in_parts_within_the_body_timeout_is_served(arm):
+    """The deadline holds a body to its length, not to one read: a body in three writes 0.5 s apart is served."""
+    data = json.dumps(body()).encode()
+    request = _model_request(arm, body_bytes=data)
+    head = request[:len(request) - len(data)]
+    sock = _connect(arm)
+    try:
+        sock.sendall(head)
+        for part in (data[:10], data[10:20], data[20:]):
+            time.sleep(0.5)
+            sock.sendall(part)
+        status, _, answer = _read_answer(sock)
+        assert status == 200, answer
+    finally:
+        sock.close()
 
 
 # -- head size -----------------------------------------------------------------------------------------
@@ -338,6 +470,11 @@ def test_a_request_beyond_the_in_flight_limit_gets_503_json(arm):
 
 # -- two workers: every worker holds the limits ----------------------------------------------------------
 
+def test_two_workers_cut_off_stalled_bodies(two_workers):
+    """Stalled bodies get 408 on either worker (the kernel hands the connections to either), counted over both."""
+    _stalled_bodies_get_408_and_free_their_slots(two_workers, MAX_REQUESTS)
+
+
 def test_two_workers_cut_off_half_sent_headers_and_oversize_heads(two_workers):
     socks = [_connect(two_workers) for _ in range(4)]  # the kernel hands them to either worker
     started = time.monotonic()
@@ -395,7 +532,8 @@ def test_two_workers_each_hold_the_request_limit(two_workers):
     _served(two_workers)
 
 
-@pytest.mark.parametrize("fragment", ["header_timeout = 0", "max_client_connections = 0", "max_in_flight_requests = 0",
+@pytest.mark.parametrize("fragment", ["header_timeout = 0", "body_timeout = 0", "max_client_connections = 0",
+                                      "max_in_flight_requests = 0", "max_profiles = 0",
                                       "max_url_bytes = 0", "max_header_bytes = 100\nmax_url_bytes = 200",
                                       "keep_alive_timeout = -1"])
 def test_limits_that_would_refuse_everything_are_config_errors(tmp_path, fragment):

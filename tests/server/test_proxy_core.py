@@ -361,12 +361,14 @@ def test_other_v1_paths_and_backend_extras_pass_through(proxy, fake_upstream):
     assert r.status_code == 200 and "count" in r.json()
     r = httpx.get(f"{proxy.url}/p/shuffled/v1/models", headers={"x-test-tag": t})
     assert r.status_code == 200
+    r = httpx.get(f"{proxy.url}/v1/files/no-such-file", headers={"x-test-tag": t})
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]  # the upstream's own 404, relayed
     r = httpx.get(f"{proxy.url}/v1/no/such/path", headers={"x-test-tag": t})
-    assert r.status_code == 404  # the upstream's own 404, relayed
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"  # not in [server] passthrough
     seen = recorded(fake_upstream, t)
     assert [(s["method"], s["path"], s["query"]) for s in seen] == [
         ("POST", "/tokenize", "verbose=1"), ("POST", "/extras/tokenize/count", ""), ("GET", "/v1/models", ""),
-        ("GET", "/v1/no/such/path", "")]
+        ("GET", "/v1/files/no-such-file", "")]
     assert not any(h.startswith("x-toolquake-") for s in seen for h in s["headers"])
 
 

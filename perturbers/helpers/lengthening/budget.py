@@ -82,8 +82,17 @@ class _Prefix:
         return n
 
 
+#: how far from its budget a lengthened request may land, as a share of the budget
+TOLERANCE = 0.02
+
+
+def within_budget(total: int, budget: int) -> bool:
+    """A request of `total` tokens holds a budget of `budget` (within `TOLERANCE`)."""
+    return abs(total - budget) <= TOLERANCE * budget
+
+
 def fit(counter: Any, budget: int, base: int, costs: Iterator[float], measure: Callable[[int], int],
-        tolerance: float = 0.02, max_counts: int = 5, learned: dict[str, float] | None = None) -> Fit:
+        tolerance: float = TOLERANCE, max_counts: int = 5, learned: dict[str, float] | None = None) -> Fit:
     """Choose how many units (taken in stream order) bring the request to `budget` tokens.
 
     `base` is the request's count without filler, by `counter`; `costs` yields each unit's

@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 #: conversation_lengthening's `fact`: which earlier message holds what the answer needs
 FACT_KINDS = ("any", "user_turn", "tool_response")
+#: conversation_lengthening's `needles`: the ground-truth calls whose values the fact must hold
+NEEDLE_SCOPES = ("turn", "next_call")
 _ROLE = {"user_turn": "user", "tool_response": "tool"}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -114,9 +116,12 @@ def turn_of(case: Any, messages: list[dict[str, Any]], last_user: int) -> int | 
     return None
 
 
-def expected_values(case: Any, messages: list[dict[str, Any]], last_user: int) -> tuple[list[Any], int | None] | None:
+def expected_values(case: Any, messages: list[dict[str, Any]], last_user: int, next_call: bool = False
+                    ) -> tuple[list[Any], int | None] | None:
     """(argument values of the calls this request should produce, its turn) from the case's ground truth;
-    None when the case has no call ground truth (live traffic, agentic cases) or the turn cannot be told."""
+    None when the case has no call ground truth (live traffic, agentic cases) or the turn cannot be told.
+    `next_call`: for a multi-turn case, the values of the turn's first ground-truth call only (the call seed 003
+    grades), not of all its calls."""
     gt = getattr(case, "ground_truth", None)
     if not isinstance(gt, list) or not gt:
         return None
@@ -125,7 +130,7 @@ def expected_values(case: Any, messages: list[dict[str, Any]], last_user: int) -
         if turn is None or turn >= len(gt):
             return None
         values: list[Any] = []
-        for text in gt[turn]:
+        for text in gt[turn][:1] if next_call else gt[turn]:
             call = _parse(text)
             if call is not None:
                 values += [*call.args, *call.kwargs.values()]
@@ -146,26 +151,29 @@ def _parse(text: str) -> Any:
         return None
 
 
-def locate(kind: str, case: Any, messages: list[dict[str, Any]], last_user: int) -> Fact | str:
+def locate(kind: str, case: Any, messages: list[dict[str, Any]], last_user: int, next_call: bool = False
+           ) -> Fact | str:
     """The fact message of `kind` ("user_turn" / "tool_response") before the last user message, or why there is
-    none. With call ground truth: the earliest such message holding a needle; without: the first of that kind."""
+    none. With call ground truth: the earliest such message holding a needle (`next_call`: of the turn's first
+    call, `expected_values`); without: the first of that kind."""
     role = _ROLE[kind]
-    expected = expected_values(case, messages, last_user) if case is not None else None
+    expected = expected_values(case, messages, last_user, next_call) if case is not None else None
     if expected is None:
         first = next((i for i in range(last_user) if messages[i].get("role") == role), None)
         if first is None:
             return f"no earlier {role} message"
         return Fact(first, "first_of_kind")
     values, turn = expected
+    calls = "the expected next call" if next_call and turn is not None else "the expected calls"
     needles = needles_of(values).without(message_text(messages[last_user]))
     if not needles:
-        return "no value of the expected calls that the final user message does not already hold"
+        return f"no value of {calls} that the final user message does not already hold"
     for i in range(last_user):
         if messages[i].get("role") == role:
             found = needles.found_in(message_text(messages[i]))
             if found:
                 return Fact(i, "ground_truth", needles, found, turn)
-    return f"no earlier {role} message holds a value of the expected calls"
+    return f"no earlier {role} message holds a value of {calls}"
 
 
 @functools.lru_cache(maxsize=None)

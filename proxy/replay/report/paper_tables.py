@@ -13,12 +13,14 @@ Figs. 3 and 4):
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
+from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, step_of
-from toolquake.proxy.replay.report.rows import Results, step_reports, step_usage
+from toolquake.proxy.replay.report.rows import Results, scored_steps, step_reports, step_usage
 from toolquake.scorers.aggregate import ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
@@ -265,14 +267,15 @@ def rephrasing_drops(res: Results, summary: dict[str, Any]) -> dict[str, dict[st
 def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {counter: n}, "tokens_total": spread}}}: the
     tokens each long-response / long-conversation arm (seed 003 challenges 2 and 3) reached, by the counter it
-    used (one report per lengthened request; a multi-turn pair may hold several)."""
+    used (one report per lengthened request; a multi-turn pair may hold several). A request left out of its arm (a
+    given conversation that did not hold its budget) is counted in `requests`, not in the tokens reached."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     for model, profile, report, usage in step_usage(res, names_of(RESPONSES) + names_of(CONVERSATIONS)):
         a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [],
                                               "budget": report.get("budget_tokens"), "backend": []})
         a["requests"] += 1
         a["token_counter"][str(report.get("counter", "unknown"))] += 1
-        if isinstance(report.get("tokens_total"), int):
+        if isinstance(report.get("tokens_total"), int) and NOT_PERTURBED not in report:
             a["tokens"].append(float(report["tokens_total"]))
             # the whole request's tokens (a response-scoped budget counts the response alone: not compared)
             if usage is not None and report.get("budget_scope", "request") != "response":
@@ -491,37 +494,68 @@ def _k(tokens: int) -> str:
 def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 2 (challenge 3): accuracy with its 95 % Wilson interval per model, setting and conversation
     budget, from the conversation_lengthening arms; the setting is the arm's `fact` (where the needed fact sits)
-    when the arm names one other than `any`, else its `setting`. Arms in the same cell are pooled.
-    {model: {setting: {budget: {"profiles", "n", "valid", "failed", "accuracy", "accuracy_ci", "final_call"}}}};
-    `failed` = the conversations whose requests failed on the backend's side, counted in n as wrong; `final_call`
-    = {"n", "valid", "accuracy", "accuracy_ci"} of the AST verdict on each conversation's last turn, as seed 003
-    scores challenge 3 (rows recorded before it have none)."""
+    when the arm names one other than `any`, else its `setting`; arms whose conversations were played live (BFCL's
+    loop and verdict) are grouped apart (`played, ` before the setting) from the given ones (the paper's protocol).
+    Arms in the same cell are pooled.
+    {model: {setting: {budget: {"profiles", "conversation", "n", "valid", "failed", "accuracy", "accuracy_ci",
+    "final_call" | "one_call", "multi_call"}}}}; `failed` = the pairs whose requests failed on the backend's side,
+    counted in n as wrong. Played: `accuracy` is BFCL's whole-conversation verdict and `final_call` = {"n", "valid",
+    "accuracy", "accuracy_ci"} the AST verdict on the last turn's calls (rows recorded before it have none). Given:
+    `accuracy` is the next call's AST verdict, and `one_call` / `multi_call` the same over the last turns whose
+    ground truth makes one call / several (only the first graded)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         cells: dict[tuple[str, int], dict[str, Any]] = {}
         for p, v, arm in grid_arms(data, CONVERSATIONS, "budget_tokens", "setting"):
             step = step_of(arm["perturbers"], CONVERSATIONS) or {}
             fact = (step.get("params") or {}).get("fact")
-            group = f"fact {fact}" if fact not in (None, "any") else f"setting {v['setting']}"
-            c = cells.setdefault((group, int(v["budget_tokens"])), {"profiles": [], "n": 0, "valid": 0, "failed": 0,
-                                                                    "not_comparable": 0})
+            given = arm.get("conversation") == "given"
+            group = ("" if given else "played, ") + (f"fact {fact}" if fact not in (None, "any")
+                                                     else f"setting {v['setting']}")
+            c = cells.setdefault((group, int(v["budget_tokens"])),
+                                 {"profiles": [], "conversation": "given" if given else "played", "n": 0, "valid": 0,
+                                  "failed": 0, "not_comparable": 0})
             c["profiles"].append(p)
             c["n"] += arm["n"]
             c["not_comparable"] += sum((arm.get("not_comparable") or {}).values())
             c["failed"] += arm["failed"]
             c["valid"] += round(arm["accuracy"] * arm["n"])
-            final = arm.get("final_call")
-            if final:
-                c.setdefault("final_call", {"n": 0, "valid": 0})
-                c["final_call"]["n"] += final["n"]
-                c["final_call"]["valid"] += final["valid"]
+            parts = ((("final_call", arm.get("final_call")),) if not given else
+                     (("one_call", (arm.get("next_call") or {}).get("one_call")),
+                      ("multi_call", (arm.get("next_call") or {}).get("multi_call"))))
+            for key, part in parts:
+                if part:
+                    c.setdefault(key, {"n": 0, "valid": 0})
+                    c[key]["n"] += part["n"]
+                    c[key]["valid"] += part["valid"]
         for (group, budget), c in sorted(cells.items()):
             c.update(accuracy=ratio(c["valid"], c["n"]), accuracy_ci=wilson_ci(c["valid"], c["n"]))
-            if "final_call" in c:
-                f = c["final_call"]
-                f.update(accuracy=ratio(f["valid"], f["n"]), accuracy_ci=wilson_ci(f["valid"], f["n"]))
+            for key in ("final_call", "one_call", "multi_call"):
+                if key in c:
+                    f = c[key]
+                    f.update(accuracy=ratio(f["valid"], f["n"]), accuracy_ci=wilson_ci(f["valid"], f["n"]))
             out.setdefault(model, {}).setdefault(group, {})[str(budget)] = c
     return out
+
+
+def conversation_unplaced(res: Results, summary: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The given conversations (seed 003 challenge 3) whose fact could not be placed, or whose request did not hold
+    its budget: {model: [{"case_id", "profiles", "reason"}]}, one entry per case and reason (the arms it held in).
+    Such a pair is left out of its arm, never scored at another length."""
+    given = {(m, p) for m, data in summary["models"].items() for p, arm in data["arms"].items()
+             if arm.get("conversation") == "given"}
+    found: dict[str, dict[tuple[str, str], list[str]]] = {}
+    for model, profile, case_id, text in scored_steps(res):
+        if (model, profile) not in given or not text or NOT_PERTURBED not in text:
+            continue
+        applied = (json.loads(text) or {}).get("applied")
+        reasons = [str(a["report"][NOT_PERTURBED]) for a in applied if isinstance(a, dict)
+                   and NOT_PERTURBED in (a.get("report") or {})] if isinstance(applied, list) else []
+        if applied and len(reasons) == len(applied):
+            found.setdefault(model, {}).setdefault((case_id, "; ".join(reasons)), []).append(profile)
+    order = {(m, p): i for m, data in summary["models"].items() for i, p in enumerate(data["arms"])}
+    return {model: [{"case_id": c, "profiles": sorted(ps, key=lambda p: order[(model, p)]), "reason": why}
+                    for (c, why), ps in sorted(pairs.items())] for model, pairs in found.items()}
 
 
 def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any] | None:
@@ -624,6 +658,7 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
             "lengthening": lengthening_stats(res), "rephrasers": rephrasers(res),
             "rephrasing_drops": rephrasing_drops(res, summary),
             "response_experiments": response_experiments(summary), "conversation_grid": conversation_grid(summary),
+            "conversation_unplaced": conversation_unplaced(res, summary),
             "format_sensitivity": format_sensitivity(summary)}
 
 
@@ -642,6 +677,16 @@ def _failed(count: int | None) -> str:
 def _conversation_cell(c: dict[str, Any]) -> str:
     return (f"{_acc_ci(c)} (n={c['n']}" + (f", {c['failed']} failed" if c.get("failed") else "")
             + (f", {c['not_comparable']} not comparable" if c.get("not_comparable") else "") + ")")
+
+
+#: Table 2's row labels: the cell's own verdict (given: None; played) and its parts
+CONVERSATION_VERDICTS = {
+    None: "AST, next call (the paper's score)",
+    "one_call": "… last turns of one call",
+    "multi_call": "… last turns of 2+ calls (the first graded)",
+    "played": "BFCL, whole conversation",
+    "final_call": "AST, the last turn's calls",
+}
 
 
 def _extreme_cells(e: dict[str, Any]) -> list[str]:
@@ -784,24 +829,36 @@ def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
     rows = []
     for model, groups in conv.items():
         for group, cells in groups.items():
-            rows.append([model, group, "BFCL, whole conversation",
+            given = any(c.get("conversation") == "given" for c in cells.values())
+            rows.append([model, group, CONVERSATION_VERDICTS[None if given else "played"],
                          *(_conversation_cell(cells[str(b)]) if str(b) in cells else "" for b in budgets)])
-            if any("final_call" in c for c in cells.values()):
-                rows.append([model, group, "AST, final call (the paper's score)",
-                             *(_conversation_cell(cells[str(b)]["final_call"]) if "final_call" in cells.get(str(b), {})
-                               else "" for b in budgets)])
+            for key in ("one_call", "multi_call") if given else ("final_call",):
+                if any(key in c for c in cells.values()):
+                    rows.append([model, group, CONVERSATION_VERDICTS[key],
+                                 *(_conversation_cell(cells[str(b)][key]) if key in cells.get(str(b), {}) else ""
+                                   for b in budgets)])
     if rows:
         out.append(("Seed 003 Table 2 (challenge 3, long conversations): accuracy [95 % Wilson] per setting (where "
-                    "the needed fact sits) and conversation size; BFCL's verdict on the whole conversation, and "
-                    "beside it the AST verdict on the calls of the last turn, as the paper scores it",
+                    "the needed fact sits) and conversation size. Given (the paper's protocol): the conversation up "
+                    "to its last user turn is the ground truth's, one request, its next call graded by AST against "
+                    "the turn's first ground-truth call, apart for last turns of one and of several calls. Played "
+                    "(`played, …`): the model plays every turn, BFCL's whole-conversation verdict and the AST "
+                    "verdict on the last turn's calls",
                     ["model", "setting", "verdict", *(_k(b) for b in budgets)], rows))
+    rows = [[model, u["case_id"], ", ".join(u["profiles"]), u["reason"]]
+            for model, items in (summary.get("conversation_unplaced") or {}).items() for u in items]
+    if rows:
+        out.append(("Seed 003 challenge 3: given conversations whose fact could not be placed, or whose request did "
+                    "not hold its budget (±2 % by the run's counter); left out of these arms",
+                    ["model", "case", "arms", "why"], rows))
     rows = [[model, p, str(arm["final_call"]["n"]), _acc_ci({"accuracy": arm["final_call"]["bfcl_accuracy"],
                                                              "accuracy_ci": arm["final_call"]["bfcl_accuracy_ci"]}),
              _acc_ci(arm["final_call"])]
             for model, data in summary["models"].items() for p, arm in data["arms"].items() if arm.get("final_call")]
     if rows:
-        out.append(("Multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of the "
-                    "last turn's calls (seed 003 challenge 3's final-call score) [95 % Wilson]",
+        out.append(("Played multi-turn arms: BFCL's whole-conversation accuracy and, beside it, the AST accuracy of "
+                    "all the calls of the last turn (not seed 003's protocol: its next-call score is the given "
+                    "conversations' Table 2) [95 % Wilson]",
                     ["model", "profile", "conversations", "BFCL, whole conversation", "AST, final call"], rows))
     return out
 
@@ -904,7 +961,10 @@ def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
         for group, cells in groups.items():
             for budget, c in cells.items():
                 point("seed 003 Table 2", model, group, "", f"accuracy at {budget} tokens", c, "+".join(c["profiles"]))
-                if "final_call" in c:
-                    point("seed 003 Table 2", model, group, "", f"final-call AST accuracy at {budget} tokens",
-                          c["final_call"], "+".join(c["profiles"]))
+                for key, what in (("final_call", "final-call AST accuracy"),
+                                  ("one_call", "one-call last turns' accuracy"),
+                                  ("multi_call", "multi-call last turns' accuracy")):
+                    if key in c:
+                        point("seed 003 Table 2", model, group, "", f"{what} at {budget} tokens", c[key],
+                              "+".join(c["profiles"]))
     return rows

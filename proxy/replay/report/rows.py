@@ -33,6 +33,9 @@ class Row:
     trial: int = 0
     #: a multi-turn row's AST verdict on its last turn's calls (seed 003 challenge 3; None: not recorded)
     final_valid: bool | None = None
+    #: a given conversation's row (seed 003 challenge 3 as the paper measures it: `valid` is its next call's AST
+    #: verdict): the ground-truth calls of its last turn, of which the first is graded (None: not such a row)
+    next_expected: int | None = None
 
 
 @dataclass
@@ -145,6 +148,9 @@ def load(paths: list[str | Path]) -> Results:
 #: a multi-turn answer's `final_call.valid` (proxy/replay/multiturn.py), read in SQLite without loading the answer
 _FINAL_VALID = ("CASE WHEN answer LIKE '%\"final_call\"%' AND json_valid(answer) "
                 "THEN json_extract(answer, '$.final_call.valid') END")
+#: a given conversation's answer's `next_call.expected_calls` (proxy/replay/multiturn.py `next_call_grade`)
+_NEXT_EXPECTED = ("CASE WHEN answer LIKE '%\"next_call\"%' AND json_valid(answer) "
+                  "THEN json_extract(answer, '$.next_call.expected_calls') END")
 
 
 def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, str, int], int]) -> None:
@@ -156,10 +162,11 @@ def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, 
     for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
         res.arms.setdefault((model, profile), json.loads(spec))
     for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
-                        f"fair_valid, semantic_valid, {trial_column(db)}, perturbers, {_FINAL_VALID} FROM results "
-                        "ORDER BY rowid"):
+                        f"fair_valid, semantic_valid, {trial_column(db)}, perturbers, {_FINAL_VALID}, "
+                        f"{_NEXT_EXPECTED} FROM results ORDER BY rowid"):
         row = Row(model, r[0], r[1], r[2], row_status(r[3], r[11], r[6]), _bool(r[4]), r[5], r[6],
-                  r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]), final_valid=_bool(r[12]))
+                  r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]), final_valid=_bool(r[12]),
+                  next_expected=r[13] if isinstance(r[13], int) else None)
         key = (model, row.profile, row.case_id, row.trial)
         if key in seen:
             res.duplicates += 1

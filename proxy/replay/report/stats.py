@@ -21,6 +21,7 @@ from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.replay.failures import NOT_COMPARABLE
 from toolquake.proxy.replay.report.rows import Results, Row
 from toolquake.scorers.aggregate import (
+    ALPHA,
     mcnemar,
     paired_drop_ci,
     pass_at_k,
@@ -32,7 +33,6 @@ from toolquake.scorers.aggregate import (
 )
 
 BASELINE = "off"
-ALPHA = 0.05
 
 
 def perturbed_counts(rows: list[Any]) -> dict[str, Any]:
@@ -86,6 +86,7 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "unscored": sum(unscored.values()),
         "unscored_codes": dict(sorted(unscored.items())),
         "final_call": final_call_numbers(scored),
+        "next_call": next_call_numbers(scored),
         "fair_accuracy": ratio(fair_valid, len(fair)) if fair else None,
         "fair_accuracy_ci": wilson_ci(fair_valid, len(fair)) if fair else None,
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
@@ -105,6 +106,24 @@ def final_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
     return {"n": len(mine), "valid": valid, "accuracy": ratio(valid, len(mine)),
             "accuracy_ci": wilson_ci(valid, len(mine)), "bfcl_accuracy": ratio(bfcl, len(mine)),
             "bfcl_accuracy_ci": wilson_ci(bfcl, len(mine))}
+
+
+def next_call_numbers(scored: list[Row]) -> dict[str, Any] | None:
+    """Seed 003 challenge 3 as the paper measures it: the AST verdict on the next call of each given conversation
+    (the row's own verdict), {"n", "valid", "accuracy", "accuracy_ci"}, and the same apart for the last turns whose
+    ground truth makes one call or none (`one_call`) and several (`multi_call`: only the first is graded); None when
+    no row is a given conversation."""
+    mine = [r for r in scored if r.next_expected is not None]
+    if not mine:
+        return None
+
+    def numbers(rows: list[Row]) -> dict[str, Any]:
+        valid = sum(1 for r in rows if r.valid)
+        return {"n": len(rows), "valid": valid, "accuracy": ratio(valid, len(rows)),
+                "accuracy_ci": wilson_ci(valid, len(rows))}
+
+    return {**numbers(mine), "one_call": numbers([r for r in mine if (r.next_expected or 0) <= 1]),
+            "multi_call": numbers([r for r in mine if (r.next_expected or 0) > 1])}
 
 
 def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
@@ -164,6 +183,7 @@ def arms_summary(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
         with_drops(arms, baseline, {p: by_arm.get((model, p), []) for p in res.profiles(model)})
         for p, arm in arms.items():
             arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
+            arm["conversation"] = res.arms[(model, p)].get("conversation", "played")
             arm["trials"] = trial_numbers(all_trials.get((model, p), []))
         models[model] = {"arms": arms}
     single = len(models) == 1

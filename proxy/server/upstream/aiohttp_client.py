@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator
+from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
 
-from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, classify
+from toolquake.proxy.server.upstream.base import QUERY_SAFE, Upstream, UpstreamResponse, classify
 
 
 class _AiohttpResponse(UpstreamResponse):
@@ -68,11 +70,12 @@ class AiohttpUpstream(Upstream):
     async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
                    params: str = "", timeout: float | None = None) -> UpstreamResponse:
         if params:
-            url = f"{url}?{params}"
+            url = f"{url}?{quote(params, safe=QUERY_SAFE)}"
         kwargs = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
         try:
-            resp = await self._client().request(method, url, headers=headers, data=content, allow_redirects=False,
-                                                compress=False, **kwargs)
+            # encoded: sent as it is (yarl would otherwise resolve dot segments and re-decode escapes)
+            resp = await self._client().request(method, URL(url, encoded=True), headers=headers, data=content,
+                                                allow_redirects=False, compress=False, **kwargs)
         except BaseException as exc:
             raise _error(exc) from exc
         return _AiohttpResponse(resp)

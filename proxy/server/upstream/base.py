@@ -19,6 +19,9 @@ _RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 # never sent upstream: our evaluation metadata, and encodings we would have to undo to score
 _REQUEST_DROP = HOP_BY_HOP | {"accept-encoding"}
 INTERNAL_PREFIX = "x-toolquake-"
+#: characters a query string keeps as they are (RFC 3986 query, and "%" of escapes already there); the others are
+#: escaped where a client would send them raw
+QUERY_SAFE = "/:@!$&'()*+,;=-._~%?"
 
 
 class UpstreamError(Exception):
@@ -142,7 +145,8 @@ class Upstream:
         self.connect_timeout, self.read_timeout, self.max_connections = connect_timeout, read_timeout, max_connections
 
     def api_url(self, path: str) -> str:
-        """`path` is what follows `/v1/` in the client's URL."""
+        """`path` is what follows `/v1/` in the client's URL, percent-encoded (`paths.encoded`); the URL is sent
+        as it is (no client may resolve dot segments or decode escapes in it)."""
         return f"{self.base}/{path.lstrip('/')}"
 
     def root_url(self, path: str) -> str:

@@ -22,14 +22,13 @@ from urllib.parse import quote, urlsplit
 import httptools
 
 from toolquake.proxy.server.upstream.aiohttp_client import AiohttpUpstream
-from toolquake.proxy.server.upstream.base import Upstream, UpstreamResponse, classify
+from toolquake.proxy.server.upstream.base import QUERY_SAFE, Upstream, UpstreamResponse, classify
 
 #: body bytes buffered from the socket before it stops reading (a slow client of a fast stream)
 _HIGH_WATER = 256 * 1024
 KEEPALIVE_S = 30.0
 #: characters a request target keeps as they are (RFC 3986 pchar / query, and "%" of escapes already there)
 _PATH_SAFE = "/:@!$&'()*+,;=-._~%"
-_QUERY_SAFE = _PATH_SAFE + "?"
 
 
 class UpstreamTimeout(Exception):
@@ -275,7 +274,7 @@ class NativeUpstream(Upstream):
         # percent-encoded as aiohttp (yarl) sends it: non-ASCII, spaces and control characters escaped,
         # escapes already there kept
         path = quote(parts.path or "/", safe=_PATH_SAFE)
-        target = path + (f"?{quote(parts.query, safe=_QUERY_SAFE)}" if parts.query else "")
+        target = path + (f"?{quote(parts.query, safe=QUERY_SAFE)}" if parts.query else "")
         head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
         found = ((parts.hostname, port), head)
         if len(self._heads) < 256:  # the proxy sends to a handful of fixed URLs
@@ -284,11 +283,9 @@ class NativeUpstream(Upstream):
 
     async def send(self, method: str, url: str, headers: list[tuple[str, str]], content: bytes | None,
                    params: str = "", timeout: float | None = None) -> UpstreamResponse:
-        if params:
-            url = f"{url}?{params}"
-        target = self._target(method, url)
+        target = self._target(method, f"{url}?{params}" if params else url)
         if target is None:
-            return await self._fallback.send(method, url, headers, content, timeout=timeout)
+            return await self._fallback.send(method, url, headers, content, params, timeout=timeout)
         key, start = target
         lines = [start]
         for k, v in headers:
