@@ -17,7 +17,9 @@ from tests.replay.test_hosted_api_refusals import report
 from tests.replay.test_replay import replay, rows
 
 CAP = 20
-PROFILES = ("prompt-off", "prompt-pad-8k-p10", "prompt-pad-8k-p90", "prompt-pad-16k-p10", "pad-8k-p10")
+#: the preset itself (off, prompt-off, the 25 prompting cells) and one native padded arm beside it
+PROFILES = "@seed003-prompt,pad-8k-p10"
+ARMS = 2 + 25 + 1
 
 
 def _text_oracle(cases: list) -> Path:
@@ -63,20 +65,25 @@ def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the
     fake = start_fake_upstream("--script", str(_text_oracle(cases)), "--tools-array-max", str(CAP))
     out = tmp_path / "run"
     try:
-        r = replay("--backend", f"{fake.url}/v1", "--profiles", ",".join(PROFILES), "--categories", "simple_python",
-                   "--limit", "2", "--out", str(out), "--header", "X-Test-Tag: prompt")
+        # counted with the estimate (allowed): the fake keeps its last 2,000 requests, and the upstream counter's
+        # /tokenize calls would push the first chat requests out
+        r = replay("--backend", f"{fake.url}/v1", "--profiles", PROFILES, "--categories", "simple_python",
+                   "--limit", "2", "--out", str(out), "--header", "X-Test-Tag: prompt", "--token-counter",
+                   "estimate", "--allow-estimate")
         assert r.returncode == 0, r.stderr[-3000:]
         sent = [q for q in httpx.get(f"{fake.url}/_fake/requests", params={"tag": "prompt"}).json()
                 if q["path"] == "/v1/chat/completions"]
     finally:
         fake.stop()
     stored = {(x["profile"], x["case_id"]): x for x in rows(out)}
-    assert len(stored) == len(PROFILES) * 2
+    assert len(stored) == ARMS * 2
     bodies = [json.loads(q["body"]) for q in sent]
     prompting = [b for b in bodies if "tools" not in b]
     native = [b for b in bodies if "tools" in b]
-    # every prompting request reached the model without native tools: 4 arms × 2 cases; the native padded arm's 2
-    assert len(prompting) == 8 and len(native) == 2 and all(len(b["tools"]) > CAP for b in native)
+    # every prompting request reached the model without native tools: 26 arms × 2 cases; natively, `off` (one
+    # tool: within the cap) and the padded arm (past it)
+    assert len(prompting) == 26 * 2 and len(native) == 2 * 2
+    assert sorted(len(b["tools"]) > CAP for b in native) == [False, False, True, True]
     for b in prompting:
         assert "tool_choice" not in b
         system = b["messages"][0]
@@ -84,11 +91,13 @@ def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the
         names = [f["name"] for c in cases for f in c.functions if f["name"] in system["content"]]
         assert names, system["content"][:300]  # the case's own function is in the prompt, as BFCL shows it
     padded = [b for b in prompting if b["messages"][0]["content"].count('"name"') > CAP]
-    assert len(padded) == 6  # the three padded arms: more tools in the prompt than the API takes in `tools`
+    assert len(padded) == 25 * 2  # every padded cell: more tools in the prompt than the API takes in `tools`
     for (profile, _), x in stored.items():
         if profile == "pad-8k-p10":  # native tools past the cap: the API's limit, not comparable
             assert (x["error_type"], x["error_code"], x["valid"]) == ("not_comparable", "array_above_max_length",
                                                                       None), x
+        elif profile == "off":  # native tools, answered with text: no call
+            assert (x["valid"], x["error_code"]) == (0, None), x
         else:  # the text answer parsed back with BFCL's decoder: the ground truth, valid
             assert (x["valid"], x["error_code"]) == (1, None), x
             applied = json.loads(x["perturbers"])["applied"]
@@ -96,18 +105,16 @@ def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the
 
     data = json.loads(report("--format", "json", str(out)))
     pads = data["padding"]["fake-model"]
-    assert {p: a["mode"] for p, a in pads.items()} == {"prompt-pad-8k-p10": "prompting",
-                                                       "prompt-pad-8k-p90": "prompting",
-                                                       "prompt-pad-16k-p10": "prompting",
-                                                       "pad-8k-p10": "native tools"}
+    assert len(pads) == 26 and pads.pop("pad-8k-p10")["mode"] == "native tools"
+    assert {a["mode"] for a in pads.values()} == {"prompting"}
     # the prompting grid is its own group in seed 003's tables, never pooled with native arms
     t1 = data["padding_extremes"]
     assert list(t1) == ["fake-model [prompting]"]
     e = t1["fake-model [prompting]"]["simple_python"]
-    assert (e["max"], e["min"], e["arms"], e["mode"]) == (1.0, 1.0, 3, "prompting")
-    assert e["drop"]["from_budget"] == 8192 and e["drop"]["to_budget"] == 16384 and e["drop"]["relative"] == 0.0
+    assert (e["max"], e["min"], e["arms"], e["mode"]) == (1.0, 1.0, 25, "prompting")
+    assert (e["drop"]["from_budget"], e["drop"]["to_budget"], e["drop"]["relative"]) == (8192, 120000, 0.0)
     # seed 002's format-sensitivity statistics are over format configurations only: the padded prompting arms are
-    # seed 003's (counted there, prompt-off's one configuration would be four, and give an entry)
+    # seed 003's (counted there, prompt-off's one configuration would be 26, and give an entry)
     assert data["format_sensitivity"] == {}
     # the backend's own count beside the counter's: this fake says 10 prompt tokens, so every arm is flagged
     b = pads["prompt-pad-8k-p10"]["backend_tokens"]
