@@ -446,13 +446,13 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
     specs = _profile_specs(config, arms)
+    _check_rephraser(options, specs)
+    _check_given(options, config, arms, cases)
     budgets = budget_arms(specs)
     counter = proxy_counter(options, budgets) if options.proxy else _token_counter(config, options, say, budgets)
     if options.proxy and budgets and counter is None:
         say("replay: note: the proxy at --proxy does not say which token counter it uses (its /readyz has no "
             "token_counter): the budgets are counted by its own [server] token_counter, unchecked here")
-    _check_rephraser(options, specs)
-    _check_given(options, config, arms, cases)
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
         _start_file(results, options, specs, model, counter)
