@@ -49,7 +49,10 @@ Faults (`X-Fake-Fault`): `status:CODE`, `delay:MS` (before answering), `hang` (n
 with an event-stream content type and no bytes), `no-done` (a stream that ends cleanly without `[DONE]` or its
 final event), `drop` (the request is read and recorded, then the connection closed without a byte of answer),
 `drop-reused` (the same, only when the request came on a connection that already carried one), `raw` (200 with
-the `X-Fake-Body` header's value as its JSON body, as it is: an answer of any shape).
+the `X-Fake-Body` header's value as its JSON body, as it is: an answer of any shape), `huge:N[:PIECE]` (a runaway
+answer: N characters of text, `0` for no end, in deltas of PIECE characters, default 1,000; streamed as chat chunks
+or Responses events when the request asks for a stream, else one chat completion or Responses object (by the
+route) written PIECE characters at a time; sent only as fast as the client reads, and stopped when it hangs up).
 
 Token counts (`--usage-varies`): a chat completion's `usage` differs from answer to answer (prompt tokens 50 to
 8,049, completion tokens 1 to 300, from the answer's sequence number), as a real backend's do; else 10 and 5.
@@ -558,6 +561,8 @@ async def app(scope, receive, send) -> None:
         scope["fake.transport"].close()  # set by _Protocol: no answer at all, the connection just ends
         await asyncio.sleep(0.05)  # until uvicorn saw the connection go (else it would try to answer 500)
         return
+    if kind == "huge":
+        return await _huge(path, raw, arg, send, receive)
     if kind == "delay":
         await asyncio.sleep(float(arg) / 1000)
     elif kind == "hang":
@@ -626,6 +631,67 @@ def validation_error(body: dict[str, Any]) -> bytes | None:
                                           "with this model. Only the default (1) value is supported.",
                                "type": "invalid_request_error", "param": "temperature", "code": "unsupported_value"}})
     return None
+
+
+async def _huge(path: str, raw: bytes, arg: str, send, receive) -> None:
+    """`huge:N[:PIECE]`: N characters of text (0: without end) in pieces of PIECE; see the module docstring."""
+    total, _, piece = arg.partition(":")
+    size, piece_n = int(total or 0), int(piece or 1000)
+    try:
+        stream = bool(_dec(raw).get("stream")) if raw else False
+    except (msgspec.DecodeError, AttributeError):
+        stream = False
+    responses = path.endswith("/responses")
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    text = "x" * piece_n
+    if stream and responses:
+        ev = lambda kind, **f: b"event: " + kind.encode() + b"\ndata: " + _enc({"type": kind, **f}) + b"\n\n"  # noqa: E731
+        base = {"id": "resp_huge", "object": "response", "model": MODEL, "status": "in_progress", "output": []}
+        head = ev("response.created", response=base) + ev(
+            "response.output_item.added", output_index=0,
+            item={"type": "message", "id": "msg_huge", "role": "assistant", "status": "in_progress", "content": []})
+        frame = ev("response.output_text.delta", item_id="msg_huge", output_index=0, content_index=0, delta=text)
+        done = {**base, "status": "completed", "output": [{"type": "message", "id": "msg_huge", "role": "assistant",
+                "status": "completed", "content": [{"type": "output_text", "text": "x" * size, "annotations": []}]}]}
+        tail = ev("response.completed", response=done)
+        ctype = b"text/event-stream"
+    elif stream:
+        base = {"id": "chatcmpl-huge", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+        chunk = lambda delta, finish=None: b"data: " + _enc(  # noqa: E731
+            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+        head, frame = chunk({"role": "assistant", "content": ""}), chunk({"content": text})
+        tail = chunk({}, "stop") + b"data: [DONE]\n\n"
+        ctype = b"text/event-stream"
+    else:
+        if responses:
+            head = (b'{"id":"resp_huge","object":"response","model":"' + MODEL.encode() + b'","status":"completed",'
+                    b'"output":[{"type":"message","id":"msg_huge","role":"assistant","status":"completed",'
+                    b'"content":[{"type":"output_text","annotations":[],"text":"')
+            tail = b'"}]}]}'
+        else:
+            head = (b'{"id":"chatcmpl-huge","object":"chat.completion","created":0,"model":"' + MODEL.encode() +
+                    b'","choices":[{"index":0,"message":{"role":"assistant","content":"')
+            tail = b'"},"finish_reason":"stop"}]}'
+        frame, ctype = text.encode(), b"application/json"
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": head, "more_body": True})
+        sent = 0
+        while (not size or sent < size) and not gone.is_set():
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            sent += piece_n
+            await asyncio.sleep(0)  # lets the watcher see a hang-up
+        if not gone.is_set():
+            await send({"type": "http.response.body", "body": tail})
+    finally:
+        watcher.cancel()
 
 
 def context_length_exceeded(tools: int) -> bytes:

@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
-    if args.db:
-        return _live(args, out)
-    if not args.dirs:
+    if not args.dirs and not args.db:
         print("toolquake: give one or more replay directories (or --db PATH for the live results store)",
               file=sys.stderr)
         return 2
+    from toolquake.proxy.live.results import StoreError
     from toolquake.proxy.replay.report import build
 
     try:
         text, written = build(args.dirs, args.format, out, baseline=args.baseline, plots=not args.no_plots,
-                             csv_stats=args.csv_stats, csv_cases=args.csv_cases, csv_tables=args.csv_tables)
+                             csv_stats=args.csv_stats, csv_cases=args.csv_cases, csv_tables=args.csv_tables,
+                             db=args.db)
+    except StoreError as exc:  # a missing, foreign or newer results store: say so, no traceback
+        print(f"toolquake: cannot read the results store {args.db}: {exc}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
         return 2
@@ -31,25 +33,6 @@ def run(args: argparse.Namespace) -> int:
     _emit(text, out)
     for path in written:
         print(f"toolquake: wrote {path}", file=sys.stderr)
-    return 0
-
-
-def _live(args: argparse.Namespace, out: Path | None) -> int:
-    from toolquake.proxy.live import results
-
-    try:
-        summary = results.summarize(args.db)
-    except Exception as exc:  # a missing or foreign file: say so, no traceback
-        print(f"toolquake: cannot read the results store {args.db}: {exc}", file=sys.stderr)
-        return 2
-    if args.format == "json":
-        text = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
-    elif args.format == "md":
-        text = results.format_summary(summary)
-    else:
-        print(f"toolquake: --db supports --format md or json, not {args.format}", file=sys.stderr)
-        return 2
-    _emit(text, out)
     return 0
 
 
@@ -64,7 +47,7 @@ def _emit(text: str, out: Path | None) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "report", help="tables and heatmaps from replay results",
+        "report", help="tables and heatmaps from replay results and the live results store",
         description="Merge the results of one or more replay directories (shards of one run, or runs of several "
                     "models) and report: accuracy per arm with the relative change against the baseline in "
                     "brackets (seed 001 Table 2), the error-type breakdown of each perturbed arm, per-category "
@@ -99,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "in long form (Table, Model, Group, Held Fixed, Statistic, Value, Arm, N, CI Low, CI High): "
                    "Max / Min / %% Deg. of Tables 1, 5, 6 and 7, Fig. 4's points and Table 2's cells")
     p.add_argument("--no-plots", action="store_true", help="skip the heatmaps (no matplotlib needed)")
-    p.add_argument("--db", metavar="PATH", help="summarise the live results store of `toolquake serve` instead "
-                   "(md or json)")
+    p.add_argument("--db", metavar="PATH", help="the live results store of `toolquake serve --results-db`: its "
+                   "arms (model \"live\") in every table and format, with its shadow consistency, noise floor, "
+                   "conformance and anytime-valid intervals; alone, or beside replay DIRs")
     p.set_defaults(func=run)

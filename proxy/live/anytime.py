@@ -53,7 +53,9 @@ class _Profile:
 class Sequences:
     """Running counts per profile, fed rows (dicts with the results table's columns) in the store's order."""
 
-    def __init__(self) -> None:
+    def __init__(self, baseline: str = BASELINE) -> None:
+        #: the profile the drops are paired against
+        self.baseline = baseline
         self.profiles: dict[str, _Profile] = {}
         #: first verdict of each case, per profile
         self.first: dict[str, dict[str, bool]] = {}
@@ -90,12 +92,12 @@ class Sequences:
         if case in seen:
             return
         seen[case] = bool(valid)
-        if name == BASELINE:
+        if name == self.baseline:
             for other, verdicts in self.first.items():
-                if other != BASELINE and case in verdicts:
+                if other != self.baseline and case in verdicts:
                     self._pair(other, bool(valid), verdicts[case])
         else:
-            base = self.first.get(BASELINE, {}).get(case)
+            base = self.first.get(self.baseline, {}).get(case)
             if base is not None:
                 self._pair(name, base, bool(valid))
 
@@ -110,7 +112,7 @@ class Sequences:
             out[name] = {
                 "n": p.n, "accuracy_cs": rate_cs(p.correct, p.n, alpha),
                 "pairs": sum(p.pairs),
-                "drop_vs_off_cs": None if name == BASELINE else paired_drop_cs(*p.pairs, alpha=alpha),
+                "drop_vs_off_cs": None if name == self.baseline else paired_drop_cs(*p.pairs, alpha=alpha),
                 "twins": p.twins,
                 "disagreement_cs": rate_excess_cs(p.disagree, p.twins, self.noise_disagree, self.noise_twins, alpha),
             }

@@ -165,10 +165,10 @@ class ShadowRunner:
         try:
             resp = await st.upstream.send("POST", st.upstream.api_url(api.path), headers, msgspec.json.encode(wire))
             try:
-                data = await resp.aread()
+                data = await resp.aread(st.config.server.max_answer_bytes)
             finally:
                 await resp.aclose()
-        except Exception as exc:  # unreachable, timeout, protocol error: counted, nothing else
+        except Exception as exc:  # unreachable, timeout, protocol error, past max_answer_bytes: counted, nothing else
             twin.error = f"upstream: {type(exc).__name__}"
             return twin
         twin.upstream_s = time.perf_counter() - t0

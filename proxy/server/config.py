@@ -85,6 +85,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     default_profile: str = "off"
     #: request bodies larger than this are refused with 413
     max_body_bytes: int = 32 * 1024 * 1024
+    #: bytes of one upstream answer the proxy keeps to read (check, assemble, restore); past it a relayed answer
+    #: goes on uninspected (counted), and one the profile must read whole gets 502 `upstream_answer_too_large`
+    max_answer_bytes: int = 32 * 1024 * 1024
     connect_timeout: float = 5.0
     #: seconds to wait for the upstream's answer (and between stream chunks) before 504
     read_timeout: float = 600.0
@@ -146,6 +149,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError(f"upstream must be an http(s) URL, got {self.upstream!r}")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
+        if self.max_answer_bytes < 1:
+            raise ValueError("max_answer_bytes must be positive")
         if self.workers < 0:
             raise ValueError("workers must be 0 (one per CPU) or more")
         if self.header_timeout <= 0 or self.keep_alive_timeout <= 0 or not self.body_timeout > 0:
@@ -284,6 +289,7 @@ ENV_FIELDS: dict[str, tuple[str, type]] = {
     "TOOLQUAKE_PORT": ("port", int),
     "TOOLQUAKE_DEFAULT_PROFILE": ("default_profile", str),
     "TOOLQUAKE_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "TOOLQUAKE_MAX_ANSWER_BYTES": ("max_answer_bytes", int),
     "TOOLQUAKE_READ_TIMEOUT": ("read_timeout", float),
     "TOOLQUAKE_BODY_TIMEOUT": ("body_timeout", float),
     "TOOLQUAKE_TOKEN_COUNTER": ("token_counter", str),

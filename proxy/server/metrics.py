@@ -102,6 +102,10 @@ class Metrics:
         self.upstream_errors = Counter("toolquake_upstream_errors",
                                        "Upstream failures answered by the proxy (unreachable, timeout, protocol).",
                                        ["kind"], registry=r)
+        self.answers_uninspected = Counter(
+            "toolquake_answers_uninspected", "Upstream answers relayed to the client without inspection (no "
+            "conformance check, assembly, trace summary or observer), by reason: `too_large` (past [server] "
+            "max_answer_bytes; nothing more of it was kept).", ["reason"], registry=r)
         self.injected_calls = Counter("toolquake_injected_tool_calls",
                                       "Calls the model made to tools the proxy added (not the client's), by profile "
                                       "and the perturber that added the tool.", ["profile", "perturber"], registry=r)

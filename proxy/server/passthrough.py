@@ -14,7 +14,7 @@ from toolquake.proxy.server.chat import client_headers, error_response, send_ups
 from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.paths import Passlist, encoded
 from toolquake.proxy.server.state import ProxyState
-from toolquake.proxy.server.upstream import request_headers, response_headers
+from toolquake.proxy.server.upstream import AnswerTooLarge, UpstreamResponse, request_headers, response_headers
 
 
 class Passthrough:
@@ -45,20 +45,16 @@ class Passthrough:
                                            body or None, request.url.query)
             if "text/event-stream" in upstream.header("content-type"):
                 status = upstream.status_code
-
-                async def relay() -> AsyncIterator[bytes]:
-                    try:
-                        async for chunk in upstream.aiter_raw():
-                            yield chunk
-                    finally:
-                        await upstream.aclose()
-
-                return Stream(relay(), status_code=status, headers=response_headers(upstream.headers),
-                              background=BackgroundTask(upstream.aclose))
+                return _relayed(upstream, b"")
             try:
-                data = await upstream.aread()
-            finally:
+                data = await upstream.aread(self.st.config.server.max_answer_bytes)
+            except AnswerTooLarge as big:  # past max_answer_bytes: relayed as it comes, never held whole
+                status = upstream.status_code
+                return _relayed(upstream, big.head)
+            except BaseException:
                 await upstream.aclose()
+                raise
+            await upstream.aclose()
             status = upstream.status_code
             return Response(content=data, status_code=status, headers=response_headers(upstream.headers),
                             media_type=upstream.header("content-type") or None)
@@ -69,3 +65,19 @@ class Passthrough:
             m.in_flight.dec()
             m.requests.labels("-", route_label, f"{status // 100}xx", "false", "none").inc()
             m.duration.labels("-", route_label, "false").observe(time.perf_counter() - t0)
+
+
+def _relayed(upstream: UpstreamResponse, head: bytes) -> Stream:
+    """The upstream's answer relayed as it comes (`head`: what was read of it already)."""
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            if head:
+                yield head
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    return Stream(relay(), status_code=upstream.status_code, headers=response_headers(upstream.headers),
+                  background=BackgroundTask(upstream.aclose))

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import msgspec
 
-from toolquake.proxy.server.streaming import FINAL_EVENTS, SSEParser, read_events
+from toolquake.proxy.server.streaming import FINAL_EVENTS, Pieces, SSEParser, read_events
 
 _encode = msgspec.json.encode
 _ids = itertools.count(1)
@@ -345,7 +345,7 @@ class TextThrough:
         self.seq = itertools.count()
         self.parser = SSEParser()
         self.created: dict[str, Any] | None = None
-        self.text = ""
+        self.pieces = Pieces()
         self.released = 0
         self.item = {"type": "message", "id": f"msg_tq{next(_ids)}", "status": "in_progress", "role": "assistant",
                      "content": []}
@@ -355,7 +355,11 @@ class TextThrough:
             if event.get("type") == "response.created" and isinstance(event.get("response"), dict):
                 self.created = event["response"]
             elif event.get("type") == "response.output_text.delta" and isinstance(event.get("delta"), str):
-                self.text += event["delta"]
+                self.pieces.add(event["delta"])
+
+    @property
+    def text(self) -> str:
+        return self.pieces.text()
 
     def release(self, upto: int) -> bytes:
         """Events for the text up to `upto` not sent yet ('' before the stream said who it is)."""

@@ -88,6 +88,8 @@ class Served:
     #: conformance rules the backend's answer broke (conformance.Violation), and the rule a `repair` fixed
     violations: list[Any] = field(default=())  # type: ignore[assignment]
     repaired: str | None = None
+    #: why the answer reached the client uninspected, or was refused (`too_large`: past max_answer_bytes)
+    uninspected: str | None = None
     #: the request's span (tracing.RequestTrace) when `[tracing]` is on, else None
     trace: Any = None
 

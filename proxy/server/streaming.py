@@ -87,8 +87,36 @@ def read_events(data: bytes) -> Iterator[dict[str, Any]]:
     return SSEParser().events(data, end=True)
 
 
+class Pieces:
+    """Text that arrives in pieces (a stream's deltas): kept as a list and joined when read, so adding a piece
+    costs its own length, never the text's so far (concatenating per delta was quadratic in the deltas)."""
+
+    __slots__ = ("_parts", "size")
+
+    def __init__(self, first: str = "") -> None:
+        self._parts = [first] if first else []
+        #: characters so far
+        self.size = len(first)
+
+    def add(self, piece: str) -> None:
+        self._parts.append(piece)
+        self.size += len(piece)
+
+    def text(self) -> str:
+        """The text so far (joined once; read again without new pieces, it costs nothing)."""
+        parts = self._parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def equals(self, value: Any) -> bool:
+        """`value` is this text (lengths compared first: a mismatch costs no join)."""
+        return isinstance(value, str) and len(value) == self.size and value == self.text()
+
+
 class StreamAssembler:
-    """Fold chat.completion.chunk payloads into a single chat.completion dict."""
+    """Fold chat.completion.chunk payloads into a single chat.completion dict (in time linear in the chunks:
+    text, names and arguments are `Pieces`, joined once in `result`)."""
 
     def __init__(self) -> None:
         self.id: str | None = None
@@ -124,34 +152,44 @@ class StreamAssembler:
             delta = choice.get("delta") or {}
             if delta.get("role"):
                 acc["role"] = delta["role"]
-            if delta.get("content"):
-                acc["content"] = (acc["content"] or "") + delta["content"]
+            if delta.get("content") and isinstance(delta["content"], str):
+                if acc["content"] is None:
+                    acc["content"] = Pieces()
+                acc["content"].add(delta["content"])
             for tc in delta.get("tool_calls") or []:
                 slot = acc["tool_calls"].setdefault(tc.get("index", len(acc["tool_calls"])),
-                                                    {"id": None, "type": "function",
-                                                     "function": {"name": "", "arguments": ""}})
+                                                    {"id": None, "type": "function", "name": Pieces(),
+                                                     "arguments": Pieces()})
                 if tc.get("id"):
                     slot["id"] = tc["id"]
                 if tc.get("type"):
                     slot["type"] = tc["type"]
                 fn = tc.get("function") or {}
                 if fn.get("name") and isinstance(fn["name"], str):
-                    slot["function"]["name"] += fn["name"]
+                    slot["name"].add(fn["name"])
                 args = fn.get("arguments")
                 if args and isinstance(args, str):
-                    slot["function"]["arguments"] += args
+                    slot["arguments"].add(args)
                 elif args is not None and not isinstance(args, str):  # a backend that sends an object (a bug)
-                    slot["function"]["arguments"] += _encode(args).decode()
+                    slot["arguments"].add(_encode(args).decode())
             if choice.get("finish_reason"):
                 acc["finish_reason"] = choice["finish_reason"]
+
+    def text(self, idx: int) -> str:
+        """The text of choice `idx` so far."""
+        content = (self.choices.get(idx) or {}).get("content")
+        return content.text() if content is not None else ""
 
     def result(self) -> dict[str, Any]:
         choices = []
         for idx in sorted(self.choices):
             acc = self.choices[idx]
-            message: dict[str, Any] = {"role": acc["role"] or "assistant", "content": acc["content"]}
+            message: dict[str, Any] = {"role": acc["role"] or "assistant", "content": self.text(idx) or None}
             if acc["tool_calls"]:
-                message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+                message["tool_calls"] = [
+                    {"id": slot["id"], "type": slot["type"], "function": {
+                        "name": slot["name"].text(), "arguments": slot["arguments"].text()}}
+                    for slot in (acc["tool_calls"][i] for i in sorted(acc["tool_calls"]))]
             choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"]})
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
                                "model": self.model, "choices": choices}
@@ -181,7 +219,7 @@ class TextThrough:
 
     @property
     def text(self) -> str:
-        return (self.asm.choices.get(0) or {}).get("content") or ""
+        return self.asm.text(0)
 
     def feed(self, data: bytes) -> None:
         for payload in self.parser.feed(data):
@@ -313,19 +351,20 @@ def summarize_sse(data: bytes) -> dict[str, Any] | None:
                     index = call.get("index", len(acc["calls"]))
                     if type(index) is not int:
                         return None
-                    name = acc["calls"].setdefault(index, "")
+                    name = acc["calls"].setdefault(index, Pieces())
                     fn = call.get("function") or {}
                     if type(fn) is not dict:
                         return None
                     if fn.get("name") and isinstance(fn["name"], str):
-                        acc["calls"][index] = name + fn["name"]
+                        name.add(fn["name"])
                 if choice.finish_reason:
                     acc["finish_reason"] = choice.finish_reason
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError, TypeError,
             AttributeError):
         return None
     answer["choices"] = [{"index": i, "finish_reason": choices[i]["finish_reason"], "message": {"tool_calls": [
-        {"function": {"name": choices[i]["calls"][c]}} for c in sorted(choices[i]["calls"])]}} for i in sorted(choices)]
+        {"function": {"name": choices[i]["calls"][c].text()}} for c in sorted(choices[i]["calls"])]}}
+        for i in sorted(choices)]
     if usage:
         answer["usage"] = usage
     return answer

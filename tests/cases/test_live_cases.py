@@ -13,6 +13,7 @@ from tests.cases.test_case_format import TIME, WEATHER
 from tests.conftest import start_proxy
 from tests.live.test_shadow import metric, wait_for
 from toolquake.proxy.live import results
+from toolquake.proxy.replay.report import summarize_db
 
 SYSTEM = {"role": "system", "content": "You answer travellers."}
 CASES = [
@@ -83,5 +84,5 @@ def test_user_cases_are_scored_live_by_content_hash_and_header(served):
     assert [r["resolved_by"] for r in rows] == ["header" if h else "content" for *_, h, _ in SENT]
     assert [r["category"] for r in rows] == ["mine", "mine", "mine", "smalltalk", "smalltalk"]
     assert rows[3]["expected"] == "irrelevance" and rows[0]["expected"] == "ground_truth"
-    summary = results.summarize(db)
+    summary = summarize_db(db)
     assert summary["arms"]["off"]["by_category"]["mine"]["accuracy"] == pytest.approx(1 / 3)

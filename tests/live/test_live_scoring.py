@@ -23,6 +23,7 @@ import pytest
 
 from tests.live.test_shadow import MESSAGES, TOOLS, metric, wait_for
 from toolquake.proxy.live import results
+from toolquake.proxy.replay.report import render_markdown, summarize_db
 
 MODEL = "fake-model"
 
@@ -236,7 +237,7 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
         assert row["request_body"] is None and row["response_body"] is None
     assert [r["perturbers"][0]["name"] for r in rows.values() if r["profile"] == "removed"] == ["tool_removal"] * 2
 
-    summary = results.summarize(db)
+    summary = summarize_db(db)
     for profile in {s["profile"] for s in sent}:
         mine = [s for s in sent if s["profile"] == profile]
         assert summary["arms"][profile]["n"] == len(mine)
@@ -568,7 +569,7 @@ def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, pr
             n += 1
     wait_for(lambda: metric(proxy, "toolquake_scored_total") == n, what="every answer scored")
     wait_for(lambda: promql(prom, "sum(toolquake_scored_total)") == {"{}": n}, timeout=30, what="a scrape")
-    summary = results.summarize(db)
+    summary = summarize_db(db)
     queries = dashboard_queries()
     [accuracy] = queries["Accuracy by profile (since the proxies started)"]
     [drop] = queries["Relative drop vs off (seed 001 Table 2)"]
@@ -640,7 +641,7 @@ def test_anytime_gauges_are_the_reports_confidence_sequences(proxy_factory, tmp_
     # the monitor reads the store every few seconds: wait for the pairs it has seen
     wait_for(lambda: metric(proxy, "toolquake_live_pairs", profile="reversed") == len(cases), timeout=30,
              what="the anytime monitor read every pair")
-    summary = results.summarize(db)
+    summary = summarize_db(db)
     arm, base = summary["arms"]["reversed"], summary["arms"]["off"]
     assert arm["anytime_pairs"] == len(cases)
     lo, hi = arm["drop_vs_off_cs"]
@@ -653,5 +654,5 @@ def test_anytime_gauges_are_the_reports_confidence_sequences(proxy_factory, tmp_
         assert metric(proxy, "toolquake_live_accuracy_upper", profile=profile) == pytest.approx(acc_hi)
         # anytime-valid is wider than the fixed-sample interval at the same n
         assert acc_lo <= a["accuracy_ci"][0] and a["accuracy_ci"][1] <= acc_hi
-    text = results.format_summary(summary)
-    assert "anytime 95 %" in text and f"({len(cases)})" in text
+    text = render_markdown(summary)
+    assert "accuracy anytime 95 %" in text and f"| [{lo * 100:+.1f}, {hi * 100:+.1f}] | {len(cases)} |" in text

@@ -18,6 +18,7 @@ from tests.conftest import recorded
 from tests.fake_upstream import FLAKY_TEXT
 from tests.live.test_shadow import MESSAGES, TOOLS, client, config, metric, wait_for
 from toolquake.proxy.live import results
+from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.scorers.consistency import AGREE_EXACT, DISAGREE
 
 NOISE = "<noise>"
@@ -52,10 +53,10 @@ def test_deterministic_model_has_a_zero_noise_floor_and_the_profile_keeps_its_ow
     noise = [r for r in rows if r["arm"] == "noise"]
     assert len(noise) == n and all(r["agree"] == AGREE_EXACT and r["perturbers"] == [] for r in noise)
     assert all(r["profile"] == "shadow-reversed" and r["shadow_of"] and r["valid"] is None for r in noise)
-    s = results.summarize(db)
+    s = summarize_db(db)
     assert s["consistency"]["shadow-reversed"]["n"] == n and s["consistency"]["shadow-reversed"]["disagree"] == n
     assert s["noise"][NOISE]["n"] == n and s["noise"][NOISE]["rate_disagree"] == 0.0
-    text = results.format_summary(s)
+    text = render_markdown(s)
     assert "## Noise floor" in text and "| shadow-reversed | 6 | 0 | 0 | 6 |" in text
 
 
@@ -93,7 +94,7 @@ def test_nondeterministic_model_noise_is_measured_per_twin_and_never_mixed_in(pr
     # the profile's own consistency counts its perturbed twins only
     twin_disagree = sum(r["agree"] == DISAGREE for r in twins)
     assert metric(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=DISAGREE) == twin_disagree
-    s = results.summarize(db)
+    s = summarize_db(db)
     assert s["consistency"]["shadow-reversed"]["n"] == n
     assert s["consistency"]["shadow-reversed"]["disagree"] == twin_disagree
     assert s["noise"][NOISE]["n"] == noised and s["noise"][NOISE]["disagree"] == disagree

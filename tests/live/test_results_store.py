@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT
 from toolquake.proxy.live import results
 from toolquake.proxy.live.results import ResultsStore, Row, StoreError
+from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.scorers.aggregate import wilson_ci
 
 
@@ -155,7 +156,7 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
     for i, agree in enumerate(["true", "semantic", "false", "true"]):
         store.append(_row(request_id=f"t{i}", profile="sh", mode="shadow", arm="twin", agree=agree))
     store.close()
-    s = results.summarize(path)
+    s = summarize_db(path)
     assert s["rows"] == len(spec) + 4
 
     def acc(profile, cat=None):
@@ -184,9 +185,9 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
         "rate_semantic": 0.75,
         "rate_disagree": 0.25,
     }
-    text = results.format_summary(s)
-    assert "| expanded | 4 | 25.0% (-67%) | 0 |" in text
-    assert "| sh | 4 | 2 | 1 | 1 | 75.0% |" in text
+    text = render_markdown(s)
+    assert "| live | expanded | 4 | 0.250 |" in text
+    assert "| sh | 4 | 2 | 1 | 1 | 75.0 % [30.1, 95.4] |" in text
 
 
 def test_report_db_prints_the_summary(tmp_path):
@@ -207,9 +208,9 @@ def test_report_db_prints_the_summary(tmp_path):
     run = [sys.executable, "-m", "toolquake", "report", "--db", str(path)]
     as_json = subprocess.run([*run, "--format", "json"], capture_output=True, text=True, cwd=ROOT)
     assert as_json.returncode == 0, as_json.stderr
-    assert json.loads(as_json.stdout) == json.loads(json.dumps(results.summarize(path)))
+    assert json.loads(as_json.stdout) == json.loads(json.dumps(summarize_db(path)))
     as_md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
-    assert as_md.returncode == 0 and as_md.stdout == results.format_summary(results.summarize(path))
+    assert as_md.returncode == 0 and as_md.stdout == render_markdown(summarize_db(path))
     missing = subprocess.run([*run[:-1], str(tmp_path / "nope.sqlite")], capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "no results file" in missing.stderr
 
@@ -246,7 +247,7 @@ def test_report_db_counts_not_perturbed_pairs_apart_and_out_of_the_accuracy(tmp_
     assert arm["paired"]["n"] == 1 and arm["paired"]["valid_to_invalid"] == 1
     assert json.loads(out)["arms"]["off"]["not_perturbed"] == 0
     md = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert f"| rephrased | {len(mine)} | {len(kept)} | {len(mine) / (len(mine) + len(kept)) * 100:.1f}% |" in md
+    assert f"| live | rephrased | {len(mine)} | {len(kept)} | {len(mine) / (len(mine) + len(kept)):.3f} |" in md
 
 
 def test_the_live_drop_is_the_paired_drop_inside_its_interval(tmp_path):
@@ -262,7 +263,7 @@ def test_the_live_drop_is_the_paired_drop_inside_its_interval(tmp_path):
             store.append(_row(request_id=f"{profile}{i}", profile=profile, case_id=f"multiple_{i}",
                               category="multiple", valid=valid, error_type=None if valid else "x:y"))
     store.close()
-    arm = results.summarize(path)["arms"]["expanded"]
+    arm = summarize_db(path)["arms"]["expanded"]
     shared = [i for i in expanded if i in off]
     base_acc = Fraction(sum(off[i] for i in shared), len(shared))
     arm_acc = Fraction(sum(expanded[i] for i in shared), len(shared))

@@ -265,4 +265,4 @@ def test_db_option_summarises_the_live_results_store(tmp_path):
     data = json.loads(report("--db", str(tmp_path / "live.sqlite"), "--format", "json"))
     assert data["arms"]["off"]["accuracy"] == 1.0 and data["arms"]["expanded"]["accuracy"] == 0.5
     assert data["arms"]["expanded"]["drop_vs_off"] == pytest.approx(-0.5)
-    assert "| expanded | 2 | 50.0% (-50%) |" in report("--db", str(tmp_path / "live.sqlite"))
+    assert "| live | expanded | 2 | 0.500 |" in report("--db", str(tmp_path / "live.sqlite"), "--no-plots")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from tests.conftest import ROOT
 from toolquake.proxy.escape import FORMULA_STARTS
 from toolquake.proxy.replay import report
+from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 #: what an attacker would put in a name
@@ -256,7 +257,7 @@ def test_live_results_summary_escapes_names(data):
                                          category=n["category"], valid=profile == "off" or i == 0,
                                          taxonomy=None if profile == "off" or i == 0 else n["error"]))
         store.close()
-        check_markdown(results.format_summary(results.summarize(Path(tmp) / "live.sqlite")))
+        check_markdown(render_markdown(summarize_db(Path(tmp) / "live.sqlite")))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, wilson, wilson_ci
 
@@ -293,7 +294,7 @@ def test_live_summary_has_intervals_and_the_paired_test(tmp_path):
         store.append(results.Row(request_id=f"t{i}", profile="sh", mode="shadow", arm="twin", model="m",
                                  stream=False, status=200, agree=agree))
     store.close()
-    s = results.summarize(tmp_path / "live.sqlite")
+    s = summarize_db(tmp_path / "live.sqlite")
     sh = _independent("shuffled")
     assert s["arms"]["shuffled"]["accuracy_ci"] == pytest.approx(sh["ci"], abs=1e-4)
     cmp = s["arms"]["shuffled"]["paired"]
@@ -301,10 +302,10 @@ def test_live_summary_has_intervals_and_the_paired_test(tmp_path):
     assert cmp["p_value"] == pytest.approx(sh["p"])
     consistent = stats.binomtest(8, 10).proportion_ci(method="wilson")
     assert s["consistency_ci"]["sh"]["rate_semantic"] == pytest.approx([consistent.low, consistent.high], abs=1e-4)
-    text = results.format_summary(s)
+    text = render_markdown(s)
     lo, hi = sh["ci"]
     assert f"[{lo * 100:.1f}, {hi * 100:.1f}]" in text and f"| 59 | 12 | 3 | {sh['p']:.2g} | yes |" in text
-    assert f"| 80.0% | [{consistent.low * 100:.1f}, {consistent.high * 100:.1f}] |" in text
+    assert f"| 80.0 % [{consistent.low * 100:.1f}, {consistent.high * 100:.1f}] |" in text
 
 
 # ---------------------------------------------------------------------------------------------

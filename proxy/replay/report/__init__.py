@@ -1,6 +1,9 @@
-"""Reports from replay results: seed 001's Table 2, seed 003's and seed 002's heatmaps, BFCL-style CSV.
+"""Reports from replay results and the live results store: seed 001's Table 2, seed 003's and seed 002's heatmaps,
+BFCL-style CSV.
 
-Everything is computed from the verdicts stored by `toolquake replay` (proxy/replay/run.py). Several
+Everything is computed from the verdicts stored by `toolquake replay` (proxy/replay/run.py) and, with `--db`, by
+`toolquake serve --results-db` (proxy/live/results.py: read by `rows.load` into the same rows, one more source,
+its arms under the model "live"; every statistic is the same code for both). Several
 directories (or files) are merged, e.g. the shards of one run, or runs of different models; a
 (model, profile, case) pair found twice counts once (a scored row wins over a failed one).
 
@@ -20,8 +23,9 @@ The report is built in layers, each module importing only those below it (a cont
     plots                                   matplotlib figures
     tables                                  every table as (title, header, rows) of text cells
     summary | cases                         the JSON report; the per-case diffs
-    families | paper_tables | sweeps        perturbation families and recovery; the seed papers' measures;
-                                            `toolquake sweep`'s breaking points and survival curves
+    families | paper_tables | sweeps | live perturbation families and recovery; the seed papers' measures;
+                                            `toolquake sweep`'s breaking points and survival curves; the
+                                            anytime-valid intervals, shadow consistency and noise floor
     stats                                   accuracy, intervals, paired tests, trials, flips
     rows | arms                             load: results files → rows (every SQLite read); the experiment
                                             each step belongs to, as its perturber declares it
@@ -32,7 +36,7 @@ This package's namespace re-exports the names the CLI, the scripts and the tests
 
 from __future__ import annotations
 
-from toolquake.proxy.replay.report.build import build
+from toolquake.proxy.replay.report.build import build, summarize_db
 from toolquake.proxy.replay.report.cases import calls_text, case_details, perturbation_steps, perturbation_text
 from toolquake.proxy.replay.report.csv_out import (
     CSV_CASES_COLUMNS,
@@ -55,7 +59,7 @@ from toolquake.proxy.replay.report.paper_tables import (
     padding_grid,
 )
 from toolquake.proxy.replay.report.plots import accuracy_plot, heatmaps, response_plots, survival_plots
-from toolquake.proxy.replay.report.rows import Results, Row, load, result_files
+from toolquake.proxy.replay.report.rows import LIVE, Results, Row, load, result_files
 from toolquake.proxy.replay.report.stats import ALPHA, BASELINE, flips, paired, trial_numbers
 from toolquake.proxy.replay.report.summary import summarize
 from toolquake.proxy.replay.report.sweeps import sweep_numbers
@@ -63,11 +67,11 @@ from toolquake.proxy.replay.report.tables import headline, summary_table, tables
 from toolquake.proxy.replay.report.text import drop_ci, p_text, pct_ci
 
 __all__ = [
-    "ALPHA", "BASELINE", "CSV_CASES_COLUMNS", "CSV_STATS_COLUMNS", "CSV_TRIALS_COLUMNS", "Results", "Row",
+    "ALPHA", "BASELINE", "LIVE", "CSV_CASES_COLUMNS", "CSV_STATS_COLUMNS", "CSV_TRIALS_COLUMNS", "Results", "Row",
     "accuracy_plot", "budget_ticks", "build", "calls_text", "case_details", "drop_ci", "extra_html_sections",
     "flips", "format_configurations", "format_counts", "format_grid", "format_label", "headline", "heatmaps",
     "json_text", "load", "p_text", "padding_counts", "padding_grid", "paired", "pct_ci", "perturbation_steps",
     "perturbation_text", "render_cases_csv", "render_csv", "render_html", "render_markdown", "render_tables_csv",
-    "response_plots", "result_files", "summarize", "summary_table", "survival_plots", "sweep_numbers", "tables",
-    "trial_numbers", "trials_table",
+    "response_plots", "result_files", "summarize", "summarize_db", "summary_table", "survival_plots",
+    "sweep_numbers", "tables", "trial_numbers", "trials_table",
 ]

@@ -1,8 +1,10 @@
-"""`toolquake report` from replay results: load, summarize, draw, render in the format asked for."""
+"""`toolquake report` from replay results and the live results store: load, summarize, draw, render in the format
+asked for."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from toolquake.proxy.replay.report.cases import case_details
 from toolquake.proxy.replay.report.csv_out import render_cases_csv, render_csv, render_sweeps_csv, render_tables_csv
@@ -18,10 +20,11 @@ from toolquake.proxy.replay.report.summary import summarize
 
 def build(
     paths: list[str | Path], fmt: str, out: Path | None, baseline: str = BASELINE, plots: bool = True,
-    csv_stats: bool = False, csv_cases: bool = False, csv_tables: bool = False,
+    csv_stats: bool = False, csv_cases: bool = False, csv_tables: bool = False, db: str | Path | None = None,
 ) -> tuple[str, list[Path]]:
-    """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout)."""
-    res = load(paths)
+    """The report text in `fmt`, and the PNG files written next to `out` (md with --out; never to stdout), from
+    the replay results in `paths` and the live results store `db`."""
+    res = load(paths, db)
     summary = summarize(res, baseline)
     written: list[Path] = []
     if fmt == "csv" and summary.get("sweeps") and not summary["models"]:
@@ -56,3 +59,12 @@ def build(
             written.append(path)
             refs[name] = path.name
     return render_markdown(summary, refs), written
+
+
+def summarize_db(path: str | Path, baseline: str = BASELINE) -> dict[str, Any]:
+    """The JSON report of a live results store (`toolquake report --db PATH --format json`), per-case diffs
+    included."""
+    res = load([], path)
+    summary = summarize(res, baseline)
+    summary["flips"] = case_details(res, flips(res, baseline), baseline)
+    return summary

@@ -1,6 +1,12 @@
-"""Load: replay results files (proxy/replay/store.py) read into rows, and the stored columns the report reads
-later (applied steps' reports, answers). Every SQLite read of the report is here; read-only, so it is safe while
-a replay is still writing."""
+"""Load: replay results files (proxy/replay/store.py) and the live results store of `toolquake serve`
+(proxy/live/results.py) read into rows, and the stored columns the report reads later (applied steps' reports,
+answers). Every SQLite read of the report is here; read-only, so it is safe while a replay or a server is still
+writing.
+
+A live store is one more source: its arms are reported under the model `LIVE` (it pools every model its traffic
+named, per profile, as its gauges do), every scored answer is a row (a case answered twice counts twice in the
+accuracy; the paired comparison and the per-case diffs read its latest verdict), and its shadow and noise twins'
+agreement and its conformance violations are kept for their own sections (`live_rows`, `conformance`)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.live.results import connect, not_perturbed, read_violations
 from toolquake.proxy.replay.store import row_status
+
+#: the model an arm of the live results store is reported under (its source's label in every table)
+LIVE = "live"
 
 
 @dataclass
@@ -75,6 +86,13 @@ class Results:
     sweep_runs: list[SweepRun] = field(default_factory=list)
     #: (model, profile) → the profile's definition when it was replayed
     arms: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: indices into `sources` of live results stores (`serve --results-db`); every other source is a replay file
+    live_sources: set[int] = field(default_factory=set)
+    #: per live model (`LIVE`): every row of its store in the store's order, as the shadow consistency, the noise
+    #: floor and the anytime intervals read them ({profile, arm, case_id, valid, agree, not_perturbed})
+    live_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: per live model: its store's conformance violations ({model, rule}), oldest first
+    conformance: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     sources: list[Path] = field(default_factory=list)
     duplicates: int = 0
     #: model → what its requests were sent with, as the results files recorded it: {"temperature": "0" | "none"
@@ -126,9 +144,12 @@ def _model(db: sqlite3.Connection) -> str:
     return dict(db.execute("SELECT key, value FROM meta").fetchall()).get("model", "unknown")
 
 
-def load(paths: list[str | Path]) -> Results:
-    """Read and merge replay results (read-only; safe while a replay is still writing)."""
+def load(paths: list[str | Path], db: str | Path | None = None) -> Results:
+    """Read and merge replay results, and the live results store `db` when given (read-only; safe while a replay
+    or a server is still writing)."""
     res = Results()
+    if db is not None:
+        _load_live(Path(db), res)
     seen: dict[tuple[str, str, str, int], int] = {}
     for path in result_files(paths):
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -178,6 +199,40 @@ def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, 
         res.arms.setdefault((model, row.profile), {"mode": "unknown", "perturbers": []})
 
 
+def _load_live(path: Path, res: Results) -> None:
+    """A live results store: its scored answers as rows of the model `LIVE` (in the store's order, none dropped as
+    a duplicate), its arms (profiles, sorted; each defined by the steps its first perturbed answer records), its
+    twins and its conformance violations. A file that is not a results store raises StoreError."""
+    store = connect(path, readonly=True)
+    try:
+        found = store.execute("SELECT profile, mode, arm, case_id, category, valid, taxonomy, error_type, "
+                              "fair_valid, semantic_valid, agree, perturbers FROM results ORDER BY id").fetchall()
+    finally:
+        store.close()
+    src = len(res.sources)
+    kept, arms = [], {}
+    for (profile, mode, arm, case_id, category, valid, taxonomy, error_type, fair, semantic, agree,
+         perturbers) in found:
+        steps = json.loads(perturbers) if perturbers else []
+        unchanged = not_perturbed(steps)
+        kept.append({"profile": profile, "arm": arm, "case_id": case_id, "valid": valid, "agree": agree,
+                     "not_perturbed": unchanged})
+        if valid is None:  # no case known, or a noise twin (compared only): in no accuracy
+            continue
+        if profile not in arms or (not arms[profile]["perturbers"] and steps):
+            arms[profile] = {"mode": mode, "perturbers": [{"name": s.get("name"), "params": s.get("params") or {}}
+                                                          for s in steps if isinstance(s, dict)]}
+        res.rows.append(Row(LIVE, profile, case_id or "", category or "unknown",
+                            NOT_PERTURBED if unchanged else "scored", bool(valid), taxonomy, error_type, None,
+                            _bool(fair), _bool(semantic), source=src))
+    for profile in sorted(arms):
+        res.arms[(LIVE, profile)] = arms[profile]
+    res.live_rows[LIVE] = kept
+    res.conformance[LIVE] = [{"model": v["model"], "rule": v["rule"]} for v in read_violations(path)]
+    res.live_sources.add(src)
+    res.sources.append(path)
+
+
 def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
     """A sweep file: its settings, and every request as (case, x, trial, verdict); x read from the arm's spec."""
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
@@ -201,8 +256,8 @@ def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
 
 def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:
     """(model, profile, case id, stored `perturbers` JSON) of every scored row of trial 0, file by file in
-    the order written."""
-    for path in res.sources:
+    the order written (replay files only)."""
+    for path in _replay_files(res):
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = _model(db)
@@ -228,7 +283,7 @@ def step_usage(res: Results, names: list[str]) -> Iterator[tuple[str, str, dict[
     if not names:
         return
     like = " OR ".join("perturbers LIKE ?" for _ in names)
-    for path in res.sources:
+    for path in _replay_files(res):
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = _model(db)
@@ -251,6 +306,9 @@ def stored_answers(res: Results, wanted: dict[int, set[tuple[str, str]]]) -> dic
     """{(source, profile, case id): (answer, perturbers)} of trial 0 of the wanted pairs of each source file."""
     stored: dict[tuple[int, str, str], tuple[Any, Any]] = {}
     for src, pairs in wanted.items():
+        if src in res.live_sources:
+            stored.update(_live_answers(res.sources[src], src, pairs))
+            continue
         db = sqlite3.connect(f"file:{res.sources[src]}?mode=ro", uri=True)
         try:
             trial = trial_column(db)
@@ -265,3 +323,24 @@ def stored_answers(res: Results, wanted: dict[int, set[tuple[str, str]]]) -> dic
         finally:
             db.close()
     return stored
+
+
+def _replay_files(res: Results) -> list[Path]:
+    return [p for i, p in enumerate(res.sources) if i not in res.live_sources]
+
+
+def _live_answers(path: Path, src: int, pairs: set[tuple[str, str]]) -> dict[tuple[int, str, str], tuple[Any, Any]]:
+    """The answer (stored only with `store_contents`) and applied steps of the latest scored verdict of each pair
+    in a live store, the steps as a replay file stores them ({"applied": [...]})."""
+    out: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+    db = connect(path, readonly=True)
+    try:
+        for profile, case_id in sorted(pairs):
+            row = db.execute("SELECT response_body, perturbers FROM results WHERE profile = ? AND case_id = ? AND "
+                             "valid IS NOT NULL ORDER BY id DESC LIMIT 1", (profile, case_id)).fetchone()
+            if row is not None:
+                out[(src, profile, case_id)] = (None if row[0] is None else json.loads(row[0]),
+                                                {"applied": json.loads(row[1]) if row[1] else []})
+    finally:
+        db.close()
+    return out

@@ -92,6 +92,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         # semantic mode was only asked for invalid BFCL verdicts: valid ones stay valid
         "semantic_accuracy": ratio(semantic_valid, len(scored)) if has_semantic else None,
         "semantic_accuracy_ci": wilson_ci(semantic_valid, len(scored)) if has_semantic else None,
+        # failures the semantic mode would have passed
+        "semantic_flips": sum(1 for r in scored if not r.valid and r.semantic_valid),
     }
 
 
@@ -145,26 +147,30 @@ def paired(base: dict[str, bool], arm: dict[str, bool]) -> dict[str, Any]:
 
 
 def _verdicts(rows: list[Row], category: str | None = None) -> dict[str, bool]:
-    return {r.case_id: bool(r.valid) for r in rows if r.status == "scored" and (category is None or
-                                                                                r.category == category)}
+    """{case id: valid} of the scored rows, the latest of a case answered more than once (live traffic)."""
+    return {r.case_id: bool(r.valid) for r in rows if r.status == "scored" and r.case_id and
+            (category is None or r.category == category)}
 
 
 def with_drops(arms: dict[str, dict[str, Any]], baseline: str, rows: dict[str, list[Row]] | None = None) -> None:
     """Each arm's relative drop against the baseline, overall and per category, paired: on the cases both scored
-    (an arm that left some pairs unperturbed, or has pairs not scored yet, is compared on its own cases only)."""
+    (an arm that left some pairs unperturbed, or has pairs not scored yet, is compared on its own cases only).
+    Arms that share no case (live traffic where no case came through both profiles yet) get the relative
+    difference of their accuracies, without an interval or a test."""
     base = arms.get(baseline)
     rows = rows or {}
     base_rows = rows.get(baseline, [])
     for p, arm in arms.items():
         cmp = paired(_verdicts(base_rows), _verdicts(rows.get(p, []))) if base and p != baseline else None
-        arm["drop_vs_off"] = cmp["drop"] if cmp else relative_drop(arm["accuracy"], base["accuracy"] if base else None)
+        arm["drop_vs_off"] = (cmp["drop"] if cmp and cmp["n"] else
+                              relative_drop(arm["accuracy"], base["accuracy"] if base else None))
         arm["paired"] = cmp
         arm["drop_vs_off_ci"] = cmp["drop_ci"] if cmp else None
         for name, cat in arm["by_category"].items():
             b = base["by_category"].get(name) if base else None
             cat_cmp = (paired(_verdicts(base_rows, name), _verdicts(rows.get(p, []), name))
                        if b and p != baseline else None)
-            cat["drop_vs_off"] = (cat_cmp["drop"] if cat_cmp else
+            cat["drop_vs_off"] = (cat_cmp["drop"] if cat_cmp and cat_cmp["n"] else
                                   relative_drop(cat["accuracy"], b["accuracy"] if b else None))
             cat["drop_vs_off_ci"] = cat_cmp["drop_ci"] if cat_cmp else None
 
@@ -185,6 +191,7 @@ def arms_summary(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
             arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
             arm["conversation"] = res.arms[(model, p)].get("conversation", "played")
             arm["trials"] = trial_numbers(all_trials.get((model, p), []))
+            arm["source"] = "live" if model in res.live_rows else "replay"
         models[model] = {"arms": arms}
     single = len(models) == 1
     flat = {(p if single else f"{p} [{m}]"): arm for m, data in models.items() for p, arm in data["arms"].items()}
@@ -221,15 +228,16 @@ def flips(res: Results, baseline: str = BASELINE) -> list[dict[str, Any]]:
     `direction` is valid_to_invalid (the perturbation broke it) or invalid_to_valid; `error_type` is the
     invalid side's (the arm's, or the baseline's for invalid_to_valid).
     """
-    first = [r for r in res.rows if r.trial == 0]
-    by_key = {(r.model, r.profile, r.case_id): r for r in first if r.status == "scored"}
+    # the latest verdict of each case (a live store may hold several), as the paired comparison reads them
+    by_key = {(r.model, r.profile, r.case_id): r for r in res.rows if r.trial == 0 and r.status == "scored"
+              and r.case_id}
     out = []
     for model in res.models:
         for p in res.profiles(model):
             if p == baseline:
                 continue
-            for r in first:
-                if r.model != model or r.profile != p or r.status != "scored":
+            for r in by_key.values():
+                if r.model != model or r.profile != p:
                     continue
                 base = by_key.get((model, baseline, r.case_id))
                 if base is None or bool(base.valid) == bool(r.valid):

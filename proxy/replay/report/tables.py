@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from toolquake.proxy.replay.report.families import tables as family_tables
+from toolquake.proxy.replay.report.live import tables as live_tables
 from toolquake.proxy.replay.report.paper_tables import tables as paper_tables
 from toolquake.proxy.replay.report.stats import ALPHA
 from toolquake.proxy.replay.report.sweeps import INF
@@ -23,9 +24,12 @@ def _spec_text(perturbers: list[dict[str, Any]]) -> str:
 
 def report_title(summary: dict[str, Any]) -> str:
     """The report's title, after what its results files hold: replays, sweeps (`toolquake sweep`), or both."""
-    sweeps, replays = bool(summary.get("sweeps")), bool(summary.get("models"))
-    return ("toolquake replay and sweep report" if sweeps and replays else "toolquake sweep report" if sweeps
-            else "toolquake replay report")
+    sweeps = bool(summary.get("sweeps"))
+    sources = {a.get("source", "replay") for a in summary.get("arms", {}).values()}
+    if "db" in summary:
+        sources.add("live")
+    kinds = [k for k in ("live", "replay") if k in sources] + (["sweep"] if sweeps else [])
+    return f"toolquake {' and '.join(kinds) or 'replay'} report"
 
 
 def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
@@ -99,7 +103,7 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     """(title, header, rows) of every table in the report (the sweeps' after the replays')."""
     replays = [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
                *family_tables(summary), *paper_tables(summary)] if summary["models"] else []
-    return [*_sent_with_table(summary), *replays, *sweep_tables(summary)]
+    return [*_sent_with_table(summary), *replays, *live_tables(summary), *sweep_tables(summary)]
 
 
 def _sent_with_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import asyncio
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     from litestar.response import Stream
@@ -10,6 +11,8 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.answer.path import AnswerPath
     from toolquake.proxy.server.state import Asked, ProxyState, Served
     from toolquake.proxy.server.upstream import UpstreamResponse
+
+T = TypeVar("T")
 
 #: what a step needs of one answer (`AnswerStep.needs`):
 #: the complete answer before the client gets any of it (the step may change it)
@@ -114,3 +117,15 @@ def make_plan(steps: tuple[AnswerStep, ...], asked: Asked, served: Served) -> Pl
         plan.answer.append(plan.check)
         plan.check = None
     return plan
+
+
+#: bytes of an answer past which assembling or checking it runs in a thread, not on the event loop
+OFF_LOOP_BYTES = 256 * 1024
+
+
+async def off_loop(fn: Callable[[bytes], T], data: bytes) -> T:
+    """`fn(data)`: on the event loop for a small answer, in a worker thread past `OFF_LOOP_BYTES` (the loop goes on
+    serving other requests meanwhile)."""
+    if len(data) <= OFF_LOOP_BYTES:
+        return fn(data)
+    return await asyncio.to_thread(fn, data)

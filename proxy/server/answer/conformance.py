@@ -4,13 +4,14 @@ handed to the conformance sinks."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 
 from toolquake.proxy.server import conformance
-from toolquake.proxy.server.answer.base import BYTES, AnswerStep
+from toolquake.proxy.server.answer.base import BYTES, AnswerStep, off_loop
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.state import Asked, Served
@@ -24,6 +25,11 @@ def offered(served: Served) -> conformance.Offered:
     if served.outcome is not None and served.outcome.request.body is not None:
         return conformance.Offered.from_request(served.outcome.request.body)
     return conformance.Offered.from_raw(served.sent_raw) if served.sent_raw else conformance.Offered({})
+
+
+def _check(route: str, stream: bool, tools: conformance.Offered, relayed: bytes) -> list[conformance.Violation]:
+    answer: bytes | Any = relayed if stream else _decode(relayed)
+    return conformance.check(route, stream, answer, tools)
 
 
 class Conformance(AnswerStep):
@@ -43,9 +49,8 @@ class Conformance(AnswerStep):
             tools = offered(served)
             if not asked.stream and conformance.nothing_to_check(route, relayed, tools):
                 found = []
-            else:
-                answer: bytes | Any = relayed if asked.stream else _decode(relayed)
-                found = conformance.check(route, asked.stream, answer, tools)
+            else:  # a large answer is checked in a thread: the loop serves other requests meanwhile
+                found = await off_loop(partial(_check, route, asked.stream, tools), relayed)
         except Exception as exc:  # fail-open: the client has its answer; the check counts its own failure
             m.conformance_failures.labels(route).inc()
             log.warning("conformance_check_failed", request_id=asked.request_id, error_type=type(exc).__name__)

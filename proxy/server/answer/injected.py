@@ -11,7 +11,7 @@ import msgspec
 import structlog
 
 from toolquake.proxy.server.answer.base import ANSWER, WHOLE, AnswerStep
-from toolquake.proxy.server.upstream import UpstreamError
+from toolquake.proxy.server.upstream import AnswerTooLarge, UpstreamError
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.state import Asked, Served
@@ -77,12 +77,12 @@ class InjectedCalls(AnswerStep):
         try:
             resp = await upstream.send("POST", upstream.api_url(api.path), headers, _encode(wire))
             try:
-                data = await resp.aread()
+                data = await resp.aread(self.st.config.server.max_answer_bytes)
             finally:
                 await resp.aclose()
             status = resp.status_code
             answer = _decode(data) if resp.status_code == 200 else None
-        except (UpstreamError, msgspec.DecodeError, RecursionError) as exc:
+        except (UpstreamError, AnswerTooLarge, msgspec.DecodeError, RecursionError) as exc:
             log.warning("injected_followup_failed", request_id=asked.request_id, error_type=type(exc).__name__)
             answer = None
         answer = api.answer_to_internal(answer) if isinstance(answer, dict) else None

@@ -56,6 +56,8 @@ def _event(st: ProxyState, asked: Asked, served: Served) -> dict[str, Any]:
         event["perturbers_failed"] = outcome.failed
     if served.injected_calls:
         event["injected_calls"] = list(served.injected_calls)
+    if served.uninspected is not None:
+        event["uninspected"] = served.uninspected
     if served.upstream_s is not None:
         event["upstream_ms"] = round(served.upstream_s * 1000, 3)
     if st.config.server.log_contents and asked.request is not None:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toolquake.proxy.server.answer.base import AnswerStep, Plan, make_plan
+from toolquake.proxy.server.answer.base import NOTHING, AnswerStep, Plan, make_plan
 from toolquake.proxy.server.answer.conformance import Conformance
 from toolquake.proxy.server.answer.injected import InjectedCalls
 from toolquake.proxy.server.answer.plain import Plain, plain_answer
 from toolquake.proxy.server.answer.repair import Repair
 from toolquake.proxy.server.answer.restore import Restore
-from toolquake.proxy.server.answer.streams import Relay, Rewritten
+from toolquake.proxy.server.answer.streams import Relay, Rewritten, Uninspected
 from toolquake.proxy.server.answer.text_through import TextThrough
 from toolquake.proxy.server.answer.trace import Trace
+from toolquake.proxy.server.errors import ProxyError
+from toolquake.proxy.server.upstream import AnswerTooLarge
 
 if TYPE_CHECKING:
     from litestar.response import Stream
@@ -45,9 +47,17 @@ class AnswerPath:
             if plan.events is not None:
                 return plan.events.on_stream(self, asked, served, upstream, plan)
             if plan.whole:
-                return (await Rewritten(self, asked, served, upstream, plan).prepare()).response()
+                try:
+                    return (await Rewritten(self, asked, served, upstream, plan).prepare()).response()
+                except ProxyError:  # answered with an error instead: the span held for the checks ends with it
+                    if plan.bytes and served.trace is not None:
+                        served.trace.release()
+                    raise
             return Relay(self, asked, served, upstream, plan).response()
-        return await plain_answer(self, asked, served, upstream, plan)
+        try:
+            return await plain_answer(self, asked, served, upstream, plan)
+        except AnswerTooLarge as big:  # no step must change it: relayed as it comes, read by none
+            return Uninspected(self, asked, served, upstream, NOTHING, big.head).response()
 
     async def rewrite(self, asked: Asked, served: Served, plan: Plan, wire: dict[str, Any]) -> dict[str, Any]:
         """The complete answer through the steps that need it whole, then those that read it; the answer to

@@ -9,20 +9,22 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
+import structlog
 from litestar import Response
 from litestar.background_tasks import BackgroundTask
 
 from toolquake.proxy.server.answer.observe import finish
 from toolquake.proxy.server.errors import ProxyError
-from toolquake.proxy.server.upstream import UpstreamError, response_headers
+from toolquake.proxy.server.upstream import AnswerTooLarge, UpstreamError, response_headers
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.answer.base import AnswerStep, Plan
     from toolquake.proxy.server.answer.path import AnswerPath
     from toolquake.proxy.server.metrics import Metrics
-    from toolquake.proxy.server.state import Asked, Served
+    from toolquake.proxy.server.state import Asked, ProxyState, Served
     from toolquake.proxy.server.upstream import UpstreamResponse
 
+log = structlog.get_logger("toolquake.proxy")
 JSON = "application/json"
 _decode = msgspec.json.decode
 #: valid JSON whose top level is an object (values checked, not built)
@@ -56,11 +58,32 @@ def bad_upstream_answer(what: str) -> ProxyError:
                       type="upstream_error", code="upstream_invalid_response")
 
 
+def answer_too_large(st: ProxyState, asked: Asked, served: Served) -> ProxyError:
+    """An answer past `[server] max_answer_bytes` that a step must read whole (to restore or rewrite it): the
+    client gets this error in its place, and nothing more of the answer is read."""
+    limit = st.config.server.max_answer_bytes
+    st.metrics.upstream_errors.labels("too_large").inc()
+    served.uninspected = "too_large"
+    log.warning("answer_too_large", request_id=asked.request_id, route=asked.route, stream=asked.stream,
+                max_answer_bytes=limit, relayed=False)
+    return ProxyError(502, f"The upstream model server's answer is larger than {limit} bytes ([server] "
+                      "max_answer_bytes), and this request's profile must read it whole to change it.",
+                      type="upstream_error", code="upstream_answer_too_large")
+
+
 async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream: UpstreamResponse,
                        plan: Plan) -> Plain:
+    """The answer read whole and sent as a `Plain`; `AnswerTooLarge` (the response left open) where it runs past
+    `[server] max_answer_bytes` and no step must change it: the caller relays it uninspected."""
     st = path.st
+    kept = False
     try:
-        data = await upstream.aread()
+        data = await upstream.aread(st.config.server.max_answer_bytes)
+    except AnswerTooLarge:
+        if plan.whole:
+            raise answer_too_large(st, asked, served) from None
+        kept = True
+        raise
     except UpstreamError as exc:
         st.metrics.upstream_errors.labels(exc.kind).inc()
         if exc.kind == "timeout":
@@ -69,7 +92,8 @@ async def plain_answer(path: AnswerPath, asked: Asked, served: Served, upstream:
         raise ProxyError(502, f"The upstream connection failed mid-response ({exc.cause_name}).",
                          type="upstream_error", code="upstream_unreachable") from None
     finally:
-        await upstream.aclose()
+        if not kept:
+            await upstream.aclose()
     served.upstream_s = time.perf_counter() - (served.t_upstream or asked.t0)
     served.status = upstream.status_code
     headers = response_headers(upstream.headers)

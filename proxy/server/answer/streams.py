@@ -7,13 +7,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+import structlog
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from toolquake.proxy.server.answer.base import off_loop
 from toolquake.proxy.server.answer.observe import finish
-from toolquake.proxy.server.answer.plain import bad_upstream_answer
+from toolquake.proxy.server.answer.plain import JSON, answer_too_large, bad_upstream_answer
 from toolquake.proxy.server.errors import ProxyError, error_body
-from toolquake.proxy.server.upstream import UpstreamError, response_headers
+from toolquake.proxy.server.upstream import AnswerTooLarge, UpstreamError, response_headers
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.answer.base import Plan
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.state import Asked, Served
     from toolquake.proxy.server.upstream import UpstreamResponse
+
+log = structlog.get_logger("toolquake.proxy")
 
 
 def stream_error(m: Metrics, kind: str, message: str, code: str) -> bytes:
@@ -57,7 +61,17 @@ class StreamWriter:
     def first_byte(self) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-            self.m.child(self.m.ttfb, self.asked.profile_name, "true").observe(self.first - self.asked.t0)
+            self.m.child(self.m.ttfb, self.asked.profile_name, "true" if self.asked.stream else "false").observe(
+                self.first - self.asked.t0)
+
+    def uninspected(self) -> None:
+        """The answer ran past `[server] max_answer_bytes`: relayed on as it comes, uninspected, nothing more of it
+        kept (no step, observer or check reads it); counted and logged."""
+        asked, limit = self.asked, self.path.st.config.server.max_answer_bytes
+        self.served.uninspected = "too_large"
+        self.m.answers_uninspected.labels("too_large").inc()
+        log.warning("answer_too_large", request_id=asked.request_id, route=asked.route, stream=asked.stream,
+                    max_answer_bytes=limit, relayed=True)
 
     def failed(self, exc: UpstreamError) -> bytes:
         self.served.status = 504 if exc.kind == "timeout" else 502
@@ -70,6 +84,11 @@ class StreamWriter:
         what = "an empty stream" if empty else "a stream that ended unfinished"
         return stream_error(self.m, "invalid_response", f"The upstream model server sent {what}.",
                             "upstream_invalid_response")
+
+    def too_large(self) -> bytes:
+        """The answer ran past `[server] max_answer_bytes` and the strategy needs it whole: an error, in-band."""
+        self.served.status = 502
+        return b"data: " + answer_too_large(self.path.st, self.asked, self.served).body() + b"\n\n"
 
     async def closed(self) -> None:
         self.end = time.perf_counter()
@@ -89,6 +108,8 @@ class StreamWriter:
         self.m.in_flight.dec()
         if self.body and served.status == 200:  # after the request is counted: no part of its duration
             await self.path.after_bytes(asked, served, self.plan, self.body)
+        elif self.plan.bytes and served.trace is not None:  # nothing to read: the span held for it ends now
+            served.trace.release()
 
 
 class Relay(StreamWriter):
@@ -100,13 +121,19 @@ class Relay(StreamWriter):
         markers = self.asked.api.end_markers if self.asked.api is not None else ()
         keep = max(len(x) for x in markers) if markers else 0
         parts = self.parts = [] if self.plan.keeps(self.asked) else None
+        room = self.path.st.config.server.max_answer_bytes  # what may still be kept of it
         ended, tail = False, b""
         try:
             async for chunk in self.upstream.aiter_raw():
                 if self.first is None:
                     self.first_byte()
                 if parts is not None:
-                    parts.append(chunk)
+                    room -= len(chunk)
+                    if room >= 0:
+                        parts.append(chunk)
+                    else:  # past the bound: what was kept goes, the rest is relayed uninspected
+                        parts = self.parts = None
+                        self.uninspected()
                 if not ended:
                     seen = tail + chunk
                     ended = any(x in seen for x in markers)
@@ -126,7 +153,7 @@ class Relay(StreamWriter):
         if whole and api is not None and (asked.observed or self.plan.answer):
             if await self.summarized(whole):
                 return
-            native = api.assemble(whole)
+            native = await off_loop(api.assemble, whole)
             served.response = api.answer_to_internal(native) if native else None
             if served.response is not None:
                 served.response = await self.path.read(asked, served, self.plan, served.response)
@@ -138,7 +165,7 @@ class Relay(StreamWriter):
         if asked.observed or (asked.request is not None and self.path.st.config.server.log_contents) or \
                 not all(step.summary_enough(asked, served) for step in self.plan.answer):
             return False
-        summary = api.summarize(whole) if api is not None else None
+        summary = await off_loop(api.summarize, whole) if api is not None else None
         if summary is None:
             return False
         for step in self.plan.answer:
@@ -157,14 +184,16 @@ class Rewritten(StreamWriter):
         asked, served, api, m = self.asked, self.served, self.asked.api, self.m
         assert api is not None
         try:
-            data = await self.upstream.aread()
+            data = await self.upstream.aread(self.path.st.config.server.max_answer_bytes)
+        except AnswerTooLarge:
+            raise answer_too_large(self.path.st, asked, served) from None
         except UpstreamError as exc:
             m.upstream_errors.labels(exc.kind).inc()
             raise ProxyError(504 if exc.kind == "timeout" else 502, f"The upstream stream failed ({exc.cause_name}).",
                              type="upstream_error", code=f"upstream_{exc.kind}") from None
         finally:
             await self.upstream.aclose()
-        native = api.assemble(data)
+        native = await off_loop(api.assemble, data)
         if native is None or not any(x in data for x in api.end_markers):
             m.upstream_errors.labels("invalid_response").inc()
             raise bad_upstream_answer("an empty stream" if native is None else "a stream that ended unfinished")
@@ -180,3 +209,40 @@ class Rewritten(StreamWriter):
         for frame in self.out:
             self.first_byte()
             yield frame
+
+
+class Uninspected(StreamWriter):
+    """A whole answer past `[server] max_answer_bytes` that no step must change (`plain_answer` raised
+    `AnswerTooLarge`): what was read of it, then the rest as it comes, relayed with the upstream's status and
+    content type, uninspected (not checked to be JSON, no step or observer reads it) and never kept."""
+
+    def __init__(self, path: AnswerPath, asked: Asked, served: Served, upstream: UpstreamResponse, plan: Plan,
+                 head: bytes) -> None:
+        super().__init__(path, asked, served, upstream, plan)
+        self.head = head
+
+    def response(self) -> Stream:
+        upstream = self.upstream
+        self.served.status = upstream.status_code
+        self.uninspected()
+        self.gen = self.frames()
+        h = response_headers(upstream.headers)
+        media = h.pop("content-type", JSON)
+        h["X-Toolquake-Request-Id"] = self.asked.request_id
+        return Stream(self.gen, status_code=upstream.status_code, headers=h, media_type=media,
+                      background=BackgroundTask(self.cleanup))
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        head, self.head = self.head, b""
+        try:
+            self.first_byte()
+            yield head
+            del head
+            async for chunk in self.upstream.aiter_raw():
+                yield chunk
+        except UpstreamError as exc:  # the head is sent: the body just ends (the client's JSON decode fails)
+            self.m.upstream_errors.labels(exc.kind).inc()
+            self.served.status = 504 if exc.kind == "timeout" else 502
+        finally:
+            await self.closed()
+

@@ -45,8 +45,13 @@ class TextThroughStream(StreamWriter):
         assert served.outcome is not None and api is not None
         perturber, pctx = served.outcome.restorers[0]
         through, raw = api.text_through(), []
+        room = self.path.st.config.server.max_answer_bytes
         try:
             async for data in self.upstream.aiter_raw():
+                room -= len(data)
+                if room < 0:  # the restore needs it whole: past the bound the client gets an error, in-band
+                    yield self.too_large()
+                    return
                 raw.append(data)
                 through.feed(data)
                 text = through.text

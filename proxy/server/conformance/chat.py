@@ -7,7 +7,7 @@ from typing import Any
 from toolquake.proxy.server.conformance.arguments import Offered, check_arguments
 from toolquake.proxy.server.conformance.content import find_calls
 from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
-from toolquake.proxy.server.streaming import DONE, SSEParser, decode_event
+from toolquake.proxy.server.streaming import DONE, Pieces, SSEParser, decode_event
 
 
 def finish_rules(calls: int, finish: Any, choice: int) -> list[Violation]:
@@ -72,16 +72,17 @@ class _Call:
     __slots__ = ("id", "name", "arguments", "bad_arguments")
 
     def __init__(self, id_: Any, name: Any) -> None:
-        self.id, self.name, self.arguments, self.bad_arguments = id_, name, "", None
+        self.id, self.name, self.arguments, self.bad_arguments = id_, name, Pieces(), None
 
 
 def check_stream(data: bytes, offered: Offered) -> list[Violation]:
-    """A whole chat-completions SSE body, chunk by chunk, then the answer the chunks add up to."""
+    """A whole chat-completions SSE body, chunk by chunk, then the answer the chunks add up to (in time linear in
+    the body: text and arguments are joined once, at the end)."""
     parser = SSEParser()
     out: list[Violation] = []
     calls: dict[int, dict[int, _Call]] = {}
     finish: dict[int, Any] = {}
-    text: dict[int, str] = {}
+    text: dict[int, Pieces] = {}
     for payload in parser.feed(data) + parser.flush():
         if payload.strip() == DONE:
             continue
@@ -96,7 +97,7 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
             idx = choice.get("index") if isinstance(choice.get("index"), int) else 0
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             if isinstance(delta.get("content"), str):
-                text[idx] = text.get(idx, "") + delta["content"]
+                text.setdefault(idx, Pieces()).add(delta["content"])
             open_calls = calls.setdefault(idx, {})
             for pos, tc in enumerate(delta.get("tool_calls") or []):
                 if isinstance(tc, dict):
@@ -107,11 +108,11 @@ def check_stream(data: bytes, offered: Offered) -> list[Violation]:
         made = calls.get(idx, {})
         for n in sorted(made):
             call = made[n]
-            args = call.bad_arguments if call.bad_arguments is not None else call.arguments
+            args = call.bad_arguments if call.bad_arguments is not None else call.arguments.text()
             out += check_arguments(args, call.name, offered, n)
         out += finish_rules(len(made), finish.get(idx), idx)
         if not made:
-            out += content_rules(text.get(idx), offered, finish.get(idx))
+            out += content_rules(text[idx].text() if idx in text else None, offered, finish.get(idx))
     return out
 
 
@@ -153,7 +154,7 @@ def _delta(tc: dict[str, Any], pos: int, open_calls: dict[int, _Call]) -> list[V
                                  f"{' and '.join(again)} again", excerpt(_shape(tc)), index))
     args = fn.get("arguments")
     if isinstance(args, str):
-        call.arguments += args
+        call.arguments.add(args)
     elif args is not None and call.bad_arguments is None:
         call.bad_arguments = args  # an object where a string belongs: reported once, at the end
     return out

@@ -7,7 +7,7 @@ from typing import Any
 from toolquake.proxy.server.conformance.arguments import Offered, check_arguments
 from toolquake.proxy.server.conformance.chat import content_rules
 from toolquake.proxy.server.conformance.rules import Violation, excerpt, short
-from toolquake.proxy.server.streaming import FINAL_EVENTS, SSEParser, decode_event
+from toolquake.proxy.server.streaming import FINAL_EVENTS, Pieces, SSEParser, decode_event
 
 
 def _text(output: Any) -> str:
@@ -59,7 +59,7 @@ class _Call:
 
     def __init__(self, n: int, item: dict[str, Any]) -> None:
         self.n, self.item = n, item
-        self.arguments = item.get("arguments") if isinstance(item.get("arguments"), str) else ""
+        self.arguments = Pieces(item["arguments"] if isinstance(item.get("arguments"), str) else "")
         self.done: str | None = None
         #: the arguments of its last complete form (output_item.done, the final response): what is checked
         self.final: Any = None
@@ -74,12 +74,12 @@ class _Events:
         self.by_index: dict[int, _Call] = {}
         self.by_id: dict[str, _Call] = {}
         self.final: dict[str, Any] | None = None
-        self.text = ""
+        self.text = Pieces()
 
     def add(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
         if kind == "response.output_text.delta" and isinstance(event.get("delta"), str):
-            self.text += event["delta"]
+            self.text.add(event["delta"])
         elif kind == "response.output_item.added" and isinstance(event.get("item"), dict) \
                 and event["item"].get("type") == "function_call":
             call = _Call(len(self.by_index), event["item"])
@@ -105,10 +105,10 @@ class _Events:
                                       "item_id with no function_call item", excerpt(event)))
         elif kind.endswith(".delta"):
             if isinstance(event.get("delta"), str):
-                call.arguments += event["delta"]
+                call.arguments.add(event["delta"])
         else:
             call.done = event.get("arguments")
-            if call.done != call.arguments:
+            if not call.arguments.equals(call.done):
                 self.out.append(_mismatch(call, "arguments.done's arguments", event.get("arguments")))
 
     def end(self, offered: Offered) -> list[Violation]:
@@ -123,10 +123,11 @@ class _Events:
             for call, item in zip(calls, done):
                 out += _agree(call, item, "the final response")
         for call in calls:
-            args = call.final if call.final is not None else call.done if call.done is not None else call.arguments
+            args = call.final if call.final is not None else call.done if call.done is not None else \
+                call.arguments.text()
             out += check_arguments(args, call.item.get("name"), offered, call.n)
         if not calls:
-            out += content_rules(self.text or _text((self.final or {}).get("output")), offered)
+            out += content_rules(self.text.text() or _text((self.final or {}).get("output")), offered)
         return out
 
 
@@ -153,7 +154,7 @@ def _mismatch(call: _Call, where: str, value: Any) -> Violation:
 def _agree(call: _Call, item: dict[str, Any], where: str) -> list[Violation]:
     out = []
     call.final = item.get("arguments")
-    if item.get("arguments") != call.arguments:
+    if not call.arguments.equals(item.get("arguments")):
         out.append(_mismatch(call, f"{where}'s arguments", item.get("arguments")))
     for key in ("call_id", "name"):
         if call.item.get(key) and item.get(key) != call.item.get(key):

@@ -6,6 +6,7 @@ import importlib
 
 from toolquake.proxy.server.upstream.base import (
     INTERNAL_PREFIX,
+    AnswerTooLarge,
     Upstream,
     UpstreamError,
     UpstreamResponse,
@@ -13,8 +14,8 @@ from toolquake.proxy.server.upstream.base import (
     response_headers,
 )
 
-__all__ = ["CLIENTS", "INTERNAL_PREFIX", "Upstream", "UpstreamError", "UpstreamResponse", "make_upstream",
-           "request_headers", "response_headers"]
+__all__ = ["CLIENTS", "INTERNAL_PREFIX", "AnswerTooLarge", "Upstream", "UpstreamError", "UpstreamResponse",
+           "make_upstream", "request_headers", "response_headers"]
 
 #: `[server] upstream_client` → the module and class that implement it (imported only when chosen)
 CLIENTS: dict[str, tuple[str, str]] = {

@@ -9,7 +9,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from toolquake.proxy.server.upstream.base import QUERY_SAFE, Upstream, UpstreamResponse, classify
+from toolquake.proxy.server.upstream.base import QUERY_SAFE, AnswerTooLarge, Upstream, UpstreamResponse, classify
 
 
 class _AiohttpResponse(UpstreamResponse):
@@ -19,11 +19,22 @@ class _AiohttpResponse(UpstreamResponse):
         self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
         self._done = False
 
-    async def aread(self) -> bytes:
+    async def aread(self, limit: int | None = None) -> bytes:
+        parts, size = [], 0
         try:
-            data = await self._resp.read()
+            if limit is None:
+                data = await self._resp.read()
+            else:
+                async for chunk in self._resp.content.iter_any():
+                    parts.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                data = b"".join(parts)
         except BaseException as exc:
             raise _error(exc) from exc
+        if limit is not None and size > limit:
+            raise AnswerTooLarge(data)
         self._done = True
         return data
 

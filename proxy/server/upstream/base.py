@@ -33,6 +33,15 @@ class UpstreamError(Exception):
         self.cause_name = type(cause).__name__
 
 
+class AnswerTooLarge(Exception):
+    """An answer read whole (`UpstreamResponse.aread(limit)`) ran past `limit` bytes: `head` is what was read of it
+    (at most `limit` plus one chunk); the rest is still to come from `aiter_raw()`, or the response is closed."""
+
+    def __init__(self, head: bytes) -> None:
+        super().__init__(f"the upstream's answer is larger than the limit ({len(head)} bytes read)")
+        self.head = head
+
+
 def classify(exc: BaseException, timeouts: tuple[type[BaseException], ...],
              unreachable: tuple[type[BaseException], ...]) -> BaseException:
     """A client's exception as the `UpstreamError` it means; cancellation and programming errors unchanged."""
@@ -120,7 +129,8 @@ class UpstreamResponse:
                 return value
         return default
 
-    async def aread(self) -> bytes:  # pragma: no cover - interface
+    async def aread(self, limit: int | None = None) -> bytes:  # pragma: no cover - interface
+        """The whole body; past `limit` bytes (when given) `AnswerTooLarge`, with what was read, and the rest unread."""
         raise NotImplementedError
 
     def aiter_raw(self) -> AsyncIterator[bytes]:  # pragma: no cover - interface

@@ -6,7 +6,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from toolquake.proxy.server.upstream.base import Upstream, UpstreamError, UpstreamResponse
+from toolquake.proxy.server.upstream.base import AnswerTooLarge, Upstream, UpstreamError, UpstreamResponse
 
 
 class _HttpxResponse(UpstreamResponse):
@@ -14,16 +14,35 @@ class _HttpxResponse(UpstreamResponse):
         self._resp = resp
         self.status_code = resp.status_code
         self.headers = list(resp.headers.multi_items())
+        #: the body's one iterator (httpx reads a body once): a read past its limit leaves the rest to `aiter_raw`
+        self._body: AsyncIterator[bytes] | None = None
 
-    async def aread(self) -> bytes:
+    async def aread(self, limit: int | None = None) -> bytes:
+        if limit is None:
+            try:
+                return await self._resp.aread()
+            except BaseException as exc:
+                raise _error(exc) from exc
+        parts, size = [], 0
+        if self._body is None:
+            self._body = self._resp.aiter_bytes()  # decoded, as httpx's own aread
         try:
-            return await self._resp.aread()
+            async for chunk in self._body:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    break
         except BaseException as exc:
             raise _error(exc) from exc
+        if size > limit:
+            raise AnswerTooLarge(b"".join(parts))
+        return b"".join(parts)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
+        if self._body is None:
+            self._body = self._resp.aiter_raw()
         try:
-            async for chunk in self._resp.aiter_raw():
+            async for chunk in self._body:
                 yield chunk
         except BaseException as exc:
             raise _error(exc) from exc

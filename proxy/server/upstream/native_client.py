@@ -22,7 +22,7 @@ from urllib.parse import quote, urlsplit
 import httptools
 
 from toolquake.proxy.server.upstream.aiohttp_client import AiohttpUpstream
-from toolquake.proxy.server.upstream.base import QUERY_SAFE, Upstream, UpstreamResponse, classify
+from toolquake.proxy.server.upstream.base import QUERY_SAFE, AnswerTooLarge, Upstream, UpstreamResponse, classify
 
 #: body bytes buffered from the socket before it stops reading (a slow client of a fast stream)
 _HIGH_WATER = 256 * 1024
@@ -172,12 +172,15 @@ class _NativeResponse(UpstreamResponse):
         self.headers = conn.headers
         self._released = False
 
-    async def aread(self) -> bytes:
-        conn, parts = self._conn, []
+    async def aread(self, limit: int | None = None) -> bytes:
+        conn, parts, size = self._conn, [], 0
         try:
             while True:
                 if conn.chunks:
+                    size += conn.buffered
                     parts.append(conn.take())
+                    if limit is not None and size > limit:
+                        break
                 if conn.complete:
                     return parts[0] if len(parts) == 1 else b"".join(parts)
                 if conn.error is not None:
@@ -185,6 +188,7 @@ class _NativeResponse(UpstreamResponse):
                 await conn.wait(self._owner.read_timeout)
         except BaseException as exc:
             raise _error(exc) from exc
+        raise AnswerTooLarge(b"".join(parts))
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn
