@@ -186,6 +186,12 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "kind": failure kind} each; the answer that follows is scored for recovery. Empty for most steps."""
         return []
 
+    def fills_token_budget(self) -> bool:
+        """True when this step grows the request to a token budget counted by the proxy's token counter (catalog
+        padding by `budget_tokens`, the lengthening steps): replay and sweep refuse such arms on the estimate
+        counter unless asked (`--allow-estimate`), since the estimate over-counts a model's tokens."""
+        return False
+
     @classmethod
     def affects_grading(cls) -> bool:
         """True when grading an answer needs what this perturber did (its expected answer or its decodes)."""

@@ -106,6 +106,9 @@ class CatalogPadding(Perturber):
             return request
         return request.replace(tools=build(n))
 
+    def fills_token_budget(self) -> bool:
+        return not self.tools  # `tools` > 0 pads to a number of tools, whatever the counter
+
     def params(self) -> dict[str, Any]:
         # `tools` left out while it is off: arms recorded before it existed keep their definition (a resume matches)
         params = super().params()

@@ -46,6 +46,9 @@ class ConversationLengthening(Perturber):
     #: "next_call" (for a multi-turn case, the turn's first ground-truth call: the call seed 003 grades)
     needles: str = "turn"
 
+    def fills_token_budget(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
             raise ValueError("budget_tokens must be positive")

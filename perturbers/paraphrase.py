@@ -1,4 +1,5 @@
-"""paraphrase: the last user message rephrased by a generator model, kept only if its values are exactly the same."""
+"""paraphrase: the last user message rephrased by a generator model, kept only if its values are exactly the same
+(or, with `rejected = "send"`, sent anyway and labelled: the drop over all cases, as seed 001's Table 2 gives it)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def clean(answer: str, original: str) -> str:
 @register
 class Paraphrase(Perturber):
     """Rephrase the last user message with seed 001's prompt at temperature 0 (cached on disk); a rephrasing
-    that loses or adds a value is rejected and the request reported as not perturbed."""
+    that loses or adds a value is rejected and the request reported as not perturbed — or, with `rejected =
+    "send"`, sent anyway and reported `paraphrase = "rejected, sent"` (a reformatted number such as "$200,000" →
+    "200K" is what the value check rejects most, and what most often breaks exact matching: leaving those out
+    biases the drop down)."""
 
     name = "paraphrase"
     blocking: ClassVar[bool] = True
@@ -64,8 +68,12 @@ class Paraphrase(Perturber):
     timeout_s: float = 60.0
     #: environment variable holding the generator's API key (sent as a Bearer token when set)
     api_key_env: str = "TOOLQUAKE_GENERATOR_API_KEY"
+    #: a rephrasing the value check rejects: "keep" the original (the pair is not perturbed), or "send" it anyway
+    rejected: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.rejected not in ("keep", "send"):
+            raise ValueError(f"rejected must be 'keep' or 'send', got {self.rejected!r}")
         # resolved when the profile is built: the arm's recorded parameters name the rephraser used
         self.generator_url = self.generator_url or os.environ.get(ENV_GENERATOR_URL) or DEFAULT_GENERATOR_URL
         self.generator_model = self.generator_model or os.environ.get(ENV_GENERATOR_MODEL, "")
@@ -98,16 +106,18 @@ class Paraphrase(Perturber):
             cache.put(key, entry)
         rewritten = clean(entry["answer"], original)
         lost = missing_from(original, rewritten) + [f"new {n}" for n in added_numbers(original, rewritten)]
-        if not rewritten or lost:
+        if not rewritten or (lost and self.rejected == "keep"):
             ctx.report.update(paraphrase="rejected", rejected_for=lost or ["empty answer"], tokens_added=0)
             ctx.report[NOT_PERTURBED] = "rephrasing rejected"
             return request
+        if lost:  # rejected by the value check, sent anyway (rejected = "send"): labelled
+            ctx.report.update(paraphrase="rejected, sent", rejected_for=lost)
         if rewritten == original.strip():
             ctx.report.update(paraphrase="unchanged", tokens_added=0)
             ctx.report[NOT_PERTURBED] = "rephrasing identical to the original"
             return request
         counter = ctx.services.token_counter
-        ctx.report.update(paraphrase="accepted")
+        ctx.report.setdefault("paraphrase", "accepted")
         if counter is not None:
             ctx.report["tokens_added"] = counter.count_text(rewritten) - counter.count_text(original)
         messages = list(request.messages)

@@ -177,6 +177,9 @@ class ResponseLengthening(Perturber):
     #: one client's tools returned can then pad another client's responses)
     live_records: str = "request"
 
+    def fills_token_budget(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         if self.budget_tokens < 1:
             raise ValueError("budget_tokens must be positive")

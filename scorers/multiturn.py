@@ -81,6 +81,8 @@ class MultiTurnResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None            # the run stopped: the model could not be queried
     error_code: str | None = None       # "unreachable", "timeout", the error's code or "http_<status>", "bad_response"
     error_status: int | None = None     # the HTTP status of the failed request (None: no answer, or a 200)
+    #: the request was refused for its shape (proxy/replay/failures.py `REFUSALS`): the run's warning for it
+    error_shape: str | None = None
 
 
 class MultiTurnVerdict(msgspec.Struct, frozen=True, kw_only=True):

@@ -60,6 +60,11 @@ Token counts (`--usage-varies`): a chat completion's `usage` differs from answer
 A small context (`--max-tools N`): a chat request with more than N tools gets 400 with OpenAI's error code
 `context_length_exceeded`, as from a backend whose context cannot hold the catalog.
 
+A hosted API's request validation, checked before anything else (OpenAI's documented answers):
+`--tools-array-max N`: a chat request with more than N tools gets 400 `array_above_max_length`, param `tools`
+(OpenAI's API takes at most 128); `--refuse-temperature`: a request that sends `temperature` other than 1 gets
+400 `unsupported_value`, param `temperature` (OpenAI's reasoning models).
+
 Cookies (`X-Fake-Cookies: N`): the answer carries N `Set-Cookie` headers, each with an Expires date (which
 holds a comma), as a load balancer's sticky-session cookies do.
 
@@ -112,6 +117,10 @@ MODEL = "fake-model"
 #: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
 MAX_TOOLS: int | None = None
 USAGE_VARIES = False  # `--usage-varies`
+#: `--tools-array-max N`: a hosted API's cap on the tools array (OpenAI: 128), refused as the request's shape
+TOOLS_ARRAY_MAX: int | None = None
+#: `--refuse-temperature`: a model that takes only its default temperature (OpenAI's reasoning models)
+REFUSE_TEMPERATURE = False
 #: tokenizer endpoints served (`--tokenize`): vLLM's /tokenize and llama.cpp's /extras/tokenize/count
 TOKENIZE_ROUTES = {"/tokenize", "/extras/tokenize/count"}
 _TOKENIZE_CHOICES = {"both": TOKENIZE_ROUTES.copy(), "vllm": {"/tokenize"}, "llamacpp": {"/extras/tokenize/count"},
@@ -609,6 +618,21 @@ async def app(scope, receive, send) -> None:
     return await _send(send, 404, _enc({"error": {"message": f"no route {path}", "type": "invalid_request_error"}}))
 
 
+def validation_error(body: dict[str, Any]) -> bytes | None:
+    """A hosted API's answer to a request it refuses for its shape (`--tools-array-max`, `--refuse-temperature`),
+    worded as OpenAI's; None when the request passes."""
+    tools = body.get("tools") or []
+    if TOOLS_ARRAY_MAX is not None and len(tools) > TOOLS_ARRAY_MAX:
+        return _enc({"error": {"message": f"Invalid 'tools': array too long. Expected an array with maximum length "
+                                          f"{TOOLS_ARRAY_MAX}, but got an array with length {len(tools)} instead.",
+                               "type": "invalid_request_error", "param": "tools", "code": "array_above_max_length"}})
+    if REFUSE_TEMPERATURE and "temperature" in body and body["temperature"] != 1:
+        return _enc({"error": {"message": f"Unsupported value: 'temperature' does not support {body['temperature']} "
+                                          "with this model. Only the default (1) value is supported.",
+                               "type": "invalid_request_error", "param": "temperature", "code": "unsupported_value"}})
+    return None
+
+
 async def _huge(path: str, raw: bytes, arg: str, send, receive) -> None:
     """`huge:N[:PIECE]`: N characters of text (0: without end) in pieces of PIECE; see the module docstring."""
     total, _, piece = arg.partition(":")
@@ -689,6 +713,9 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         body = _dec(raw)
     except msgspec.DecodeError:
         return await _send(send, 400, _enc({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
+    refused = validation_error(body)
+    if refused is not None:
+        return await _send(send, 400, refused)
     if MAX_TOOLS is not None and len(body.get("tools") or []) > MAX_TOOLS:
         return await _send(send, 400, context_length_exceeded(len(body["tools"])))
     resp = completion(
@@ -978,11 +1005,18 @@ def main(argv: list[str] | None = None) -> None:
                              "backend whose context is too small for the catalog does")
     parser.add_argument("--usage-varies", action="store_true",
                         help="token counts that differ from answer to answer, as a real backend's do (else 10 and 5)")
+    parser.add_argument("--tools-array-max", type=int, default=None, metavar="N",
+                        help="refuse a chat request with more than N tools with 400 array_above_max_length (param "
+                             "tools), as OpenAI's API does past 128")
+    parser.add_argument("--refuse-temperature", action="store_true",
+                        help="refuse a request sending a temperature other than 1 with 400 unsupported_value (param "
+                             "temperature), as OpenAI's reasoning models do")
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"),
                         help="serve HTTPS with this certificate and key (PEM files), as an https:// backend does")
     args = parser.parse_args(argv)
-    global MAX_TOOLS, USAGE_VARIES
+    global MAX_TOOLS, USAGE_VARIES, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
     MAX_TOOLS, USAGE_VARIES = args.max_tools, args.usage_varies
+    TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE = args.tools_array_max, args.refuse_temperature
     if args.trajectories:
         with open(args.trajectories) as f:
             for line in f:

@@ -16,6 +16,18 @@ def _header(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
+def temperature(text: str) -> float | None:
+    """--temperature: a number, or `none` (a negative number too) to send no temperature, as BFCL does for models
+    that take only their default (OpenAI's reasoning models refuse `temperature = 0`)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+    return None if value < 0 else value
+
+
 def _categories(text: str | None, cases: list[str] | None, profiles: str = "") -> list[str]:
     """--categories as given; without it, `multiple` (or the papers' categories of the presets asked for, when
     every --profiles item is such a preset: simple_python, live_simple and multiple for `@seed003`,
@@ -41,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             categories=_categories(args.categories, args.cases, args.profiles), cases=list(args.cases or []),
             limit=args.limit,
             concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard), proxy=args.proxy,
-            timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature, trials=args.trials,
+            timeout=args.timeout, temperature=args.temperature, trials=args.trials,
             max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
             headers=dict(args.header or []), semantic=args.semantic, fail_open=args.fail_open,
             progress=not args.no_progress, token_counter=args.token_counter, allow_estimate=args.allow_estimate,
@@ -62,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if summary.model_failures:
         print(f"toolquake: {summary.model_failures} request(s) failed on the backend's side (refused, timed out "
               "after retries or unreadable): scored as wrong answers, as BFCL scores an inference error; "
+              "`toolquake report` gives their codes", file=sys.stderr)
+    if summary.not_comparable:
+        print(f"toolquake: {summary.not_comparable} request(s) refused by the backend for their shape (too many "
+              "tools, a parameter or schema it does not accept): not comparable, left out of every number; "
               "`toolquake report` gives their codes", file=sys.stderr)
     if summary.aborted:
         print(f"toolquake: {summary.aborted}", file=sys.stderr)
@@ -87,8 +103,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "shell patterns ('pad-*'), or presets '@seed001' (off, rephrased, expanded; multiple unless "
                         "--categories; the rephrased arm needs a fixed rephraser or --self-rephrase), '@seed003' "
                         "(off, pad-*: budgets × positions; simple_python, live_simple and multiple unless "
-                        "--categories), '@seed003-responses' (off, resp-*: the last tool response "
-                        "grown with real records to 10K-80K tokens and, at 80K, the originals in block 1-8; "
+                        "--categories), '@seed003-prompt' (off, prompt-off, prompt-pad-*: the same grid in BFCL's "
+                        "prompting mode, the padded catalog in the system prompt and BFCL's decoder, for models "
+                        "without native tools and APIs that cap the tools array; report with --baseline prompt-off), "
+                        "'@seed003-responses' (off, resp-*: the last tool response grown with real records to "
+                        "10K-80K tokens and, at 80K, the originals after (p-1)/7 of the padding records, p = 1-8; "
                         "multi_turn_base unless --categories), '@seed002' (fmt-*: the 26 format configurations; "
                         "format_sensitivity unless --categories), '@seed003-conversations' (conv-off, conv-*: each "
                         "conversation given up to its last user turn, lengthened to 10K-80K tokens after the fact "
@@ -99,16 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "of their categories")
     what_to_send(p)
     how_to_send(p)
-    p.add_argument("--allow-estimate", action="store_true",
-                   help="let @seed003, @seed003-responses and @seed003-conversations run with token budgets counted "
-                        "by the estimate (refused without it: the paper's budgets are in the model's own tokens, and "
-                        "the estimate over-counts them 1.17-1.5x); the report still names the counter and the tokens "
-                        "each arm reached")
     p.add_argument("--self-rephrase", action="store_true",
-                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased by the model under test when "
-                        "no fixed rephraser is configured (refused without it: seed 001 used one fixed rephraser, so "
-                        "every model saw the same text; set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL "
-                        "instead); the report labels the rephraser of each arm")
+                   help="let arms with `paraphrase` (@seed001's rephrased) be rephrased, and arms with "
+                        "`toolkit_expansion` generating its tools (source = generate) have them written, by the model "
+                        "under test when no fixed generator model is configured (refused without it: seed 001 used "
+                        "one fixed model, so every model saw the same text; set TOOLQUAKE_GENERATOR_URL and "
+                        "TOOLQUAKE_GENERATOR_MODEL instead); the report labels the rephraser of each arm")
     p.add_argument("--trials", type=int, default=1, metavar="K",
                    help="send every (case, profile) K times (default 1), trial t with the sampling seed "
                         "trial_seed(case, t) — the same in every arm and on a rerun; each (case, profile, trial) is "
@@ -148,8 +163,11 @@ def how_to_send(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", help="use a running proxy at this root URL (e.g. http://127.0.0.1:8080) instead of "
                    "one in this process; it must know the profiles")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one answer (default 600)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature sent with each request (default 0; negative: send none)")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="sampling temperature sent with each request (default 0); 'none' (or a negative number) "
+                        "sends none, as BFCL does for models that take only their default temperature (OpenAI's "
+                        "reasoning models refuse 0 with a 400: those pairs would be reported not comparable). The "
+                        "report says what was sent")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens sent with each request (default: none)")
     p.add_argument("--api-key", help="bearer token for the backend (default: env OPENAI_API_KEY; never logged)")
     p.add_argument("--header", action="append", type=_header, metavar="'NAME: VALUE'",
@@ -166,4 +184,10 @@ def how_to_send(p: argparse.ArgumentParser) -> None:
                         "tiktoken:o200k_base for GPT-4o; files from `make tiktoken-files`, never downloaded) or "
                         "'tokenizer:/path/tokenizer.json' (the served model's); the counter used is recorded in "
                         "the results file and shown by the report")
+    p.add_argument("--allow-estimate", action="store_true",
+                   help="let arms that fill a token budget (catalog padding pad-*, long responses resp-*, long "
+                        "conversations conv-*, any profile with such a step; with --proxy, that proxy's counter) run "
+                        "with it counted by the estimate (refused without it: budgets are meant in the model's own "
+                        "tokens, and the estimate over-counts them 1.17-1.5x); the report still names the counter "
+                        "and the tokens each arm reached")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

@@ -46,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend, profiles="off", out=Path(args.out), config=args.config,
             categories=[c.strip() for c in categories.split(",") if c.strip()], cases=list(args.cases or []),
             limit=args.limit, concurrency=args.concurrency, model=args.model, shard=parse_shard(args.shard),
-            proxy=args.proxy, timeout=args.timeout, temperature=None if args.temperature < 0 else args.temperature,
+            proxy=args.proxy, timeout=args.timeout, temperature=args.temperature,
             trials=args.trials, max_tokens=args.max_tokens,
             api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None, headers=dict(args.header or []),
             semantic=args.semantic, fail_open=args.fail_open, progress=not args.no_progress,
-            token_counter=args.token_counter, axis=args.axis, low=args.min, high=args.max,
+            token_counter=args.token_counter, allow_estimate=args.allow_estimate, axis=args.axis, low=args.min,
+            high=args.max,
             resolution=args.resolution, position=args.position, rule=args.rule,
             admin_token=args.admin_token or os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None)
         summary = run_sweep(options)
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if summary.aborted:
         print(f"toolquake: {summary.aborted}", file=sys.stderr)
         return 3
-    return 1 if summary.failed or len(summary.outcomes) < summary.cases else 0
+    return 1 if summary.failed or len(summary.outcomes) + summary.not_comparable < summary.cases else 0
 
 
 def _print(summary: SweepSummary) -> None:
@@ -79,6 +80,10 @@ def _print(summary: SweepSummary) -> None:
           + (f"{median:g}" if median is not None else f"> {points[-1]:g}" if done else "-"))
     print(f"results: {summary.path} (sent {summary.sent}, failed {summary.failed}); `toolquake report "
           f"{summary.path.parent}` for the survival curve and the per-case table", file=sys.stderr)
+    if summary.not_comparable:
+        print(f"toolquake: {summary.not_comparable} case(s) stopped where the backend refused the request for its "
+              "shape (too many tools, a parameter it does not accept): not comparable, no breaking point; lower "
+              "--max below the API's limit", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

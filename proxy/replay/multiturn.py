@@ -28,7 +28,7 @@ from toolquake.bfcl.decode import DecodeFailure, calls_from_message
 from toolquake.bfcl.simulators import BackendError, Backends, Call, shared
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live import recovery
-from toolquake.proxy.replay.failures import BAD_RESPONSE, Failed, is_model_failure, post
+from toolquake.proxy.replay.failures import BAD_RESPONSE, NOT_COMPARABLE, Failed, is_model_failure, post
 from toolquake.scorers.multiturn import (
     BACKEND_ERROR,
     MAXIMUM_STEPS,
@@ -77,10 +77,11 @@ def _usage(body: Mapping[str, Any], key: str) -> int | None:
 
 
 class _QueryFailed(Exception):
-    def __init__(self, code: str, message: str, status: int | None = None):
+    def __init__(self, code: str, message: str, status: int | None = None, shape: str | None = None):
         super().__init__(message)
         self.code = code
         self.status = status
+        self.shape = shape
 
 
 async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
@@ -89,7 +90,7 @@ async def _query(client: httpx.AsyncClient, url: str, body: dict[str, Any], head
     t0 = time.perf_counter()
     resp = await post(client, url, body, headers)
     if isinstance(resp, Failed):
-        raise _QueryFailed(resp.code, f"{resp.message} (from {url})"[:500], resp.http_status)
+        raise _QueryFailed(resp.code, f"{resp.message} (from {url})"[:500], resp.http_status, resp.shape)
     latency_ms = (time.perf_counter() - t0) * 1000
     try:
         data = resp.json()
@@ -185,7 +186,7 @@ async def _play_turn(play: _Play, t: int, messages: list[dict[str, Any]], tools:
             data, request_id, latency_ms = await _query(play.http, play.url, body, play.headers)
         except _QueryFailed as exc:
             result.error = f"turn {t}, step {n}: {exc}"[:500]
-            result.error_code, result.error_status = exc.code, exc.status
+            result.error_code, result.error_status, result.error_shape = exc.code, exc.status, exc.shape
             return False
         choice = data["choices"][0]
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -356,6 +357,9 @@ async def replay_fields(case: Any, base_url: str, *, model: str, client: httpx.A
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in steps) or None,
         "completion_tokens": sum(s.completion_tokens or 0 for s in steps) or None,
     }
+    if result.error is not None and result.error_shape:  # refused for its shape: final, no verdict
+        return {**fields, "status": "scored", "error_type": NOT_COMPARABLE, "error_code": result.error_code,
+                "error": result.error, "http_status": result.error_status, "warning": result.error_shape}
     if result.error is not None and not is_model_failure(result.error_status, result.error_code or ""):
         return {**fields, "status": "error", "error_code": result.error_code or "unreachable", "error": result.error}
     if result.error is not None:  # the backend's failure: BFCL's multi_turn:inference_error, scored below

@@ -43,7 +43,7 @@ from toolquake.perturbers import shown_params
 from toolquake.proxy.live.grader import Grader
 from toolquake.proxy.live.usercases import is_user_case, request_body
 from toolquake.proxy.replay.errors import ReplayError
-from toolquake.proxy.replay.failures import BAD_RESPONSE, Failed, post
+from toolquake.proxy.replay.failures import BAD_RESPONSE, NOT_COMPARABLE, Failed, post
 from toolquake.proxy.replay.inproc import InProcessProxy
 from toolquake.proxy.replay.multiturn import given_request, next_call_grade, replay_fields
 from toolquake.proxy.replay.progress import Progress
@@ -82,8 +82,8 @@ class Options:
     #: the in-process proxy's token counter: 'auto' (the backend's tokenizer when it has one, else the
     #: estimate with a warning), or any `[server] token_counter` value; None: the config's
     token_counter: str | None = "auto"
-    #: let `@seed003*` presets run with budgets counted by the estimate (refused otherwise: their budgets are
-    #: meant in the model's own tokens)
+    #: let arms that fill a token budget (padding, lengthening) run with it counted by the estimate (refused
+    #: otherwise: budgets are meant in the model's own tokens)
     allow_estimate: bool = False
     #: let arms with `paraphrase` be rephrased by the model under test (no fixed generator configured); refused
     #: otherwise: seed 001 used one fixed rephraser, so every model compared saw the same text
@@ -101,6 +101,8 @@ class Summary:
     failed: int = 0
     #: pairs whose request failed on the backend's side, scored as BFCL scores an inference error
     model_failures: int = 0
+    #: pairs the backend refused for their shape (failures.REFUSALS): final, in no number
+    not_comparable: int = 0
     aborted: str | None = None
     tallies: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -200,7 +202,8 @@ class _Sender:
 
     def __init__(self, options: Options, proxy_url: str, client: httpx.AsyncClient, model: str,
                  in_process: InProcessProxy | None, traces: ReplayTraces | None = None,
-                 given: frozenset[str] = frozenset()) -> None:
+                 given: frozenset[str] = frozenset(), say: Callable[[str], None] | None = None,
+                 command: str = "replay") -> None:
         self.options, self.proxy_url, self.client, self.model = options, proxy_url, client, model
         self.in_process = in_process
         #: the profiles whose multi-turn cases are given up to their last user turn (`conversation = "given"`)
@@ -210,6 +213,17 @@ class _Sender:
         self.headers = _auth(options)
         self.unreachable = 0
         self.stop = asyncio.Event()
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.command = command
+        #: the codes of the shape refusals already warned about (one line at the first of each)
+        self.warned: set[str] = set()
+
+    def note_refusal(self, rec: Record) -> None:
+        """One warning line at the first pair the backend refused for its shape, per code."""
+        if rec.error_type != NOT_COMPARABLE or not rec.warning or (rec.error_code or "") in self.warned:
+            return
+        self.warned.add(rec.error_code or "")
+        self.say(f"{self.command}: WARNING: {rec.warning}")
 
     def sampling(self, case_id: str, trial: int) -> dict[str, Any]:
         """temperature, max_tokens, and with --trials > 1 the trial's seed (`trial_seed`)."""
@@ -278,6 +292,9 @@ class _Sender:
         """A request that got no usable answer: scored as BFCL scores an inference error when the failure is the
         backend's (`failures.is_model_failure`), else an error row, retried on the next run."""
         rec.http_status, rec.error_code, rec.error = failed.http_status, failed.code, failed.message
+        if failed.shape:  # refused for its shape: final (sending it again changes nothing), no verdict
+            rec.status, rec.error_type, rec.warning = "scored", NOT_COMPARABLE, failed.shape
+            return rec
         if not failed.counts:
             return rec
         if given is not None:
@@ -322,11 +339,15 @@ class _Sender:
             rec = await self.one(case, profile, trial)
             results.record(rec)
             summary.sent += 1
+            self.note_refusal(rec)
             if rec.status == "error":
                 summary.failed += 1
+            elif rec.error_type == NOT_COMPARABLE:
+                summary.not_comparable += 1
             elif rec.error_code:
                 summary.model_failures += 1
-            progress.advance(profile, rec.valid if rec.status == "scored" else None)
+            progress.advance(profile, rec.valid if rec.status == "scored" and rec.error_type != NOT_COMPARABLE
+                             else None)
             self.count_unreachable(rec, summary)
 
     def count_unreachable(self, rec: Record, summary: Summary) -> None:
@@ -378,15 +399,15 @@ def _scored(rec: Record, grade: Any) -> Record:
 
 async def _send_all(options: Options, proxy_url: str, pairs: list[tuple[Any, str, int]], results: ResultsFile,
                     progress: Progress, model: str, in_process: InProcessProxy | None,
-                    summary: Summary, traces: ReplayTraces | None = None, given: frozenset[str] = frozenset()
-                    ) -> None:
+                    summary: Summary, traces: ReplayTraces | None = None, given: frozenset[str] = frozenset(),
+                    say: Callable[[str], None] | None = None) -> None:
     queue: asyncio.Queue[tuple[Any, str, int]] = asyncio.Queue()
     for pair in pairs:
         queue.put_nowait(pair)
     limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        sender = _Sender(options, proxy_url, client, model, in_process, traces, given)
+        sender = _Sender(options, proxy_url, client, model, in_process, traces, given, say)
         await asyncio.gather(*(sender.worker(queue, results, progress, summary)
                                for _ in range(max(1, options.concurrency))))
 
@@ -425,10 +446,14 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
     config, arms, cases = prepare(options, say)
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
-    counter = None if options.proxy else _token_counter(config, options, say)
     specs = _profile_specs(config, arms)
     _check_rephraser(options, specs)
     _check_given(options, config, arms, cases)
+    budgets = budget_arms(specs)
+    counter = proxy_counter(options, budgets) if options.proxy else _token_counter(config, options, say, budgets)
+    if options.proxy and budgets and counter is None:
+        say("replay: note: the proxy at --proxy does not say which token counter it uses (its /readyz has no "
+            "token_counter): the budgets are counted by its own [server] token_counter, unchecked here")
     results = ResultsFile(Path(options.out) / results_name(options.shard))
     try:
         _start_file(results, options, specs, model, counter)
@@ -444,7 +469,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> Summary:
             say("replay: note: --trials with temperature 0 (or none) measures only the backend's own "
                 "nondeterminism; pass --temperature to sample")
         if pairs:
-            _send(options, config, results, pairs, {a: len(cases) * options.trials for a in arms}, model, summary)
+            _send(options, config, results, pairs, {a: len(cases) * options.trials for a in arms}, model, summary, say)
         summary.tallies = results.tallies()
         return summary
     finally:
@@ -466,23 +491,44 @@ def _check_given(options: Options, config: Any, arms: list[str], cases: list[Any
 
 
 def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
-    """Arms whose `paraphrase` has no fixed generator model would be rephrased by each model under test: refused
-    unless --self-rephrase."""
+    """Arms whose `paraphrase`, or whose `toolkit_expansion` with `source = "generate"`, has no fixed generator model
+    would have their text written by each model under test: refused unless --self-rephrase."""
     selfish = [p for p, spec in specs.items() for step in spec["perturbers"]
-               if step["name"] == "paraphrase" and not step["params"].get("generator_model")]
+               if _self_generated(step) and not step["params"].get("generator_model")]
     if selfish and not options.self_rephrase:
         raise ReplayError(
-            f"{', '.join(sorted(set(selfish)))}: no fixed rephraser is configured, so each model under test would "
-            "rephrase its own queries (seed 001 used one fixed rephraser: every model compared saw the same text). "
-            "Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or the profile's generator_url / "
-            "generator_model) to a fixed model, or pass --self-rephrase to accept self-rephrasing; the report "
-            "labels which rephraser each arm used.")
+            f"{', '.join(sorted(set(selfish)))}: no fixed generator model is configured, so each model under test "
+            "would write its own rephrased queries or related tools (seed 001 used one fixed model, Llama3.1-70B: "
+            "every model compared saw the same text). Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or "
+            "the profile's generator_url / generator_model) to a fixed model, or pass --self-rephrase to accept "
+            "self-generation; the report labels which rephraser each arm used.")
+
+
+def _self_generated(step: dict[str, Any]) -> bool:
+    """A step whose text a generator model writes: `paraphrase`, or `toolkit_expansion` generating its tools."""
+    return step["name"] == "paraphrase" or (step["name"] == "toolkit_expansion"
+                                            and step["params"].get("source") == "generate")
+
+
+def temperature_sent(options: Options) -> str:
+    """The temperature each request carries, as the results file records it (`none`: the field left out)."""
+    return "none" if options.temperature is None else f"{options.temperature:g}"
+
+
+def claim_temperature(results: ResultsFile, options: Options) -> None:
+    """Record the temperature sent; a resume with another one is refused (its pairs would mix two samplings)."""
+    stored, sent = results.meta().get("temperature"), temperature_sent(options)
+    if stored is not None and stored != sent:
+        raise ReplayError(f"{results.path} was sent with temperature {stored}, this run would send {sent}: use "
+                          "another --out directory, or the same --temperature")
+    results.set_meta({"temperature": sent})
 
 
 def _start_file(results: ResultsFile, options: Options, specs: dict[str, dict[str, Any]], model: str,
                 counter: str | None) -> None:
     """Claim the results file for this model and record the arms and the run's settings (a rerun must match)."""
     results.claim(model, options.backend or options.proxy or "")
+    claim_temperature(results, options)
     results.register_arms(specs)
     results.set_meta({"categories": ",".join(options.categories), "cases": ",".join(options.cases),
                       "limit": str(options.limit or ""),
@@ -498,9 +544,6 @@ def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say
     if options.proxy and any(_changes_expectation(config, p) for p in arms):
         say("replay: note: with --proxy, what the perturbers did is not visible here; arms that remove the "
             "expected tool or rewrite the answer format are graded on the client's answer only")
-    if options.proxy and "@seed003" in options.profiles:
-        say("replay: note: with --proxy, token budgets are counted by that proxy's own [server] token_counter; "
-            "seed 003's budgets are meant in the model's tokens (not the estimate)")
     if options.proxy and any(_injects_failures(config, p) for p in arms):
         say("replay: note: with --proxy, the failures tool_failure injects are not visible here: multi-turn "
             "rows get no recovery verdicts")
@@ -511,7 +554,7 @@ def _notes(options: Options, config: Any, arms: list[str], cases: list[Any], say
 
 
 def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple[Any, str, int]],
-          totals: dict[str, int], model: str, summary: Summary) -> None:
+          totals: dict[str, int], model: str, summary: Summary, say: Callable[[str], None] | None = None) -> None:
     """Send the pairs through the proxy (started here unless --proxy names one), with the progress line."""
     in_process = None
     proxy_url = options.proxy.rstrip("/") if options.proxy else None
@@ -523,7 +566,7 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
     try:
         with Progress(list(totals), totals, tallies, enabled=options.progress) as progress:
             asyncio.run(_send_all(options, proxy_url, pairs, results, progress, model, in_process, summary, traces,
-                                  given_profiles(config, list(totals))))
+                                  given_profiles(config, list(totals)), say))
     finally:
         if in_process is not None:
             in_process.stop()
@@ -531,9 +574,37 @@ def _send(options: Options, config: Any, results: ResultsFile, pairs: list[tuple
             traces.close()
 
 
-def _token_counter(config: Any, options: Options, say: Callable[[str], None]) -> str:
+def budget_arms(specs: dict[str, dict[str, Any]]) -> list[str]:
+    """The arms with a step that grows the request to a token budget (`Perturber.fills_token_budget`)."""
+    from toolquake.perturbers import build
+
+    return [p for p, spec in specs.items()
+            if any(build(step["name"], step["params"]).fills_token_budget() for step in spec["perturbers"])]
+
+
+def refuse_estimate(arms: list[str], why: str, options: Options) -> None:
+    """Arms whose budgets the estimate would count are refused unless --allow-estimate."""
+    if not arms or options.allow_estimate:
+        return
+    shown = ", ".join(arms[:6]) + (f" and {len(arms) - 6} more" if len(arms) > 6 else "")
+    presets = [p.strip() for p in options.profiles.split(",") if p.strip().startswith("@")]
+    if presets:  # name what was typed too
+        shown = f"{', '.join(presets)} ({shown})"
+    raise ReplayError(
+        f"{shown}: these arms fill a token budget, meant in the model's own tokens (seed 003's budgets are), and "
+        f"this run would count it with the estimate ({why}). Pick the model's tokenizer: --token-counter "
+        "tiktoken:o200k_base (GPT-4o and other OpenAI models; `make tiktoken-files`), "
+        "tokenizer:/path/tokenizer.json (the served model's Hugging Face tokenizer), or upstream (a backend with "
+        "/tokenize: vLLM, llama.cpp, the embedded backend) — with --proxy, that proxy's [server] token_counter; "
+        "or pass --allow-estimate to run on the estimate anyway (it over-counts real tokens 1.17-1.5x, so every "
+        "budget is smaller than its name).")
+
+
+def _token_counter(config: Any, options: Options, say: Callable[[str], None], budgets: list[str] | None = None
+                   ) -> str:
     """What the in-process proxy counts tokens with (what budgets mean in this run); a warning when `auto` found
-    no tokenizer at the backend, and a refusal when a `@seed003*` preset would run on the estimate unasked."""
+    no tokenizer at the backend, and a refusal when arms that fill a token budget (`budgets`) would run on the
+    estimate unasked."""
     from toolquake.perturbers.helpers.tokens import counter_label, make_counter
 
     try:
@@ -543,20 +614,25 @@ def _token_counter(config: Any, options: Options, say: Callable[[str], None]) ->
     if hasattr(counter, "close"):
         counter.close()
     fallback = getattr(counter, "fallback", None)
-    seed003 = sorted({p for p in (s.strip() for s in options.profiles.split(",")) if p.startswith("@seed003")})
-    if counter.source == "estimate" and seed003 and not options.allow_estimate:
-        why = fallback or f"token_counter is {config.server.token_counter!r}"
-        raise ReplayError(
-            f"{', '.join(seed003)}: seed 003's budgets are in the model's own tokens, and this run would count them "
-            f"with the estimate ({why}). Pick the model's tokenizer: --token-counter tiktoken:o200k_base (GPT-4o and "
-            "other OpenAI models; `make tiktoken-files`), tokenizer:/path/tokenizer.json (the served model's "
-            "Hugging Face tokenizer), or upstream (a backend with /tokenize: vLLM, llama.cpp, the embedded "
-            "backend); or pass --allow-estimate to run on the estimate anyway (it over-counts real tokens "
-            "1.17-1.5x, so every budget is smaller than its name).")
+    if counter.source == "estimate":
+        refuse_estimate(budgets or [], fallback or f"token_counter is {config.server.token_counter!r}", options)
     if fallback:
         say(f"replay: WARNING: {fallback}. Token budgets (pad-*, resp-*, conv-*) are then smaller in the model's own "
             "tokens than their names say; the report gives the tokens each arm reached.")
     return counter_label(counter)
+
+
+def proxy_counter(options: Options, budgets: list[str]) -> str | None:
+    """With --proxy: the token counter that proxy says it counts with (its /readyz `token_counter`), refused for
+    arms that fill a token budget when it is the estimate; None when the proxy does not say."""
+    try:
+        r = httpx.get(f"{(options.proxy or '').rstrip('/')}/readyz", timeout=10.0, trust_env=False)
+        source = r.json().get("token_counter")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        source = None
+    if source == "estimate":
+        refuse_estimate(budgets, "the proxy's [server] token_counter is the estimate", options)
+    return source if isinstance(source, str) else None
 
 
 def _changes_expectation(config: Any, profile: str) -> bool:

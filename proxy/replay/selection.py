@@ -10,10 +10,14 @@ from toolquake.proxy.replay.errors import ReplayError
 
 #: named groups of profiles for `--profiles` (`@name`); patterns are expanded against the config
 PRESETS: dict[str, list[str]] = {
-    # seed 001 Table 2: original / rephrased query / expanded toolkit (run it on `multiple`)
-    "seed001": ["off", "rephrased", "expanded"],
+    # seed 001 Table 2: original / rephrased query / expanded toolkit (run it on `multiple`); the rephrasing drop on
+    # the cases whose rephrasing passed the value check (rephrased) and on all of them (rephrased-all, the paper's)
+    "seed001": ["off", "rephrased", "rephrased-all", "expanded"],
     # seed 003 challenge 1: catalog padded to 5 budgets × 5 positions of the original tools
     "seed003": ["off", "pad-*"],
+    # the same grid in BFCL's prompting mode (the padded catalog in the system prompt, BFCL's decoder): for models
+    # served without native tools and APIs that cap the tools array; prompt-off is its baseline (--baseline)
+    "seed003-prompt": ["off", "prompt-off", "prompt-pad-*"],
     # seed 002: the 26 format configurations of BFCL V4 format sensitivity (run it on `format_sensitivity`)
     "seed002": ["fmt-*"],
     "tool_order": ["off", "shuffled", "reversed"],
@@ -22,7 +26,8 @@ PRESETS: dict[str, list[str]] = {
     "faults": ["off", "fail-*"],
     "metadata": ["off", "meta-*"],
     # seed 003 challenge 2 (Fig. 4a/4b, Table 7): the last tool response grown with real records to 10K-80K tokens
-    # (p1), and at 80K the original records in block p of 8; run on multi-turn cases (docs/replay.md)
+    # (p1), and at 80K the original records after (p − 1)/7 of the padding records, p = 1…8 (Fig. 4b's 8 answer
+    # positions); run on multi-turn cases (docs/replay.md)
     "seed003-responses": ["off", "resp-*"],
     # seed 003 challenge 3 (Table 2) as the paper measures it: each conversation given up to its last user turn,
     # 4 sizes × 2 settings (fact in a user turn / a tool response), one request graded on its next call by AST
@@ -36,6 +41,7 @@ PRESETS: dict[str, list[str]] = {
 PRESET_CATEGORIES: dict[str, list[str]] = {
     "seed001": ["multiple"],
     "seed003": ["simple_python", "live_simple", "multiple"],
+    "seed003-prompt": ["simple_python", "live_simple", "multiple"],
     "seed002": ["format_sensitivity"],
     "seed003-responses": ["multi_turn_base"],
     "seed003-conversations": ["multi_turn_base"],

@@ -1,7 +1,9 @@
 """The results file of one replay (one shard): one SQLite row per (case, profile, trial), committed exactly once.
 
 A scored row is final; an error row is replaced by the next attempt (and `attempts` counts them). A request
-that failed on the backend's side is a scored row with its `error_code` (proxy/replay/failures.py).
+that failed on the backend's side is a scored row with its `error_code` (proxy/replay/failures.py); one the
+backend refused for its shape is a scored row without a verdict, `error_type` `not_comparable` (final, in no
+number: `row_status`).
 The verdict columns are the live results store's (`VERDICT_COLUMNS`), encoded the same way.
 `trial` is 0 without `--trials`; schema 1 files (keyed (case, profile), before `--trials`) are
 migrated in place when opened for writing (their rows become trial 0) and read as such by reports.
@@ -19,6 +21,7 @@ from typing import Any
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.live.results import VERDICT_COLUMNS, create_private, sql_value
 from toolquake.proxy.replay.errors import ReplayError
+from toolquake.proxy.replay.failures import NOT_COMPARABLE
 
 SCHEMA_VERSION = 2
 
@@ -48,6 +51,8 @@ class Record:
     latency_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    #: not stored: the run's warning when the backend refused the request for its shape (failures.REFUSALS)
+    warning: str | None = None
 
 
 #: the replay's own columns before and after the shared verdict columns
@@ -77,8 +82,12 @@ CREATE TABLE IF NOT EXISTS results (
 """
 
 
-def row_status(status: str, perturbers: str | None) -> str:
-    """`not_perturbed` for a scored pair that every applied step left unperturbed on purpose, else `status`."""
+def row_status(status: str, perturbers: str | None, error_type: str | None = None) -> str:
+    """`not_comparable` for a scored pair the backend refused for its shape (failures.REFUSALS), `not_perturbed`
+    for a scored pair that every applied step left unperturbed on purpose, else `status`. The one place a row's
+    standing is decided: the report and the run's tallies both read it."""
+    if status == "scored" and error_type == NOT_COMPARABLE:
+        return NOT_COMPARABLE
     if status != "scored" or not perturbers or NOT_PERTURBED not in perturbers:
         return status
     try:
@@ -167,16 +176,22 @@ class ResultsFile:
         return set(self.db.execute("SELECT case_id, profile, trial FROM results WHERE status = 'scored'").fetchall())
 
     def verdicts(self) -> dict[tuple[str, str, int], bool]:
-        """(case_id, profile, trial) → valid, of every scored row."""
+        """(case_id, profile, trial) → valid, of every scored row with a verdict (not the not-comparable ones)."""
         return {(c, p, t): bool(v) for c, p, t, v in
-                self.db.execute("SELECT case_id, profile, trial, valid FROM results WHERE status = 'scored'")}
+                self.db.execute("SELECT case_id, profile, trial, valid FROM results WHERE status = 'scored' AND "
+                                "(error_type IS NULL OR error_type != ?)", (NOT_COMPARABLE,))}
+
+    def not_comparable(self) -> set[tuple[str, str, int]]:
+        """(case_id, profile, trial) of every pair the backend refused for its shape (final, no verdict)."""
+        return set(self.db.execute("SELECT case_id, profile, trial FROM results WHERE status = 'scored' AND "
+                                   "error_type = ?", (NOT_COMPARABLE,)).fetchall())
 
     def tallies(self) -> dict[str, tuple[int, int]]:
         """profile → (scored, valid), pairs left unperturbed on purpose not counted (as in the report)."""
         out: dict[str, tuple[int, int]] = {}
-        for p, valid, perturbers in self.db.execute("SELECT profile, valid, perturbers FROM results "
-                                                    "WHERE status = 'scored'"):
-            if row_status("scored", perturbers) == "scored":
+        for p, valid, perturbers, error_type in self.db.execute("SELECT profile, valid, perturbers, error_type "
+                                                                "FROM results WHERE status = 'scored'"):
+            if row_status("scored", perturbers, error_type) == "scored":
                 n, v = out.get(p, (0, 0))
                 out[p] = (n + 1, v + int(bool(valid)))
         return out

@@ -27,9 +27,20 @@ import httpx
 
 from toolquake.proxy.replay.breaking import Outcome, grid, next_point, outcome, verdict
 from toolquake.proxy.replay.errors import ReplayError
+from toolquake.proxy.replay.failures import NOT_COMPARABLE
 from toolquake.proxy.replay.inproc import InProcessProxy
 from toolquake.proxy.replay.progress import Progress
-from toolquake.proxy.replay.run import Options, _auth, _check_options, _reach, _Sender, _token_counter, prepare
+from toolquake.proxy.replay.run import (
+    Options,
+    _auth,
+    _check_options,
+    _reach,
+    _Sender,
+    _token_counter,
+    claim_temperature,
+    prepare,
+    proxy_counter,
+)
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.proxy.replay.tracing import ReplayTraces
 
@@ -103,6 +114,8 @@ class SweepSummary:
     cases: int = 0
     sent: int = 0
     failed: int = 0
+    #: cases stopped at a point the backend refused for its shape (failures.REFUSALS): no breaking point
+    not_comparable: int = 0
     aborted: str | None = None
     outcomes: dict[str, Outcome] = field(default_factory=dict)
 
@@ -178,6 +191,8 @@ class _Sweeper:
         for (cid, profile, trial), valid in results.verdicts().items():
             if profile in names:
                 self.recorded.setdefault(cid, {}).setdefault(names[profile], {})[trial] = valid
+        #: cases with a point the backend refused for its shape: asked no further (not comparable there)
+        self.refused = {cid for cid, profile, _ in results.not_comparable() if profile in names}
 
     def known(self, case_id: str) -> dict[int, dict[int, bool]]:
         """Grid index → {trial: right} of the case, as recorded."""
@@ -190,6 +205,7 @@ class _Sweeper:
             rec = await self.sender.one(case, name, trial)
         self.results.record(rec)
         self.summary.sent += 1
+        self.sender.note_refusal(rec)
         self.sender.count_unreachable(rec, self.summary)  # type: ignore[arg-type]
         return rec
 
@@ -216,6 +232,9 @@ class _Sweeper:
     async def _case(self, case: Any) -> None:
         n, k = len(self.profiles.points), self.options.trials
         trials = self.known(case.id)
+        if case.id in self.refused:  # a point the backend refused for its shape: this case has no breaking point
+            self.summary.not_comparable += 1
+            return
         while not self.sender.stop.is_set():
             done = {i: verdict([ts[t] for t in range(k)], self.options.rule) for i, ts in trials.items()
                     if all(t in ts for t in range(k))}
@@ -229,6 +248,9 @@ class _Sweeper:
             recs = await asyncio.gather(*(self.send(case, name, t) for t in range(k) if t not in have))
             for rec in recs:
                 if rec is None:
+                    return
+                if rec.error_type == NOT_COMPARABLE:  # the API's limit, not the model's: no breaking point here
+                    self.summary.not_comparable += 1
                     return
                 if rec.status != "scored":
                     self.summary.failed += 1
@@ -290,6 +312,7 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
            config: Any, say: Callable[[str], None]) -> None:
     """Tie the file to the model and to this sweep's settings: a resume with other settings is refused."""
     results.claim(model, options.backend or options.proxy or "")
+    claim_temperature(results, options)
     wanted = {"sweep_axis": axis.name, "sweep_perturber": axis.perturber, "sweep_param": axis.decl.param,
               "sweep_grid": f"{points[0]:g}:{points[-1]:g}:{len(points)}",
               "sweep_position": "" if options.position is None else f"{options.position:g}",
@@ -304,9 +327,19 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
                    "sweep_points": json.dumps(points),
                    "limit": str(options.limit or ""), "sweep_unit": axis.decl.unit,
                    "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
-    if not options.proxy:
-        wanted["token_counter"] = _token_counter(config, options, say)
+    budgets = [profile_name(axis.name, points[-1])] if _fills_budget(axis, points, options) else []
+    counter = proxy_counter(options, budgets) if options.proxy else _token_counter(config, options, say, budgets)
+    if counter is not None:
+        wanted["token_counter"] = counter
     results.set_meta(wanted)
+
+
+def _fills_budget(axis: Axis, points: list[float], options: SweepOptions) -> bool:
+    """The axis grows the request to a token budget (at its largest point), as the perturber declares."""
+    from toolquake.perturbers import build
+
+    params = axis.params(points[-1], options.position)
+    return params is not None and build(axis.perturber, params).fills_token_budget()
 
 
 def run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -> SweepSummary:
@@ -365,7 +398,7 @@ async def _sweep_all(options: SweepOptions, axis: Axis, points: list[float], cas
     limits = httpx.Limits(max_connections=options.concurrency + 1, max_keepalive_connections=options.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        sender = _Sender(options, proxy_url, client, model, in_process, traces)
+        sender = _Sender(options, proxy_url, client, model, in_process, traces, command="sweep")
         profiles = _Profiles(axis, options, points, results, client, proxy_url, token)
         sweeper = _Sweeper(options, profiles, sender, results, progress, summary, traces)
         await asyncio.gather(*(sweeper.case(c) for c in cases))

@@ -8,6 +8,7 @@ after the fact. Features such as live scoring attach themselves through `extensi
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Iterable
@@ -238,13 +239,21 @@ def _probe_routes(st: ProxyState, life: Lifecycle) -> list:
         if status >= 500:
             return Response(content=error_body(f"upstream answered {status}", "upstream_error",
                                                "upstream_unhealthy"), status_code=503, media_type=JSON)
-        return Response(content=b'{"status":"ready"}', media_type=JSON)
+        # which token counter the budgets of this proxy's profiles are counted with (its kind only: no path), so
+        # that `toolquake replay --proxy` can refuse token-budget arms on the estimate (proxy/replay/run.py)
+        return Response(content=_ready_body(getattr(st.services.token_counter, "source", None)), media_type=JSON)
 
     @get("/metrics", name="metrics")
     async def metrics_route() -> Response:
         return Response(content=await st.metrics.render(), media_type=st.metrics.content_type)
 
     return [healthz, readyz, metrics_route]
+
+
+def _ready_body(counter: Any) -> bytes:
+    """/readyz's answer: ready, and the kind of token counter (`estimate`, `upstream`, `tiktoken`, `tokenizer`)."""
+    return json.dumps({"status": "ready", **({"token_counter": counter} if isinstance(counter, str) else {})},
+                      separators=(",", ":")).encode()
 
 
 def _exception_handlers(max_body_bytes: int) -> dict:

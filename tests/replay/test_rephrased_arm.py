@@ -56,7 +56,7 @@ def setup(tmp_path_factory):
     for c in cases:
         calls = [{"name": openai_name(g["name"]), "arguments": g["arguments"]} for g in ground_truth_calls(c)]
         lines.append({"match": text[c.id], "answer": {"calls": calls}})
-        if c.id == "multiple_2":
+        if c.id in ("multiple_1", "multiple_2"):  # multiple_1's rephrasing lost its numbers: no right call left
             other = next(openai_name(f["name"]) for f in c.functions if openai_name(f["name"]) != calls[0]["name"])
             calls = [{"name": other, "arguments": calls[0]["arguments"]}]
         lines.append({"match": rephrasing[c.id], "answer": {"calls": calls}})
@@ -177,3 +177,51 @@ def test_a_second_model_sees_the_same_rephrasings_from_the_shared_cache(setup) -
     assert chat_requests(gen) == []  # every rephrasing came from the cache
     sent = {last_user(b) for b in chat_requests(model) if b["model"] == "model-b"}
     assert {rephrasing[c.id] for c in cases if c.id != "multiple_1"} <= sent
+
+
+def test_the_drop_on_all_cases_sends_the_rejected_rephrasings_and_says_it_is_the_paper_s(setup) -> None:
+    """`rephrased-all` (#47): the rephrasing the value check rejects (multiple_1's, which lost its numbers) is sent
+    anyway and labelled, so the drop is over all cases, as seed 001's Table 2; `rephrased` leaves it out, which
+    biases the drop down. Worked out by hand: 6 cases, `off` all right; `rephrased` 5 sent, 4 right (multiple_2's
+    rephrasing is answered wrong): −20 %; `rephrased-all` 6 sent, 4 right (multiple_1's too): −33.3 %."""
+    root, _, gen, model, cases, text, rephrasing = setup
+    config = root / "config-all.toml"
+    cache = root / "shared-cache"
+    config.write_text("".join(f'[profiles.{name}]\nmode = "perturb"\nperturbers = [{{ name = "paraphrase", params = '
+                              f'{{ cache_dir = "{cache}"{extra} }} }}]\n\n'
+                              for name, extra in (("rephrased", ""), ("rephrased-all", ', rejected = "send"'))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_GENERATOR_URL": f"{gen.url}/v1",
+           "TOOLQUAKE_GENERATOR_MODEL": "fixed-rephraser"}
+    httpx.delete(f"{model.url}/_fake/requests")
+    done = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend",
+                           f"{model.url}/v1", "--profiles", "off,rephrased,rephrased-all", "--config", str(config),
+                           "--categories", "multiple", "--limit", str(N), "--out", str(root / "all"), "--model",
+                           "model-all", "--concurrency", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sent = [last_user(b) for b in chat_requests(model)]
+    assert sent.count(rephrasing["multiple_1"]) == 1  # sent by rephrased-all only
+    data = json.loads(subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "all"), "--format",
+                                      "json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    checked, every = data["arms"]["rephrased"], data["arms"]["rephrased-all"]
+    assert (checked["n"], checked["not_perturbed"], every["n"], every["not_perturbed"]) == (5, 1, 6, 0)
+    assert checked["accuracy"] == pytest.approx(4 / 5) and every["accuracy"] == pytest.approx(4 / 6)
+    assert checked["drop_vs_off"] == pytest.approx(-0.2) and every["drop_vs_off"] == pytest.approx(-1 / 3)
+    drops = data["rephrasing_drops"]["model-all"]
+    assert (drops["rephrased"]["cases"], drops["rephrased"]["table2"], drops["rephrased"]["rejected_sent"]) == (
+        "checked", False, 0)
+    assert (drops["rephrased-all"]["cases"], drops["rephrased-all"]["table2"],
+            drops["rephrased-all"]["rejected_sent"]) == ("all cases", True, 1)
+    import sqlite3
+
+    db = sqlite3.connect(root / "all" / "replay.sqlite")
+    (stored,) = db.execute("SELECT perturbers FROM results WHERE profile = 'rephrased-all' AND case_id = 'multiple_1'"
+                           ).fetchone()
+    db.close()
+    (step,) = json.loads(stored)["applied"]
+    assert step["report"]["paraphrase"] == "rejected, sent" and step["report"]["rejected_for"]  # labelled
+    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "all"), "--no-plots"], cwd=ROOT,
+                        capture_output=True, text=True, check=True).stdout
+    assert ("| model-all | rephrased-all | all cases, rejected rephrasings sent (labelled) | yes | 6 | 0.667 | "
+            "-33.3 %") in md
+    assert "| model-all | rephrased | cases whose rephrasing passed the value check | no | 5 | 0.800 | -20.0 %" in md

@@ -203,9 +203,9 @@ def test_shard_and_profile_arguments():
             parse_shard(bad, {})
     with pytest.raises(ReplayError, match="JOB_COMPLETION_INDEX"):
         parse_shard("4", {})
-    known = ["off", "shuffled", "pad-8k-p10", "pad-8k-p50", "expanded", "rephrased"]
+    known = ["off", "shuffled", "pad-8k-p10", "pad-8k-p50", "expanded", "rephrased", "rephrased-all"]
     assert expand_profiles("off,pad-*", known) == ["off", "pad-8k-p10", "pad-8k-p50"]
-    assert expand_profiles("@seed001,off", known) == ["off", "rephrased", "expanded"]
+    assert expand_profiles("@seed001,off", known) == ["off", "rephrased", "rephrased-all", "expanded"]
     with pytest.raises(ReplayError, match="unknown profile 'nope'"):
         expand_profiles("off,nope", known)
     with pytest.raises(ReplayError, match="no profile matches"):
@@ -274,7 +274,7 @@ def test_shipped_presets_reproduce_the_seed_grids():
     grid = {(p["budget_tokens"], p["position"]) for p in (params(name, "catalog_padding") for name in padded[1:])}
     assert grid == {(b, a) for b in (8192, 16384, 32768, 65536, 120000) for a in (0.1, 0.3, 0.5, 0.7, 0.9)}
     assert len(padded) == 26
-    assert expand_profiles("@seed001", known) == ["off", "rephrased", "expanded"]
+    assert expand_profiles("@seed001", known) == ["off", "rephrased", "rephrased-all", "expanded"]
     assert params("expanded", "toolkit_expansion")["k"] == 3
     assert params("no-target-tool", "tool_removal")["which"] == "expected"
 

@@ -17,7 +17,9 @@ CSV_STATS_COLUMNS = ["Overall Acc CI Low", "Overall Acc CI High", "Drop vs Basel
                      "Paired N", "Valid to Invalid", "Invalid to Valid", "McNemar p", "Significant",
                      # requests that failed on the backend's side (counted in N as wrong), their codes, and the
                      # accuracy over the answered requests only
-                     "Failed", "Failed Codes", "Answered N", "Answered Acc"]
+                     "Failed", "Failed Codes", "Answered N", "Answered Acc",
+                     # pairs the backend refused for the request's shape: in no number (not in N)
+                     "Not Comparable", "Not Comparable Codes"]
 
 
 #: with repeated trials, `--csv-stats` also appends these (k = the number of trials)
@@ -52,7 +54,8 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
                      cmp.get("n", "N/A"), cmp.get("valid_to_invalid", "N/A"), cmp.get("invalid_to_valid", "N/A"),
                      "N/A" if not cmp else f"{cmp['p_value']:.6g}", "N/A" if not cmp else str(cmp["significant"]),
                      arm["failed"], " ".join(f"{k}:{v}" for k, v in arm["failed_codes"].items()), arm["answered"],
-                     pct(arm["answered_accuracy"])]
+                     pct(arm["answered_accuracy"]), sum((arm.get("not_comparable") or {}).values()),
+                     " ".join(f"{k}:{v}" for k, v in (arm.get("not_comparable") or {}).items())]
             if trial_cols:
                 t = arm.get("trials") or {}
                 acc = t.get("accuracy") or {}

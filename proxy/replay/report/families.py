@@ -83,6 +83,7 @@ def family_numbers(summary: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             cmp = arm.get("paired") or {}
             out.append({"model": model, "family": fam[0], "kind": fam[1], "profile": p, "n": arm["n"],
+                        "not_comparable": dict(arm.get("not_comparable") or {}),
                         "accuracy": arm["accuracy"], "accuracy_ci": arm.get("accuracy_ci"),
                         "drop_vs_off": arm.get("drop_vs_off"), "drop_vs_off_ci": arm.get("drop_vs_off_ci"),
                         "valid_to_invalid": cmp.get("valid_to_invalid"),
@@ -104,13 +105,15 @@ def _family_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[li
                      e["accuracy_ci"]), drop_ci(e["drop_vs_off"], e["drop_vs_off_ci"]),
                      "" if e["valid_to_invalid"] is None else str(e["valid_to_invalid"]),
                      "" if e["invalid_to_valid"] is None else str(e["invalid_to_valid"]),
-                     "" if e["p_value"] is None else p_text(e["p_value"])])
+                     "" if e["p_value"] is None else p_text(e["p_value"]),
+                     str(sum((e.get("not_comparable") or {}).values()))])
     if not rows:
         return []
     return [(f"Perturbation families: accuracy per kind against `{baseline}` (failed tool results, "
-             "misleading tool metadata; 95 % intervals)",
+             "misleading tool metadata; 95 % intervals; pairs the backend refused for the request's shape are "
+             "not comparable, in no number)",
              ["model", "family", "kind", "profile", "n", "accuracy [95 % CI]", f"drop vs {baseline} [95 % CI]",
-              "valid→invalid", "invalid→valid", "McNemar p"], rows)]
+              "valid→invalid", "invalid→valid", "McNemar p", "not comparable"], rows)]
 
 
 def _recovery_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -20,8 +20,8 @@ from typing import Any
 
 from toolquake.perturbers.base import NOT_PERTURBED
 from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, step_of
-from toolquake.proxy.replay.report.rows import Results, scored_steps, step_reports
-from toolquake.scorers.aggregate import ratio, wilson_ci
+from toolquake.proxy.replay.report.rows import Results, scored_steps, step_reports, step_usage
+from toolquake.scorers.aggregate import ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
 #: the seed papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
@@ -146,16 +146,38 @@ def expansion_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+#: an arm whose counter's tokens and the backend's own count (`usage.prompt_tokens`) differ by more than this share
+#: is flagged: its budgets do not mean the model's tokens
+BACKEND_TOLERANCE = 0.05
+
+
+def backend_tokens(pairs: list[tuple[float, float]]) -> dict[str, Any] | None:
+    """The backend's own count beside the counter's, over the requests that have both ((counter, backend) each):
+    {"requests", "median", "counter_median", "ratio" (backend / counter), "differs" (by more than
+    BACKEND_TOLERANCE)}; None when no request has both."""
+    if not pairs:
+        return None
+    mine, theirs = _quantile([c for c, _ in pairs], 0.5), _quantile([b for _, b in pairs], 0.5)
+    ratio_ = theirs / mine if mine else None
+    return {"requests": len(pairs), "median": round(theirs), "counter_median": round(mine),
+            "ratio": None if ratio_ is None else round(ratio_, 3),
+            "differs": ratio_ is None or abs(ratio_ - 1) > BACKEND_TOLERANCE}
+
+
 def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {source: n}, "tokens_after": spread,
-    "tools_after": spread}}}: the tokens each catalog_padding arm actually reached, by the counter it used."""
+    "tools_after": spread, "backend_tokens": `backend_tokens`, "mode"}}}: the tokens each catalog_padding arm
+    actually reached, by the counter it used, and as the backend counted them."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, names_of(CATALOG)):
-        a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [], "tools": []})
+    for model, profile, report, usage in step_usage(res, names_of(CATALOG)):
+        a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [], "tools": [],
+                                              "backend": []})
         a["requests"] += 1
         a["token_counter"][str(report.get("token_counter", "unknown"))] += 1
         if isinstance(report.get("tokens_after"), int):
             a["tokens"].append(float(report["tokens_after"]))
+            if usage is not None:
+                a["backend"].append((float(report["tokens_after"]), float(usage)))
         if isinstance(report.get("tools_after"), int):
             a["tools"].append(float(report["tools_after"]))
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -165,7 +187,8 @@ def padding_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
         budget = None if step is None else step.get("params", {}).get("budget_tokens")
         out.setdefault(model, {})[profile] = {
             "requests": a["requests"], "budget_tokens": budget, "token_counter": dict(a["token_counter"]),
-            "tokens_after": _spread(a["tokens"], 0), "tools_after": _spread(a["tools"], 1)}
+            "tokens_after": _spread(a["tokens"], 0), "tools_after": _spread(a["tools"], 1),
+            "backend_tokens": backend_tokens(a["backend"]), "mode": catalog_mode({"perturbers": spec})}
     return out
 
 
@@ -212,30 +235,71 @@ def rephrasers(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+#: which of seed 001's two rephrasing drops its Table 2 gives: over all cases (its manual review found no drift)
+CHECKED, ALL_CASES = "checked", "all cases"
+
+
+def rephrasing_drops(res: Results, summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Seed 001's rephrasing drop both ways, per model and `paraphrase` arm: `cases` = "checked" (a rephrasing the
+    value check rejects is not sent; the pair leaves the arm) or "all cases" (`rejected = "send"`: sent anyway, and
+    counted in `rejected_sent`); `table2` says which one the paper's Table 2 corresponds to (all cases: the paper
+    rephrased all 200 and kept them after a review). {model: {profile: {"cases", "table2", "n", "accuracy",
+    "drop_vs_off", "drop_vs_off_ci", "paired_n", "not_perturbed", "rejected_sent"}}}."""
+    sent: Counter[tuple[str, str]] = Counter()
+    for model, profile, report in step_reports(res, ["paraphrase"]):
+        if report.get("paraphrase") == "rejected, sent":
+            sent[(model, profile)] += 1
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for model, data in summary["models"].items():
+        for p, arm in data["arms"].items():
+            step = next((s for s in arm.get("perturbers") or [] if s.get("name") == "paraphrase"), None)
+            if step is None:
+                continue
+            every = (step.get("params") or {}).get("rejected") == "send"
+            out.setdefault(model, {})[p] = {
+                "cases": ALL_CASES if every else CHECKED, "table2": every, "n": arm["n"], "accuracy": arm["accuracy"],
+                "drop_vs_off": arm.get("drop_vs_off"), "drop_vs_off_ci": arm.get("drop_vs_off_ci"),
+                "paired_n": (arm.get("paired") or {}).get("n"), "not_perturbed": arm.get("not_perturbed", 0),
+                "rejected_sent": sent[(model, p)]}
+    return out
+
+
 def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"requests", "budget_tokens", "token_counter": {counter: n}, "tokens_total": spread}}}: the
     tokens each long-response / long-conversation arm (seed 003 challenges 2 and 3) reached, by the counter it
     used (one report per lengthened request; a multi-turn pair may hold several). A request left out of its arm (a
     given conversation that did not hold its budget) is counted in `requests`, not in the tokens reached."""
     acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for model, profile, report in step_reports(res, names_of(RESPONSES) + names_of(CONVERSATIONS)):
+    for model, profile, report, usage in step_usage(res, names_of(RESPONSES) + names_of(CONVERSATIONS)):
         a = acc.setdefault((model, profile), {"requests": 0, "token_counter": Counter(), "tokens": [],
-                                              "budget": report.get("budget_tokens")})
+                                              "budget": report.get("budget_tokens"), "backend": []})
         a["requests"] += 1
         a["token_counter"][str(report.get("counter", "unknown"))] += 1
         if isinstance(report.get("tokens_total"), int) and NOT_PERTURBED not in report:
             a["tokens"].append(float(report["tokens_total"]))
+            # the whole request's tokens (a response-scoped budget counts the response alone: not compared)
+            if usage is not None and report.get("budget_scope", "request") != "response":
+                a["backend"].append((float(report["tokens_total"]), float(usage)))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), a in acc.items():
         out.setdefault(model, {})[profile] = {"requests": a["requests"], "budget_tokens": a["budget"],
                                               "token_counter": dict(a["token_counter"]),
-                                              "tokens_total": _spread(a["tokens"], 0)}
+                                              "tokens_total": _spread(a["tokens"], 0),
+                                              "backend_tokens": backend_tokens(a["backend"])}
     return out
 
 
 def _arms_with(data: dict[str, Any], experiment: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
-            if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])}
+            if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])
+            and (experiment != FORMATS or _format_arm(arm))}
+
+
+def _format_arm(arm: dict[str, Any]) -> bool:
+    """An arm of seed 002's format configurations: a format_rewrite step and no catalog padding (the prompting-mode
+    catalog arms of @seed003-prompt belong to seed 003's grid)."""
+    steps = arm.get("perturbers") or []
+    return step_of(steps, FORMATS) is not None and step_of(steps, CATALOG) is None
 
 
 def format_sensitivity(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -263,8 +327,24 @@ def _extremes(values: list[tuple[float, str]]) -> dict[str, Any]:
 
 def padding_extremes(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 1: per model and category, the best (Max) and worst (Min) accuracy over the catalog-padding
-    arms (budgets × positions), the arms that gave them, and `deg` = (Max − Min) in points."""
-    return _category_extremes(summary, lambda budget, position, grid: True)
+    arms (budgets × positions), the arms that gave them, `deg` = (Max − Min) in points, and the paper's directional
+    `drop` from the smallest budget to the largest, each pooled over its positions (`directional_drop`)."""
+    return _category_extremes(summary, lambda budget, position, grid: True, directional=True)
+
+
+def directional_drop(by_budget: dict[int, list[int]]) -> dict[str, Any] | None:
+    """Seed 003's % degradation (Tables 1 and 5), which is directional: from the shortest catalog to the longest,
+    `relative` = (first − last) / first in percent (negative when accuracy rose: the paper's −20.88 for GPT-4o on
+    live_simple in Table 5), `points` = (first − last) in points; `by_budget` = {budget: [valid, scored]} (arms
+    of one budget pooled). None with fewer than two budgets."""
+    scored = {b: vn for b, vn in by_budget.items() if vn[1]}
+    if len(scored) < 2:
+        return None
+    first, last = min(scored), max(scored)
+    a, z = ratio(*scored[first]), ratio(*scored[last])
+    rel = relative_drop(z, a)
+    return {"from_budget": first, "to_budget": last, "from_accuracy": a, "to_accuracy": z,
+            "points": round((a - z) * 100, 2), "relative": None if rel is None else round(-rel * 100, 2)}
 
 
 def position_key(position: Any) -> tuple[int, float]:
@@ -292,25 +372,59 @@ def grid_arms(data: dict[str, Any], experiment: str, *keys: str) -> list[tuple[s
     return out
 
 
-def _category_extremes(summary: dict[str, Any], keep: Any) -> dict[str, dict[str, dict[str, Any]]]:
+def _category_extremes(summary: dict[str, Any], keep: Any, directional: bool = False, held: Any = None
+                       ) -> dict[str, dict[str, dict[str, Any]]]:
     """Max / Min / %Deg per model and category over the catalog-padding arms that `keep(budget, position, grid)`
-    selects (grid: every (budget, position) of the model's arms)."""
+    selects (grid: every (budget, position) of the model's arms); with `directional`, the paper's `drop` from the
+    smallest budget to the largest (`directional_drop`); `held(grid)` gives the keys each entry adds (what the
+    table holds fixed). Arms in prompting mode (`@seed003-prompt`) are their own
+    group, `<model> [prompting]`: never mixed with native tools."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
-        arms = grid_arms(data, CATALOG, "budget_tokens", "position")
-        grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
-        per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        failed: dict[tuple[str, str], int] = {}
-        for p, v, arm in arms:
-            if not keep(int(v["budget_tokens"]), v["position"], grid):
-                continue
-            for cat, numbers in arm["by_category"].items():
-                if numbers["accuracy"] is not None:
-                    per_cat[cat].append((numbers["accuracy"], p))
-                    failed[(cat, p)] = numbers.get("failed", 0)
-        for cat, values in sorted(per_cat.items()):
-            e = out.setdefault(model, {})[cat] = _extremes(values)
-            e.update(max_failed=failed[(cat, e["max_arm"])], min_failed=failed[(cat, e["min_arm"])])
+        for mode, arms in catalog_modes(grid_arms(data, CATALOG, "budget_tokens", "position")).items():
+            label = model if mode == NATIVE else f"{model} [{mode}]"
+            grid = [(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms]
+            per_cat: dict[str, list[tuple[float, str]]] = defaultdict(list)
+            failed: dict[tuple[str, str], int] = {}
+            refused: Counter[str] = Counter()
+            by_budget: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+            for p, v, arm in arms:
+                if not keep(int(v["budget_tokens"]), v["position"], grid):
+                    continue
+                for cat, numbers in arm["by_category"].items():
+                    refused[cat] += numbers.get("not_comparable", 0)
+                    if numbers["accuracy"] is not None:
+                        per_cat[cat].append((numbers["accuracy"], p))
+                        failed[(cat, p)] = numbers.get("failed", 0)
+                        cell = by_budget[cat][int(v["budget_tokens"])]
+                        cell[0] += round(numbers["accuracy"] * numbers["n"])
+                        cell[1] += numbers["n"]
+            for cat, values in sorted(per_cat.items()):
+                e = out.setdefault(label, {})[cat] = _extremes(values)
+                e.update(max_failed=failed[(cat, e["max_arm"])], min_failed=failed[(cat, e["min_arm"])],
+                         not_comparable=refused[cat], mode=mode)
+                if directional:
+                    e["drop"] = directional_drop(by_budget[cat])
+                if held is not None:
+                    e.update(held(grid))
+    return out
+
+
+#: how an arm's catalog reaches the model: as native `tools`, or rendered into the prompt (BFCL's prompting mode)
+NATIVE, PROMPTING = "native tools", "prompting"
+
+
+def catalog_mode(arm: dict[str, Any]) -> str:
+    """`prompting` for an arm whose steps also move the tools into the prompt (format_rewrite), else native."""
+    return PROMPTING if step_of(arm.get("perturbers") or [], FORMATS) is not None else NATIVE
+
+
+def catalog_modes(arms: list[tuple[str, dict[str, Any], dict[str, Any]]]
+                  ) -> dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]]:
+    """`grid_arms`' arms split by `catalog_mode` (native first)."""
+    out: dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {}
+    for entry in sorted(arms, key=lambda e: catalog_mode(e[2]) != NATIVE):
+        out.setdefault(catalog_mode(entry[2]), []).append(entry)
     return out
 
 
@@ -322,31 +436,22 @@ def _fixed_position(grid: list[tuple[int, Any]]) -> Any:
 
 def padding_same_position(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 5: Max / Min / %Deg per model and category over the catalog sizes at one position (0.1 when
-    the arms have it, else the first); each entry names the `position`."""
-    out = _category_extremes(summary, lambda b, p, grid: p == _fixed_position(grid))
-    for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
-        fixed = _fixed_position([(int(v["budget_tokens"]), v["position"]) for _, v, _ in arms])
-        for entry in cats.values():
-            entry["position"] = fixed
-    return out
+    the arms have it, else the first), and the paper's directional `drop` from the smallest budget to the largest
+    at that position; each entry names the `position`."""
+    return _category_extremes(summary, lambda b, p, grid: p == _fixed_position(grid), directional=True,
+                              held=lambda grid: {"position": _fixed_position(grid)})
 
 
 def padding_same_budget(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Seed 003 Table 6: Max / Min / %Deg per model and category over the positions at the largest catalog size
-    (the paper's 120K); each entry names the `budget_tokens`."""
-    out = _category_extremes(summary, lambda b, p, grid: b == max(x for x, _ in grid))
-    for model, cats in out.items():
-        arms = grid_arms(summary["models"][model], CATALOG, "budget_tokens", "position")
-        largest = max(int(v["budget_tokens"]) for _, v, _ in arms)
-        for entry in cats.values():
-            entry["budget_tokens"] = largest
-    return out
+    (the paper's 120K; its % degradation there is (Max − Min) / Max); each entry names the `budget_tokens`."""
+    return _category_extremes(summary, lambda b, p, grid: b == max(x for x, _ in grid),
+                              held=lambda grid: {"budget_tokens": max(b for b, _ in grid)})
 
 
 def _point(p: str, arm: dict[str, Any], **where: Any) -> dict[str, Any]:
     return {"profile": p, **where, "n": arm["n"], "accuracy": arm["accuracy"], "accuracy_ci": arm["accuracy_ci"],
-            "failed": arm["failed"]}
+            "failed": arm["failed"], "not_comparable": sum((arm.get("not_comparable") or {}).values())}
 
 
 def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -375,7 +480,8 @@ def response_experiments(summary: dict[str, Any]) -> dict[str, dict[str, dict[st
                                     ("answer_position", {"budget_tokens": largest}, by_pos)):
             values = [(pt["accuracy"], pt["profile"]) for pt in points if pt["accuracy"] is not None]
             if len(values) >= 2:
-                mine[name] = {**fixed, "points": points, **_extremes(values)}
+                mine[name] = {**fixed, "points": points, **_extremes(values),
+                              "not_comparable": sum(pt["not_comparable"] for pt in points)}
         if mine:
             out[model] = mine
     return out
@@ -408,9 +514,10 @@ def conversation_grid(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, 
                                                      else f"setting {v['setting']}")
             c = cells.setdefault((group, int(v["budget_tokens"])),
                                  {"profiles": [], "conversation": "given" if given else "played", "n": 0, "valid": 0,
-                                  "failed": 0})
+                                  "failed": 0, "not_comparable": 0})
             c["profiles"].append(p)
             c["n"] += arm["n"]
+            c["not_comparable"] += sum((arm.get("not_comparable") or {}).values())
             c["failed"] += arm["failed"]
             c["valid"] += round(arm["accuracy"] * arm["n"])
             parts = ((("final_call", arm.get("final_call")),) if not given else
@@ -456,20 +563,22 @@ def _params(perturbers: list[dict[str, Any]], experiment: str) -> dict[str, Any]
     return None if step is None else step.get("params") or {}
 
 
-def padding_grid(summary: dict[str, Any], model: str, category: str | None = None
+def padding_grid(summary: dict[str, Any], model: str, category: str | None = None, mode: str = NATIVE
                  ) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
-    """Seed 003 Fig. 3 data for one model (one subset with `category`, else all pooled): budgets, positions,
-    accuracy per (budget, position)."""
-    cells = {k: v / n for k, (v, n) in padding_counts(summary, model, category).items() if n}
+    """Seed 003 Fig. 3 data for one model (one subset with `category`, else all pooled) and one `catalog_mode`:
+    budgets, positions, accuracy per (budget, position)."""
+    cells = {k: v / n for k, (v, n) in padding_counts(summary, model, category, mode).items() if n}
     return sorted({b for b, _ in cells}), sorted({p for _, p in cells}), cells
 
 
-def padding_counts(summary: dict[str, Any], model: str, category: str | None = None
+def padding_counts(summary: dict[str, Any], model: str, category: str | None = None, mode: str = NATIVE
                    ) -> dict[tuple[int, float], tuple[int, int]]:
-    """(valid, scored) per (catalog budget, position) for one model, arms with the same cell pooled; with
-    `category`, that subset's pairs only."""
+    """(valid, scored) per (catalog budget, position) for one model's arms in one `catalog_mode` (native tools or
+    prompting: never pooled together), arms with the same cell pooled; with `category`, that subset's pairs only."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
+        if catalog_mode(arm) != mode:
+            continue
         params = _params(arm["perturbers"], CATALOG)
         numbers = arm if category is None else arm["by_category"].get(category)
         if params is None or not numbers or not numbers["n"]:
@@ -510,7 +619,7 @@ def format_grid(summary: dict[str, Any]) -> tuple[list[str], list[str], dict[tup
     for model, data in summary["models"].items():
         for arm in data["arms"].values():
             params = _params(arm["perturbers"], FORMATS)
-            if params is None or not arm["n"]:
+            if params is None or not arm["n"] or not _format_arm(arm):
                 continue
             cells[(format_label(params), model)] = arm["accuracy"]
     labels = sorted({c for c, _ in cells}, key=lambda c: (order.get(c, len(order)), c))
@@ -523,7 +632,7 @@ def format_counts(summary: dict[str, Any]) -> dict[tuple[str, str], tuple[int, i
     for model, data in summary["models"].items():
         for arm in data["arms"].values():
             params = _params(arm["perturbers"], FORMATS)
-            if params is not None and arm["n"]:
+            if params is not None and arm["n"] and _format_arm(arm):
                 out[(format_label(params), model)] = (round(arm["accuracy"] * arm["n"]), arm["n"])
     return out
 
@@ -547,12 +656,18 @@ def sections(res: Results, baseline: str, summary: dict[str, Any]) -> dict[str, 
             "padding_same_position": padding_same_position(summary),
             "padding_same_budget": padding_same_budget(summary), "padding_reached": padding_reached(res),
             "lengthening": lengthening_stats(res), "rephrasers": rephrasers(res),
+            "rephrasing_drops": rephrasing_drops(res, summary),
             "response_experiments": response_experiments(summary), "conversation_grid": conversation_grid(summary),
             "conversation_unplaced": conversation_unplaced(res, summary),
             "format_sensitivity": format_sensitivity(summary)}
 
 
-_EXTREME_HEADER = ["Max", "Max arm", "Min", "Min arm", "% Deg. (points)", "% Deg. (relative)", "arms"]
+_EXTREME_HEADER = ["Max", "Max arm", "Min", "Min arm", "% Deg. (points)", "% Deg. (relative)", "arms",
+                   "not comparable"]
+#: Tables 1 and 5: the paper's % degradation is directional (shortest catalog → longest), Max − Min beside it
+_DIRECTIONAL_HEADER = ["Max", "Max arm", "Min", "Min arm", "% Deg. (relative): shortest → longest",
+                       "% Deg. (points): shortest → longest", "Max − Min (points)", "(Max − Min) / Max", "arms",
+                       "not comparable"]
 
 
 def _failed(count: int | None) -> str:
@@ -560,7 +675,8 @@ def _failed(count: int | None) -> str:
 
 
 def _conversation_cell(c: dict[str, Any]) -> str:
-    return f"{_acc_ci(c)} (n={c['n']}" + (f", {c['failed']} failed" if c.get("failed") else "") + ")"
+    return (f"{_acc_ci(c)} (n={c['n']}" + (f", {c['failed']} failed" if c.get("failed") else "")
+            + (f", {c['not_comparable']} not comparable" if c.get("not_comparable") else "") + ")")
 
 
 #: Table 2's row labels: the cell's own verdict (given: None; played) and its parts
@@ -575,8 +691,16 @@ CONVERSATION_VERDICTS = {
 
 def _extreme_cells(e: dict[str, Any]) -> list[str]:
     rel = "" if e.get("deg_relative") is None else f"{e['deg_relative']:.2f}"
-    return [f"{e['max']:.3f}", e["max_arm"] + _failed(e.get("max_failed")), f"{e['min']:.3f}",
-            e["min_arm"] + _failed(e.get("min_failed")), f"{e['deg']:.2f}", rel, str(e["arms"])]
+    spread = [f"{e['deg']:.2f}", rel, str(e["arms"]), str(e.get("not_comparable", 0))]
+    head = [f"{e['max']:.3f}", e["max_arm"] + _failed(e.get("max_failed")), f"{e['min']:.3f}",
+            e["min_arm"] + _failed(e.get("min_failed"))]
+    if "drop" not in e:
+        return [*head, *spread]
+    drop = e["drop"] or {}
+    span = f"{_budget_label(drop['from_budget'])} → {_budget_label(drop['to_budget'])}" if drop else ""
+    directional = ["" if drop.get("relative") is None else f"{drop['relative']:.2f} ({span})",
+                   "" if drop.get("points") is None else f"{drop['points']:.2f}"]
+    return [*head, *directional, *spread]
 
 
 def _acc_ci(point: dict[str, Any]) -> str:
@@ -592,8 +716,30 @@ def _share(x: float | None) -> str:
 
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the tables these measures add to the report."""
-    return [*_seed001_tables(summary), *_rephraser_table(summary), *_seed003_tables(summary),
+    return [*_seed001_tables(summary), *_rephrasing_drop_table(summary), *_rephraser_table(summary),
+            *_seed003_tables(summary),
             *_format_and_padding_tables(summary)]
+
+
+def _rephrasing_drop_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    rows = []
+    for model, arms in (summary.get("rephrasing_drops") or {}).items():
+        for p, d in arms.items():
+            drop, ci = d["drop_vs_off"], d["drop_vs_off_ci"]
+            rows.append([model, p, "all cases, rejected rephrasings sent (labelled)" if d["table2"] else
+                         "cases whose rephrasing passed the value check", "yes" if d["table2"] else "no",
+                         str(d["n"]), "" if d["accuracy"] is None else f"{d['accuracy']:.3f}",
+                         "" if drop is None else f"{drop * 100:+.1f} %" + ("" if ci is None else
+                                                                          f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"),
+                         str(d["paired_n"] or 0), str(d["not_perturbed"]), str(d["rejected_sent"])])
+    if not rows:
+        return []
+    return [("Seed 001 Table 2 (left), the rephrased query: the drop against the baseline on the cases whose "
+             "rephrasing passed the value check, and on all cases (the rejected rephrasings — mostly numbers or dates "
+             "reformatted, which break exact matching most — sent anyway and counted); the paper's Table 2 is over "
+             "all its cases (a manual review found no drift), so compare the all-cases arm with it",
+             ["model", "profile", "cases", "the paper's Table 2", "n", "accuracy", "drop [95 % CI]", "paired cases",
+              "not perturbed (left out)", "rejected rephrasings sent"], rows)]
 
 
 def _rephraser_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -647,18 +793,23 @@ def _seed001_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
 def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Seed 003 Tables 1, 5, 6 (catalog padding), 7 (long tool responses) and 2 (long conversations)."""
     out = []
+    directional = ("; % degradation as the paper's, directional: from the smallest catalog to the largest "
+                   "((first − last) / first; in Table 1 each budget's positions pooled; negative when accuracy rose), "
+                   "Max − Min beside it")
     for key, title, fixed in (
             ("padding_extremes", "Seed 003 Table 1: best and worst accuracy over the catalog-padding arms per "
-             "category", None),
-            ("padding_same_position", "Seed 003 Table 5: the same over the catalog sizes at one position", "position"),
-            ("padding_same_budget", "Seed 003 Table 6: the same over the positions at the largest catalog size",
-             "budget_tokens")):
+             "category" + directional, None),
+            ("padding_same_position", "Seed 003 Table 5: the same over the catalog sizes at one position" + directional,
+             "position"),
+            ("padding_same_budget", "Seed 003 Table 6: the same over the positions at the largest catalog size; "
+             "degradation (Max − Min) in points and relative to Max, as the paper's", "budget_tokens")):
         rows = [[model, cat, *([str(e[fixed])] if fixed else []), *_extreme_cells(e)]
                 for model, cats in (summary.get(key) or {}).items() for cat, e in cats.items()]
         if rows:
-            out.append((title + "; degradation (Max − Min) in points and relative to Max",
-                        ["model", "category", *([fixed.replace("_tokens", "")] if fixed else []), *_EXTREME_HEADER],
-                        rows))
+            header = _DIRECTIONAL_HEADER if key != "padding_same_budget" else _EXTREME_HEADER
+            out.append((title + "; a model in prompting mode (@seed003-prompt) is its own row, `<model> [prompting]`; "
+                        "pairs the backend refused for the request's shape are not comparable, in no number",
+                        ["model", "category", *([fixed.replace("_tokens", "")] if fixed else []), *header], rows))
     rows = []
     for model, exps in (summary.get("response_experiments") or {}).items():
         for name, label, fixed in (("context_length", "context length (response size)", "position"),
@@ -712,6 +863,19 @@ def _seed003_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[
     return out
 
 
+#: the column beside the counter's figure: what the backend itself counted
+BACKEND_HEADER = "backend's prompt_tokens median (÷ counter's)"
+
+
+def _backend_cell(b: dict[str, Any] | None) -> str:
+    """`8,143 (0.994)`, flagged when the backend's count and the counter's differ by more than 5 %."""
+    if not b:
+        return "not reported"
+    ratio_ = "–" if b["ratio"] is None else f"{b['ratio']:.3f}"
+    flag = f" DIFFERS by more than {BACKEND_TOLERANCE:.0%}: budgets are not the model's tokens" if b["differs"] else ""
+    return f"{b['median']} ({ratio_}){flag}"
+
+
 def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Format sensitivity (seed 002) and the tokens the catalog-padding arms reached."""
     out = []
@@ -725,25 +889,27 @@ def _format_and_padding_tables(summary: dict[str, Any]) -> list[tuple[str, list[
         for p, a in arms.items():
             tok, tools = a["tokens_after"] or {}, a["tools_after"] or {}
             counters = ", ".join(f"{s} {n}" for s, n in a["token_counter"].items())
-            rows.append([model, p, str(a["budget_tokens"] or ""), counters,
+            rows.append([model, p, a.get("mode", NATIVE), str(a["budget_tokens"] or ""), counters,
                          str(a["requests"]), *(f"{tok[k]:.0f}" if k in tok else "" for k in ("min", "median", "max")),
-                         f"{tools['median']:.0f}" if tools else ""])
+                         f"{tools['median']:.0f}" if tools else "", _backend_cell(a.get("backend_tokens"))])
     if rows:
-        out.append(("Catalog padding: the tokens each arm reached (by the counter used; `estimate` over-counts real "
-                    "tokens, so its budgets are smaller in the model's tokens) and the tools in the catalog",
-                    ["model", "profile", "budget", "token counter", "requests", "tokens min", "tokens median",
-                     "tokens max", "tools median"], rows))
+        out.append(("Catalog padding: how the catalog reached the model (native tools, or in the prompt as BFCL's "
+                    "prompting mode writes it), the tokens each arm reached (by the counter used; `estimate` "
+                    "over-counts real tokens, so its budgets are smaller in the model's tokens) and the tools in the "
+                    "catalog", ["model", "profile", "mode", "budget", "token counter", "requests", "tokens min",
+                                "tokens median", "tokens max", "tools median", BACKEND_HEADER], rows))
     rows = []
     for model, arms in (summary.get("lengthening") or {}).items():
         for p, a in arms.items():
             tok = a["tokens_total"] or {}
             rows.append([model, p, str(a["budget_tokens"] or ""),
                          ", ".join(f"{s} {n}" for s, n in a["token_counter"].items()), str(a["requests"]),
-                         *(f"{tok[k]:.0f}" if k in tok else "" for k in ("min", "median", "max"))])
+                         *(f"{tok[k]:.0f}" if k in tok else "" for k in ("min", "median", "max")),
+                         _backend_cell(a.get("backend_tokens"))])
     if rows:
         out.append(("Long tool responses and conversations: the tokens each arm's requests reached (by the counter "
                     "used)", ["model", "profile", "budget", "token counter", "requests", "tokens min",
-                              "tokens median", "tokens max"], rows))
+                              "tokens median", "tokens max", BACKEND_HEADER], rows))
     return out
 
 
@@ -758,9 +924,18 @@ def csv_rows(summary: dict[str, Any]) -> list[list[Any]]:
 
     def extremes(table: str, model: str, group: str, fixed: str, e: dict[str, Any]) -> None:
         rows.extend([[table, model, group, fixed, "Max", e["max"], e["max_arm"], "", "", "", e.get("max_failed", "")],
-                     [table, model, group, fixed, "Min", e["min"], e["min_arm"], "", "", "", e.get("min_failed", "")],
-                     [table, model, group, fixed, "% Deg. (points)", e["deg"], "", "", "", "", ""],
-                     [table, model, group, fixed, "% Deg. (relative)", e["deg_relative"], "", "", "", "", ""]])
+                     [table, model, group, fixed, "Min", e["min"], e["min_arm"], "", "", "", e.get("min_failed", "")]])
+        if "drop" in e:  # Tables 1 and 5: the paper's directional degradation, shortest catalog → longest
+            drop = e["drop"] or {}
+            span = f"{drop['from_budget']}→{drop['to_budget']}" if drop else ""
+            rows.extend([[table, model, group, fixed, "% Deg. (points)", drop.get("points"), span, "", "", "", ""],
+                         [table, model, group, fixed, "% Deg. (relative)", drop.get("relative"), span, "", "", "", ""],
+                         [table, model, group, fixed, "Max − Min (points)", e["deg"], "", "", "", "", ""],
+                         [table, model, group, fixed, "(Max − Min) / Max", e["deg_relative"], "", "", "", "", ""]])
+        else:
+            rows.extend([[table, model, group, fixed, "% Deg. (points)", e["deg"], "", "", "", "", ""],
+                         [table, model, group, fixed, "% Deg. (relative)", e["deg_relative"], "", "", "", "", ""]])
+        rows.append([table, model, group, fixed, "not comparable", e.get("not_comparable", 0), "", "", "", "", ""])
 
     def point(table: str, model: str, group: str, fixed: str, stat: str, pt: dict[str, Any], arm: str) -> None:
         ci = pt.get("accuracy_ci") or ["", ""]

@@ -9,6 +9,8 @@ from typing import Any
 from toolquake.proxy.escape import plot_text
 from toolquake.proxy.replay.report.paper_tables import (
     FORMAT_HEATMAP_TITLE,
+    NATIVE,
+    PROMPTING,
     RESPONSE_PLOTS,
     budget_ticks,
     catalog_categories,
@@ -71,13 +73,14 @@ def file_part(text: str) -> str:
 def _catalog_heatmap(summary: dict[str, Any], plt: Any, category: str | None) -> bytes | None:
     """Seed 003 challenge 1's heatmap, one panel per model: accuracy per (catalog size, position) of one subset
     (`category`) or of all pooled (None); None when no arm of it has a scored pair."""
-    padded = [(m, padding_grid(summary, m, category)) for m in summary["models"]]
-    padded = [(m, g) for m, g in padded if g[2]]
+    padded = [(m, mode, padding_grid(summary, m, category, mode)) for m in summary["models"]
+              for mode in (NATIVE, PROMPTING)]
+    padded = [(m, mode, g) for m, mode, g in padded if g[2]]
     if not padded:
         return None
     fig, axes = plt.subplots(1, len(padded), figsize=(4.2 * len(padded) + 1, 4), squeeze=False)
-    for ax, (model, (budgets, positions, cells)) in zip(axes[0], padded):
-        counts = padding_counts(summary, model, category)
+    for ax, (model, mode, (budgets, positions, cells)) in zip(axes[0], padded):
+        counts = padding_counts(summary, model, category, mode)
         grid = [[cells.get((b, p), float("nan")) for b in budgets] for p in positions]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
         ax.set_xticks(range(len(budgets)), [t.replace(" (", "\n(") for t in budget_ticks(summary, model, budgets)],
@@ -85,7 +88,7 @@ def _catalog_heatmap(summary: dict[str, Any], plt: Any, category: str | None) ->
         ax.set_yticks(range(len(positions)), [f"{p:g}" for p in positions])
         ax.set_xlabel("catalog size (tokens):\nbudget (≈ median reached)")
         ax.set_ylabel("position of the original tools")
-        ax.set_title(plot_text(model), fontsize=9)
+        ax.set_title(plot_text(model if mode == NATIVE else f"{model} [{mode}]"), fontsize=9)
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v == v:

@@ -95,6 +95,16 @@ class Results:
     conformance: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     sources: list[Path] = field(default_factory=list)
     duplicates: int = 0
+    #: model → what its requests were sent with, as the results files recorded it: {"temperature": "0" | "none"
+    #: (left out) | several joined by ", " when files differ, "token_counter": ...}; absent: not recorded
+    settings: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def note_settings(self, model: str, meta: dict[str, str]) -> None:
+        """Keep what a results file says its requests were sent with (several files of a model: each value once)."""
+        mine = self.settings.setdefault(model, {})
+        for key in ("temperature", "token_counter"):
+            if key in meta and meta[key] not in mine.get(key, "").split(", "):
+                mine[key] = ", ".join(x for x in (mine.get(key), meta[key]) if x)
 
     @property
     def models(self) -> list[str]:
@@ -169,12 +179,13 @@ def _load_file(db: sqlite3.Connection, res: Results, seen: dict[tuple[str, str, 
     wins over a failed one)."""
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     model = meta.get("model", "unknown")
+    res.note_settings(model, meta)
     for profile, spec in db.execute("SELECT profile, spec FROM arms ORDER BY rowid"):
         res.arms.setdefault((model, profile), json.loads(spec))
     for r in db.execute("SELECT profile, case_id, category, status, valid, taxonomy, error_type, error_code, "
                         f"fair_valid, semantic_valid, {trial_column(db)}, perturbers, {_FINAL_VALID}, "
                         f"{_NEXT_EXPECTED} FROM results ORDER BY rowid"):
-        row = Row(model, r[0], r[1], r[2], row_status(r[3], r[11]), _bool(r[4]), r[5], r[6],
+        row = Row(model, r[0], r[1], r[2], row_status(r[3], r[11], r[6]), _bool(r[4]), r[5], r[6],
                   r[7], _bool(r[8]), _bool(r[9]), source=len(res.sources), trial=int(r[10]), final_valid=_bool(r[12]),
                   next_expected=r[13] if isinstance(r[13], int) else None)
         key = (model, row.profile, row.case_id, row.trial)
@@ -233,13 +244,14 @@ def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
                          "toolquake; sweep again into a new directory")
     xs = {p: (json.loads(s).get("sweep") or {}).get("x") for p, s in db.execute("SELECT profile, spec FROM arms")}
     res.sweep_runs.append(run)
+    res.note_settings(run.model, meta)
     index = len(res.sweep_runs) - 1
-    for profile, case_id, category, status, valid, trial, perturbers, code in db.execute(
-            "SELECT profile, case_id, category, status, valid, trial, perturbers, error_code FROM results "
+    for profile, case_id, category, status, valid, trial, perturbers, code, error_type in db.execute(
+            "SELECT profile, case_id, category, status, valid, trial, perturbers, error_code, error_type FROM results "
             "ORDER BY rowid"):
         if xs.get(profile) is not None:
             res.sweep_rows.append(SweepRow(index, case_id, category, xs[profile], int(trial),
-                                           row_status(status, perturbers), _bool(valid), code))
+                                           row_status(status, perturbers, error_type), _bool(valid), code))
 
 
 def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:
@@ -261,6 +273,13 @@ def scored_steps(res: Results) -> Iterator[tuple[str, str, str, str | None]]:
 
 def step_reports(res: Results, names: list[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(model, profile, report) of every step of the perturbers `names` applied to a scored pair, from the files."""
+    for model, profile, report, _ in step_usage(res, names):
+        yield model, profile, report
+
+
+def step_usage(res: Results, names: list[str]) -> Iterator[tuple[str, str, dict[str, Any], int | None]]:
+    """`step_reports` with, for a single-turn pair, the prompt tokens the backend counted for its request
+    (`usage.prompt_tokens`, recorded with the row); None for a multi-turn pair (its row sums every step's)."""
     if not names:
         return
     like = " OR ".join("perturbers LIKE ?" for _ in names)
@@ -268,17 +287,18 @@ def step_reports(res: Results, names: list[str]) -> Iterator[tuple[str, str, dic
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             model = _model(db)
-            rows = db.execute(f"SELECT profile, perturbers FROM results WHERE status = 'scored' AND ({like})",
-                              [f"%{n}%" for n in names]).fetchall()
+            rows = db.execute(f"SELECT profile, perturbers, prompt_tokens FROM results WHERE status = 'scored' AND "
+                              f"({like})", [f"%{n}%" for n in names]).fetchall()
         except sqlite3.DatabaseError:
             continue
         finally:
             db.close()
-        for profile, text in rows:
+        for profile, text, prompt_tokens in rows:
             applied = (json.loads(text) or {}).get("applied")
+            single = isinstance(applied, list) and isinstance(prompt_tokens, int)
             for step in applied if isinstance(applied, list) else []:
                 if step.get("name") in names:
-                    yield model, profile, step.get("report") or {}
+                    yield model, profile, step.get("report") or {}, prompt_tokens if single else None
 
 
 def stored_answers(res: Results, wanted: dict[int, set[tuple[str, str]]]) -> dict[tuple[int, str, str],

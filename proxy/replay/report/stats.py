@@ -4,7 +4,9 @@ against the baseline; repeated trials; the cases whose verdict flipped.
 A pair whose request failed on the backend's side (refused, timed out after retries, unreadable: replay scores it
 as BFCL scores an inference error, proxy/replay/failures.py) is a scored, invalid pair with its `error_code`: it
 counts in the accuracy, the intervals and the paired tests, and `failed` / `failed_codes` say how many and why;
-`answered_accuracy` is the accuracy over the other pairs. Pairs not scored yet (toolquake's or the network's
+`answered_accuracy` is the accuracy over the other pairs. A pair the backend refused for the request's shape (a
+hosted API's validation: too many tools, a parameter it does not take; failures.REFUSALS) has no verdict: it is
+in none of the numbers, and `not_comparable` counts it by code. Pairs not scored yet (toolquake's or the network's
 failures, retried on the next run) are in none of the numbers: `unscored` / `unscored_codes`, so an arm whose
 perturber could not run never shows up as a drop. With repeated trials, every number
 but `trials` is trial 0's (one answer per case: the tests assume independent cases).
@@ -16,6 +18,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from toolquake.perturbers.base import NOT_PERTURBED
+from toolquake.proxy.replay.failures import NOT_COMPARABLE
 from toolquake.proxy.replay.report.rows import Results, Row
 from toolquake.scorers.aggregate import (
     ALPHA,
@@ -45,9 +48,14 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
     by_cat: dict[str, list[Row]] = defaultdict(list)
     for r in scored:
         by_cat[r.category].append(r)
+    refused_by_cat = Counter(r.category for r in rows if r.status == NOT_COMPARABLE)
+    for c in refused_by_cat:
+        by_cat.setdefault(c, [])
     errors = Counter(r.taxonomy or r.error_type or "unknown" for r in scored if not r.valid)
     failed = Counter(r.error_code for r in scored if r.error_code)
-    unscored = Counter(r.error_code or "unknown" for r in rows if r.status not in ("scored", NOT_PERTURBED))
+    unscored = Counter(r.error_code or "unknown" for r in rows
+                       if r.status not in ("scored", NOT_PERTURBED, NOT_COMPARABLE))
+    refused = Counter(r.error_code or "unknown" for r in rows if r.status == NOT_COMPARABLE)
     answered = [r for r in scored if not r.error_code]
     answered_valid = sum(1 for r in answered if r.valid)
     fair = [r for r in scored if r.fair_valid is not None]
@@ -61,7 +69,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "accuracy_ci": wilson_ci(valid, len(scored)),
         "by_category": {c: {"n": len(rs), "accuracy": ratio(sum(1 for r in rs if r.valid), len(rs)),
                             "accuracy_ci": wilson_ci(sum(1 for r in rs if r.valid), len(rs)),
-                            "failed": sum(1 for r in rs if r.error_code)}
+                            "failed": sum(1 for r in rs if r.error_code),
+                            "not_comparable": refused_by_cat.get(c, 0)}
                         for c, rs in sorted(by_cat.items())},
         "errors": dict(sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))),
         # Wilson interval of each error type's share among the arm's failures
@@ -72,6 +81,8 @@ def arm_numbers(rows: list[Row]) -> dict[str, Any]:
         "answered": len(answered),
         "answered_accuracy": ratio(answered_valid, len(answered)),
         "answered_accuracy_ci": wilson_ci(answered_valid, len(answered)),
+        # refused by the backend for the request's shape: no verdict, out of n and of every statistic
+        "not_comparable": dict(sorted(refused.items())),
         "unscored": sum(unscored.values()),
         "unscored_codes": dict(sorted(unscored.items())),
         "final_call": final_call_numbers(scored),

@@ -32,4 +32,7 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     summary.update(sections(res, baseline, summary))
     summary.update(sweep_numbers(res))  # `toolquake sweep` results: "sweeps", "sweep_comparisons"
     summary["sources"] += [str(r.source) for r in res.sweep_runs]
+    # what the requests were sent with (the temperature, or `none`: left out, as BFCL does for models that refuse
+    # one; the token counter of the budgets), per model as its results files recorded it
+    summary["sent_with"] = res.settings
     return summary

@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from toolquake.proxy.replay.breaking import outcome, verdict
+from toolquake.proxy.replay.failures import NOT_COMPARABLE
 from toolquake.proxy.replay.report.rows import Results, SweepRow, SweepRun
 from toolquake.scorers.aggregate import mcnemar, wilson_ci
 
@@ -64,6 +65,7 @@ def _case(run: SweepRun, rows: list[SweepRow]) -> dict[str, Any]:
     index = {x: i for i, x in enumerate(run.points)}
     trials: dict[int, dict[int, bool]] = defaultdict(dict)
     failed: dict[float, list[str]] = defaultdict(list)
+    refused = [r.error_code or "unknown" for r in rows if r.status == NOT_COMPARABLE]
     for r in rows:
         if r.status == "scored" and r.x in index:
             trials[index[r.x]][r.trial] = bool(r.valid)
@@ -77,6 +79,8 @@ def _case(run: SweepRun, rows: list[SweepRow]) -> dict[str, Any]:
     return {"category": rows[0].category, "requests": len(rows), "done": o.done,
             "last_right": None if o.last_right is None else pts[o.last_right], "first_wrong": first,
             "right_after": [pts[i] for i in o.right_after], "failed": [c for cs in failed.values() for c in cs],
+            # the backend refused a point for the request's shape (failures.REFUSALS): no breaking point, in no number
+            "not_comparable": refused,
             # the backend's refusal (e.g. context_length_exceeded) when that is what made the first wrong point wrong
             "first_wrong_failed": sorted(set(failed[first]))[0] if first in failed else None}
 
@@ -112,7 +116,8 @@ def median(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _axis_numbers(run: SweepRun, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    done = {cid: c for cid, c in cases.items() if c["done"]}
+    refused = {cid: c for cid, c in cases.items() if c["not_comparable"]}
+    done = {cid: c for cid, c in cases.items() if c["done"] and cid not in refused}
     listed = list(done.values())
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for c in listed:
@@ -126,7 +131,10 @@ def _axis_numbers(run: SweepRun, cases: dict[str, dict[str, Any]]) -> dict[str, 
         "n": len(listed), "censored": sorted(cid for cid, c in done.items() if c["first_wrong"] is None),
         "wrong_at_min": sorted(cid for cid, c in done.items() if c["last_right"] is None),
         "non_monotone": {cid: c["right_after"] for cid, c in sorted(done.items()) if c["right_after"]},
-        "incomplete": sorted(cid for cid, c in cases.items() if not c["done"]),
+        "incomplete": sorted(cid for cid, c in cases.items() if not c["done"] and cid not in refused),
+        # cases stopped where the backend refused the request for its shape: left out of n and every statistic
+        "not_comparable": dict(sorted(Counter(code for c in refused.values() for code in c["not_comparable"]).items())),
+        "not_comparable_cases": sorted(refused),
         # requests the backend refused, or that timed out: scored wrong, as BFCL scores an inference error
         "failed": sum(len(c["failed"]) for c in cases.values()),
         "failed_codes": dict(sorted(Counter(code for c in cases.values() for code in c["failed"]).items())),
@@ -171,7 +179,8 @@ def paired(axis: str, a: str, b: str, na: dict[str, Any], nb: dict[str, Any]) ->
     """Paired breaking points of runs a and b on their common finished cases (censored as +∞, so a censored case
     breaks later than any other): a later, b later, ties, the exact two-sided sign test, and the median
     difference b − a over the cases broken in both."""
-    skip = set(na["incomplete"]) | set(nb["incomplete"])
+    skip = set(na["incomplete"]) | set(nb["incomplete"]) | set(na.get("not_comparable_cases") or ()) | \
+        set(nb.get("not_comparable_cases") or ())
     common = sorted((set(na["cases"]) & set(nb["cases"])) - skip)
     pa = {c: _point(na["cases"][c]) for c in common}
     pb = {c: _point(nb["cases"][c]) for c in common}

@@ -42,13 +42,13 @@ def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[st
     for model, p, arm in entries:
         cmp = arm["paired"]
         rows.append([model, p, _spec_text(arm.get("perturbers") or []), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
-                     codes_text(arm["failed"], arm["failed_codes"]),
+                     codes_text(arm["failed"], arm["failed_codes"]), not_comparable_text(arm),
                      drop_ci(arm["drop_vs_off"], arm["drop_vs_off_ci"]), str(cmp["n"]),
                      str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
                      "yes" if cmp["significant"] else "no"])
     return (f"Summary: which perturbations hurt most (largest relative drop against `{baseline}` first)",
             ["model", "profile", "perturbation", "accuracy [95 % CI]", "failed requests (counted wrong)",
-             f"drop vs {baseline} [95 % CI]",
+             NOT_COMPARABLE_HEADER, f"drop vs {baseline} [95 % CI]",
              "paired cases", "valid→invalid", "invalid→valid", "McNemar p", f"drop ≠ 0 at {ALPHA}"], rows)
 
 
@@ -103,7 +103,20 @@ def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     """(title, header, rows) of every table in the report (the sweeps' after the replays')."""
     replays = [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
                *family_tables(summary), *paper_tables(summary)] if summary["models"] else []
-    return [*replays, *live_tables(summary), *sweep_tables(summary)]
+    return [*_sent_with_table(summary), *replays, *live_tables(summary), *sweep_tables(summary)]
+
+
+def _sent_with_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """What each model's requests were sent with, as its results files recorded it."""
+    rows = [[model, {"none": "none (not sent: the model's default)"}.get(s.get("temperature", ""),
+                                                                          s.get("temperature", "not recorded")),
+             s.get("token_counter", "not recorded")]
+            for model, s in (summary.get("sent_with") or {}).items()]
+    if not rows:
+        return []
+    return [("Sent with: the temperature each request carried (none: the field left out, as BFCL does for models "
+             "that take only their default) and the token counter of the budgets", ["model", "temperature",
+                                                                                    "token counter"], rows)]
 
 
 def _x(value: float | None, above: float | None = None) -> str:
@@ -152,11 +165,13 @@ def _breaking_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], li
     rows = [[label, str(r["n"]), _median_text(r, r["max"]), str(len(r["censored"])), str(len(r["wrong_at_min"])),
              str(len(r["non_monotone"])), str(len(r["incomplete"])),
              "-" if r["requests_per_case"] is None else f"{r['requests_per_case']:.1f}",
-             codes_text(r.get("failed", 0), r.get("failed_codes") or {})] for label, r in runs.items()]
+             codes_text(r.get("failed", 0), r.get("failed_codes") or {}),
+             f"{len(r.get('not_comparable_cases') or [])} cases; " + not_comparable_text(r)]
+            for label, r in runs.items()]
     return (f"Breaking points along {axis} ({any_run['unit']}, {any_run['min']:g} to {any_run['max']:g}): median "
             "first wrong intensity [95 % interval]", ["run", "cases", "median breaking point", "right at max "
             "(censored)", "wrong at min", "not monotone", "incomplete", "requests / case",
-            "failed requests (counted wrong)"], rows)
+            "failed requests (counted wrong)", NOT_COMPARABLE_HEADER], rows)
 
 
 def _curve_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
@@ -189,7 +204,9 @@ def _sweep_case_table(axis: str, runs: dict[str, Any]) -> tuple[str, list[str], 
     rows = []
     for label, r in runs.items():
         for cid, c in sorted(r["cases"].items()):
-            note = ("incomplete (rerun the sweep)" if cid in r["incomplete"] else
+            note = ("not comparable: the backend refused a point for the request's shape"
+                    if cid in (r.get("not_comparable_cases") or []) else
+                    "incomplete (rerun the sweep)" if cid in r["incomplete"] else
                     "right again at " + ", ".join(f"{x:g}" for x in r["non_monotone"][cid])
                     if cid in r["non_monotone"] else "censored: right at the maximum" if c["first_wrong"] is None
                     else "wrong at the minimum" if c["last_right"] is None else "")
@@ -215,7 +232,9 @@ def _accuracy_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[
         for p in profiles:
             arm = data["arms"].get(p)
             drop = "" if arm is None or p == baseline else rel(arm["drop_vs_off"])
-            row.append("" if arm is None else acc(arm["accuracy"]) + drop)
+            refused = sum((arm or {}).get("not_comparable", {}).values())
+            row.append("" if arm is None else acc(arm["accuracy"]) + drop +
+                       (f" ({refused} not comparable)" if refused else ""))
             ci_row.append("" if arm is None else ci(arm.get("accuracy_ci")))
         rows += [row, ci_row]
     return (f"AST accuracy per arm (in brackets the relative change against `{baseline}` on the same cases: both "
@@ -241,6 +260,16 @@ def _error_table(summary: dict[str, Any]) -> list[tuple[str, list[str], list[lis
              "on the row below)", ["model", "profile", "failures", *cols], rows)]
 
 
+#: the column every arm table gives the pairs the backend refused for the request's shape (failures.REFUSALS)
+NOT_COMPARABLE_HEADER = "not comparable (refused for the request's shape, in no number)"
+
+
+def not_comparable_text(numbers: dict[str, Any]) -> str:
+    """`3 (array_above_max_length 3)`: an arm's (or a sweep's) pairs refused for their shape, by code."""
+    codes = numbers.get("not_comparable") or {}
+    return codes_text(sum(codes.values()), codes)
+
+
 def codes_text(count: int, codes: dict[str, int]) -> str:
     """`12 (context_length_exceeded 12)`: a count of failed pairs and their codes."""
     text = ", ".join(f"{k} {v}" for k, v in codes.items())
@@ -254,15 +283,18 @@ def _arms_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[str]
             rows.append([model, p, str(arm["n"]), acc(arm["accuracy"]), acc(arm["fair_accuracy"]),
                          acc(arm["semantic_accuracy"]), codes_text(arm["failed"], arm["failed_codes"]),
                          pct_ci(arm.get("answered_accuracy"), arm.get("answered_accuracy_ci")),
-                         codes_text(arm.get("unscored", 0), arm.get("unscored_codes") or {}),
+                         not_comparable_text(arm), codes_text(arm.get("unscored", 0), arm.get("unscored_codes") or {}),
                          ci(arm.get("accuracy_ci")), ci(arm.get("fair_accuracy_ci")),
                          ci(arm.get("semantic_accuracy_ci"))])
     return ("Arms: scored pairs, accuracy in the three scoring modes, requests that failed on the backend's side "
             "(refused, timed out after retries, unreadable: counted in n as wrong answers, as BFCL counts an "
-            "inference error; by code), bfcl accuracy over the answered requests only, pairs not scored yet "
+            "inference error; by code), bfcl accuracy over the answered requests only, pairs the backend refused "
+            "for the request's shape (a hosted API's limit such as 128 tools, a parameter the model does not take: "
+            "they measure the API, not the model, and are left out of n), pairs not scored yet "
             "(the proxy's or network's failures, retried on the next run), 95 % Wilson intervals",
             ["model", "profile", "n", "bfcl", "fair", "semantic", "failed (counted wrong)",
-             "bfcl over answered [95 % CI]", "not scored yet", "bfcl CI", "fair CI", "semantic CI"], rows)
+             "bfcl over answered [95 % CI]", NOT_COMPARABLE_HEADER, "not scored yet", "bfcl CI", "fair CI",
+             "semantic CI"], rows)
 
 
 def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -282,6 +314,7 @@ def _category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list
                     else f"{acc(cat['accuracy'])} (n={cat['n']})"
                     + ("" if p == baseline else rel(cat.get("drop_vs_off")))
                     + (f" {ci(cat['accuracy_ci'])}" if cat.get("accuracy_ci") else "")
+                    + (f" ({cat['not_comparable']} not comparable)" if cat.get("not_comparable") else "")
                 )
             rows.append([p, *cells])
         out.append((f"Per category: {model} (accuracy, n, relative change, 95 % Wilson interval)",
