@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from examples.agent.tasks import TASKS
-    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
+    from scripts.demo import start_backend
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -341,14 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     backend = None
     if args.upstream is None:
-        backend = LocalBackend(parallel=args.parallel, threads=1 if args.parallel > 1 else None,
-                               log_path=out / "backend.log")
-        print(f"agent-demo: starting the embedded backend ({backend.model}, {args.parallel} instance(s)) ...",
-              flush=True)
-        try:
-            backend.start()
-        except BackendUnavailable as exc:
-            print(f"agent-demo: {exc}", file=sys.stderr)
+        backend = start_backend("agent-demo", out, args.parallel)
+        if backend is None:
             return 1
         print(f"agent-demo: backend ready in {time.monotonic() - t0:.0f} s", flush=True)
     demo = Demo(upstream=args.upstream or backend.api_url, model=args.model or (backend.model if backend else "model"),
