@@ -8,26 +8,26 @@ model sees from them (the Agents SDK's `function_tool`, LangChain's `tool`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+
+# closed sets of values are enums in the tool's schema: a grammar-constrained backend (the embedded one) can
+# then only produce one of them
+Currency = Literal["USD", "EUR", "GBP", "JPY", "CHF"]
+Day = Literal["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+Unit = Literal["km", "mi", "kg", "lb", "C", "F"]
 
 #: city → (degrees Celsius, sky)
 WEATHER = {"paris": (18, "sunny"), "tokyo": (24, "cloudy"), "berlin": (9, "rain"), "oslo": (4, "snow"),
            "madrid": (27, "clear")}
 #: one unit of the currency in EUR
 RATES = {"EUR": 1.0, "USD": 0.92, "GBP": 1.17, "JPY": 0.0062, "CHF": 1.04}
-#: date (ISO) → events
-EVENTS = {"2025-03-14": ["10:00 dentist appointment", "15:30 call with the bank"],
-          "2025-03-15": ["12:30 lunch with Maria at Casa Lupo"],
-          "2025-03-17": ["09:00 team planning", "18:00 yoga class"]}
+#: day of this week → events
+EVENTS = {"monday": ["09:00 team planning", "18:00 yoga class"], "tuesday": ["10:00 dentist appointment"],
+          "friday": ["12:30 lunch with Maria at Casa Lupo", "15:30 call with the bank"]}
 #: (from, to) → factor, or a function for the temperatures
 UNITS: dict[tuple[str, str], Any] = {("km", "mi"): 0.621371, ("mi", "km"): 1.609344, ("kg", "lb"): 2.204623,
-                                     ("lb", "kg"): 0.453592, ("m", "ft"): 3.28084, ("ft", "m"): 0.3048,
-                                     ("c", "f"): lambda x: x * 9 / 5 + 32, ("f", "c"): lambda x: (x - 32) * 5 / 9}
-UNIT_NAMES = {"km": "km", "kilometer": "km", "kilometers": "km", "kilometre": "km", "kilometres": "km",
-              "mi": "mi", "mile": "mi", "miles": "mi", "kg": "kg", "kilogram": "kg", "kilograms": "kg",
-              "lb": "lb", "lbs": "lb", "pound": "lb", "pounds": "lb", "m": "m", "meter": "m", "meters": "m",
-              "metre": "m", "metres": "m", "ft": "ft", "foot": "ft", "feet": "ft", "c": "c", "celsius": "c",
-              "°c": "c", "f": "f", "fahrenheit": "f", "°f": "f"}
+                                     ("lb", "kg"): 0.453592, ("c", "f"): lambda x: x * 9 / 5 + 32,
+                                     ("f", "c"): lambda x: (x - 32) * 5 / 9}
 NOTES = ["Garden: plant the tomatoes after the last frost, in the south bed.",
          "Project Atlas: the deadline is Friday, the demo goes to the client on Monday.",
          "Books to read: The Left Hand of Darkness, Piranesi.",
@@ -62,8 +62,8 @@ class Toolbox:
                 return f"No weather data for {city}."
             return f"{found[0]} degrees Celsius and {found[1]} in {str(city).strip().title()}."
 
-        def convert_currency(amount: float, from_currency: str, to_currency: str) -> str:
-            """Convert an amount of money from one currency to another (ISO codes such as USD, EUR, GBP)."""
+        def convert_currency(amount: float, from_currency: Currency, to_currency: Currency) -> str:
+            """Convert an amount of money from one currency to another."""
             box.calls.append(("convert_currency", {"amount": amount, "from_currency": from_currency,
                                                    "to_currency": to_currency}))
             a, src, dst = _number(amount), str(from_currency).strip().upper(), str(to_currency).strip().upper()
@@ -71,19 +71,17 @@ class Toolbox:
                 return f"Cannot convert {amount} {from_currency} to {to_currency}."
             return f"{_fmt(a)} {src} = {a * RATES[src] / RATES[dst]:.2f} {dst}"
 
-        def list_events(date: str) -> str:
-            """List the events in the user's calendar on a date (YYYY-MM-DD)."""
-            box.calls.append(("list_events", {"date": date}))
-            events = EVENTS.get(str(date).strip())
-            return f"Events on {date}: " + ("; ".join(events) if events else "none") + "."
+        def list_events(day: Day) -> str:
+            """List the events in the user's calendar on a day of this week."""
+            box.calls.append(("list_events", {"day": day}))
+            events = EVENTS.get(str(day).strip().lower())
+            return f"Events on {day}: " + ("; ".join(events) if events else "none") + "."
 
-        def convert_units(value: float, from_unit: str, to_unit: str) -> str:
-            """Convert a length, weight or temperature between units (km, mi, kg, lb, m, ft, C, F)."""
+        def convert_units(value: float, from_unit: Unit, to_unit: Unit) -> str:
+            """Convert a distance, weight or temperature from one unit to another."""
             box.calls.append(("convert_units", {"value": value, "from_unit": from_unit, "to_unit": to_unit}))
             x = _number(value)
-            src = UNIT_NAMES.get(str(from_unit).strip().lower())
-            dst = UNIT_NAMES.get(str(to_unit).strip().lower())
-            rule = UNITS.get((src, dst)) if src and dst else None
+            rule = UNITS.get((str(from_unit).strip().lower(), str(to_unit).strip().lower()))
             if x is None or rule is None:
                 return f"Cannot convert {value} {from_unit} to {to_unit}."
             return f"{_fmt(x)} {from_unit} = {_fmt(rule(x) if callable(rule) else x * rule)} {to_unit}"

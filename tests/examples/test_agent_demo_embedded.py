@@ -44,7 +44,7 @@ def test_make_agent_demo_on_the_embedded_model(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     profiles = summary["profiles"]
-    assert list(profiles) == ["off", "expanded", "shuffled", "fail-timeout", "meta-mislead", "format-python"]
+    assert list(profiles) == ["off", "expanded", "shuffled", "fail-timeout", "format-python"]
     for name, p in profiles.items():  # every task accounted for: run, and counted as completed or not
         assert p["tasks"] == len(TASKS) and [r["task"] for r in p["runs"]] == [t.id for t in TASKS], name
         assert 0 <= p["tasks_completed"] <= p["tasks"]
