@@ -15,6 +15,7 @@ import json
 import os
 import sqlite3
 
+import httpx
 import pytest
 
 from examples.agent.tasks import TASKS
@@ -127,3 +128,23 @@ def test_summary_json_and_the_report_account_for_every_task(demo):
     assert all(f"| {name} |" in report for name in PROFILES)
     table = said[said.index("4) per profile"):]
     assert all(f"\n{name} " in table for name in PROFILES) and "tasks completed" in table
+
+
+def test_calls_to_added_tools_are_read_from_the_proxys_metrics(proxy_factory):
+    """The table's added-tool calls: the proxy's own counter, read per profile as the demo reads it."""
+    from openai import OpenAI
+
+    from scripts.agent_demo import by_profile
+
+    proxy = proxy_factory('[server]\nplugins = ["tests.plugins.adds_tool"]\n\n'
+                          '[profiles.invented]\nperturbers = [{ name = "test_adds_tool" }]\n')
+    client = OpenAI(base_url=f"{proxy.url}/p/invented/v1", api_key="sk-test", max_retries=0)
+    # the fake calls the tool the proxy added; the proxy answers that call itself, then the fake calls get_weather
+    answer = client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+        extra_headers={"x-fake-call-foreign": "get_weather"})
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["get_weather"]
+    page = httpx.get(f"{proxy.url}/metrics").text
+    assert by_profile(page, "toolquake_injected_tool_calls_total") == {"invented": 1}
+    assert by_profile(page, "toolquake_requests_total").get("invented") == 1
