@@ -118,14 +118,21 @@ def recovered(labels: dict[str, str]) -> bool:
     return labels.get("verdict", "") in RECOVERED.get(labels.get("kind", ""), DEFAULT_RECOVERED)
 
 
-def wait_scored(proxy: Proxy, timeout: float = 30.0) -> None:
-    """Until the proxy's scoring queue is empty (its last verdicts are being written), at most `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        depth = samples(proxy.metrics(), "toolquake_scoring_queue_depth")
-        if not depth or not depth[0][1]:
-            return
-        time.sleep(0.2)
+SETTLED = ("toolquake_scoring_duration_seconds_count", "toolquake_tool_failure_recovery_total")
+
+
+def settled_metrics(proxy: Proxy, timeout: float = 30.0) -> str:
+    """The proxy's metrics page once scoring is done: its queue empty and the verdict counters unchanged between
+    two reads (a job taken off the queue is still counted in its worker), or the last page after `timeout` s."""
+    deadline, before = time.monotonic() + timeout, None
+    while True:
+        page = proxy.metrics()
+        depth = samples(page, "toolquake_scoring_queue_depth")
+        counts = [sorted((tuple(sorted(labels.items())), v) for labels, v in samples(page, name)) for name in SETTLED]
+        if (not depth or not depth[0][1]) and counts == before or time.monotonic() > deadline:
+            return page
+        before = counts
+        time.sleep(0.5)
 
 
 @dataclass
@@ -196,8 +203,7 @@ class Demo:
                 runs[name] = self.run_agent(f"{proxy.url}/p/{name}/v1")
                 self.say(f"agent-demo: `{name}`: {sum(o.completed for o in runs[name])}/{len(runs[name])} tasks "
                          f"completed in {time.monotonic() - t0:.0f} s")
-            wait_scored(proxy)
-            page = proxy.metrics()
+            page = settled_metrics(proxy)
         finally:
             proxy.stop()
         return runs, page
