@@ -2,9 +2,9 @@
 
 Each task runs on one framework and API (`runner`): the OpenAI Agents SDK on chat completions
 (`agents-chat`) or on the Responses API (`agents-responses`), or LangGraph's ReAct agent on chat completions
-(`langgraph`). A run of a task is checked on what the agent did, not on a model's wording: the expected call
-was run (its tool, each argument among the accepted values: strings compared case-insensitively, numbers by
-value) and the fact appears in the final answer.
+(`langgraph`). A run of a task is checked on what the agent did: the expected call was run (its tool, each
+argument among the accepted values: strings compared case-insensitively, numbers by value); and, apart, whether
+the fact appears in the final answer (a small model's wording often leaves it out).
 """
 
 from __future__ import annotations
