@@ -10,10 +10,12 @@ toolquake's own backend) or any backend (`--upstream`):
    it can tie to a case (by content: the same conversation as a recorded step) into a results store;
 4. one table: per profile the requests scored, the accuracy with its 95 % Wilson interval, the paired drop
    against `off` (McNemar's exact test), the tasks completed, calls to tools the proxy added, recovery after a
-   failing tool, agent crashes; the live report (`toolquake report --db`) and out/agent-demo/summary.json.
+   failing tool, agent crashes; the live report (`toolquake report --db`, Markdown and HTML) and
+   out/agent-demo/summary.json.
 
-The statistics are the live store's own (`toolquake.proxy.live.results.summarize`); the counts of added-tool
-calls and recoveries are the proxy's metrics. Every child process (backend, proxies) dies with this one.
+The statistics are the report's own on the live store (`toolquake.proxy.replay.report.summarize_db`, what
+`toolquake report --db --format json` prints); the counts of added-tool calls and recoveries are the proxy's
+metrics. Every child process (backend, proxies) dies with this one.
 """
 
 from __future__ import annotations
@@ -210,9 +212,9 @@ class Demo:
 
     def summary(self, first: list[Any], runs: dict[str, list[Any]], page: str) -> dict[str, Any]:
         """Step 4's numbers: the live store's summary per profile, with the agent's own outcomes and the metrics."""
-        from toolquake.proxy.live.results import summarize
+        from toolquake.proxy.replay.report import summarize_db
 
-        live = summarize(self.db)
+        live = summarize_db(self.db)
         requests = by_profile(page, "toolquake_requests_total")
         injected = by_profile(page, "toolquake_injected_tool_calls_total")
         after_failure = by_profile(page, "toolquake_tool_failure_recovery_total")
@@ -238,7 +240,7 @@ class Demo:
 
     def run(self) -> dict[str, Any]:
         """Steps 1 to 4 into `out` (a fresh folder); returns the summary written to summary.json."""
-        from toolquake.proxy.live.results import format_summary, summarize
+        from toolquake.proxy.replay.report import build
 
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -256,7 +258,8 @@ class Demo:
         runs, page = self.perturbed()
         summary = self.summary(first, runs, page)
         summary["seconds"] = round(time.monotonic() - t0, 1)
-        (self.out / "report.md").write_text(format_summary(summarize(self.db)))
+        for fmt in ("md", "html"):  # `toolquake report --db`
+            (self.out / f"report.{fmt}").write_text(build([], fmt, None, plots=False, db=self.db)[0])
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         self.say("agent-demo: 4) per profile (accuracy: the requests the proxy tied to a recorded case, graded "
                  "against the recorded answer; drop: paired with `off` on the same cases)")
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if backend is not None:
             backend.stop()
             print("agent-demo: backend stopped", flush=True)
-    print(f"\nagent-demo: done in {time.monotonic() - t0:.0f} s; report: {out / 'report.md'}; summary: "
+    print(f"\nagent-demo: done in {time.monotonic() - t0:.0f} s; report: {out / 'report.html'}; summary: "
           f"{out / 'summary.json'}; cases: {demo.cases}")
     # nothing scored: no request of the perturbed runs was tied to a recorded case (see the proxies' logs)
     return 0 if any(p["scored"] for p in summary["profiles"].values()) else 1
