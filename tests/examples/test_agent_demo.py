@@ -124,8 +124,8 @@ def test_summary_json_and_the_report_account_for_every_task(demo):
         assert p["tasks"] == len(TASKS) and [r["task"] for r in p["runs"]] == [t.id for t in TASKS]
         assert p["crashes"] == 0 and p["added_tool_calls"] == 0
     assert written["profiles"]["off"]["drop_vs_off"] == 0.0
-    report = (d.out / "report.md").read_text()
-    assert all(f"| {name} |" in report for name in PROFILES)
+    report, html = (d.out / "report.md").read_text(), (d.out / "report.html").read_text()
+    assert all(f"| {name} |" in report and name in html for name in PROFILES)
     table = said[said.index("4) per profile"):]
     assert all(f"\n{name} " in table for name in PROFILES) and "tasks completed" in table
 
