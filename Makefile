@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # wall time. TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo sweep-demo clean image \
+.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo agent-demo sweep-demo clean image \
 	test-image \
 	lock containers
 
@@ -150,6 +150,13 @@ bench: install-embeddings corpus
 # means, and an HTML report in out/demo (the `expanded` arm needs the embeddings extra); ~9 min on 2 cores
 demo: install-local install-embeddings corpus
 	$(BIN)/python scripts/demo.py
+
+# the card's first user: the example agent (examples/agent/: the OpenAI Agents SDK on both APIs, LangGraph) pointed
+# at the proxy in front of the embedded model; its tasks recorded (serve --record), made into cases
+# (cases from-recording), run again under several profiles with serve --cases scoring them; one table per profile,
+# the live report and out/agent-demo/summary.json (scripts/agent_demo.py). The frameworks come with the dev extra.
+agent-demo: install-local install-embeddings corpus
+	$(BIN)/python scripts/agent_demo.py
 
 # breaking points on the embedded model: BFCL `multiple` cases swept along the tools axis by bisection, the
 # per-case table, the survival curve and an HTML report in out/sweep-demo (docs/sweep.md)

@@ -83,6 +83,21 @@ def meaning(summary: dict[str, Any]) -> str:
                + "Run more cases (--cases) or a real backend for numbers to quote."))
 
 
+def start_backend(name: str, out: Path, parallel: int) -> Any:
+    """The embedded backend started: `parallel` instances of one CPU thread each (one instance: llama.cpp's own
+    threads), its log in out/backend.log; None, the reason printed, when it cannot start. Used by every demo."""
+    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
+
+    backend = LocalBackend(parallel=parallel, threads=1 if parallel > 1 else None, log_path=out / "backend.log")
+    print(f"{name}: starting the embedded backend ({backend.model}, {parallel} instance(s)) on {backend.url} ...",
+          flush=True)
+    try:
+        return backend.start()
+    except BackendUnavailable as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the embedded model through the proxy and report (make demo).")
     parser.add_argument("--cases", type=int, default=int(os.environ.get("DEMO_CASES", "40")),
@@ -97,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
     args = parser.parse_args(argv)
 
-    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.run import Options, run
     from toolquake.proxy.server import logs
@@ -107,14 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0 = time.monotonic()
-    backend = LocalBackend(parallel=args.parallel, threads=1 if args.parallel > 1 else None,
-                           log_path=out / "backend.log")
-    print(f"demo: starting the embedded backend ({backend.model}, {args.parallel} instance(s)) on {backend.url} ...",
-          flush=True)
-    try:
-        backend.start()
-    except BackendUnavailable as exc:
-        print(f"demo: {exc}", file=sys.stderr)
+    backend = start_backend("demo", out, args.parallel)
+    if backend is None:
         return 1
     try:
         print(f"demo: backend ready in {time.monotonic() - t0:.0f} s; replaying {args.cases} `multiple` cases x "

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
     args = parser.parse_args(argv)
 
-    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
+    from scripts.demo import start_backend
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.sweep import SweepOptions, run_sweep
     from toolquake.proxy.server import logs
@@ -50,13 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0 = time.monotonic()
-    backend = LocalBackend(parallel=args.parallel, threads=1 if args.parallel > 1 else None,
-                           log_path=out / "backend.log")
-    print(f"sweep-demo: starting the embedded backend ({backend.model}, {args.parallel} instance(s)) ...", flush=True)
-    try:
-        backend.start()
-    except BackendUnavailable as exc:
-        print(f"sweep-demo: {exc}", file=sys.stderr)
+    backend = start_backend("sweep-demo", out, args.parallel)
+    if backend is None:
         return 1
     try:
         print(f"sweep-demo: backend ready in {time.monotonic() - t0:.0f} s; sweeping {args.cases} `multiple` cases "

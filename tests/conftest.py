@@ -148,6 +148,12 @@ _HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", 
 
 def _suite_processes() -> dict[int, str]:
     """Live (not zombie) processes other than this one whose environment carries this session's marker."""
+    return marked_processes(_SESSION_MARK)
+
+
+def marked_processes(mark: bytes) -> dict[int, str]:
+    """Live (not zombie) processes other than this one whose environment holds `mark` (`NAME=value`), with their
+    command lines; pytest's own helpers left out."""
     found: dict[int, str] = {}
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -156,7 +162,7 @@ def _suite_processes() -> dict[int, str]:
         pid = int(entry)
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if _SESSION_MARK not in f.read().split(b"\0"):
+                if mark not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read().rsplit(")", 1)[1].split()
