@@ -45,11 +45,11 @@ def test_the_wheel_installs_one_namespace_and_nothing_at_top_level(installed: Pa
                  and not p.name.endswith(".dist-info"))
     assert top == ["toolquake"]
     assert {p.name for p in (installed / "toolquake").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
-        "proxy", "perturbers", "scorers", "bfcl"}
+        "proxy", "perturbers", "scorers", "remedies", "bfcl"}
 
 
 def test_old_top_level_names_do_not_import_and_the_cli_runs_from_the_install(installed: Path, tmp_path: Path) -> None:
-    for name in ("proxy", "perturbers", "scorers"):
+    for name in ("proxy", "perturbers", "scorers", "remedies"):
         r = _run(installed, "-c", f"import {name}", cwd=tmp_path)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stderr)
     r = _run(installed, "-c", "import toolquake, toolquake.proxy.cli as c; print(toolquake.__file__, c.__file__)",
