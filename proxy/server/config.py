@@ -45,9 +45,18 @@ class PerturberSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
             raise ValueError(f"probability must be between 0 and 1, got {self.probability}")
 
 
+class RemedySpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One remedy of a profile (`remedies = [{ name, params }]`), applied after every perturbation step."""
+
+    name: str
+    params: dict[str, Any] = {}
+
+
 class ProfileSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     mode: Literal["perturb", "shadow", "off"] = "perturb"
     perturbers: list[PerturberSpec] = []
+    #: steps applied after the perturbers, before the request goes upstream, to win accuracy back (remedies/)
+    remedies: list[RemedySpec] = []
     description: str = ""
     #: shadow mode: fraction of requests that get a perturbed twin, and how many twins at once
     sample_rate: float = 1.0
