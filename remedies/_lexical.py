@@ -2,8 +2,8 @@
 
 `terms(text)` splits text into lower-case word pieces (camelCase and snake_case split, a plural `s` dropped, a few
 English function words left out); `Doc` is one scored text's term statistics (built once, cached by the caller);
-`bm25(docs, query)` scores every doc against the query's terms, the documents' frequencies taken from `docs`
-themselves (a request's tools, a tool response's records). Not a remedy: the registry skips `_` modules.
+`Index(docs).scores(query)` is Okapi BM25 of every doc against the query's terms, the documents' frequencies taken
+from `docs` themselves (a request's tools, a tool response's records). Not a remedy: the registry skips `_` modules.
 """
 
 from __future__ import annotations
@@ -60,29 +60,34 @@ class Doc:
         return 240 + 120 * len(self.counts)
 
 
-def bm25(docs: list[Doc], query: Iterable[str]) -> list[float]:
-    """Okapi BM25 of each doc for the query's terms (each counted once), the documents' frequencies and mean
-    length taken over `docs`. Linear in the docs and their matching terms: a doc sharing no term costs one set
-    intersection."""
-    wanted = frozenset(query)
-    n = len(docs)
-    if not n or not wanted:
-        return [0.0] * n
-    shared = [wanted & d.vocabulary for d in docs]
-    df: Counter[str] = Counter()
-    for common in shared:
-        df.update(common)
-    idf = {t: math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for t, f in df.items()}
-    mean = sum(d.length for d in docs) / n or 1.0
-    scores = [0.0] * n
-    for i, common in enumerate(shared):
-        if not common:
-            continue
-        doc = docs[i]
-        norm = K1 * (1.0 - B + B * doc.length / mean)
-        total = 0.0
-        for t in common:
-            tf = doc.counts[t]
-            total += idf[t] * tf * (K1 + 1.0) / (tf + norm)
-        scores[i] = total
-    return scores
+class Index:
+    """Okapi BM25 over a list of docs: each term's postings (doc, count), each doc's length normalisation; the
+    documents' frequencies and mean length are those of these docs. Built once for a list of docs (a toolkit, a
+    response's records) in time linear in their terms; scoring a query touches only the postings of its terms."""
+
+    def __init__(self, docs: list[Doc]) -> None:
+        self.size = len(docs)
+        mean = sum(d.length for d in docs) / self.size if docs else 0.0
+        self.norms = [K1 * (1.0 - B + B * d.length / (mean or 1.0)) for d in docs]
+        self.postings: dict[str, list[tuple[int, int]]] = {}
+        for i, doc in enumerate(docs):
+            for term, count in doc.counts.items():
+                self.postings.setdefault(term, []).append((i, count))
+
+    def nbytes(self) -> int:
+        """About what the index holds in memory (for a byte-bounded cache)."""
+        return 64 * self.size + sum(100 + 72 * len(p) for p in self.postings.values())
+
+    def scores(self, query: Iterable[str]) -> list[float]:
+        """BM25 of each doc for the query's terms (each counted once)."""
+        scores = [0.0] * self.size
+        norms = self.norms
+        for term in set(query):
+            postings = self.postings.get(term)
+            if not postings:
+                continue
+            df = len(postings)
+            idf = math.log(1.0 + (self.size - df + 0.5) / (df + 0.5))
+            for i, tf in postings:
+                scores[i] += idf * tf * (K1 + 1.0) / (tf + norms[i])
+        return scores

@@ -29,7 +29,7 @@ from toolquake.perturbers.helpers.lengthening.records import find_main_array, re
 from toolquake.perturbers.helpers.tokens import EstimateCounter, counter_label
 from toolquake.perturbers.toolkit_expansion import last_user_text
 from toolquake.remedies import register
-from toolquake.remedies._lexical import Doc, bm25, terms
+from toolquake.remedies._lexical import Doc, Index, terms
 from toolquake.remedies.base import ChatRequest, PerturbContext, Remedy
 
 NOTE = "[toolquake: {dropped} of {total} records left out to fit {budget} tokens]"
@@ -121,7 +121,7 @@ class ResponseTrim(Remedy):
         total = len(records)
         costs = [_ESTIMATE.count_text(r) + 1 for r in records]
         scale = before / max(1, sum(costs))
-        scores = bm25([Doc.of(r, query) for r in records], query)
+        scores = Index([Doc.of(r, query) for r in records]).scores(query)
         ranked = sorted(range(total), key=lambda j: -scores[j])
         note_cost = _ESTIMATE.count_text(NOTE.format(dropped=total, total=total, budget=self.budget_tokens)) + 1
         target = float(self.budget_tokens)

@@ -25,7 +25,7 @@ from toolquake.perturbers.helpers.toolkit.tool_pool import SERVICE as POOL_SERVI
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_shared_embedder, tool_name
 from toolquake.perturbers.toolkit_expansion import last_user_text
 from toolquake.remedies import register
-from toolquake.remedies._lexical import Doc, bm25, terms
+from toolquake.remedies._lexical import Doc, Index, terms
 from toolquake.remedies.base import ChatRequest, PerturbContext, Remedy, Services
 
 METHODS = ("auto", "embeddings", "bm25")
@@ -37,6 +37,8 @@ CACHE_BYTES = 32 << 20
 _EMBEDDER = "tool_search:embedder"
 _VECTORS = "tool_search:vectors"
 _DOCS = "tool_search:docs"
+_TOOLKITS = "tool_search:toolkits"
+_MATRICES = "tool_search:matrices"
 
 
 def _text(content: Any) -> str:
@@ -173,21 +175,42 @@ class ToolSearch(Remedy):
 
     @staticmethod
     def _bm25(signatures: list[str], query: str, ctx: PerturbContext) -> list[float]:
-        cache: ByteLRU[str, Doc] = ctx.services.get(_DOCS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
-        docs = []
-        for sig in signatures:
-            doc = cache.get(sig)
-            if doc is None:
-                doc = Doc.of(sig)
-                cache.put(sig, doc, text_bytes(sig) + doc.nbytes())
-            docs.append(doc)
-        return bm25(docs, terms(query))
+        """BM25 of each signature for the query: the index of a toolkit seen before is reused whole (an agent sends
+        the same tools again and again), else built from each signature's statistics (kept apart: a padded
+        catalog is new, its tools are not)."""
+        toolkits: ByteLRU[str, Index] = ctx.services.get(_TOOLKITS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+        key = "\x1f".join(signatures)
+        index = toolkits.get(key)
+        if index is None:
+            cache: ByteLRU[str, Doc] = ctx.services.get(_DOCS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+            docs = []
+            for sig in signatures:
+                doc = cache.get(sig)
+                if doc is None:
+                    doc = Doc.of(sig)
+                    cache.put(sig, doc, text_bytes(sig) + doc.nbytes())
+                docs.append(doc)
+            index = Index(docs)
+            toolkits.put(key, index, text_bytes(key) + index.nbytes())
+        return index.scores(terms(query))
 
     @staticmethod
     def _cosines(tools: list[Any], signatures: list[str], query: str, embedder: Any,
                  ctx: PerturbContext) -> list[float]:
+        """Cosine of each signature's embedding to the query's: the matrix of a toolkit seen before is reused whole,
+        else each tool's vector comes from the cache, the pool, or the model (then kept)."""
         import numpy as np
 
+        toolkits: ByteLRU[str, Any] = ctx.services.get(_MATRICES, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+        key = "\x1f".join(signatures)
+        matrix = toolkits.get(key)
+        if matrix is None:
+            matrix = np.stack(ToolSearch._vectors(tools, signatures, embedder, ctx))
+            toolkits.put(key, matrix, text_bytes(key) + matrix.nbytes)
+        return (matrix @ embedder.embed([query])[0]).tolist()
+
+    @staticmethod
+    def _vectors(tools: list[Any], signatures: list[str], embedder: Any, ctx: PerturbContext) -> list[Any]:
         cache: ByteLRU[str, Any] = ctx.services.get(_VECTORS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
         pool = ctx.services.extra.get(POOL_SERVICE)  # reused when a perturber of this process loaded it
         vectors: list[Any] = [cache.get(sig) for sig in signatures]
@@ -205,7 +228,6 @@ class ToolSearch(Remedy):
         if missing:
             found = embedder.embed([signatures[i] for i in missing])
             for row, i in enumerate(missing):
-                vectors[i] = found[row].copy()
+                vectors[i] = found[row].copy()  # a row of its own: a view would keep the whole batch alive
                 cache.put(signatures[i], vectors[i], text_bytes(signatures[i]) + vectors[i].nbytes)
-        q = embedder.embed([query])[0]
-        return (np.stack(vectors) @ q).tolist()
+        return vectors
