@@ -82,6 +82,14 @@ def query_text(messages: list[Any], turns: int) -> str:
     return " ".join(parts)[:QUERY_CHARS]
 
 
+def _signature(tool: Any) -> str:
+    """The tool's signature; for a tool of another shape (a client's odd JSON), its name alone or nothing."""
+    try:
+        return signature(tool)
+    except (AttributeError, TypeError):
+        return tool_name(tool) if isinstance(tool, dict) else ""
+
+
 def called_names(messages: list[Any]) -> set[str]:
     """Names of the tools the assistant messages of the conversation called."""
     names: set[str] = set()
@@ -168,7 +176,7 @@ class ToolSearch(Remedy):
             embedder = get_shared_embedder(ctx.services)
         elif self.method == "auto":
             embedder = _available_embedder(ctx.services)
-        signatures = [signature(t) if isinstance(t, dict) else "" for t in tools]
+        signatures = [_signature(t) for t in tools]
         if embedder is None:
             return self._bm25(signatures, query, ctx), "bm25"
         return self._cosines(tools, signatures, query, embedder, ctx), "embeddings"
