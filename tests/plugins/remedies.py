@@ -1,6 +1,5 @@
 """Remedies for tests only, loaded as a plugin (`[server] plugins`): a tool filter that keeps the first (or last) k
-tools and says which it dropped, one that always raises, one that tags the answer it restores, one with an
-operator-only parameter."""
+tools and says which it dropped, one that always raises, one with an operator-only parameter."""
 
 from __future__ import annotations
 
@@ -39,21 +38,6 @@ class RemedyRaises(Remedy):
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         raise RuntimeError("this remedy always fails")
-
-
-@register
-class RemedyTagger(Remedy):
-    """Changes nothing; tags the answer it restores with `tag`."""
-
-    name = "test_remedy_tagger"
-    rewrites_response = True
-    tag: str = ""
-
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        return request
-
-    def restore(self, response: dict[str, Any], ctx: PerturbContext) -> dict[str, Any]:
-        return {**response, "trail": [*response.get("trail", []), self.tag]}
 
 
 @register

@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 
 import tests.plugins.remedies  # noqa: F401  (registers the test remedies)
+from tests.server.test_hot_path import _Tagger  # registers test_hot_path_tagger
 from toolquake.bfcl.corpus import Case
-from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services, register
+from toolquake.perturbers import ChatRequest, Services
 from toolquake.proxy.server.config import ConfigError, PerturberSpec, ProfileSpec, RemedySpec, validate_profiles
 from toolquake.proxy.server.metrics import Metrics
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile
 from toolquake.proxy.server.profiles import build_profile
 from toolquake.proxy.server.tracing import perturbation_attributes
+from toolquake.remedies import Remedy, register
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}} for i in range(4)]
 REQUEST = ChatRequest({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
@@ -21,16 +23,14 @@ REVERSE = PerturberSpec(name="tool_order", params={"mode": "reverse"})
 
 
 @register
-class _Tags(Perturber):
-    name = "test_remedy_pipeline_tagger"
+class _RemedyTagger(Remedy):
+    """The perturbers' test tagger as a remedy: changes nothing, tags the answer it restores."""
+
+    name = "test_remedy_tagger"
     rewrites_response = True
     tag: str = ""
-
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        return request
-
-    def restore(self, response: dict, ctx: PerturbContext) -> dict:
-        return {**response, "trail": [*response.get("trail", []), self.tag]}
+    apply = _Tagger.apply
+    restore = _Tagger.restore
 
 
 def _profile(*remedies: tuple[str, dict], perturbers: tuple[PerturberSpec, ...] = (), strict: bool = False,
@@ -99,7 +99,7 @@ async def test_a_strict_profile_fails_on_a_raising_remedy():
 
 async def test_restore_undoes_the_remedies_first():
     profile = _profile(("test_remedy_tagger", {"tag": "remedy"}),
-                       perturbers=(PerturberSpec(name="test_remedy_pipeline_tagger", params={"tag": "perturber"}),))
+                       perturbers=(PerturberSpec(name="test_hot_path_tagger", params={"tag": "perturber"}),))
     outcome = await run_profile(profile, REQUEST, 1, Services())
     restored, failed = restore(outcome, {"trail": ["upstream"]})
     assert restored["trail"] == ["upstream", "remedy", "perturber"] and failed == []
