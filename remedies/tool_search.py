@@ -32,8 +32,8 @@ METHODS = ("auto", "embeddings", "bm25")
 #: characters of one earlier message that go into the query, and of the whole query
 MESSAGE_CHARS = 500
 QUERY_CHARS = 2000
-#: the caches of tool term statistics and tool vectors (per process, keyed by signature), in bytes
-CACHE_BYTES = 32 << 20
+#: each of its four caches (signature → term statistics or vector, toolkit → index or matrix), per process, in bytes
+CACHE_BYTES = 16 << 20
 _EMBEDDER = "tool_search:embedder"
 _VECTORS = "tool_search:vectors"
 _DOCS = "tool_search:docs"
