@@ -78,7 +78,7 @@ def test_a_response_within_the_budget_is_left_as_it_came():
 
 
 def test_bad_budget_is_refused_at_load():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="remedy 'response_trim': budget_tokens must be positive"):
         build("response_trim", {"budget_tokens": 0})
 
 

@@ -100,9 +100,10 @@ def test_deterministic_and_never_mutates_its_input():
     assert first.body == second.body and "t4_currency" in names(first.tools)
 
 
-@pytest.mark.parametrize("params", [{"k": 0}, {"method": "regex"}, {"turns": 0}, {"kk": 1}])
-def test_bad_parameters_are_refused_at_load(params):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("params, says", [({"k": 0}, "k must"), ({"method": "regex"}, "method must"),
+                                          ({"turns": 0}, "turns must"), ({"kk": 1}, "unknown field `kk`")])
+def test_bad_parameters_are_refused_at_load(params, says):
+    with pytest.raises(ValueError, match=f"remedy 'tool_search': .*{says}"):
         build("tool_search", params)
 
 
