@@ -37,6 +37,7 @@ import httpx
 
 from tests.bench.proxy_overhead import cpu_seconds, proc_tree, settle
 from tests.conftest import start_fake_upstream, start_proxy
+from tests.remedies.catalogs import padded_cases
 
 TARGET_MS = 2.0
 HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
@@ -64,32 +65,9 @@ remedies = [{ name = "tool_search", params = { k = 8, method = "embeddings" } }]
 """
 
 
-def corpus_tools() -> list[dict[str, Any]]:
-    from toolquake.bfcl.convert import to_openai_tools
-    from toolquake.perturbers.helpers.toolkit.tool_pool import corpus_functions
-
-    tools, seen = [], set()
-    for doc in corpus_functions()[1]:
-        converted = to_openai_tools([doc])[0][0]
-        if converted["function"]["name"] not in seen:
-            seen.add(converted["function"]["name"])
-            tools.append(converted)
-    return tools
-
-
 def bodies(n_tools: int, count: int) -> list[dict[str, Any]]:
     """`count` requests of BFCL `multiple` cases, each padded with corpus tools to `n_tools` tools."""
-    from toolquake.bfcl.corpus import case_request, load_category
-
-    universe = corpus_tools()
-    out = []
-    for i, case in enumerate(load_category("multiple")[:count]):
-        body = case_request(case, model="fake-model")
-        own = {t["function"]["name"] for t in body["tools"]}
-        pad = [t for t in random.Random(i).sample(universe, n_tools + 20) if t["function"]["name"] not in own]
-        pad = pad[:n_tools - len(body["tools"])]
-        out.append({**body, "tools": pad[:len(pad) // 2] + body["tools"] + pad[len(pad) // 2:]})
-    return out
+    return [body for body, _ in padded_cases(count, n_tools, model="fake-model")]
 
 
 def asked(body: dict[str, Any], i: int) -> dict[str, Any]:
@@ -127,9 +105,11 @@ def in_process(method: str, same: dict[str, Any], catalogs: list[dict[str, Any]]
     new_ms = cpu(lambda i: asked(catalogs[i % len(catalogs)], i))
     row: dict[str, Any] = {"method": method, "same_toolkit_cpu_ms_p50": statistics.median(same_ms),
                            "new_catalog_cpu_ms_p50": statistics.median(new_ms)}
-    if method == "embeddings":
+    if method == "embeddings":  # the query the remedy embeds, each one new: the part no cache can hold
+        from toolquake.remedies.tool_search import query_text
+
         embedder = get_shared_embedder(services)
-        texts = [f"query number {i} about a tool" for i in range(n)]  # never cached: each text is new
+        texts = [query_text(asked(same, n + i)["messages"], remedy.turns) for i in range(n)]
         t0 = time.process_time()
         for text in texts:
             embedder.embed([text])

@@ -4,13 +4,13 @@ made-up toolkits and on BFCL `multiple` cases padded to 500 tools, by BM25 and b
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import random
 from typing import Any
 
 import pytest
 
+from tests.remedies.catalogs import padded_cases
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.remedies import build
 
@@ -108,38 +108,6 @@ def test_bad_parameters_are_refused_at_load(params, says):
 
 
 # --- BFCL `multiple` cases padded to 500 tools ------------------------------------------------------------------
-
-
-@functools.cache
-def corpus_tools() -> list[dict[str, Any]]:
-    """Every unique function of the single-turn corpus as an OpenAI tool (the pool's tools, without embeddings)."""
-    from toolquake.bfcl.convert import to_openai_tools
-    from toolquake.perturbers.helpers.toolkit.tool_pool import corpus_functions
-
-    tools, seen = [], set()
-    for doc in corpus_functions()[1]:
-        converted = to_openai_tools([doc])[0][0]
-        if converted["function"]["name"] not in seen:
-            seen.add(converted["function"]["name"])
-            tools.append(converted)
-    return tools
-
-
-def padded_cases(count: int, size: int = 500) -> list[tuple[dict[str, Any], set[str]]]:
-    """(request padded with corpus tools to `size` tools, the case's own tools in the middle; the tools its ground
-    truth calls) for the first `count` cases of BFCL `multiple`."""
-    from toolquake.bfcl.corpus import case_request, load_category
-
-    out = []
-    universe = corpus_tools()
-    for i, case in enumerate(load_category("multiple")[:count]):
-        body = case_request(case, model="m")
-        own = set(names(body["tools"]))
-        pad = [t for t in random.Random(i).sample(universe, size + 20) if t["function"]["name"] not in own]
-        pad = pad[:size - len(body["tools"])]
-        needed = {name.replace(".", "_") for call in case.ground_truth for name in call}
-        out.append(({**body, "tools": pad[:len(pad) // 2] + body["tools"] + pad[len(pad) // 2:]}, needed))
-    return out
 
 
 def kept_needed(method: str, count: int) -> float:
