@@ -103,3 +103,25 @@ class Index:
             for i, tf in postings:
                 scores[i] += idf * tf * (K1 + 1.0) / (tf + norms[i])
         return scores
+
+
+def scores(docs: list[Doc], query: Iterable[str]) -> list[float]:
+    """The same BM25 as `Index(docs).scores(query)`, without building the index: one set intersection per doc (at
+    C speed), so a list of docs scored once costs less this way than indexed."""
+    wanted = frozenset(query)
+    n = len(docs)
+    if not n or not wanted:
+        return [0.0] * n
+    shared = [wanted & d.vocabulary for d in docs]
+    df: Counter[str] = Counter()
+    for common in shared:
+        df.update(common)
+    idf = {t: math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for t, f in df.items()}
+    mean = sum(d.length for d in docs) / n or 1.0
+    out = [0.0] * n
+    for i, common in enumerate(shared):
+        if common:
+            doc = docs[i]
+            norm = K1 * (1.0 - B + B * doc.length / mean)
+            out[i] = sum(idf[t] * doc.counts[t] * (K1 + 1.0) / (doc.counts[t] + norm) for t in common)
+    return out

@@ -94,10 +94,12 @@ def test_a_toolkit_within_k_is_left_as_it_came():
 def test_deterministic_and_never_mutates_its_input():
     body = {"model": "m", "messages": [{"role": "user", "content": "Exchange rate of the euro"}], "tools": TOOLKIT}
     before = copy.deepcopy(body)
-    first, _ = run({"k": 4, "method": "bm25"}, body)
-    second, _ = run({"k": 4, "method": "bm25"}, body, Services())  # fresh caches too
+    services = Services()
+    # seen once (scored doc by doc), twice (indexed), three times (the index reused), and by fresh caches
+    bm25 = {"k": 4, "method": "bm25"}
+    outs = [run(bm25, body, services)[0] for _ in range(3)] + [run(bm25, body, Services())[0]]
     assert body == before
-    assert first.body == second.body and "t4_currency" in names(first.tools)
+    assert all(out.body == outs[0].body for out in outs) and "t4_currency" in names(outs[0].tools)
 
 
 @pytest.mark.parametrize("params, says", [({"k": 0}, "k must"), ({"method": "regex"}, "method must"),
