@@ -1,12 +1,15 @@
 """Properties of every remedy on arbitrary request shapes (hypothesis): none raises where it was not designed to,
-tool_search and response_trim never make the request larger, none changes the request it was given."""
+tool_search and response_trim never make the request larger, none changes the request it was given; and each is
+linear in hostile text wherever a client puts it."""
 
 from __future__ import annotations
 
 import copy
 import random
+import time
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -67,3 +70,55 @@ def test_remedies_never_raise_and_never_grow_the_request(body: dict[str, Any]):
         if name == "tool_search" and isinstance(body.get("tools"), list):
             kept = out.body.get("tools") or []
             assert len(kept) == ctx.report["kept"] and len(kept) + len(ctx.report["dropped"]) == len(body["tools"])
+
+
+HOSTILE_STEPS = {"tool_search": {"k": 1, "method": "bm25"}, "response_trim": {"budget_tokens": 50},
+                 "format_choice": {"config": "fmt-13-vxml-tag-python"}}
+
+
+def _cpu(name: str, body: dict[str, Any]) -> float:
+    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(token_counter=EstimateCounter()))
+    remedy = build(name, HOSTILE_STEPS[name])
+    start = time.process_time()
+    remedy.apply(ChatRequest(body), ctx)
+    return time.process_time() - start
+
+
+def _with_more_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """The adversarial request with six more tools, so that tool_search has tools to leave out and scores them."""
+    extra = [{"type": "function", "function": {"name": f"other_{i}", "description": f"Another tool, number {i}."}}
+             for i in range(6)]
+    return {**body, "tools": body["tools"] + extra}
+
+
+@pytest.mark.parametrize("name", HOSTILE_STEPS)
+def test_remedies_are_linear_in_hostile_text(name: str) -> None:
+    """The perturbers' adversarial check (tests/perturbers/test_adversarial_perturbers.py: its hostile units, in
+    every place a client controls, 64 KiB and 512 KiB, less ordinary prose of the same size) on each remedy."""
+    from tests.perturbers.test_adversarial_perturbers import (
+        FIELDS,
+        LARGE,
+        MS_PER_KIB,
+        SMALL,
+        UNITS,
+        hostile,
+        ordinary,
+        request_with,
+    )
+
+    def body(field: str, text: str) -> dict[str, Any]:
+        return _with_more_tools(request_with(field, text))
+
+    _cpu(name, body("user", "warm up"))
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(field=st.sampled_from(FIELDS), unit=st.sampled_from(UNITS))
+    def check(field: str, unit: str) -> None:
+        where = f"{name} with {unit!r} repeated in the {field}"
+        t_small = max(0.0, _cpu(name, body(field, hostile(unit, SMALL))) - _cpu(name, body(field, ordinary(SMALL))))
+        assert t_small * 1000 <= MS_PER_KIB * SMALL / 1024, f"{where}: {t_small:.2f} s CPU for 64 KiB"
+        t_large = max(0.0, _cpu(name, body(field, hostile(unit, LARGE))) - _cpu(name, body(field, ordinary(LARGE))))
+        assert t_large * 1000 <= MS_PER_KIB * LARGE / 1024, f"{where}: {t_large:.2f} s CPU for 512 KiB"
+        assert t_large <= 3 * 8 * t_small + 0.5, f"{where}: 64 KiB {t_small:.3f} s, 512 KiB {t_large:.3f} s CPU"
+
+    check()
