@@ -162,7 +162,8 @@ class ToolSearch(Remedy):
         called = called_names(messages)
         names = [tool_name(t) for t in tools]
         must = [i for i, n in enumerate(names) if n and n in called]
-        ctx.report.update(k=self.k, method=self.method)
+        embedder = self._embedder(ctx.services)
+        ctx.report.update(k=self.k, method="bm25" if embedder is None else "embeddings")
         if len(tools) <= self.k + len(must):
             ctx.report.update(kept=len(tools), dropped=[])
             return request
@@ -174,23 +175,21 @@ class ToolSearch(Remedy):
             if named is not None:
                 keep.add(named)
                 slots -= 1
-        scores, method = self._scores(tools, query_text(messages, self.turns), ctx)
+        query = query_text(messages, self.turns)
+        signatures = [_signature(t) for t in tools]
+        scores = (self._bm25(signatures, query, ctx) if embedder is None
+                  else self._cosines(tools, signatures, query, embedder, ctx))
         ranked = sorted((i for i in range(len(tools)) if i not in keep), key=lambda i: -scores[i])
         keep.update(ranked[:max(0, slots)])
-        ctx.report.update(method=method, kept=len(keep),
+        ctx.report.update(kept=len(keep),
                           dropped=[names[i] for i in range(len(tools)) if i not in keep])
         return request.replace(tools=[tools[i] for i in range(len(tools)) if i in keep])
 
-    def _scores(self, tools: list[Any], query: str, ctx: PerturbContext) -> tuple[list[float], str]:
-        embedder = None
+    def _embedder(self, services: Services) -> Any:
+        """The embedder this search scores with, or None for BM25 (`auto` without the embeddings extra)."""
         if self.method == "embeddings":
-            embedder = get_shared_embedder(ctx.services)
-        elif self.method == "auto":
-            embedder = _available_embedder(ctx.services)
-        signatures = [_signature(t) for t in tools]
-        if embedder is None:
-            return self._bm25(signatures, query, ctx), "bm25"
-        return self._cosines(tools, signatures, query, embedder, ctx), "embeddings"
+            return get_shared_embedder(services)
+        return _available_embedder(services) if self.method == "auto" else None
 
     @staticmethod
     def _bm25(signatures: list[str], query: str, ctx: PerturbContext) -> list[float]:

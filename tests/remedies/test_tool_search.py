@@ -88,7 +88,7 @@ def test_a_toolkit_within_k_is_left_as_it_came():
     request = ChatRequest(body)
     ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services())
     assert build("tool_search", {"k": 8, "method": "bm25"}).apply(request, ctx) is request
-    assert ctx.report["kept"] == 5 and ctx.report["dropped"] == []
+    assert ctx.report == {"k": 8, "method": "bm25", "kept": 5, "dropped": []}
 
 
 def test_deterministic_and_never_mutates_its_input():
