@@ -72,6 +72,29 @@ def test_text_lines_keep_the_needed_line_in_order():
     assert report["tokens_after"] <= 300
 
 
+def test_the_budget_holds_by_a_tokenizers_count():
+    """With a counter other than the estimate (OpenAI's o200k_base), the estimate's record costs are scaled by what
+    the counter says of the whole, and the cut content counts within the budget by that counter."""
+    import importlib.util
+
+    from toolquake.bfcl.corpus import cache_root
+    from toolquake.perturbers.helpers.tokens import make_counter
+
+    if importlib.util.find_spec("tiktoken") is None:
+        pytest.skip("needs the tokenizers extra (tiktoken)")
+    if not (cache_root() / "tiktoken" / "o200k_base.tiktoken").is_file():
+        pytest.skip("needs OpenAI's encoding files: make tiktoken-files")
+    counter = make_counter("tiktoken:o200k_base")
+    body = conversation(json.dumps({"status": "ok", "readings": records(3000, 1777)}))
+    for budget in (300, 1000, 5000):
+        ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=counter))
+        out = build("response_trim", {"budget_tokens": budget}).apply(ChatRequest(body), ctx)
+        content = out.messages[2]["content"]
+        assert "Reykjavik harbour" in content
+        assert ctx.report["tokens_after"] == counter.count_text(content) <= budget
+        assert ctx.report["counter"] == "tiktoken:o200k_base"
+
+
 def test_a_response_within_the_budget_is_left_as_it_came():
     request, out, report = run(conversation("short answer"), 600)
     assert out is request and report["trimmed"] == 0 and report["records_dropped"] == 0
