@@ -137,8 +137,7 @@ class ChatHandler:
         st = self.st
         request_id, t0 = new_request_id(), time.perf_counter()
         served, asked = Served(), None
-        if st.tracing is not None:
-            served.trace = st.tracing.begin(headers, t0)
+        served.trace = st.tracing.begin(headers, t0)  # None: not traced (hooks.Tracer)
         st.metrics.in_flight.inc()
         streamed = False  # a streamed answer finishes (and leaves in_flight) in its background task
         try:
@@ -198,7 +197,7 @@ class ChatHandler:
         case when that is known without decoding it (else UNDECIDED: the decoded request decides)."""
         st = self.st
         if st.observers or (profile.mode == "perturb" and profile.steps) or \
-                (st.tracing is not None and st.tracing.config.contents):  # spans with contents carry the request
+                st.tracing.contents:  # spans with contents carry the request
             return True, UNDECIDED
         if not st.case_observers:
             return False, None
