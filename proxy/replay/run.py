@@ -277,9 +277,10 @@ class _Sender:
         ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
         outcome = ex.outcome if ex is not None else None
         if outcome is not None:
-            rec.perturbers = {"applied": [{"name": a.name, "params": shown_params(a.params), "report": a.report}
-                                          for a in outcome.applied],
+            rec.perturbers = {"applied": [a.stored() for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+            if outcome.remedies_failed:
+                rec.perturbers["remedies_failed"] = list(outcome.remedies_failed)
             if given is not None:
                 hold_budgets(rec.perturbers)
         if isinstance(r, Failed):
