@@ -182,3 +182,29 @@ def test_loss_won_back_undefined_without_a_loss_and_unbounded_without_a_clear_on
     # a loss of one case in forty: a share, but Fieller's set is unbounded (the loss is not distinguishable from 0)
     share, ci = loss_won_back([(True, False, True)] + [(True, True, True)] * 39)
     assert share == pytest.approx(1.0) and ci is None
+
+
+def test_the_remedies_presets_pair_each_perturbation_with_its_remedied_twin():
+    from toolquake.proxy.cli import build_parser
+    from toolquake.proxy.replay.selection import default_categories, expand_profiles
+    from toolquake.proxy.server.config import load_config
+
+    config = load_config(None, env={})
+    known = ["off", *config.profiles]
+    for preset, remedy, categories in (("@remedies", "tool_search", ["simple_python", "live_simple", "multiple"]),
+                                       ("@remedies-responses", "response_trim", ["multi_turn_base"])):
+        arms = expand_profiles(preset, known)
+        assert arms[0] == "off" and len(arms) in (5, 7) and default_categories(preset) == categories
+        for plain, remedied in zip(arms[1::2], arms[2::2]):
+            a, b = config.profiles[plain], config.profiles[remedied]
+            assert not a.remedies and [r.name for r in b.remedies] == [remedy]
+            assert [(s.name, s.params) for s in a.perturbers] == [(s.name, s.params) for s in b.perturbers]
+    assert {s.params["budget_tokens"] for p in expand_profiles("@remedies", known)[1:]
+            for s in config.profiles[p].perturbers} == {8192, 32768, 120000}
+    assert all(r.params == {"k": 8} for p in expand_profiles("@remedies", known)[2::2]
+               for r in config.profiles[p].remedies)
+    # the seed grids stay the seed grids: no remedied arm matches pad-* or resp-*
+    assert not any(config.profiles[p].remedies for p in expand_profiles("@seed003,@seed003-responses", known)[1:])
+    help_text = next(a for a in build_parser()._subparsers._group_actions[0].choices["replay"]._actions
+                     if "--profiles" in a.option_strings).help
+    assert "'@remedies'" in help_text and "'@remedies-responses'" in help_text
