@@ -76,6 +76,8 @@ class SweepRun:
     trials: int
     position: str
     source: Path
+    #: the remedies applied at every point (`sweep --remedy`), by name; empty for a sweep without
+    remedies: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -247,7 +249,8 @@ def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     run = SweepRun(model=meta.get("model", "unknown"), axis=meta["sweep_axis"], unit=meta.get("sweep_unit", ""),
                    points=json.loads(meta.get("sweep_points") or "[]"), rule=meta.get("sweep_rule", "majority"),
-                   trials=int(meta.get("trials") or 1), position=meta.get("sweep_position", ""), source=path)
+                   trials=int(meta.get("trials") or 1), position=meta.get("sweep_position", ""), source=path,
+                   remedies=[str(r.get("name")) for r in json.loads(meta.get("sweep_remedies") or "[]")])
     if not run.points:
         raise ValueError(f"{path}: a sweep results file without its grid (sweep_points): written by an older "
                          "toolquake; sweep again into a new directory")

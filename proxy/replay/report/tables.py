@@ -161,6 +161,13 @@ def sweep_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[lis
                      "median b − a"],
                     [[c["axis"], c["a"], c["b"], str(c["n"]), str(c["a_later"]), str(c["b_later"]), str(c["ties"]),
                       p_text(c["p_value"]), _x(c["median_difference"])] for c in comparisons]))
+    shifts = summary.get("sweep_remedies") or []
+    if shifts:
+        out.append(("Remedies along an axis: the median breaking point without and with the remedy (the survival "
+                    "curves of both are drawn on one plot)", ["axis", "remedy", "run", "twin", "median without",
+                                                              "median with", "what it means"],
+                    [[e["axis"], " + ".join(e["remedies"]), e["run"], e["twin"], _x(e["median_without"], e["max"]),
+                      _x(e["median_with"], e["max"]), e["text"]] for e in shifts]))
     return out
 
 
