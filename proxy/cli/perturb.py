@@ -34,10 +34,13 @@ def run(args: argparse.Namespace) -> int:
     json.dump(outcome.request.body, sys.stdout, ensure_ascii=False, indent=2)
     sys.stdout.write("\n")
     summary = {"profile": profile.name, "seed": seed, "token_counter": counter_label(services.token_counter),
-               "applied": [{"name": a.name, "params": a.params, **a.report} for a in outcome.applied],
+               "applied": [{"name": a.name, "params": a.params, **a.report, **({"kind": a.kind} if a.kind else {})}
+                           for a in outcome.applied],
                "skipped": outcome.skipped, "failed": outcome.failed}
+    if outcome.remedies_failed:
+        summary["remedies_failed"] = outcome.remedies_failed
     print(json.dumps(summary, ensure_ascii=False), file=sys.stderr)
-    return 1 if outcome.failed else 0
+    return 1 if outcome.failed or outcome.remedies_failed else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -2,7 +2,8 @@
 
 The client was answered from its original request (streamed if it asked). After the fact, for a
 sampled share of requests (`sample_rate`, decided from the request seed so reruns repeat), the
-profile's perturbers run over the original body, the result goes to the same upstream client
+profile's perturbers, then its remedies, run over the original body (a profile of remedies only: the twin is the
+remedied request, compared with the client's unremedied answer), the result goes to the same upstream client
 (non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
 when a perturber rewrote its shape — is handed on to be compared with the original answer. At most
 `max_concurrent` twins per profile are in flight; a twin over that limit is skipped and counted,
@@ -29,7 +30,7 @@ import structlog
 from toolquake.perturbers import ChatRequest
 from toolquake.proxy.server.apis import CHAT
 from toolquake.proxy.server.config import NOISE_PROFILE
-from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
+from toolquake.proxy.server.pipeline import Outcome, PerturbationFailed, restore, run_profile
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -142,8 +143,10 @@ class ShadowRunner:
             try:
                 outcome = await run_profile(profile, ChatRequest(request), asked.seed, st.services, asked.case)
             except Exception as exc:  # strict profiles raise; the client was served already
+                if isinstance(exc, PerturbationFailed):
+                    m.count_failure(exc, profile.name)
                 return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
-            m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
+            m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"), profile.name)
             request = outcome.request.body
         twin = Twin(outcome, twin_body(request))
         api = asked.api or CHAT

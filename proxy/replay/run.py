@@ -165,18 +165,6 @@ def remedy_specs(remedies: list[Any]) -> list[dict[str, Any]]:
             for r in remedies]
 
 
-def applied_entry(step: Any) -> dict[str, Any]:
-    """One applied step as a row records it: name, parameters, report; a remedy's marked `"kind": "remedy"`, with
-    the needed tools it dropped when the proxy knew the case (`dropped_needed`)."""
-    entry = {"name": step.name, "params": shown_params(step.params), "report": step.report}
-    if getattr(step, "kind", "") == "remedy":
-        entry["kind"] = "remedy"
-        dropped = getattr(step, "dropped_needed", None)
-        if dropped is not None:
-            entry["dropped_needed"] = list(dropped)
-    return entry
-
-
 def given_profiles(config: Any, arms: list[str]) -> frozenset[str]:
     """The arms whose multi-turn cases are given up to their last user turn (`conversation = "given"`)."""
     return frozenset(p for p in arms if p in config.profiles and config.profiles[p].conversation == "given")
@@ -299,8 +287,10 @@ class _Sender:
         ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
         outcome = ex.outcome if ex is not None else None
         if outcome is not None:
-            rec.perturbers = {"applied": [applied_entry(a) for a in outcome.applied],
+            rec.perturbers = {"applied": [a.stored() for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+            if outcome.remedies_failed:
+                rec.perturbers["remedies_failed"] = list(outcome.remedies_failed)
             if given is not None:
                 hold_budgets(rec.perturbers)
         if isinstance(r, Failed):

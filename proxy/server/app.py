@@ -57,20 +57,20 @@ async def _setup_perturbers(st: ProxyState, profiles: list[Profile], progress: W
     errors: set[tuple[str, str]] = set()
     try:
         for profile in profiles:
-            for step in profile.steps if profile else ():
-                if id(step.perturber) in seen:
+            for perturber in profile.all_steps() if profile else ():  # the remedies too
+                if id(perturber) in seen:
                     continue
-                seen.add(id(step.perturber))
+                seen.add(id(perturber))
                 if progress is not None:
-                    progress.current = f"{profile.name}/{step.perturber.name}"
+                    progress.current = f"{profile.name}/{perturber.name}"
                 try:
-                    await asyncio.to_thread(step.perturber.setup, st.services)
+                    await asyncio.to_thread(perturber.setup, st.services)
                 except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
-                    failed.append(f"{profile.name}/{step.perturber.name}")
+                    failed.append(f"{profile.name}/{perturber.name}")
                     error = (type(exc).__name__, str(exc)[:300])
                     if error not in errors:  # once per distinct error (no embeddings: dozens of profiles, one cause)
                         errors.add(error)
-                        log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                        log.warning("perturber_setup_failed", profile=profile.name, perturber=perturber.name,
                                     error_type=error[0], error=error[1])
             if progress is not None and profile and profile.name in progress.pending:
                 progress.pending.remove(profile.name)

@@ -197,7 +197,7 @@ class ChatHandler:
         """Whether the request must be decoded whole (its profile perturbs it, or an observer reads it), and its
         case when that is known without decoding it (else UNDECIDED: the decoded request decides)."""
         st = self.st
-        if st.observers or (profile.mode == "perturb" and profile.steps) or \
+        if st.observers or profile.perturbs or \
                 (st.tracing is not None and st.tracing.config.contents):  # spans with contents carry the request
             return True, UNDECIDED
         if not st.case_observers:
@@ -246,14 +246,15 @@ class ChatHandler:
         assert profile is not None
         send_raw = raw
         served.sent = asked.request
-        if asked.request is not None and profile.mode == "perturb" and profile.steps:
+        if asked.request is not None and profile.perturbs:
             try:
                 served.outcome = await run_profile(profile, ChatRequest(asked.request), asked.seed, st.services,
                                                    asked.case)
             except PerturbationFailed as exc:
-                st.metrics.perturbation_failures.labels(exc.perturber).inc()
+                st.metrics.count_failure(exc, profile.name)
                 raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
-            st.metrics.count_outcome(served.outcome, getattr(st.services.token_counter, "source", "none"))
+            st.metrics.count_outcome(served.outcome, getattr(st.services.token_counter, "source", "none"),
+                                     profile.name)
             served.sent = served.outcome.request.body
             if served.outcome.changed:
                 send_raw = _encode(api.to_wire(served.sent, asked.wire_request or {}, asked.conversion))

@@ -756,14 +756,22 @@ _REQUEST_NUMBERS = (("temperature", "gen_ai.request.temperature"), ("top_p", "ge
 
 def perturbation_attributes(outcome: Any) -> dict[str, Any]:
     """The steps applied, and their key report fields: numbers and booleans, the few identifier-valued fields,
-    the tools each added (never text that came from the request)."""
-    out: dict[str, Any] = {"toolquake.perturbers": [a.name for a in outcome.applied],
+    the tools each added (never text that came from the request); the remedies apart (`toolquake.remedies`,
+    `toolquake.remedy.<name>.*`, the needed tools one left out as a count)."""
+    out: dict[str, Any] = {"toolquake.perturbers": [a.name for a in outcome.perturbations],
                            "toolquake.perturbed": bool(outcome.changed)}
     if outcome.failed:
         out["toolquake.perturbers_failed"] = list(outcome.failed)
+    if outcome.remedies:
+        out["toolquake.remedies"] = [a.name for a in outcome.remedies]
+    if outcome.remedies_failed:
+        out["toolquake.remedies_failed"] = list(outcome.remedies_failed)
     tokens = 0
     for applied in outcome.applied:
-        prefix = f"toolquake.perturber.{applied.name}."
+        prefix = f"toolquake.{'remedy' if applied.is_remedy else 'perturber'}.{applied.name}."
+        needed = applied.report.get("dropped_needed")
+        if isinstance(needed, list):
+            out[prefix + "dropped_needed"] = len(needed)
         for key, value in applied.report.items():
             if isinstance(value, bool) or (isinstance(value, (int, float)) and value == value):
                 out[prefix + key] = value
@@ -772,7 +780,7 @@ def perturbation_attributes(outcome: Any) -> dict[str, Any]:
         if applied.added_tools:
             out[prefix + "tools_added"] = list(applied.added_tools)
         added = applied.report.get("tokens_added")
-        if isinstance(added, int) and not isinstance(added, bool):
+        if isinstance(added, int) and not isinstance(added, bool) and not applied.is_remedy:
             tokens += added
     out["toolquake.tokens_added"] = tokens
     return out

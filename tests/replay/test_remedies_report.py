@@ -54,8 +54,9 @@ ARMS = {
 def applied(profile: str, i: int) -> dict:
     steps = [{"name": s["name"], "params": s["params"], "report": {"tokens_total": 32768}}
              for s in ARMS[profile]["perturbers"]]
-    steps += [{**SEARCH, "report": {"kept": 8, "dropped": ["x"], "k": 8, "method": "bm25"}, "kind": "remedy",
-               "dropped_needed": dropped(i)} for _ in ARMS[profile].get("remedies", [])]
+    steps += [{**SEARCH, "report": {"kept": 8, "dropped": ["x"], "k": 8, "method": "bm25",
+                                    "dropped_needed": dropped(i)}, "kind": "remedy"}
+              for _ in ARMS[profile].get("remedies", [])]
     return {"applied": steps, "skipped": [], "failed": []}
 
 

@@ -8,8 +8,8 @@ scored (trial 0): the accuracy of each with its Wilson interval; the share of th
 scorers/aggregate.py), undefined (null, with why) when the perturbation lost nothing; McNemar's exact test of the
 remedied arm against its twin, with the cases it won (wrong perturbed, right remedied) and lost; the tokens it saved
 per request (the twin's prompt tokens minus the remedied arm's, as the backend counted them, on the cases both
-recorded); and the cases where it dropped a tool the case's ground truth needs (`dropped_needed`, recorded by the
-proxy when it knew the case).
+recorded); and the cases where it dropped a tool the case's ground truth needs (`dropped_needed` in the remedy
+step's report, recorded by the proxy when it knew the case).
 
 `summarize` adds it under "remedies"; `tables` gives its table (Markdown and HTML); the CSV appends `csv_columns`.
 """
@@ -110,11 +110,12 @@ def _entry(model: str, profile: str, twin: str | None, baseline: str, arm: dict[
 
 
 def _dropped_needed(recorded: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Over an arm's recorded pairs: how many had a remedy step that says which needed tools it dropped
+    """Over an arm's recorded pairs: how many had a remedy step whose report says which needed tools it dropped
     (`dropped_needed`: the proxy knew the case), and in how many of those it dropped at least one."""
     known = hit = 0
     for steps in recorded:
-        found = [s["dropped_needed"] for s in steps if s.get("kind") == "remedy" and "dropped_needed" in s]
+        found = [(s.get("report") or {})["dropped_needed"] for s in steps
+                 if s.get("kind") == "remedy" and "dropped_needed" in (s.get("report") or {})]
         if found:
             known += 1
             hit += any(bool(d) for d in found)
