@@ -7,9 +7,10 @@ scored (trial 0): the accuracy of each with its Wilson interval; the share of th
 (acc_remedied − acc_perturbed) / (acc_off − acc_perturbed), with Fieller's interval (`loss_won_back`,
 scorers/aggregate.py), undefined (null, with why) when the perturbation lost nothing; McNemar's exact test of the
 remedied arm against its twin, with the cases it won (wrong perturbed, right remedied) and lost; the tokens it saved
-per request (the twin's prompt tokens minus the remedied arm's, as the backend counted them, on the cases both
-recorded); and the cases where it dropped a tool the case's ground truth needs (`dropped_needed` in the remedy
-step's report, recorded by the proxy when it knew the case).
+per request (what its steps report they cut, `tokens_before` − `tokens_after`, by the proxy's counter; for a remedy
+that reports no tokens, the twin's prompt tokens minus the remedied arm's, as the backend counted them); and the
+cases where it dropped a tool the case's ground truth needs (`dropped_needed` in the remedy step's report, recorded
+by the proxy when it knew the case).
 
 `summarize` adds it under "remedies"; `tables` gives its table (Markdown and HTML); the CSV appends `csv_columns`.
 """
@@ -92,9 +93,7 @@ def _entry(model: str, profile: str, twin: str | None, baseline: str, arm: dict[
     acc_pert, pert_ci = _rate(sum(1 for _, p, _ in triples if p), n)
     acc_rem, rem_ci = _rate(sum(1 for _, _, r in triples if r), n)
     p_value = mcnemar(lost, won) if n else None
-    saved = [usage[(model, twin, c)][0] - usage[(model, profile, c)][0] for c in cases  # type: ignore[operator]
-             if (model, twin, c) in usage and (model, profile, c) in usage
-             and usage[(model, twin, c)][0] is not None and usage[(model, profile, c)][0] is not None]
+    saved = [x for x in (_saved(usage, model, twin, profile, c) for c in cases) if x is not None]
     dropped = _dropped_needed([usage[(model, profile, c)][1] for c in remedied if (model, profile, c) in usage])
     return {
         "model": model, "profile": profile, "remedies": [r.get("name") for r in arm.get("remedies") or []],
@@ -107,6 +106,20 @@ def _entry(model: str, profile: str, twin: str | None, baseline: str, arm: dict[
         "significant": None if p_value is None else p_value < ALPHA,
         "tokens_saved": ratio(sum(saved), len(saved)), "tokens_saved_cases": len(saved), **dropped,
     }
+
+
+def _saved(usage: dict[tuple[str, str, str], tuple[int | None, Any]], model: str, twin: str | None, profile: str,
+           case: str) -> int | None:
+    """The request tokens a remedy saved on one case: what its steps say they cut (`tokens_before` −
+    `tokens_after` in a remedy's report, by the proxy's counter) when they say it, else the prompt tokens the backend
+    counted for the twin's request minus the remedied one's; None when neither is known."""
+    tokens, steps = usage.get((model, profile, case), (None, []))
+    cut = [(s.get("report") or {}) for s in steps if s.get("kind") == "remedy"]
+    cut = [r for r in cut if isinstance(r.get("tokens_before"), int) and isinstance(r.get("tokens_after"), int)]
+    if cut:
+        return sum(r["tokens_before"] - r["tokens_after"] for r in cut)
+    before = usage.get((model, twin or "", case), (None, []))[0]
+    return None if before is None or tokens is None else before - tokens
 
 
 def _dropped_needed(recorded: list[list[dict[str, Any]]]) -> dict[str, Any]:
