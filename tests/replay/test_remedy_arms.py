@@ -26,8 +26,10 @@ WORDS = ["zorblat", "quillfen", "marnox", "tessivar", "glombur", "drevik", "ospr
          "trombul", "yaxifer", "plenwick", "sordane", "wumbrel", "caldrix", "nebrosk", "halvine", "jostrum", "ruvelt"]
 #: a model that reads any number of tools (these cases survive the padding)
 ROBUST = {"glombur", "kelmora"}
-#: a question that names another case's word: the search keeps that tool and drops the needed one
+#: a case with twelve tools of its own (its model reads twelve) whose question names nine others: the search keeps
+#: those and drops the needed one
 MISLEADING = "ruvelt"
+OTHERS = WORDS[:11]
 K = 8
 #: the last tool response grown to 20K tokens, the original records (the needle among them) last
 LENGTHEN = '{ budget_tokens = 20000, position = 1.0, budget_scope = "response", records = "auto", target = "last" }'
@@ -58,9 +60,15 @@ def _tool(word: str) -> dict:
         "parameters": {"type": "object", "properties": {"station": {"type": "string"}}, "required": ["station"]}}}
 
 
+def _marker(word: str) -> str:
+    """What the fake matches a case by (no word of any tool in it: the search reads the question)."""
+    return f"[case {WORDS.index(word)}]"
+
+
 def _question(word: str) -> str:
-    asked = WORDS[0] if word == MISLEADING else word
-    return f"[{word}] What is the {asked} reading of station Alpha?"
+    if word == MISLEADING:
+        return f"{_marker(word)} Compare the {', '.join(OTHERS[:9])} readings of station Alpha."
+    return f"{_marker(word)} What is the {word} reading of station Alpha?"
 
 
 def _hidden_cases(folder: Path) -> tuple[Path, Path]:
@@ -68,12 +76,14 @@ def _hidden_cases(folder: Path) -> tuple[Path, Path]:
     cases, hidden = [], []
     for i, word in enumerate(WORDS):
         own = [_tool(word), _tool(WORDS[(i + 1) % len(WORDS)]), _tool(WORDS[(i + 2) % len(WORDS)])]
+        if word == MISLEADING:
+            own = [_tool(word), *map(_tool, OTHERS)]
         call = {"name": f"{word}_reading", "arguments": {"station": "Alpha"}}
         cases.append({"id": f"h-{word}", "category": "remedyfake", "tools": own,
                       "messages": [{"role": "user", "content": _question(word)}],
                       "expected": [{"name": call["name"], "arguments": {"station": ["Alpha"]}}]})
-        hidden.append({"match": f"[{word}]", "answer": {"calls": [call]},
-                       "max_tools": 100_000 if word in ROBUST else K})
+        hidden.append({"match": _marker(word), "answer": {"calls": [call]},
+                       "max_tools": 100_000 if word in ROBUST else len(own) if word == MISLEADING else K})
     return _lines(folder / "hidden-cases.jsonl", cases), _lines(folder / "hidden.jsonl", hidden)
 
 
@@ -129,7 +139,7 @@ def hidden_run(tmp_path_factory):
     cases, hidden = _hidden_cases(folder)
     config = folder / "config.toml"
     config.write_text(CONFIG)
-    fake = start_fake_upstream("--hidden-tools", str(hidden))
+    fake = start_fake_upstream("--hidden-tools", str(hidden), "--usage-counts")
     try:
         r = toolquake("replay", "--backend", f"{fake.url}/v1", "--config", str(config), "--cases", str(cases),
                       "--profiles", "off,pad-32k,search-pad-32k", "--out", str(folder / "run"), "--no-progress",
@@ -152,17 +162,27 @@ def test_tool_search_wins_back_the_padded_catalog(hidden_run):
     assert padded == len(ROBUST) and padded < n / 2  # padded to 32K tokens, most cases fail
     assert searched >= 0.9 * n and searched == n - 1  # all but the misleading question
     assert not got[(f"h-{MISLEADING}", "search-pad-32k")]
-    # what reached the model (the fake's record): n requests of each arm; off's hold their 3 tools, the padded
-    # arm's hundreds, and nothing lies between K and 100: every searched request held at most K tools
+    # what reached the model (the fake's record): n requests of each arm; off's hold their own 3 tools (12 for the
+    # misleading case), the padded arm's hundreds, and nothing else lies above K: every searched request held at
+    # most K tools
     sizes = [len(json.loads(r["body"]).get("tools") or []) for r in recorded
              if r["path"].endswith("/chat/completions")]
     assert len(sizes) == 3 * n
-    assert sum(1 for s in sizes if s > 100) == n
-    assert sum(1 for s in sizes if s <= K) == 2 * n and sum(1 for s in sizes if s == K) >= n
+    assert sum(1 for s in sizes if s > 100) == n and sizes.count(len(OTHERS) + 1) == 1
+    assert sum(1 for s in sizes if s <= K) == 2 * n - 1 and sizes.count(K) >= n
 
 
 def test_the_report_shows_the_paired_recovery(hidden_run):
-    out, _ = hidden_run
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    out, recorded = hidden_run
+    counted: dict[str, list[int]] = {w: [0, 0] for w in WORDS}  # word → [padded request's tokens, searched one's]
+    for r in recorded:
+        body = json.loads(r["body"]) if r["path"].endswith("/chat/completions") else {}
+        size = len(body.get("tools") or [])
+        if size > 100 or size == K:
+            word = next(w for w in WORDS if _marker(w) in body["messages"][-1]["content"])
+            counted[word][0 if size > 100 else 1] = EstimateCounter().count_request(body)
     got = verdicts(out)
     triples = [(got[(f"h-{w}", "off")], got[(f"h-{w}", "pad-32k")], got[(f"h-{w}", "search-pad-32k")])
                for w in WORDS]
@@ -180,7 +200,9 @@ def test_the_report_shows_the_paired_recovery(hidden_run):
     assert entry["accuracy_perturbed"] == pytest.approx(len(ROBUST) / len(WORDS))
     # the proxy knew every case (X-Toolquake-Case): the misleading question's needed tool was dropped, counted
     assert (entry["needed_dropped"], entry["needed_dropped_known"]) == (1, len(WORDS))
-    assert entry["tokens_saved"] is None or entry["tokens_saved"] > 0
+    # tokens saved: the padded request's tokens minus the searched one's, per case, from the bodies the fake got
+    assert entry["tokens_saved"] == pytest.approx(sum(counted[w][0] - counted[w][1] for w in WORDS) / len(WORDS))
+    assert entry["tokens_saved"] > 20_000
     md = toolquake("report", str(out))
     assert "## Remedies: accuracy on the same cases" in md.stdout
     assert f"| tool_search | search-pad-32k | pad-32k | {len(WORDS)} |" in md.stdout
