@@ -229,3 +229,45 @@ def test_response_trim_wins_back_a_needle_past_the_first_tokens(tmp_path):
     assert entry["twin"] == "resp-20k-end" and entry["won_back"] == pytest.approx(1.0)
     assert entry["cases_won"] == len(NEEDLE_CASES) and entry["cases_lost"] == 0
     assert entry["tokens_saved"] > 10_000  # 20K tokens of response cut to 1,500
+
+
+#: sweep cases → the tool count from which the fake (`--breaking`) answers wrong
+SWEEP_BREAKS = {"s-9": 9, "s-20": 20, "s-33": 33, "s-47": 47}
+SWEEP_MAX = 60
+
+
+def test_a_sweep_with_a_remedy_runs_its_twin_and_draws_both_curves(tmp_path):
+    from tests.replay.test_sweep import _breaking_file, _cases_file
+    from toolquake.proxy.replay.report import load, summarize, survival_plots
+
+    hidden = {cid: [[x, None]] for cid, x in SWEEP_BREAKS.items()}
+    fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))
+    try:
+        r = toolquake("sweep", "--no-progress", "--token-counter", "estimate", "--allow-estimate", "--backend",
+                      f"{fake.url}/v1", "--cases", str(_cases_file(list(SWEEP_BREAKS))), "--axis", "tools", "--min",
+                      "1", "--max", str(SWEEP_MAX), "--remedy", 'tool_search:{"k": 8, "method": "bm25"}', "--out",
+                      str(tmp_path / "sweep"))
+    finally:
+        fake.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p.name for p in (tmp_path / "sweep").glob("*.sqlite")} == {"sweep.sqlite", "sweep-remedied.sqlite"}
+    # without the remedy every case breaks where the fake said; with it no request holds more than 8 tools, so no
+    # case breaks within the range: the median moves from the hidden median to above the maximum
+    ordered = sorted(SWEEP_BREAKS.values())
+    median = ordered[(len(ordered) - 1) // 2]
+    sentence = (f"with tool_search the median breaking point moves from {median} to above {SWEEP_MAX} tools in the "
+                "request")
+    assert sentence in r.stdout
+    summary = summarize(load([tmp_path / "sweep"]))
+    runs = summary["sweeps"]
+    assert set(runs) == {"fake-model", "fake-model + tool_search"}
+    assert {c: v["first_wrong"] for c, v in runs["fake-model"]["tools"]["cases"].items()} == SWEEP_BREAKS
+    assert runs["fake-model + tool_search"]["tools"]["censored"] == sorted(SWEEP_BREAKS)
+    (shift,) = summary["sweep_remedies"]
+    assert (shift["twin"], shift["run"], shift["median_without"], shift["median_with"]) == \
+        ("fake-model", "fake-model + tool_search", median, None)
+    assert shift["text"] == sentence
+    svg = survival_plots(summary, "svg")["survival-tools.svg"].decode()
+    assert "fake-model (n=4)" in svg and "fake-model + tool_search (n=4)" in svg  # both curves, one plot
+    md = toolquake("report", str(tmp_path / "sweep"), "--no-plots")
+    assert sentence in md.stdout
