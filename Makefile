@@ -164,7 +164,7 @@ agent-demo: install-local install-embeddings corpus
 sweep-demo: install-local install-embeddings corpus
 	$(BIN)/python scripts/sweep_demo.py
 
-# a remedy winning back accuracy on the embedded model: BFCL `multiple` cases with the catalog padded to 16 tools,
+# a remedy winning back accuracy on the embedded model: BFCL `multiple` cases with the catalog padded to 12 tools,
 # without and with tool_search (k = 4); the report's remedies section, and an HTML report in out/remedy-demo
 # (scripts/remedy_demo.py, docs/remedies.md)
 remedy-demo: install-local install-embeddings corpus

@@ -38,10 +38,10 @@ remedies = [{{ name = "tool_search", params = {{ k = {k} }} }}]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Replay BFCL `multiple` cases on the embedded model with a padded "
                                                  "catalog, without and with tool_search (docs/remedies.md).")
-    parser.add_argument("--cases", type=int, default=int(os.environ.get("REMEDY_DEMO_CASES", "30")),
-                        help="the first N `multiple` cases (default 30, env REMEDY_DEMO_CASES)")
-    parser.add_argument("--tools", type=int, default=int(os.environ.get("REMEDY_DEMO_TOOLS", "16")),
-                        help="tools in the padded request (default 16, env REMEDY_DEMO_TOOLS; the embedded model's "
+    parser.add_argument("--cases", type=int, default=int(os.environ.get("REMEDY_DEMO_CASES", "20")),
+                        help="the first N `multiple` cases (default 20, env REMEDY_DEMO_CASES)")
+    parser.add_argument("--tools", type=int, default=int(os.environ.get("REMEDY_DEMO_TOOLS", "12")),
+                        help="tools in the padded request (default 12, env REMEDY_DEMO_TOOLS; the embedded model's "
                              "context holds about 30)")
     parser.add_argument("--k", type=int, default=int(os.environ.get("REMEDY_DEMO_K", "4")),
                         help="tools tool_search keeps (default 4, env REMEDY_DEMO_K: a `multiple` case brings 2 to 4 "
