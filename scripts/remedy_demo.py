@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from scripts.demo import fresh_dir, model_args, start_backend  # noqa: E402
 
 CONFIG = """
 [profiles.pad]
@@ -48,20 +49,15 @@ def main(argv: list[str] | None = None) -> int:
                              "of its own)")
     parser.add_argument("--out", default=os.environ.get("REMEDY_DEMO_OUT", "out/remedy-demo"),
                         help="output directory (default out/remedy-demo, env REMEDY_DEMO_OUT; emptied first)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="max_tokens per answer (default 96)")
-    parser.add_argument("--parallel", type=int, default=max(1, min(os.cpu_count() or 1, 2)),
-                        help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
+    model_args(parser)
     args = parser.parse_args(argv)
 
-    from scripts.demo import start_backend
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.run import Options, run
     from toolquake.proxy.server import logs
 
     logs.configure("warning")
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = fresh_dir(args.out)
     config = out / "remedy-demo.toml"
     config.write_text(CONFIG.format(tools=args.tools, k=args.k))
     t0 = time.monotonic()
