@@ -108,14 +108,20 @@ def _entry(model: str, profile: str, twin: str | None, baseline: str, arm: dict[
     }
 
 
+def _report(step: dict[str, Any]) -> dict[str, Any]:
+    """A recorded remedy step's report ({} when it is not a remedy's, or not an object)."""
+    report = step.get("report") if step.get("kind") == "remedy" else None
+    return report if isinstance(report, dict) else {}
+
+
 def _saved(usage: dict[tuple[str, str, str], tuple[int | None, Any]], model: str, twin: str | None, profile: str,
            case: str) -> int | None:
     """The request tokens a remedy saved on one case: what its steps say they cut (`tokens_before` −
     `tokens_after` in a remedy's report, by the proxy's counter) when they say it, else the prompt tokens the backend
     counted for the twin's request minus the remedied one's; None when neither is known."""
     tokens, steps = usage.get((model, profile, case), (None, []))
-    cut = [(s.get("report") or {}) for s in steps if s.get("kind") == "remedy"]
-    cut = [r for r in cut if isinstance(r.get("tokens_before"), int) and isinstance(r.get("tokens_after"), int)]
+    cut = [r for r in map(_report, steps) if isinstance(r.get("tokens_before"), int)
+           and isinstance(r.get("tokens_after"), int)]
     if cut:
         return sum(r["tokens_before"] - r["tokens_after"] for r in cut)
     before = usage.get((model, twin or "", case), (None, []))[0]
@@ -127,8 +133,7 @@ def _dropped_needed(recorded: list[list[dict[str, Any]]]) -> dict[str, Any]:
     (`dropped_needed`: the proxy knew the case), and in how many of those it dropped at least one."""
     known = hit = 0
     for steps in recorded:
-        found = [(s.get("report") or {})["dropped_needed"] for s in steps
-                 if s.get("kind") == "remedy" and "dropped_needed" in (s.get("report") or {})]
+        found = [r["dropped_needed"] for r in map(_report, steps) if "dropped_needed" in r]
         if found:
             known += 1
             hit += any(bool(d) for d in found)
