@@ -48,12 +48,24 @@ class Doc:
     length: int
 
     @classmethod
-    def of(cls, text: str, only: frozenset[str] | None = None) -> Doc:
-        """The statistics of `text`; with `only`, of those terms alone (its length still counts every term):
-        all that scoring against a query whose terms are `only` reads, in memory bounded by the query."""
+    def of(cls, text: str) -> Doc:
         found = terms(text)
-        counts = Counter(found if only is None else (t for t in found if t in only))
+        counts = Counter(found)
         return cls(frozenset(counts), dict(counts), len(found))
+
+    @classmethod
+    def for_query(cls, text: str, query: frozenset[str]) -> Doc:
+        """The statistics of `text` for the query's terms alone (a term or its plural; the length counts every
+        word piece): all that scoring against that query reads, in memory bounded by the query, and counted at
+        C speed (a tool response's records may hold millions of words)."""
+        pieces = _PIECE.findall(text)
+        seen = Counter(map(str.lower, pieces))
+        counts = {}
+        for term in query:
+            n = seen.get(term, 0) + seen.get(term + "s", 0)
+            if n:
+                counts[term] = n
+        return cls(frozenset(counts), counts, len(pieces))
 
     def nbytes(self) -> int:
         """About what this entry holds in memory (for a byte-bounded cache)."""
@@ -91,3 +103,25 @@ class Index:
             for i, tf in postings:
                 scores[i] += idf * tf * (K1 + 1.0) / (tf + norms[i])
         return scores
+
+
+def scores(docs: list[Doc], query: Iterable[str]) -> list[float]:
+    """The same BM25 as `Index(docs).scores(query)`, without building the index: one set intersection per doc (at
+    C speed), so a list of docs scored once costs less this way than indexed."""
+    wanted = frozenset(query)
+    n = len(docs)
+    if not n or not wanted:
+        return [0.0] * n
+    shared = [wanted & d.vocabulary for d in docs]
+    df: Counter[str] = Counter()
+    for common in shared:
+        df.update(common)
+    idf = {t: math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for t, f in df.items()}
+    mean = sum(d.length for d in docs) / n or 1.0
+    out = [0.0] * n
+    for i, common in enumerate(shared):
+        if common:
+            doc = docs[i]
+            norm = K1 * (1.0 - B + B * doc.length / mean)
+            out[i] = sum(idf[t] * doc.counts[t] * (K1 + 1.0) / (doc.counts[t] + norm) for t in common)
+    return out

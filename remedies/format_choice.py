@@ -74,9 +74,11 @@ class FormatChoice(Remedy):
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         rewrite = self._rewrite()
-        out = rewrite.apply(request, ctx)
         ctx.report["config"] = rewrite.call_format.config_string
-        return out
+        if not all(isinstance(request.body.get(key) or [], list) for key in ("messages", "tools")):
+            ctx.report["skipped"] = "messages or tools not a list"  # the upstream answers such a request itself
+            return request
+        return rewrite.apply(request, ctx)
 
     def restore(self, response: dict[str, Any], ctx: PerturbContext) -> dict[str, Any]:
         return self._rewrite().restore(response, ctx)

@@ -9,10 +9,11 @@ budget is full, kept in their original order, and a note appended saying what wa
 Records: the items of the JSON value's main array (`find_main_array`, as `response_lengthening` finds what to pad;
 the JSON around it kept), else the content's lines (JSON Lines, text; a line longer than LINE_CHARS in pieces of
 that length). Hostile sizes stay linear and bounded: JSON is decoded only up to JSON_MAX_CHARS (longer content is
-read as lines), more than MAX_RECORDS records are grouped into MAX_RECORDS runs of neighbours, and each record's
-statistics hold only the query's terms. A counter other than the estimate is asked for the whole content, before
-and after (the per-record costs are the estimate's, scaled by what it said), and the cut is made smaller when the
-result still counts over the budget. A cut that would not make the content smaller leaves it as it was.
+read as lines), more than MAX_RECORDS records are made into about MAX_RECORDS runs of neighbours (never one string
+per tiny line or item), and each record's statistics hold only the query's terms. A counter other than the
+estimate is asked for the whole content, before and after (the per-record costs are the estimate's, scaled by
+what it said), and the cut is made smaller when the result still counts over the budget. A cut that would not
+make the content smaller leaves it as it was.
 
 Reported (`ctx.report`): `trimmed` (tool messages cut), `tokens_before` / `tokens_after` (their content's tokens by
 the counter, before and after), `records_dropped`, `budget_tokens`, `counter`.
@@ -34,7 +35,7 @@ from toolquake.remedies.base import ChatRequest, PerturbContext, Remedy
 
 NOTE = "[toolquake: {dropped} of {total} records left out to fit {budget} tokens]"
 #: content longer than this is read as lines, never decoded as JSON (its objects would take ten times its size)
-JSON_MAX_CHARS = 4 << 20
+JSON_MAX_CHARS = 2 << 20
 #: records scored at most: more are grouped into this many runs of neighbours
 MAX_RECORDS = 20_000
 #: a text line longer than this is cut into pieces of this length, each a record
@@ -45,12 +46,29 @@ _TOOL_ROLES = ("tool", "function")
 _ESTIMATE = EstimateCounter()
 
 
-def _group(records: list[str], joiner: str) -> list[str]:
-    """At most MAX_RECORDS records: runs of neighbours joined when there are more."""
-    if len(records) <= MAX_RECORDS:
-        return records
-    size = -(-len(records) // MAX_RECORDS)
-    return [joiner.join(records[i:i + size]) for i in range(0, len(records), size)]
+def _json_records(array: list[Any], seps: tuple[str, str]) -> list[str]:
+    """The array's items as texts; more than MAX_RECORDS items in runs of neighbours, each run one text."""
+    size = -(-len(array) // MAX_RECORDS)
+    if size == 1:
+        return [json.dumps(r, ensure_ascii=False, separators=seps) for r in array]
+    return [json.dumps(array[i:i + size], ensure_ascii=False, separators=seps)[1:-1]
+            for i in range(0, len(array), size)]
+
+
+def _text_records(content: str) -> list[str]:
+    """The content's lines (each with its line break); a line longer than LINE_CHARS in pieces; content of more
+    than MAX_RECORDS lines in runs of lines of at least len / MAX_RECORDS characters, so at most about MAX_RECORDS
+    records. One pass: each character is looked at once."""
+    least = len(content) // MAX_RECORDS
+    longest = max(LINE_CHARS, 2 * least)
+    out = []
+    pos, n = 0, len(content)
+    while pos < n:
+        found = content.find("\n", pos + max(0, least - 1), pos + longest)
+        end = min(n, pos + longest) if found < 0 else found + 1
+        out.append(content[pos:end])
+        pos = end
+    return out
 
 
 def split_records(content: str) -> tuple[list[str], Callable[[list[str]], str]]:
@@ -65,15 +83,8 @@ def split_records(content: str) -> tuple[list[str], Callable[[list[str]], str]]:
         if found is not None and len(found[1]) > 1:
             path, array = found
             seps = separators_of(content)
-            texts = _group([json.dumps(r, ensure_ascii=False, separators=seps) for r in array], seps[0])
-            return texts, lambda kept: render_array(value, path, seps, kept)
-    lines: list[str] = []
-    for line in content.splitlines(keepends=True):
-        if len(line) <= LINE_CHARS:
-            lines.append(line)
-        else:
-            lines.extend(line[i:i + LINE_CHARS] for i in range(0, len(line), LINE_CHARS))
-    return _group(lines, ""), "".join
+            return _json_records(array, seps), lambda kept: render_array(value, path, seps, kept)
+    return _text_records(content), "".join
 
 
 @register
@@ -121,7 +132,7 @@ class ResponseTrim(Remedy):
         total = len(records)
         costs = [_ESTIMATE.count_text(r) + 1 for r in records]
         scale = before / max(1, sum(costs))
-        scores = Index([Doc.of(r, query) for r in records]).scores(query)
+        scores = Index([Doc.for_query(r, query) for r in records]).scores(query)
         ranked = sorted(range(total), key=lambda j: -scores[j])
         note_cost = _ESTIMATE.count_text(NOTE.format(dropped=total, total=total, budget=self.budget_tokens)) + 1
         target = float(self.budget_tokens)

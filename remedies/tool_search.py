@@ -16,6 +16,7 @@ came. Reported (`ctx.report`): `kept`, `dropped` (names of the tools left out), 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, ClassVar
 
 from toolquake.bfcl.embeddings import signature
@@ -25,15 +26,15 @@ from toolquake.perturbers.helpers.toolkit.tool_pool import SERVICE as POOL_SERVI
 from toolquake.perturbers.helpers.toolkit.tool_pool import get_shared_embedder, tool_name
 from toolquake.perturbers.toolkit_expansion import last_user_text
 from toolquake.remedies import register
-from toolquake.remedies._lexical import Doc, Index, terms
+from toolquake.remedies._lexical import Doc, Index, scores, terms
 from toolquake.remedies.base import ChatRequest, PerturbContext, Remedy, Services
 
 METHODS = ("auto", "embeddings", "bm25")
 #: characters of one earlier message that go into the query, and of the whole query
 MESSAGE_CHARS = 500
 QUERY_CHARS = 2000
-#: the caches of tool term statistics and tool vectors (per process, keyed by signature), in bytes
-CACHE_BYTES = 32 << 20
+#: each of its four caches (signature → term statistics or vector, toolkit → index or matrix), per process, in bytes
+CACHE_BYTES = 16 << 20
 _EMBEDDER = "tool_search:embedder"
 _VECTORS = "tool_search:vectors"
 _DOCS = "tool_search:docs"
@@ -80,6 +81,24 @@ def query_text(messages: list[Any], turns: int) -> str:
             parts.append(text)
             size += len(text) + 1
     return " ".join(parts)[:QUERY_CHARS]
+
+
+def _toolkit_key(signatures: list[str]) -> bytes:
+    """A toolkit's cache key: the digest of its signatures in order (not the signatures: 200 KB at 500 tools)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for sig in signatures:  # each length first: no two toolkits give the same bytes
+        data = sig.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+def _signature(tool: Any) -> str:
+    """The tool's signature; for a tool of another shape (a client's odd JSON), its name alone or nothing."""
+    try:
+        return signature(tool)
+    except (AttributeError, TypeError):
+        return tool_name(tool) if isinstance(tool, dict) else ""
 
 
 def called_names(messages: list[Any]) -> set[str]:
@@ -168,30 +187,34 @@ class ToolSearch(Remedy):
             embedder = get_shared_embedder(ctx.services)
         elif self.method == "auto":
             embedder = _available_embedder(ctx.services)
-        signatures = [signature(t) if isinstance(t, dict) else "" for t in tools]
+        signatures = [_signature(t) for t in tools]
         if embedder is None:
             return self._bm25(signatures, query, ctx), "bm25"
         return self._cosines(tools, signatures, query, embedder, ctx), "embeddings"
 
     @staticmethod
     def _bm25(signatures: list[str], query: str, ctx: PerturbContext) -> list[float]:
-        """BM25 of each signature for the query: the index of a toolkit seen before is reused whole (an agent sends
-        the same tools again and again), else built from each signature's statistics (kept apart: a padded
-        catalog is new, its tools are not)."""
-        toolkits: ByteLRU[str, Index] = ctx.services.get(_TOOLKITS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
-        key = "\x1f".join(signatures)
+        """BM25 of each signature for the query. A toolkit seen before (an agent sends the same tools every turn)
+        gets an index, kept and reused whole; a toolkit seen once (a padded catalog, new for each case) is scored
+        doc by doc, cheaper than indexing it. Each signature's statistics are kept either way."""
+        toolkits: ByteLRU[bytes, Any] = ctx.services.get(_TOOLKITS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+        key = _toolkit_key(signatures)
         index = toolkits.get(key)
-        if index is None:
-            cache: ByteLRU[str, Doc] = ctx.services.get(_DOCS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
-            docs = []
-            for sig in signatures:
-                doc = cache.get(sig)
-                if doc is None:
-                    doc = Doc.of(sig)
-                    cache.put(sig, doc, text_bytes(sig) + doc.nbytes())
-                docs.append(doc)
-            index = Index(docs)
-            toolkits.put(key, index, text_bytes(key) + index.nbytes())
+        if isinstance(index, Index):
+            return index.scores(terms(query))
+        cache: ByteLRU[str, Doc] = ctx.services.get(_DOCS, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+        docs = []
+        for sig in signatures:
+            doc = cache.get(sig)
+            if doc is None:
+                doc = Doc.of(sig)
+                cache.put(sig, doc, text_bytes(sig) + doc.nbytes())
+            docs.append(doc)
+        if index is None:  # seen once: remembered by its digest alone
+            toolkits.put(key, True, len(key))
+            return scores(docs, terms(query))
+        index = Index(docs)
+        toolkits.put(key, index, len(key) + index.nbytes())
         return index.scores(terms(query))
 
     @staticmethod
@@ -201,12 +224,12 @@ class ToolSearch(Remedy):
         else each tool's vector comes from the cache, the pool, or the model (then kept)."""
         import numpy as np
 
-        toolkits: ByteLRU[str, Any] = ctx.services.get(_MATRICES, lambda: ByteLRU(max_bytes=CACHE_BYTES))
-        key = "\x1f".join(signatures)
+        toolkits: ByteLRU[bytes, Any] = ctx.services.get(_MATRICES, lambda: ByteLRU(max_bytes=CACHE_BYTES))
+        key = _toolkit_key(signatures)
         matrix = toolkits.get(key)
         if matrix is None:
             matrix = np.stack(ToolSearch._vectors(tools, signatures, embedder, ctx))
-            toolkits.put(key, matrix, text_bytes(key) + matrix.nbytes)
+            toolkits.put(key, matrix, len(key) + matrix.nbytes)
         return (matrix @ embedder.embed([query])[0]).tolist()
 
     @staticmethod

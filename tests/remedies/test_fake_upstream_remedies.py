@@ -1,9 +1,11 @@
 """The fake upstream's remedy modes (`--hidden-tools`, `--needle`): the backends the remedies' end-to-end tests run
-against, asked directly with the OpenAI SDK."""
+against, asked directly with the OpenAI SDK; and each remedy's request (applied in-process) winning its answer back
+from them."""
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,8 @@ import pytest
 
 from tests.conftest import Proc, start_fake_upstream
 from tests.fake_upstream import LOST_TEXT
+from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
+from toolquake.remedies import build
 
 RIGHT = {"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
 NEEDLE = "station-7731 reads -4 C"
@@ -64,3 +68,30 @@ def test_needle_right_only_within_the_first_tokens_of_the_last_tool_message(fake
     assert far.tool_calls is None and far.content == LOST_TEXT
     absent = ask(fake, messages=conversation("filler line\n" * 5), tools=[tool("get_weather")])
     assert absent.content == LOST_TEXT
+
+
+def remedied(name: str, params: dict, body: dict) -> dict:
+    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services())
+    return build(name, params).apply(ChatRequest(body), ctx).body
+
+
+def test_tool_search_wins_back_the_hidden_tools_answer(fake):
+    body = {"messages": [{"role": "user", "content": "What is the weather in Oslo today?"}],
+            "tools": [tool(f"lookup_{i}") for i in range(30)] + [tool("get_weather")] + [tool("x") for _ in range(9)]}
+    assert ask(fake, **body).content == LOST_TEXT
+    sent = remedied("tool_search", {"k": 4, "method": "bm25"}, body)
+    assert len(sent["tools"]) == 4
+    assert ask(fake, **sent).tool_calls[0].function.name == "get_weather"
+
+
+def test_response_trim_wins_back_the_needle_answer(fake):
+    lines = [f"station-{i} reads {i % 20} C" for i in range(3000)]
+    lines[2400] = NEEDLE
+    body = {"messages": [{"role": "user", "content": "What does station 7731 read?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines)}],
+            "tools": [tool("get_weather")]}
+    assert ask(fake, **body).content == LOST_TEXT
+    sent = remedied("response_trim", {"budget_tokens": 150}, body)
+    assert ask(fake, **sent).tool_calls[0].function.name == "get_weather"
