@@ -64,6 +64,7 @@ route) written PIECE characters at a time; sent only as fast as the client reads
 
 Token counts (`--usage-varies`): a chat completion's `usage` differs from answer to answer (prompt tokens 50 to
 8,049, completion tokens 1 to 300, from the answer's sequence number), as a real backend's do; else 10 and 5.
+`--usage-counts`: a chat completion's prompt tokens are its request's (messages and tools) by the estimate counter.
 
 A small context (`--max-tools N`): a chat request with more than N tools gets 400 with OpenAI's error code
 `context_length_exceeded`, as from a backend whose context cannot hold the catalog.
@@ -128,6 +129,7 @@ MODEL = "fake-model"
 #: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
 MAX_TOOLS: int | None = None
 USAGE_VARIES = False  # `--usage-varies`
+USAGE_COUNTS = False  # `--usage-counts`
 #: `--tools-array-max N`: a hosted API's cap on the tools array (OpenAI: 128), refused as the request's shape
 TOOLS_ARRAY_MAX: int | None = None
 #: `--refuse-temperature`: a model that takes only its default temperature (OpenAI's reasoning models)
@@ -368,6 +370,15 @@ def completion(answer: dict[str, Any], model: str, seq: str | None = None) -> di
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": _usage(n),
     }
+
+
+def counted_usage(body: dict[str, Any]) -> dict[str, int]:
+    """`--usage-counts`: usage whose prompt tokens are the request's (messages and tools) by the estimate counter,
+    as a backend counts what it was sent: a remedy that cuts the request shows in it."""
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    prompt = EstimateCounter().count_request(body)
+    return {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
 
 
 def _usage(n: int) -> dict[str, int]:
@@ -772,6 +783,8 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
     if kind == "deep-json":
         return await _send(send, 200, _deep(b"chatcmpl-deep", b"choices", arg))
+    if USAGE_COUNTS:  # `--usage-counts`: the prompt tokens the request holds, by the estimate counter
+        resp["usage"] = counted_usage(body)
     shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
     if shapes:
         resp = break_completion(resp, shapes, bool(body.get("stream")))
@@ -1045,6 +1058,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tools", type=int, default=None, metavar="N",
                         help="refuse a chat request with more than N tools with 400 context_length_exceeded, as a "
                              "backend whose context is too small for the catalog does")
+    parser.add_argument("--usage-counts", action="store_true",
+                        help="usage.prompt_tokens: the request's tokens by the estimate counter (remedies' tests)")
     parser.add_argument("--usage-varies", action="store_true",
                         help="token counts that differ from answer to answer, as a real backend's do (else 10 and 5)")
     parser.add_argument("--tools-array-max", type=int, default=None, metavar="N",
@@ -1056,8 +1071,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"),
                         help="serve HTTPS with this certificate and key (PEM files), as an https:// backend does")
     args = parser.parse_args(argv)
-    global MAX_TOOLS, USAGE_VARIES, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
-    MAX_TOOLS, USAGE_VARIES = args.max_tools, args.usage_varies
+    global MAX_TOOLS, USAGE_VARIES, USAGE_COUNTS, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
+    MAX_TOOLS, USAGE_VARIES, USAGE_COUNTS = args.max_tools, args.usage_varies, args.usage_counts
     TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE = args.tools_array_max, args.refuse_temperature
     if args.trajectories:
         with open(args.trajectories) as f:

@@ -11,7 +11,7 @@ from toolquake.proxy.cli.common import config_from_args, load_request
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolquake.perturbers import ChatRequest, Services
+    from toolquake.perturbers import ChatRequest, Services, shown_params
     from toolquake.perturbers.helpers.tokens import counter_label, make_counter
     from toolquake.proxy.server.pipeline import run_profile, seed_for
     from toolquake.proxy.server.profiles import ProfileStore
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     json.dump(outcome.request.body, sys.stdout, ensure_ascii=False, indent=2)
     sys.stdout.write("\n")
     summary = {"profile": profile.name, "seed": seed, "token_counter": counter_label(services.token_counter),
-               "applied": [{"name": a.name, "params": a.params, **a.report, **({"kind": a.kind} if a.kind else {})}
+               "applied": [{"name": a.name, "params": shown_params(a.params), **a.report,
+                            **({"kind": a.kind} if a.kind else {})}
                            for a in outcome.applied],
                "skipped": outcome.skipped, "failed": outcome.failed}
     if outcome.remedies_failed:

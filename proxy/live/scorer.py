@@ -56,7 +56,7 @@ class Origin:
     case_header: str | None
     route: str = "-"
     injected_calls: tuple[str, ...] = ()
-    #: the request's span (proxy/server/tracing.py) when traced: the verdict is added to it
+    #: the request's trace (hooks.TraceHooks) when traced: the verdict is added to it
     trace: Any = field(default=None, compare=False, repr=False)
 
     @classmethod

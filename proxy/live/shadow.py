@@ -55,16 +55,6 @@ class Twin:
     kind: str = "twin"
 
 
-def _twin_attributes(kind: str, outcome: Outcome | None) -> dict[str, Any]:
-    """The twin span's own attributes: its kind, and the perturbation it carries (proxy/server/tracing.py)."""
-    from toolquake.proxy.server.tracing import perturbation_attributes  # only when tracing is on
-
-    attrs: dict[str, Any] = {"toolquake.shadow.kind": kind}
-    if outcome is not None:
-        attrs.update(perturbation_attributes(outcome))
-    return attrs
-
-
 def sampled(seed: int, rate: float, salt: str = "shadow") -> bool:
     if rate >= 1.0:
         return True
@@ -154,7 +144,8 @@ class ShadowRunner:
         wire = twin_body(api.to_wire(request, asked.wire_request or {}, asked.conversion))
         span, headers = None, asked.forward_headers
         if trace is not None:
-            span, headers = trace.call(f"shadow {kind}", asked, headers, _twin_attributes(kind, outcome))
+            # the twin's span: its kind, and the perturbation it carries (the tracer writes the outcome's attributes)
+            span, headers = trace.call(f"shadow {kind}", asked, headers, {"toolquake.shadow.kind": kind}, outcome)
         try:
             return await self._send(asked, twin, outcome, wire, headers)
         finally:

@@ -150,9 +150,19 @@ def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
         steps = [{"name": p.name, "params": shown_params(msgspec.to_builtins(build(p.name, p.params).params())),
                   "probability": p.probability} for p in spec.perturbers]
         out[name] = {"mode": spec.mode, "perturbers": steps}
+        if spec.remedies:  # recorded only when there are some, so older results files resume
+            out[name]["remedies"] = remedy_specs(spec.remedies)
         if spec.conversation != "played":  # recorded only when not the default, so older results files resume
             out[name]["conversation"] = spec.conversation
     return out
+
+
+def remedy_specs(remedies: list[Any]) -> list[dict[str, Any]]:
+    """A profile's remedies as an arm records them: each with all its parameters (defaults included)."""
+    from toolquake.remedies import build
+
+    return [{"name": r.name, "params": shown_params(msgspec.to_builtins(build(r.name, r.params).params()))}
+            for r in remedies]
 
 
 def given_profiles(config: Any, arms: list[str]) -> frozenset[str]:

@@ -124,14 +124,10 @@ class Lifecycle:
         self.spawn(st.metrics.watch_loop_lag())  # cancelled by shutdown()
         if st.metrics.multiprocess:
             self.spawn(self.refresh_gauges())
-        if st.tracing is not None:  # in each worker (after the fork): the exporter sends from this event loop
-            st.tracing.start(asyncio.get_running_loop())
 
     async def shutdown(self) -> None:
         for task in list(self.background):
             task.cancel()
-        if self.st.tracing is not None:  # after live scoring's shutdown (its verdicts end the spans they held)
-            await self.st.tracing.ashutdown()
         await self.st.upstream.aclose()
 
 
@@ -153,17 +149,7 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
     st.profiles.on_gone = st.metrics.forget_profiles
     st.metrics.profiles_shown = lambda: (*st.profiles.names(), NO_PROFILE, NOISE_PROFILE)
-    if config.tracing.enabled:
-        st.tracing = tracer(config, st.metrics)
     return st
-
-
-def tracer(config: Config, metrics: Metrics | None = None) -> Any:
-    """The server's tracer (`[tracing] enabled`); a ConfigError that says what to do when it cannot be made
-    (a bad OTEL_* setting). Without `metrics`: only checks the settings."""
-    from toolquake.proxy.server.tracing import Tracing
-
-    return Tracing(config.tracing, metrics or Metrics(), config.server.upstream)
 
 
 def _model_routes(chat_handler: ChatHandler, responses_handler: ChatHandler) -> list:

@@ -53,7 +53,9 @@ SHRINKING = ("tool_search", "response_trim")
 
 
 def test_every_registered_remedy_is_checked_here():
-    assert set(registry()) == set(REMEDIES)
+    """Every remedy the package ships (tests may register their own through `[server] plugins`: not these)."""
+    shipped = {name for name, cls in registry().items() if cls.__module__.startswith("toolquake.remedies.")}
+    assert shipped == set(REMEDIES)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ from toolquake.proxy.server.config import ConfigError, PerturberSpec, ProfileSpe
 from toolquake.proxy.server.metrics import Metrics
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile
 from toolquake.proxy.server.profiles import build_profile
-from toolquake.proxy.server.tracing import perturbation_attributes
+from toolquake.proxy.tracing.tracer import perturbation_attributes
 from toolquake.remedies import Remedy, register
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}} for i in range(4)]
