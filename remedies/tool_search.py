@@ -2,11 +2,16 @@
 
 Relatedness is that of each tool's signature (`bfcl.embeddings.signature`: name, description, parameters) to the
 conversation's query: the last user message first, then the text of the recent `turns` turns (each message cut
-short, the whole bounded). `method = "embeddings"` compares their sentence embeddings (all-MiniLM-L6-v2, the
-embedding every other step uses): a tool's vector is the tool pool's row when the pool is already loaded in this
-process and holds that tool, else it is embedded once and kept in an LRU keyed by signature, bounded in bytes;
-`method = "bm25"` scores the signatures with a lexical BM25 (`_lexical`), each signature's term statistics kept
-in the same way; `"auto"` uses embeddings when the embeddings extra is installed, else BM25.
+short, the whole bounded). `method = "bm25"` scores the signatures with a lexical BM25 (`_lexical`) against the
+whole query, each signature's term statistics kept in an LRU keyed by signature, bounded in bytes.
+`method = "embeddings"` takes the cosine of the signature's sentence embedding (all-MiniLM-L6-v2, the embedding
+every other step uses: the tool pool's row when the pool is loaded in this process and holds that tool, else
+embedded once and kept like the statistics) to the embedding of the last user message — its first QUERY_TOKENS
+tokens, by the model's int8 copy (`Embedder.embed_query`), kept in an LRU keyed by the digest of what was embedded
+(an agent's steps within a turn repeat the last user message: only the turn's first step pays for the model) —
+and adds TURNS_WEIGHT times the BM25 of the recent turns' text (scaled to the best tool's): the turns change
+every step, and a model pass over them would cost each step 10 ms and more. `"auto"` (the default) uses
+embeddings when the embeddings extra is installed, else BM25.
 
 Kept, in the request's order: every tool an assistant message of the conversation already called (its agent may
 call it again), the tool `tool_choice` names (in one of the k places), then the best-scoring others until k places
@@ -19,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, ClassVar
 
-from toolquake.bfcl.embeddings import signature
+from toolquake.bfcl.embeddings import CHARS_PER_TOKEN, signature
 from toolquake.bfcl.lru import ByteLRU, text_bytes
 from toolquake.perturbers.format_rewrite import _forced_name
 from toolquake.perturbers.helpers.toolkit.tool_pool import SERVICE as POOL_SERVICE
@@ -33,6 +38,12 @@ METHODS = ("auto", "embeddings", "bm25")
 #: characters of one earlier message that go into the query, and of the whole query
 MESSAGE_CHARS = 500
 QUERY_CHARS = 2000
+#: the tokens of the last user message the model reads (its cost grows with them: ~3 ms at 3 tokens, ~5 at 32)
+QUERY_TOKENS = 32
+#: the weight of the recent turns' BM25 (scaled to 0..1) beside the last user message's cosine (by embeddings)
+TURNS_WEIGHT = 0.1
+#: the query embeddings kept (16-byte digest and 384 float32 each: about 2 KB), per process, in bytes
+QUERY_CACHE_BYTES = 2 << 20
 #: each of its four caches (signature → term statistics or vector, toolkit → index or matrix), per process, in bytes
 CACHE_BYTES = 16 << 20
 _EMBEDDER = "tool_search:embedder"
@@ -40,6 +51,7 @@ _VECTORS = "tool_search:vectors"
 _DOCS = "tool_search:docs"
 _TOOLKITS = "tool_search:toolkits"
 _MATRICES = "tool_search:matrices"
+_QUERIES = "tool_search:queries"
 
 
 def _text(content: Any) -> str:
@@ -54,6 +66,11 @@ def query_text(messages: list[Any], turns: int) -> str:
     """The last user message, then the other messages of the last `turns` turns (a turn opens at a user message),
     newest first: their text and the names and arguments of the calls they hold, each cut to MESSAGE_CHARS; the
     whole cut to QUERY_CHARS."""
+    return " ".join(query_parts(messages, turns))[:QUERY_CHARS]
+
+
+def query_parts(messages: list[Any], turns: int) -> list[str]:
+    """`query_text`'s parts: the last user message first, then each other message's text (the whole bounded)."""
     messages = [m for m in messages if isinstance(m, dict)]
     parts = [last_user_text(messages)[:QUERY_CHARS]]
     size = len(parts[0])
@@ -80,7 +97,7 @@ def query_text(messages: list[Any], turns: int) -> str:
         if text:
             parts.append(text)
             size += len(text) + 1
-    return " ".join(parts)[:QUERY_CHARS]
+    return parts
 
 
 def _toolkit_key(signatures: list[str]) -> bytes:
@@ -175,10 +192,18 @@ class ToolSearch(Remedy):
             if named is not None:
                 keep.add(named)
                 slots -= 1
-        query = query_text(messages, self.turns)
+        parts = query_parts(messages, self.turns)
         signatures = [_signature(t) for t in tools]
-        scores = (self._bm25(signatures, query, ctx) if embedder is None
-                  else self._cosines(tools, signatures, query, embedder, ctx))
+        if embedder is None:
+            scores = self._bm25(signatures, " ".join(parts)[:QUERY_CHARS], ctx)
+        else:
+            recent = " ".join(parts[1:])[:QUERY_CHARS]
+            scores = self._cosines(tools, signatures, parts[0] if parts[0].strip() else recent, embedder, ctx)
+            if recent.strip():  # the recent turns, lexically
+                lexical = self._bm25(signatures, recent, ctx)
+                top = max(lexical)
+                if top > 0:
+                    scores = [c + TURNS_WEIGHT * b / top for c, b in zip(scores, lexical)]
         ranked = sorted((i for i in range(len(tools)) if i not in keep), key=lambda i: -scores[i])
         keep.update(ranked[:max(0, slots)])
         ctx.report.update(kept=len(keep),
@@ -219,8 +244,8 @@ class ToolSearch(Remedy):
     @staticmethod
     def _cosines(tools: list[Any], signatures: list[str], query: str, embedder: Any,
                  ctx: PerturbContext) -> list[float]:
-        """Cosine of each signature's embedding to the query's: the matrix of a toolkit seen before is reused whole,
-        else each tool's vector comes from the cache, the pool, or the model (then kept)."""
+        """Cosine of each signature's embedding to the query's (`_query_vector`): the matrix of a toolkit seen before
+        is reused whole, else each tool's vector comes from the cache, the pool, or the model (then kept)."""
         import numpy as np
 
         toolkits: ByteLRU[bytes, Any] = ctx.services.get(_MATRICES, lambda: ByteLRU(max_bytes=CACHE_BYTES))
@@ -229,7 +254,20 @@ class ToolSearch(Remedy):
         if matrix is None:
             matrix = np.stack(ToolSearch._vectors(tools, signatures, embedder, ctx))
             toolkits.put(key, matrix, len(key) + matrix.nbytes)
-        return (matrix @ embedder.embed([query])[0]).tolist()
+        return (matrix @ ToolSearch._query_vector(query, embedder, ctx)).tolist()
+
+    @staticmethod
+    def _query_vector(query: str, embedder: Any, ctx: PerturbContext) -> Any:
+        """The query's embedding (its first QUERY_TOKENS tokens, `Embedder.embed_query`), kept by the digest of the
+        text embedded (cut to what those tokens can span: the digest's work is bounded too)."""
+        text = query[:QUERY_TOKENS * CHARS_PER_TOKEN]
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        cache: ByteLRU[bytes, Any] = ctx.services.get(_QUERIES, lambda: ByteLRU(max_bytes=QUERY_CACHE_BYTES))
+        vector = cache.get(key)
+        if vector is None:
+            vector = embedder.embed_query(text, max_tokens=QUERY_TOKENS)
+            cache.put(key, vector, len(key) + vector.nbytes)
+        return vector
 
     @staticmethod
     def _vectors(tools: list[Any], signatures: list[str], embedder: Any, ctx: PerturbContext) -> list[Any]:
