@@ -40,8 +40,8 @@ MESSAGE_CHARS = 500
 QUERY_CHARS = 2000
 #: the tokens of the last user message the model reads (its cost grows with them: ~3 ms at 3 tokens, ~5 at 32)
 QUERY_TOKENS = 32
-#: the weight of the recent turns' BM25 (scaled to 0..1) beside the last user message's cosine (by embeddings)
-TURNS_WEIGHT = 0.1
+#: the weight of the recent turns' BM25 (scaled: the best tool's 1) beside the last user message's cosine
+TURNS_WEIGHT = 0.25
 #: the query embeddings kept (16-byte digest and 384 float32 each: about 2 KB), per process, in bytes
 QUERY_CACHE_BYTES = 2 << 20
 #: each of its four caches (signature → term statistics or vector, toolkit → index or matrix), per process, in bytes
@@ -70,10 +70,11 @@ def query_text(messages: list[Any], turns: int) -> str:
 
 
 def query_parts(messages: list[Any], turns: int) -> list[str]:
-    """`query_text`'s parts: the last user message first, then each other message's text (the whole bounded)."""
+    """`query_text`'s parts: the last user message first, then each other message's text, these together bounded
+    on their own (a long last user message leaves the recent turns their own QUERY_CHARS)."""
     messages = [m for m in messages if isinstance(m, dict)]
     parts = [last_user_text(messages)[:QUERY_CHARS]]
-    size = len(parts[0])
+    size = 0
     seen_users = 0
     last_user_skipped = False
     for msg in reversed(messages):

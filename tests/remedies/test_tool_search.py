@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import random
+import statistics
 from typing import Any
 
 import pytest
@@ -112,8 +113,8 @@ def test_bad_parameters_are_refused_at_load(params, says):
 # --- BFCL `multiple` cases padded to 500 tools ------------------------------------------------------------------
 
 
-def kept_needed(method: str, count: int) -> float:
-    services = Services()
+def kept_needed(method: str, count: int, services: Services | None = None) -> float:
+    services = services or Services()
     if method == "embeddings":  # the pool's vectors are the padding tools' (loaded from its disk cache)
         from toolquake.perturbers.helpers.toolkit.tool_pool import get_pool
 
@@ -136,3 +137,58 @@ def test_bm25_keeps_the_needed_tool_of_padded_bfcl_cases():
 @pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra (make install-embeddings)")
 def test_embeddings_keep_the_needed_tool_of_padded_bfcl_cases():
     assert kept_needed("embeddings", 60) >= 0.9
+
+
+# --- by embeddings: the query the model reads, and its cache ------------------------------------------------------
+
+
+needs_embeddings = pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra")
+
+
+@needs_corpus
+@pytest.mark.needs_embeddings
+@needs_embeddings
+def test_the_int8_query_embedding_keeps_the_needed_tool_and_stays_close_to_the_models():
+    """The query the remedy embeds (the last user message, its first QUERY_TOKENS tokens, by the int8 copy of the
+    model) keeps the needed tools of 100 padded BFCL cases at the bar, and each vector is close to the model's own."""
+    from toolquake.bfcl.embeddings import get_embedder
+    from toolquake.perturbers.toolkit_expansion import last_user_text
+    from toolquake.remedies.tool_search import _QUERIES, QUERY_TOKENS
+
+    services = Services()
+    assert kept_needed("embeddings", 100, services) >= 0.9
+    assert len(services.get(_QUERIES, dict)) == 100  # the query path ran: one vector per case's question
+    embedder = get_embedder()
+    questions = [last_user_text(body["messages"]) for body, _ in padded_cases(20)]
+    exact = embedder.embed(questions)
+    fast = [embedder.embed_query(q, max_tokens=QUERY_TOKENS) for q in questions]
+    cosines = [float(a @ b) for a, b in zip(exact, fast)]  # a question past QUERY_TOKENS loses its tail
+    assert statistics.median(cosines) > 0.9 and min(cosines) > 0.75
+
+
+def step(messages: list[dict[str, Any]], i: int, result: str) -> list[dict[str, Any]]:
+    call = {"id": f"c{i}", "type": "function", "function": {"name": "t13_taxi", "arguments": "{}"}}
+    return [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": result}]
+
+
+@pytest.mark.needs_embeddings
+@needs_embeddings
+def test_a_turns_later_steps_reuse_the_query_embedding_and_read_the_recent_turns():
+    """An agent's steps within a turn repeat the last user message: one query embedding for the turn, kept by its
+    digest (not its text: a 200 KB message costs the cache about 2 KB); each step's new tool results still count."""
+    from toolquake.remedies.tool_search import _QUERIES, QUERY_CACHE_BYTES
+
+    services = Services()
+    question = "Get me a taxi ride to the airport. " + "Thank you kindly, dear assistant. " * 6000
+    results = {"t14_parcel": "The driver says the parcel shipment tracking number is needed first.",
+               "t15_bank": "Done. Also note: the bank account balance is low.",
+               "t3_stock": "The stock price ticker market closed."}
+    for i, (named, result) in enumerate(results.items()):
+        messages = step([{"role": "user", "content": question}], i, result)
+        out, report = run({"k": 2, "method": "embeddings", "turns": 1}, {"model": "m", "messages": messages,
+                                                                         "tools": TOOLKIT}, services)
+        assert report["method"] == "embeddings" and "t13_taxi" in names(out.tools)
+        assert named in names(out.tools)  # the step's tool result, read lexically
+    cache = services.get(_QUERIES, dict)
+    assert len(cache) == 1 and cache.nbytes < 4096 <= len(question) and cache.max_bytes == QUERY_CACHE_BYTES
