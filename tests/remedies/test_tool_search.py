@@ -177,8 +177,6 @@ def step(messages: list[dict[str, Any]], i: int, result: str) -> list[dict[str, 
 def test_a_turns_later_steps_reuse_the_query_embedding_and_read_the_recent_turns():
     """An agent's steps within a turn repeat the last user message: one query embedding for the turn, kept by its
     digest (not its text: a 200 KB message costs the cache about 2 KB); each step's new tool results still count."""
-    from toolquake.remedies.tool_search import _QUERIES, QUERY_CACHE_BYTES
-
     services = Services()
     question = "Get me a taxi ride to the airport. " + "Thank you kindly, dear assistant. " * 6000
     results = {"t14_parcel": "The driver says the parcel shipment tracking number is needed first.",
@@ -190,5 +188,7 @@ def test_a_turns_later_steps_reuse_the_query_embedding_and_read_the_recent_turns
                                                                          "tools": TOOLKIT}, services)
         assert report["method"] == "embeddings" and "t13_taxi" in names(out.tools)
         assert named in names(out.tools)  # the step's tool result, read lexically
+    from toolquake.remedies.tool_search import _QUERIES, QUERY_CACHE_BYTES
+
     cache = services.get(_QUERIES, dict)
     assert len(cache) == 1 and cache.nbytes < 4096 <= len(question) and cache.max_bytes == QUERY_CACHE_BYTES
