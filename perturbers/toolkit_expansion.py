@@ -121,6 +121,9 @@ class ToolkitExpansion(Perturber):
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
 
+    def generates_text(self) -> bool:
+        return self.source == "generate"
+
     def setup(self, services: Services) -> None:
         get_shared_embedder(services)  # the embedding model (and, for retrieval, the pool) loaded once
         if self.source == "retrieval":

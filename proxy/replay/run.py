@@ -491,10 +491,13 @@ def _check_given(options: Options, config: Any, arms: list[str], cases: list[Any
 
 
 def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
-    """Arms whose `paraphrase`, or whose `toolkit_expansion` with `source = "generate"`, has no fixed generator model
-    would have their text written by each model under test: refused unless --self-rephrase."""
+    """Arms with a step whose text a generator model writes (`Perturber.generates_text`: a rephrased query, generated
+    related tools) and that names no fixed generator model would have their text written by each model under test:
+    refused unless --self-rephrase."""
+    from toolquake.perturbers import build
+
     selfish = [p for p, spec in specs.items() for step in spec["perturbers"]
-               if _self_generated(step) and not step["params"].get("generator_model")]
+               if build(step["name"], step["params"]).generates_text() and not step["params"].get("generator_model")]
     if selfish and not options.self_rephrase:
         raise ReplayError(
             f"{', '.join(sorted(set(selfish)))}: no fixed generator model is configured, so each model under test "
@@ -502,12 +505,6 @@ def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None
             "every model compared saw the same text). Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or "
             "the profile's generator_url / generator_model) to a fixed model, or pass --self-rephrase to accept "
             "self-generation; the report labels which rephraser each arm used.")
-
-
-def _self_generated(step: dict[str, Any]) -> bool:
-    """A step whose text a generator model writes: `paraphrase`, or `toolkit_expansion` generating its tools."""
-    return step["name"] == "paraphrase" or (step["name"] == "toolkit_expansion"
-                                            and step["params"].get("source") == "generate")
 
 
 def temperature_sent(options: Options) -> str:
