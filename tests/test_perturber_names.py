@@ -53,26 +53,23 @@ def names_in(path: Path, names: set[str], modules: set[str], root: Path = ROOT) 
     return sorted(out)
 
 
-def test_no_code_outside_perturbers_names_a_perturber() -> None:
+def test_no_code_outside_perturbers_names_a_perturber(tmp_path: Path) -> None:
     known = registry()
     names = set(known)
     modules = {cls.__module__ for cls in known.values()}
     assert "tool_order" in names and "toolquake.perturbers.tool_order" in modules  # the registry was read
-    sources = [p for folder in CODE for p in sorted((ROOT / folder).rglob("*.py"))]
-    assert len(sources) > 100
-    found = [hit for path in sources for hit in names_in(path, names, modules)]
-    assert found == [], "declare what the code needs on Perturber (perturbers/base.py) instead:\n" + "\n".join(found)
-
-
-def test_the_scan_finds_a_name_and_an_import(tmp_path: Path) -> None:
-    """The scan itself: a comparison with a name, a name in a tuple and an import are found; a sentence that
-    mentions a perturber, and a docstring, are not."""
+    # the scan itself: a comparison with a name, a name in a tuple and imports are found; a sentence that mentions
+    # a perturber, and a docstring, are not
     probe = tmp_path / "names_probe.py"
     probe.write_text('"""tool_order"""\nimport toolquake.perturbers.tool_order\n'
                      'from toolquake.perturbers import paraphrase\n'
                      'def f(step):\n    """paraphrase"""\n    msg = "arms with `tool_order` steps"\n'
                      '    return step["name"] == "tool_order" or step["name"] in ("x", "paraphrase")\n')
-    found = names_in(probe, set(registry()), {c.__module__ for c in registry().values()}, root=tmp_path)
-    assert found == ["names_probe.py:2: import toolquake.perturbers.tool_order",
-                     "names_probe.py:3: import toolquake.perturbers.paraphrase",
-                     "names_probe.py:7: 'paraphrase'", "names_probe.py:7: 'tool_order'"]
+    assert names_in(probe, names, modules, root=tmp_path) == [
+        "names_probe.py:2: import toolquake.perturbers.tool_order",
+        "names_probe.py:3: import toolquake.perturbers.paraphrase",
+        "names_probe.py:7: 'paraphrase'", "names_probe.py:7: 'tool_order'"]
+    sources = [p for folder in CODE for p in sorted((ROOT / folder).rglob("*.py"))]
+    assert len(sources) > 100
+    found = [hit for path in sources for hit in names_in(path, names, modules)]
+    assert found == [], "declare what the code needs on Perturber (perturbers/base.py) instead:\n" + "\n".join(found)
