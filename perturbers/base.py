@@ -105,7 +105,9 @@ class Services:
 class PerturbContext:
     """What a perturber may know besides the request: its seeded RNG, the case, the services."""
 
-    seed: int
+    #: the request's perturbation seed (X-Toolquake-Seed, else the conversation, else the body); `rng` is seeded
+    #: from it, the step's position and name
+    perturbation_seed: int
     rng: random.Random
     services: Services
     case: Any = None
@@ -113,6 +115,11 @@ class PerturbContext:
     report: dict[str, Any] = field(default_factory=dict)
     #: state a perturber keeps between apply() and restore() of the same request
     state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        """`perturbation_seed` under its old name, for perturbers written before it was renamed."""
+        return self.perturbation_seed
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def _expectation(which: str, removed: list[str], case: Any) -> str:
 @register
 class ToolRemoval(Perturber):
     """Removes tools from the request: `which="expected"` the ones the case's ground truth calls (the
-    case must be known), `"random"` one tool chosen with the request's seed, or a tool name. What was
+    case must be known), `"random"` one tool chosen with the request's perturbation seed, or a tool name. What was
     removed is reported, with `expect`: `no_call` when the case's tool is gone (scored as irrelevance)."""
 
     name = "tool_removal"

@@ -262,7 +262,7 @@ class ToolkitExpansion(Perturber):
 
 
 def request_key(originals: list[dict[str, Any]], user: str) -> int:
-    """A seed from the request's tool names and user message (not the request seed): every arm and every
+    """A seed from the request's tool names and user message (not its perturbation seed): every arm and every
     model that sends this request gets the same tools."""
     text = json.dumps([sorted(tool_name(t) for t in originals), user])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

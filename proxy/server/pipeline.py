@@ -1,8 +1,9 @@
 """Running a profile's perturbers over one request, fail-open, and restoring the answer.
 
-The seed of a request is the `X-Toolquake-Seed` header, else a hash of the body: the same request
-perturbs the same way every time. Each step gets its own RNG derived from (seed, position, name),
-so adding a step never changes what the others do.
+The perturbation seed of a request is the `X-Toolquake-Seed` header, else its conversation, else a hash of
+the body: the same request perturbs the same way every time. Each step gets its own RNG derived from
+(perturbation seed, position, name), so adding a step never changes what the others do. (Not the sampling
+seed, the `seed` a request body may send the model: the proxy relays that untouched.)
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def conversation_key(request: ChatRequest) -> bytes | None:
     return None
 
 
-def seed_for(header: str | None, body: bytes, *, conversation: str | None = None,
-             request: ChatRequest | None = None) -> int:
-    """The request's seed: an integer `X-Toolquake-Seed`; else the conversation — `X-Toolquake-Conversation`
-    when sent, else the conversation key of the request — so every turn of one conversation perturbs the
-    same way; else a hash of the body."""
+def perturbation_seed_for(header: str | None, body: bytes, *, conversation: str | None = None,
+                          request: ChatRequest | None = None) -> int:
+    """The request's perturbation seed: an integer `X-Toolquake-Seed`; else the conversation —
+    `X-Toolquake-Conversation` when sent, else the conversation key of the request — so every turn of one
+    conversation perturbs the same way; else a hash of the body."""
     if header:
         try:
             return int(header)
@@ -112,18 +113,18 @@ async def _call(perturber: Perturber, request: ChatRequest, ctx: PerturbContext)
     return result
 
 
-async def run_profile(profile: Profile, request: ChatRequest, seed: int, services: Services,
+async def run_profile(profile: Profile, request: ChatRequest, perturbation_seed: int, services: Services,
                       case: Any = None) -> Outcome:
     """Apply each step with its probability; a step that raises is skipped (counted in `failed`)."""
     outcome = Outcome(request=request)
     current = request
     for i, step in enumerate(profile.steps):
         p = step.perturber
-        rng = random.Random(f"{seed}:{i}:{p.name}")
+        rng = random.Random(f"{perturbation_seed}:{i}:{p.name}")
         if step.probability < 1.0 and rng.random() >= step.probability:
             outcome.skipped.append(p.name)
             continue
-        ctx = PerturbContext(seed=seed, rng=rng, services=services, case=case)
+        ctx = PerturbContext(perturbation_seed=perturbation_seed, rng=rng, services=services, case=case)
         before = current
         try:
             current = await _call(p, current, ctx)

@@ -1,4 +1,4 @@
-"""The seed papers' own measures and tables from replay results; every paper-specific name of the report lives
+"""The papers' own measures and tables from replay results; every paper-specific name of the report lives
 here (seed 001's Table 2, seed 002's format configurations and Fig. 2, seed 003's Tables 1, 2, 5, 6, 7 and
 Figs. 3 and 4):
 
@@ -24,7 +24,7 @@ from toolquake.proxy.replay.report.rows import Results, scored_steps, step_repor
 from toolquake.scorers.aggregate import ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
-#: the seed papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
+#: the papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
 CATALOG = "catalog_size"  # seed 003 challenge 1: the catalog padded to a budget, the original tools at a position
 RESPONSES = "response_size"  # seed 003 challenge 2: the last tool response grown, the answer at a position
 CONVERSATIONS = "conversation_size"  # seed 003 challenge 3: the conversation lengthened, the fact in a setting
