@@ -11,7 +11,7 @@ from toolquake.proxy.cli.common import config_from_args, load_request
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolquake.perturbers import ChatRequest, Services
+    from toolquake.perturbers import ChatRequest, Services, shown_params
     from toolquake.perturbers.helpers.tokens import counter_label, make_counter
     from toolquake.proxy.server.pipeline import perturbation_seed_for, run_profile
     from toolquake.proxy.server.profiles import ProfileStore
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     summary = {"profile": profile.name, "seed": perturbation_seed,
                "token_counter": counter_label(services.token_counter),
-               "applied": [{"name": a.name, "params": a.params, **a.report} for a in outcome.applied],
+               "applied": [{"name": a.name, "params": shown_params(a.params), **a.report} for a in outcome.applied],
                "skipped": outcome.skipped, "failed": outcome.failed}
     print(json.dumps(summary, ensure_ascii=False), file=sys.stderr)
     return 1 if outcome.failed else 0

@@ -54,3 +54,27 @@ def test_a_replays_arms_keep_a_generator_url_without_its_credentials(tmp_path):
     assert step["params"]["generator_url"] == "http://***@gen.example:8000/v1?***"
     assert step["params"]["generator_model"] == "m"
     assert not [s for s in SECRETS if s in repr(specs)]
+
+
+def test_the_dry_run_prints_a_generator_url_without_its_credentials(fake_upstream, tmp_path):
+    """`toolquake perturb` (its own process) prints what each applied step did to stderr: the step's parameters as
+    the admin GET shows them, the rephrasing having run through the URL as configured (the fake upstream)."""
+    import json
+    import subprocess
+    import sys
+
+    port = fake_upstream.url.rsplit(":", 1)[1]
+    cfg = tmp_path / "dry.toml"
+    cfg.write_text(f'[profiles.rephrase]\nperturbers = [{{ name = "paraphrase", params = {{ generator_url = '
+                   f'"http://gen-user:pw-h45-hidden@127.0.0.1:{port}/v1?token=q-h45-hidden", '
+                   f'generator_model = "fake-model" }} }}]\n')
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps({"model": "fake-model", "messages": MESSAGES, "tools": TOOLS}))
+    run = subprocess.run([sys.executable, "-m", "toolquake", "perturb", "--config", str(cfg), "--profile", "rephrase",
+                          "--request", str(body)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stderr.strip().splitlines()[-1])
+    [step] = summary["applied"]
+    assert step["paraphrase"] == "accepted"  # the generator was reached with the configured URL
+    assert step["params"]["generator_url"] == f"http://***@127.0.0.1:{port}/v1?***"
+    assert not [s for s in SECRETS if s in run.stderr + run.stdout]
