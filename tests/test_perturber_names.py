@@ -1,7 +1,7 @@
 """Nothing outside `perturbers/` asks for a perturber by name (docs/architecture.md): what the rest of the code
-relies on is declared on `Perturber` (perturbers/base.py). The Python sources of every other package and of
-scripts/ are read (not imported) and none may hold a registered perturber's name as a string, nor import a
-perturber's own module.
+relies on is declared on `Perturber` (perturbers/base.py). The Python sources of every other package, of
+scripts/ and of examples/ are read (not imported) and none may hold a registered perturber's name as a string,
+nor import a perturber's own module.
 
 Data is not code: profiles.toml, the docs and the tests name perturbers freely, and so may help texts and
 messages that mention one in a sentence (only a string that *is* a name is looked for).
@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 from toolquake.perturbers import registry
 
 #: the folders whose Python sources may not name a perturber
-CODE = ("proxy", "remedies", "scorers", "bfcl", "toolquake", "scripts")
+CODE = ("proxy", "remedies", "scorers", "bfcl", "toolquake", "scripts", "examples")
 #: (file, imported module) pairs allowed, each with its reason
 ALLOWED_IMPORTS = {
     # `toolquake formats` renders BFCL V4's 26 format configurations as format_rewrite sends them: the command is
