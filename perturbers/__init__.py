@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any
+from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -45,12 +45,14 @@ def registry() -> dict[str, type[Perturber]]:
     return _REGISTRY
 
 
-def operator_only_set(name: str, params: dict[str, Any], allowed: dict[str, Any] | None = None) -> list[str]:
+def operator_only_set(name: str, params: dict[str, Any], allowed: dict[str, Any] | None = None,
+                      known: Mapping[str, type[Perturber]] | None = None) -> list[str]:
     """The operator-only parameters (`Perturber.operator_only`) that `params` sets for perturber `name` away from
     their defaults, unless every operator-only value it leads to is exactly that of `allowed` (the params the
     operator configured for this step): no mix of the operator's values and the defaults (one host's key sent to
-    another host). Empty when `params` may be used as given."""
-    cls = registry().get(name)
+    another host). Empty when `params` may be used as given. `known`: the registry `name` is in (the remedies');
+    the perturbers' by default."""
+    cls = (registry() if known is None else known).get(name)
     if cls is None or not cls.operator_only:
         return []
     defaults = {f.name: f.default for f in msgspec.structs.fields(cls) if f.name in cls.operator_only}

@@ -74,6 +74,43 @@ def paired_drop_ci(both: int, base_only: int, arm_only: int, neither: int,
     return min(math.exp(log_ratio - z * se) - 1, raw), max(math.exp(log_ratio + z * se) - 1, raw)
 
 
+def loss_won_back(cases: list[tuple[bool, bool, bool]], z: float = 1.96
+                  ) -> tuple[float | None, tuple[float, float] | None]:
+    """The share of the accuracy a perturbation lost that a remedy won back, paired over cases, with Fieller's
+    95 % interval: (share, (lo, hi)).
+
+    `cases` holds one (valid off, valid perturbed, valid remedied) per case, each case scored in all three arms.
+    share = (acc_remedied − acc_perturbed) / (acc_off − acc_perturbed): 1 = the whole loss won back, 0 = none,
+    below 0 = the remedy lost more, above 1 = the remedied arm beat `off`. The ratio of two paired means
+    x̄ / ȳ with x = remedied − perturbed and y = off − perturbed per case (each −1, 0 or 1); Fieller's interval
+    is the set of θ with (x̄ − θȳ)² ≤ z² Var(x̄ − θȳ), Var from the cases' sample covariances (x and y are
+    correlated: the same cases, the same perturbed verdict).
+
+    share None: the perturbation lost nothing on these cases (acc_off ≤ acc_perturbed) — there is no loss to win
+    back, and no number says so honestly. Interval None: the loss itself is not distinguishable from 0 at this
+    level (ȳ² ≤ z² Var(ȳ)), so Fieller's set is unbounded; with fewer than 2 cases there is no variance either."""
+    n = len(cases)
+    xs = [int(r) - int(p) for _, p, r in cases]
+    ys = [int(o) - int(p) for o, p, _ in cases]
+    if not n or sum(ys) <= 0:
+        return None, None
+    mx, my = sum(xs) / n, sum(ys) / n
+    share = mx / my
+    if n < 2:
+        return share, None
+    sxx = sum((x - mx) ** 2 for x in xs) / (n - 1) / n  # variances and covariance of the two means
+    syy = sum((y - my) ** 2 for y in ys) / (n - 1) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (n - 1) / n
+    z2 = z * z
+    a = my * my - z2 * syy
+    if a <= 0:
+        return share, None
+    b = mx * my - z2 * sxy
+    c = mx * mx - z2 * sxx
+    root = math.sqrt(max(0.0, b * b - a * c))
+    return share, ((b - root) / a, (b + root) / a)
+
+
 def pass_hat_k(counts: list[tuple[int, int]], k: int) -> float | None:
     """tau-bench's pass^k: the chance that k trials drawn without replacement from a case's n are all right,
     averaged over cases — mean of C(c, k) / C(n, k) over `counts` [(n trials, c right), ...]. Cases with

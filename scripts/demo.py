@@ -83,6 +83,22 @@ def meaning(summary: dict[str, Any]) -> str:
                + "Run more cases (--cases) or a real backend for numbers to quote."))
 
 
+def model_args(parser: argparse.ArgumentParser) -> None:
+    """The embedded model's options every demo takes: --max-tokens, --parallel."""
+    # a call to a BFCL `multiple` function in the grammar's JSON fits in 96 tokens; a cut answer is invalid
+    parser.add_argument("--max-tokens", type=int, default=96, help="max_tokens per answer (default 96)")
+    parser.add_argument("--parallel", type=int, default=max(1, min(os.cpu_count() or 1, 2)),
+                        help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
+
+
+def fresh_dir(path: str | Path) -> Path:
+    """The demo's output directory, emptied."""
+    out = Path(path)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
 def start_backend(name: str, out: Path, parallel: int) -> Any:
     """The embedded backend started: `parallel` instances of one CPU thread each (one instance: llama.cpp's own
     threads), its log in out/backend.log; None, the reason printed, when it cannot start. Used by every demo."""
@@ -106,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"arms to replay (default {ARMS}, env DEMO_PROFILES)")
     parser.add_argument("--out", default=os.environ.get("DEMO_OUT", str(ROOT / "out" / "demo")),
                         help="output directory (default out/demo; replaced on every run)")
-    # a call to a BFCL `multiple` function in the grammar's JSON fits in 96 tokens; a cut answer is invalid
-    parser.add_argument("--max-tokens", type=int, default=96, help="max_tokens per answer (default 96)")
-    parser.add_argument("--parallel", type=int, default=max(1, min(os.cpu_count() or 1, 2)),
-                        help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
+    model_args(parser)
     args = parser.parse_args(argv)
 
     from toolquake.proxy.replay.errors import ReplayError
@@ -117,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolquake.proxy.server import logs
 
     logs.configure("warning")
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = fresh_dir(args.out)
     t0 = time.monotonic()
     backend = start_backend("demo", out, args.parallel)
     if backend is None:

@@ -25,6 +25,14 @@ several intervals make it non-monotone. Checked before every other source but `X
 cases an entry may match on `"first_user"` instead (a user message of the request, exactly: the conversation's
 first, wherever filler turns put it) and leave out `answer`: unbroken, the next source answers (`--trajectories`).
 
+Remedies (issue #49), each checked right after `--breaking`: `--hidden-tools FILE`, JSON lines `{"match": "<substring
+of the last user message>", "answer": {...}, "max_tools": N}`: a request that matches gets `answer` only while it
+holds at most N tools and offers every tool `answer` calls, else a text with no call (`LOST_TEXT`) — a model that
+finds the right tool in a small toolkit and loses it in a large one; `--needle FILE`, JSON lines `{"match": ...,
+"answer": {...}, "needle": "<text>", "within_tokens": N}`: `answer` only when `needle` occurs in the content of the
+request's last tool message and ends within its first N tokens (the estimate counter's), else `LOST_TEXT` — a model
+that reads only the start of a long tool response.
+
 Multi-turn agents (`--trajectories FILE`, JSON lines `{"first_user": "<first user message>", "turns":
 [[<answer>, ...] per turn], "users": [<user message of each turn>, ...]}`): a request whose first user message
 is `first_user` (or, after filler turns a perturbation put first, whose first such user message is) gets the
@@ -56,6 +64,7 @@ route) written PIECE characters at a time; sent only as fast as the client reads
 
 Token counts (`--usage-varies`): a chat completion's `usage` differs from answer to answer (prompt tokens 50 to
 8,049, completion tokens 1 to 300, from the answer's sequence number), as a real backend's do; else 10 and 5.
+`--usage-counts`: a chat completion's prompt tokens are its request's (messages and tools) by the estimate counter.
 
 A small context (`--max-tools N`): a chat request with more than N tools gets 400 with OpenAI's error code
 `context_length_exceeded`, as from a backend whose context cannot hold the catalog.
@@ -108,6 +117,9 @@ RECORDED: collections.deque = collections.deque(maxlen=2000)
 SCRIPT: list[dict[str, Any]] = []
 BREAKING: list[dict[str, Any]] = []
 BROKEN_TEXT = "Broken: no call past the breaking point."
+HIDDEN_TOOLS: list[dict[str, Any]] = []
+NEEDLES: list[dict[str, Any]] = []
+LOST_TEXT = "Lost: the needed tool or record was not found."
 TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
 #: first user message → the user messages of the conversation's own turns (`users` of a trajectory)
 TRAJECTORY_USERS: dict[str, set[str]] = {}
@@ -117,6 +129,7 @@ MODEL = "fake-model"
 #: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
 MAX_TOOLS: int | None = None
 USAGE_VARIES = False  # `--usage-varies`
+USAGE_COUNTS = False  # `--usage-counts`
 #: `--tools-array-max N`: a hosted API's cap on the tools array (OpenAI: 128), refused as the request's shape
 TOOLS_ARRAY_MAX: int | None = None
 #: `--refuse-temperature`: a model that takes only its default temperature (OpenAI's reasoning models)
@@ -245,10 +258,7 @@ def measure(body: dict[str, Any], what: str) -> int:
 
     if what == "request_tokens":
         return EstimateCounter().count_request(body)
-
-    tools = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "tool"]
-    content = tools[-1].get("content") if tools else ""
-    return EstimateCounter().count_text(content if isinstance(content, str) else _enc(content).decode())
+    return EstimateCounter().count_text(_last_tool_text(body))
 
 
 def _breaking_answer(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -263,6 +273,34 @@ def _breaking_answer(body: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def _last_tool_text(body: dict[str, Any]) -> str:
+    tools = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "tool"]
+    content = tools[-1].get("content") if tools else ""
+    return content if isinstance(content, str) else _enc(content).decode()
+
+
+def _remedy_answer(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer of the first `--hidden-tools` or `--needle` entry matching the last user message, or None."""
+    text = _last_user(body)
+    offered = {str((t.get("function") or {}).get("name")) for t in body.get("tools") or [] if isinstance(t, dict)}
+    for entry in HIDDEN_TOOLS:
+        if entry["match"] in text:
+            answer = entry["answer"]
+            needed = {c["name"] for c in answer.get("calls") or []}
+            found = len(body.get("tools") or []) <= entry["max_tools"] and needed <= offered
+            return answer if found else {"text": LOST_TEXT}
+    for entry in NEEDLES:
+        if entry["match"] in text:
+            from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+            content = _last_tool_text(body)
+            at = content.find(entry["needle"])
+            end = at + len(entry["needle"])
+            found = at >= 0 and EstimateCounter().count_text(content[:end]) <= entry["within_tokens"]
+            return entry["answer"] if found else {"text": LOST_TEXT}
+    return None
+
+
 def choose_answer(
     body: dict[str, Any], header: str | None, foreign: str | None = None, agent: str | None = None
 ) -> dict[str, Any]:
@@ -270,6 +308,10 @@ def choose_answer(
         return _dec(header)
     if BREAKING:
         answer = _breaking_answer(body)
+        if answer is not None:
+            return answer
+    if HIDDEN_TOOLS or NEEDLES:
+        answer = _remedy_answer(body)
         if answer is not None:
             return answer
     if agent:
@@ -328,6 +370,15 @@ def completion(answer: dict[str, Any], model: str, seq: str | None = None) -> di
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": _usage(n),
     }
+
+
+def counted_usage(body: dict[str, Any]) -> dict[str, int]:
+    """`--usage-counts`: usage whose prompt tokens are the request's (messages and tools) by the estimate counter,
+    as a backend counts what it was sent: a remedy that cuts the request shows in it."""
+    from toolquake.perturbers.helpers.tokens import EstimateCounter
+
+    prompt = EstimateCounter().count_request(body)
+    return {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
 
 
 def _usage(n: int) -> dict[str, int]:
@@ -732,6 +783,8 @@ async def _chat(raw: bytes, headers: dict[str, str], kind: str, arg: str, send, 
         return await _send(send, 200, b'{"id": "chatcmpl-broken", "choices": [')
     if kind == "deep-json":
         return await _send(send, 200, _deep(b"chatcmpl-deep", b"choices", arg))
+    if USAGE_COUNTS:  # `--usage-counts`: the prompt tokens the request holds, by the estimate counter
+        resp["usage"] = counted_usage(body)
     shapes = {x.strip() for x in headers.get("x-fake-broken", "").split(",") if x.strip()}
     if shapes:
         resp = break_completion(resp, shapes, bool(body.get("stream")))
@@ -997,12 +1050,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-alive", type=float, default=5.0,
                         help="seconds an idle client connection is kept open (uvicorn's default 5)")
     parser.add_argument("--breaking", help="JSON lines of {match, answer, measure, wrong} (see module docstring)")
+    parser.add_argument("--hidden-tools", help="JSON lines of {match, answer, max_tools} (see module docstring)")
+    parser.add_argument("--needle", help="JSON lines of {match, answer, needle, within_tokens} (see module docstring)")
     parser.add_argument(
         "--trajectories", help="JSON lines of {first_user, turns} for multi-turn agents (see module docstring)"
     )
     parser.add_argument("--max-tools", type=int, default=None, metavar="N",
                         help="refuse a chat request with more than N tools with 400 context_length_exceeded, as a "
                              "backend whose context is too small for the catalog does")
+    parser.add_argument("--usage-counts", action="store_true",
+                        help="usage.prompt_tokens: the request's tokens by the estimate counter (remedies' tests)")
     parser.add_argument("--usage-varies", action="store_true",
                         help="token counts that differ from answer to answer, as a real backend's do (else 10 and 5)")
     parser.add_argument("--tools-array-max", type=int, default=None, metavar="N",
@@ -1014,8 +1071,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"),
                         help="serve HTTPS with this certificate and key (PEM files), as an https:// backend does")
     args = parser.parse_args(argv)
-    global MAX_TOOLS, USAGE_VARIES, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
-    MAX_TOOLS, USAGE_VARIES = args.max_tools, args.usage_varies
+    global MAX_TOOLS, USAGE_VARIES, USAGE_COUNTS, TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE
+    MAX_TOOLS, USAGE_VARIES, USAGE_COUNTS = args.max_tools, args.usage_varies, args.usage_counts
     TOOLS_ARRAY_MAX, REFUSE_TEMPERATURE = args.tools_array_max, args.refuse_temperature
     if args.trajectories:
         with open(args.trajectories) as f:
@@ -1030,6 +1087,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.breaking:
         with open(args.breaking) as f:
             BREAKING.extend(_dec(line) for line in f if line.strip())
+    for path, entries in ((args.hidden_tools, HIDDEN_TOOLS), (args.needle, NEEDLES)):
+        if path:
+            with open(path) as f:
+                entries.extend(_dec(line) for line in f if line.strip())
     if args.script:
         with open(args.script) as f:
             SCRIPT.extend(_dec(line) for line in f if line.strip())

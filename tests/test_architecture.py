@@ -7,6 +7,7 @@ checked there with import-linter's own `lint-imports`, and the installed CLI is 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -100,3 +101,25 @@ def test_the_case_schema_ships_with_the_install(installed: Path, tmp_path: Path)
     assert r.returncode == 0, r.stderr
     path, title = r.stdout.splitlines()
     assert path.startswith(str(installed)) and "user case" in title
+
+
+def test_the_server_imports_nothing_of_the_tracing_wing(installed: Path, tmp_path: Path) -> None:
+    """The tracing wing is a package of its own above the server (`toolquake.proxy.tracing`): no chain of imports,
+    lazy ones included, leads from any module of `toolquake.proxy.server` to it, and no span machinery is left
+    in the server; pyproject.toml holds the contract that `lint-imports` keeps (test_import_layer_contracts_hold)."""
+    code = ("import json, grimp; g = grimp.build_graph('toolquake', cache_dir=None); "
+            "print(json.dumps({'wing': sorted(m for m in g.modules if m.startswith('toolquake.proxy.tracing')), "
+            "'server': sorted(m for m in g.modules if m.startswith('toolquake.proxy.server.')), "
+            "'chains': sorted(map(list, g.find_shortest_chains('toolquake.proxy.server', 'toolquake.proxy.tracing')))"
+            " if 'toolquake.proxy.tracing' in g.modules else None}))")
+    r = _run(installed, "-c", code, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    graph = json.loads(r.stdout)
+    assert {"toolquake.proxy.tracing.tracer", "toolquake.proxy.tracing.spans", "toolquake.proxy.tracing.otlp"} \
+        <= set(graph["wing"])
+    assert graph["chains"] == []
+    assert not {"toolquake.proxy.server.tracing", "toolquake.proxy.server.spans", "toolquake.proxy.server.otlp"} \
+        & set(graph["server"])
+    contracts = PYPROJECT["tool"]["importlinter"]["contracts"]
+    assert any(c["type"] == "forbidden" and c["source_modules"] == ["toolquake.proxy.server"]
+               and c["forbidden_modules"] == ["toolquake.proxy.tracing"] for c in contracts)

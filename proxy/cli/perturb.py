@@ -36,10 +36,14 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     summary = {"profile": profile.name, "seed": perturbation_seed,
                "token_counter": counter_label(services.token_counter),
-               "applied": [{"name": a.name, "params": shown_params(a.params), **a.report} for a in outcome.applied],
+               "applied": [{"name": a.name, "params": shown_params(a.params), **a.report,
+                            **({"kind": a.kind} if a.kind else {})}
+                           for a in outcome.applied],
                "skipped": outcome.skipped, "failed": outcome.failed}
+    if outcome.remedies_failed:
+        summary["remedies_failed"] = outcome.remedies_failed
     print(json.dumps(summary, ensure_ascii=False), file=sys.stderr)
-    return 1 if outcome.failed else 0
+    return 1 if outcome.failed or outcome.remedies_failed else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

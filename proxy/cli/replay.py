@@ -113,9 +113,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "conversation given up to its last user turn, lengthened to 10K-80K tokens after the fact "
                         "in a user turn / a tool response, its next call graded by AST; multi_turn_base unless "
                         "--categories), '@seed003-conversations-bfcl' (off, bfcl-conv-*: the same, played live, "
-                        "BFCL's whole-conversation verdict), '@tool_order', '@tool_removal'. Several presets "
-                        "together replay the union "
-                        "of their categories")
+                        "BFCL's whole-conversation verdict), '@remedies' (off, pad-{8k,32k,120k}-p50 each beside "
+                        "its twin search-pad-*: tool_search k=8 after the padding; simple_python, live_simple and "
+                        "multiple unless --categories), '@remedies-responses' (off, resp-{20k,80k}-p1 each beside "
+                        "trim-resp-*: response_trim to 4,000 tokens; multi_turn_base unless --categories; the report's "
+                        "remedies section pairs each remedied arm with its twin), '@tool_order', '@tool_removal'. "
+                        "Several presets together replay the union of their categories")
     what_to_send(p)
     how_to_send(p)
     p.add_argument("--self-rephrase", action="store_true",

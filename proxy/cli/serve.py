@@ -1,4 +1,5 @@
-"""`toolquake serve`: run the proxy, with live scoring and the recorder attached."""
+"""`toolquake serve`: run the proxy, with live scoring and the recorder attached (and the tracing wing, when
+`[tracing] enabled`)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from toolquake.proxy import live
     from toolquake.proxy.live import recording
     from toolquake.proxy.server import logs, workers
-    from toolquake.proxy.server.app import create_app, tracer
-    from toolquake.proxy.server.config import ConfigError
+    from toolquake.proxy.server.app import create_app
     from toolquake.proxy.server.lean import lean_protocol
     from toolquake.proxy.server.limits import limited_protocol, rejection_counter
 
@@ -59,11 +58,7 @@ def run(args: argparse.Namespace) -> int:
         sys.exit(f"toolquake: default profile {server.default_profile!r} is not defined in the config "
                  f"(defined: off, {', '.join(sorted(config.profiles))})")
     recording.prepare_or_exit(config.record)  # a file that is not a recording: refused before serving (#28)
-    if config.tracing.enabled:  # the OTEL_* settings, checked before serving
-        try:
-            tracer(config)
-        except ConfigError as exc:
-            sys.exit(f"toolquake: {exc}")
+    extensions = extensions_of(config)
     check_token_counter(server.token_counter)
     raise_open_files(server.max_client_connections + server.max_connections + SPARE_FILES)
     admin_token = os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None
@@ -82,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                               timeout_keep_alive=server.keep_alive_timeout, proxy_headers=False)
 
     if n == 1:
-        app = create_app(config, admin_token=admin_token, extensions=[live.attach, recording.attach])
+        app = create_app(config, admin_token=admin_token, extensions=extensions)
         tune_gc()
         uvicorn.Server(uvicorn_config(app)).run()
         return 0
@@ -95,12 +90,30 @@ def run(args: argparse.Namespace) -> int:
     tune_gc()  # before the fork: the workers share these pages, and no collection writes to them
 
     def run_worker() -> None:  # in each forked worker: its own app, event loop and upstream pool
-        app = create_app(config, admin_token=admin_token, extensions=[live.attach, recording.attach],
+        app = create_app(config, admin_token=admin_token, extensions=extensions,
                          shared=runtime.root)
         tune_gc()
         uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
     return workers.supervise(n, sock, run_worker, runtime, grace_s=GRACEFUL_S + 5)
+
+
+def extensions_of(config: Config) -> list[Any]:
+    """What `serve` attaches to the app: the tracing wing first when `[tracing] enabled` (its OTEL_* settings
+    checked here, before serving; off, nothing of it is imported), then live scoring and the recorder."""
+    from toolquake.proxy import live
+    from toolquake.proxy.live import recording
+
+    if not config.tracing.enabled:
+        return [live.attach, recording.attach]
+    from toolquake.proxy import tracing
+    from toolquake.proxy.server.config import ConfigError
+
+    try:
+        tracing.make_tracer(config)
+    except ConfigError as exc:
+        sys.exit(f"toolquake: {exc}")
+    return [tracing.attach, live.attach, recording.attach]
 
 
 def raise_open_files(wanted: int) -> tuple[int, int]:

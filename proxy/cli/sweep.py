@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from toolquake.proxy.cli.replay import how_to_send, what_to_send
 
@@ -31,7 +32,22 @@ def _position(text: str) -> int | float:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _remedy(text: str) -> dict[str, Any]:
+    """--remedy NAME or NAME:{JSON parameters}, e.g. tool_search:{"k": 8}."""
+    name, sep, params = text.partition(":")
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME:{{json}}, got {text!r}")
+    try:
+        decoded = json.loads(params) if sep else {}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--remedy {name}: the parameters are not JSON: {params!r}") from None
+    if not isinstance(decoded, dict):
+        raise argparse.ArgumentTypeError(f"--remedy {name}: the parameters must be a JSON object")
+    return {"name": name.strip(), "params": decoded}
+
+
 def run(args: argparse.Namespace) -> int:
+    from toolquake.proxy.replay.breaking import remedy_moves
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.selection import parse_shard
     from toolquake.proxy.replay.sweep import SweepOptions, run_sweep
@@ -53,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             token_counter=args.token_counter, allow_estimate=args.allow_estimate, axis=args.axis, low=args.min,
             high=args.max,
             resolution=args.resolution, position=args.position, rule=args.rule,
-            admin_token=args.admin_token or os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None)
+            admin_token=args.admin_token or os.environ.get("TOOLQUAKE_ADMIN_TOKEN") or None,
+            remedies=list(args.remedy or []))
         summary = run_sweep(options)
     except ReplayError as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
@@ -61,21 +78,35 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("toolquake: interrupted; what was recorded is kept, rerun the same command to resume.", file=sys.stderr)
         return 130
+    if summary.twin is not None:
+        _print(summary.twin)
     _print(summary)
+    if summary.twin is not None:
+        print(remedy_moves(summary.remedies, _median(summary.twin), _median(summary), summary.points[-1],
+                           summary.unit))
     if summary.aborted:
         print(f"toolquake: {summary.aborted}", file=sys.stderr)
         return 3
-    return 1 if summary.failed or len(summary.outcomes) + summary.not_comparable < summary.cases else 0
+    runs = [summary] if summary.twin is None else [summary.twin, summary]
+    return 1 if any(s.failed or len(s.outcomes) + s.not_comparable < s.cases for s in runs) else 0
+
+
+def _median(summary: SweepSummary) -> float | None:
+    """The median first wrong intensity of the finished cases (None: above the maximum, or no case done)."""
+    points, done = summary.points, summary.outcomes
+    broken = sorted(points[o.first_wrong] for o in done.values() if o.first_wrong is not None)
+    return broken[(len(done) - 1) // 2] if done and (len(done) + 1) // 2 <= len(broken) else None
 
 
 def _print(summary: SweepSummary) -> None:
     points = summary.points
     done = summary.outcomes
-    broken = sorted(points[o.first_wrong] for o in done.values() if o.first_wrong is not None)
     censored = sum(1 for o in done.values() if o.censored)
     odd = sum(1 for o in done.values() if o.right_after)
-    median = broken[(len(done) - 1) // 2] if done and (len(done) + 1) // 2 <= len(broken) else None
-    print(f"{summary.axis}: {len(done)} of {summary.cases} cases done; {censored} right even at {points[-1]:g}; "
+    median = _median(summary)
+    label = f" with {' + '.join(summary.remedies)}" if summary.remedies else ""
+    print(f"{summary.axis}{label}: {len(done)} of {summary.cases} cases done; {censored} right even at "
+          f"{points[-1]:g}; "
           f"{odd} not monotone; median first wrong "
           + (f"{median:g}" if median is not None else f"> {points[-1]:g}" if done else "-"))
     print(f"results: {summary.path} (sent {summary.sent}, failed {summary.failed}); `toolquake report "
@@ -124,6 +155,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(--temperature > 0). Default 1")
     p.add_argument("--rule", choices=("majority", "all"), default="majority", help="with --trials: a point is right "
                    "when more than half of its K trials are (majority, default) or when all K are (all)")
+    p.add_argument("--remedy", action="append", type=_remedy, metavar="NAME[:JSON]", help="a remedy applied after "
+                   "the axis' step at every point, e.g. tool_search:'{\"k\": 8}' (repeatable, applied in order; "
+                   "docs/remedies.md): the sweep then also runs its unremedied twin first (sweep.sqlite, then "
+                   "sweep-remedied.sqlite in --out), prints how the median breaking point moves, and `toolquake "
+                   "report` draws both survival curves on one plot")
     p.add_argument("--admin-token", help="with --proxy: that proxy's admin token (default: env "
                    "TOOLQUAKE_ADMIN_TOKEN); the sweep puts its profiles (sweep-<axis>-<x>) there through the admin "
                    "API. Never logged")

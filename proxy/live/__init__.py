@@ -42,10 +42,10 @@ def attach(app: Litestar, st: ProxyState) -> LiveScorer | None:
         use_corpus_dir(settings.corpus)
     resolver = CaseResolver(settings.match_content, _user_cases(settings.cases))
     st.case_resolver = resolver
-    if st.tracing is not None and st.config.tracing.contents:  # contents in spans: redacted as the recording is
+    if st.tracing.contents:  # contents in spans (a tracer attached before this): redacted as the recording is
         from toolquake.proxy.live.redact import Redactor
 
-        st.tracing.redact = Redactor(st.config.record.redact, st.config.record.redact_timeout)
+        st.tracing.use_redactor(Redactor(st.config.record.redact, st.config.record.redact_timeout))
     scorer = None
     monitor: Monitor | None = None
     tasks: list[asyncio.Task] = []

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from toolquake.perturbers import shown_params
 from toolquake.proxy.live import recovery
 from toolquake.proxy.live.grader import Grader, is_followup
 from toolquake.proxy.live.metrics import ScoringMetrics
@@ -57,7 +56,7 @@ class Origin:
     case_header: str | None
     route: str = "-"
     injected_calls: tuple[str, ...] = ()
-    #: the request's span (proxy/server/tracing.py) when traced: the verdict is added to it
+    #: the request's trace (hooks.TraceHooks) when traced: the verdict is added to it
     trace: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -309,7 +308,7 @@ class LiveScorer:
         """The job's row, before its verdict."""
         origin, case = job.origin, job.origin.case
         usage = (job.answer or {}).get("usage") or {}
-        added = [a.report.get("tokens_added") for a in job.applied]
+        added = [a.report.get("tokens_added") for a in job.applied if not a.is_remedy]
         keep_text = self.settings.store_contents
         return Row(
             request_id=origin.request_id, profile=job.profile, mode=origin.mode, arm=job.arm, model=origin.model,
@@ -317,8 +316,7 @@ class LiveScorer:
             case_id=case.id if case is not None else None,
             category=case.category if case is not None else None,
             resolved_by=None if case is None else ("header" if origin.case_header else "content"),
-            perturbers=[{"name": a.name, "params": shown_params(a.params),
-                         "report": a.report if keep_text else _safe_report(a.report)} for a in job.applied],
+            perturbers=[a.stored(None if keep_text else _safe_report(a.report)) for a in job.applied],
             total_ms=None if job.total_s is None else job.total_s * 1000, upstream_ms=job.upstream_s * 1000,
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
             tokens_added=sum(x for x in added if isinstance(x, int)) if any(isinstance(x, int) for x in added)

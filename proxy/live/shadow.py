@@ -1,9 +1,10 @@
 """Shadow twins: for a `mode = "shadow"` profile, the perturbed copy of a request the client never sees.
 
 The client was answered from its original request (streamed if it asked). After the fact, for a
-sampled share of requests (`sample_rate`, decided from the request's perturbation seed so reruns repeat), the
-profile's perturbers run over the original body, the result goes to the same upstream client
-(non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
+sampled share of requests (`sample_rate`, decided from the request's perturbation seed so reruns
+repeat), the profile's perturbers, then its remedies, run over the original body (a profile of remedies only:
+the twin is the remedied request, compared with the client's unremedied answer), the result goes to the same
+upstream client (non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
 when a perturber rewrote its shape — is handed on to be compared with the original answer. At most
 `max_concurrent` twins per profile are in flight; a twin over that limit is skipped and counted,
 never queued, so shadowing can never build up load or delay anybody.
@@ -29,7 +30,7 @@ import structlog
 from toolquake.perturbers import ChatRequest
 from toolquake.proxy.server.apis import CHAT
 from toolquake.proxy.server.config import NOISE_PROFILE
-from toolquake.proxy.server.pipeline import Outcome, restore, run_profile
+from toolquake.proxy.server.pipeline import Outcome, PerturbationFailed, restore, run_profile
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -52,16 +53,6 @@ class Twin:
     restore_failed: list[str] = field(default_factory=list)
     #: "twin" (perturbed) or "noise" (unperturbed: the model's own nondeterminism)
     kind: str = "twin"
-
-
-def _twin_attributes(kind: str, outcome: Outcome | None) -> dict[str, Any]:
-    """The twin span's own attributes: its kind, and the perturbation it carries (proxy/server/tracing.py)."""
-    from toolquake.proxy.server.tracing import perturbation_attributes  # only when tracing is on
-
-    attrs: dict[str, Any] = {"toolquake.shadow.kind": kind}
-    if outcome is not None:
-        attrs.update(perturbation_attributes(outcome))
-    return attrs
 
 
 def sampled(perturbation_seed: int, rate: float, salt: str = "shadow") -> bool:
@@ -143,8 +134,10 @@ class ShadowRunner:
                 outcome = await run_profile(profile, ChatRequest(request), asked.perturbation_seed, st.services,
                                             asked.case)
             except Exception as exc:  # strict profiles raise; the client was served already
+                if isinstance(exc, PerturbationFailed):
+                    m.count_failure(exc, profile.name)
                 return Twin(None, None, error=f"perturbation: {type(exc).__name__}")
-            m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"))
+            m.count_outcome(outcome, getattr(st.services.token_counter, "source", "none"), profile.name)
             request = outcome.request.body
         twin = Twin(outcome, twin_body(request))
         api = asked.api or CHAT
@@ -152,7 +145,8 @@ class ShadowRunner:
         wire = twin_body(api.to_wire(request, asked.wire_request or {}, asked.conversion))
         span, headers = None, asked.forward_headers
         if trace is not None:
-            span, headers = trace.call(f"shadow {kind}", asked, headers, _twin_attributes(kind, outcome))
+            # the twin's span: its kind, and the perturbation it carries (the tracer writes the outcome's attributes)
+            span, headers = trace.call(f"shadow {kind}", asked, headers, {"toolquake.shadow.kind": kind}, outcome)
         try:
             return await self._send(asked, twin, outcome, wire, headers)
         finally:

@@ -95,3 +95,14 @@ def verdict(trials: list[bool], rule: str) -> bool:
     if rule == "majority":
         return 2 * sum(trials) > len(trials)
     raise ValueError(f"unknown rule {rule!r} (majority or all)")
+
+
+def remedy_moves(remedies: list[str], before: float | None, after: float | None, high: float, unit: str) -> str:
+    """The sentence a sweep with a remedy ends on: "with tool_search the median breaking point moves from 40 to 600
+    tools" (a median above the grid, more than half the cases right at the maximum, as "above <max>")."""
+    def shown(x: float | None) -> str:
+        return f"above {high:g}" if x is None else f"{x:g}"
+
+    verb = "stays at" if before == after else "moves from"
+    where = shown(after) if before == after else f"{shown(before)} to {shown(after)}"
+    return f"with {' + '.join(remedies)} the median breaking point {verb} {where} {unit}".rstrip()

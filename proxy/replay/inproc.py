@@ -57,8 +57,14 @@ class InProcessProxy:
         def keep_requests(_app: Any, st: Any) -> None:
             st.observers.append(self._observe)
 
-        # live.attach with scoring off: the case resolver only (perturbers such as tool_removal need the case)
-        app = create_app(self.config, admin_token=self.admin_token, extensions=[live.attach, keep_requests])
+        # live.attach with scoring off: the case resolver only (perturbers such as tool_removal need the case); the
+        # tracing wing first when `[tracing] enabled` (the proxy's spans join the replay's: proxy/replay/tracing.py)
+        extensions: list[Any] = [live.attach, keep_requests]
+        if self.config.tracing.enabled:
+            from toolquake.proxy import tracing
+
+            extensions.insert(0, tracing.attach)
+        app = create_app(self.config, admin_token=self.admin_token, extensions=extensions)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))

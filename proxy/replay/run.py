@@ -151,9 +151,19 @@ def _profile_specs(config: Any, names: list[str]) -> dict[str, dict[str, Any]]:
         steps = [{"name": p.name, "params": shown_params(msgspec.to_builtins(build(p.name, p.params).params())),
                   "probability": p.probability} for p in spec.perturbers]
         out[name] = {"mode": spec.mode, "perturbers": steps}
+        if spec.remedies:  # recorded only when there are some, so older results files resume
+            out[name]["remedies"] = remedy_specs(spec.remedies)
         if spec.conversation != "played":  # recorded only when not the default, so older results files resume
             out[name]["conversation"] = spec.conversation
     return out
+
+
+def remedy_specs(remedies: list[Any]) -> list[dict[str, Any]]:
+    """A profile's remedies as an arm records them: each with all its parameters (defaults included)."""
+    from toolquake.remedies import build
+
+    return [{"name": r.name, "params": shown_params(msgspec.to_builtins(build(r.name, r.params).params()))}
+            for r in remedies]
 
 
 def given_profiles(config: Any, arms: list[str]) -> frozenset[str]:
@@ -278,9 +288,10 @@ class _Sender:
         ex = self.in_process.take(rec.request_id) if self.in_process is not None else None
         outcome = ex.outcome if ex is not None else None
         if outcome is not None:
-            rec.perturbers = {"applied": [{"name": a.name, "params": shown_params(a.params), "report": a.report}
-                                          for a in outcome.applied],
+            rec.perturbers = {"applied": [a.stored() for a in outcome.applied],
                               "skipped": list(outcome.skipped), "failed": list(outcome.failed)}
+            if outcome.remedies_failed:
+                rec.perturbers["remedies_failed"] = list(outcome.remedies_failed)
             if given is not None:
                 hold_budgets(rec.perturbers)
         if isinstance(r, Failed):

@@ -33,6 +33,12 @@ PRESETS: dict[str, list[str]] = {
     "seed003-conversations": ["conv-off", "conv-*k-s*"],
     # the same sizes and settings with the whole conversation played live, BFCL's multi-turn verdict
     "seed003-conversations-bfcl": ["off", "bfcl-conv-*"],
+    # issue #49: remedies measured as arms, each perturbation beside its remedied twin (the report's `remedies`
+    # section pairs them). Two presets, not one: every arm of a replay runs on every selected case, and the catalog
+    # half is seed 003's single-turn cases while the responses half needs multi-turn ones (a tool response to grow)
+    "remedies": ["off", "pad-8k-p50", "search-pad-8k-p50", "pad-32k-p50", "search-pad-32k-p50", "pad-120k-p50",
+                 "search-pad-120k-p50"],
+    "remedies-responses": ["off", "resp-20k-p1", "trim-resp-20k-p1", "resp-80k-p1", "trim-resp-80k-p1"],
 }
 #: the BFCL categories a preset replays when --categories is not given: the papers' own data (seed 003 §4.1:
 #: BFCL's simple, live_simple and multiple, 858 cases; seed 002: BFCL V4's 200-case format-sensitivity selection;
@@ -45,6 +51,8 @@ PRESET_CATEGORIES: dict[str, list[str]] = {
     "seed003-responses": ["multi_turn_base"],
     "seed003-conversations": ["multi_turn_base"],
     "seed003-conversations-bfcl": ["multi_turn_base"],
+    "remedies": ["simple_python", "live_simple", "multiple"],
+    "remedies-responses": ["multi_turn_base"],
 }
 
 

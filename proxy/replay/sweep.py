@@ -16,6 +16,7 @@ back, the same decisions follow, and only what is missing is sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import sys
@@ -40,6 +41,7 @@ from toolquake.proxy.replay.run import (
     claim_temperature,
     prepare,
     proxy_counter,
+    remedy_specs,
 )
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.proxy.replay.tracing import ReplayTraces
@@ -49,7 +51,7 @@ NAMED_AXES = ("tools", "related", "response_tokens", "conversation_tokens")
 RULES = ("majority", "all")
 #: the results file's meta keys a resumed sweep must match
 SWEEP_META = ("sweep_axis", "sweep_perturber", "sweep_param", "sweep_grid", "sweep_position", "sweep_rule",
-              "trials")
+              "trials", "sweep_remedies")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class SweepOptions(Options):
     rule: str = "majority"
     #: the running proxy's admin token (`--proxy`): the sweep's profiles are put there through its admin API
     admin_token: str | None = None
+    #: remedies ({name, params}, `--remedy`) applied after the axis' step at every point: the sweep then runs twice,
+    #: its unremedied twin first (sweep.sqlite) and the remedied one (sweep-remedied.sqlite), for the report to draw
+    #: both survival curves on one plot
+    remedies: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,14 +124,21 @@ class SweepSummary:
     not_comparable: int = 0
     aborted: str | None = None
     outcomes: dict[str, Outcome] = field(default_factory=dict)
+    #: with --remedy: the remedies of this run, and the summary of its unremedied twin (run first)
+    remedies: list[str] = field(default_factory=list)
+    twin: SweepSummary | None = None
+    #: the axis' unit ("tools in the request")
+    unit: str = ""
 
 
-def sweep_name(shard: tuple[int, int] | None) -> str:
-    return "sweep.sqlite" if shard is None else f"sweep-shard-{shard[0]}-of-{shard[1]}.sqlite"
+def sweep_name(shard: tuple[int, int] | None, remedied: bool = False) -> str:
+    stem = "sweep-remedied" if remedied else "sweep"
+    return f"{stem}.sqlite" if shard is None else f"{stem}-shard-{shard[0]}-of-{shard[1]}.sqlite"
 
 
-def profile_name(axis: str, x: float) -> str:
-    return f"sweep-{axis}-{x:g}" if isinstance(x, float) else f"sweep-{axis}-{x}"
+def profile_name(axis: str, x: float, remedied: bool = False) -> str:
+    name = f"sweep-{axis}-{x:g}" if isinstance(x, float) else f"sweep-{axis}-{x}"
+    return f"{name}-remedied" if remedied else name
 
 
 class _Profiles:
@@ -142,7 +155,9 @@ class _Profiles:
         """The profile of grid point i as the proxy gets it."""
         params = self.axis.params(self.points[i], self.options.position)
         steps = [] if params is None else [{"name": self.axis.perturber, "params": params}]
-        return {"mode": "perturb" if steps else "off", "perturbers": steps, "strict": not self.options.fail_open,
+        remedies = self.options.remedies
+        return {"mode": "perturb" if steps or remedies else "off", "perturbers": steps,
+                **({"remedies": remedies} if remedies else {}), "strict": not self.options.fail_open,
                 "injected_calls": "pass", "description": f"toolquake sweep: {self.axis.name} = {self.points[i]:g}"}
 
     def recorded(self, i: int) -> dict[str, Any]:
@@ -152,10 +167,12 @@ class _Profiles:
         spec = self.spec(i)
         steps = [{"name": s["name"], "params": shown_params(build(s["name"], s["params"]).params()), "probability": 1.0}
                  for s in spec["perturbers"]]
-        return {"mode": spec["mode"], "perturbers": steps, "sweep": {"axis": self.axis.name, "x": self.points[i]}}
+        remedies = {"remedies": remedy_specs(_remedy_specs(spec["remedies"]))} if spec.get("remedies") else {}
+        return {"mode": spec["mode"], "perturbers": steps, **remedies,
+                "sweep": {"axis": self.axis.name, "x": self.points[i]}}
 
     async def ensure(self, i: int) -> str:
-        name = profile_name(self.axis.name, self.points[i])
+        name = profile_name(self.axis.name, self.points[i], bool(self.options.remedies))
         if i in self.ready:
             return name
         async with self.lock:
@@ -185,7 +202,7 @@ class _Sweeper:
         self.options, self.profiles, self.sender, self.results = options, profiles, sender, results
         self.progress, self.summary, self.traces = progress, summary, traces
         self.slots = asyncio.Semaphore(max(1, options.concurrency))
-        names = {profile_name(profiles.axis.name, x): i for i, x in enumerate(profiles.points)}
+        names = {profile_name(profiles.axis.name, x, bool(options.remedies)): i for i, x in enumerate(profiles.points)}
         #: case → grid index → {trial: right}, as recorded (a resumed sweep starts from these)
         self.recorded: dict[str, dict[int, dict[int, bool]]] = {}
         for (cid, profile, trial), valid in results.verdicts().items():
@@ -316,7 +333,8 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
     wanted = {"sweep_axis": axis.name, "sweep_perturber": axis.perturber, "sweep_param": axis.decl.param,
               "sweep_grid": f"{points[0]:g}:{points[-1]:g}:{len(points)}",
               "sweep_position": "" if options.position is None else f"{options.position:g}",
-              "sweep_rule": options.rule, "trials": str(options.trials)}
+              "sweep_rule": options.rule, "trials": str(options.trials),
+              "sweep_remedies": json.dumps(options.remedies, sort_keys=True) if options.remedies else ""}
     meta = results.meta()
     changed = [k for k in SWEEP_META if k in meta and meta[k] != wanted[k]]
     if changed:
@@ -327,7 +345,8 @@ def _claim(results: ResultsFile, options: SweepOptions, axis: Axis, points: list
                    "sweep_points": json.dumps(points),
                    "limit": str(options.limit or ""), "sweep_unit": axis.decl.unit,
                    "shard": "" if options.shard is None else f"{options.shard[0]}/{options.shard[1]}"})
-    budgets = [profile_name(axis.name, points[-1])] if _fills_budget(axis, points, options) else []
+    last = profile_name(axis.name, points[-1], bool(options.remedies))
+    budgets = [last] if _fills_budget(axis, points, options) else []
     counter = proxy_counter(options, budgets) if options.proxy else _token_counter(config, options, say, budgets)
     if counter is not None:
         wanted["token_counter"] = counter
@@ -342,8 +361,37 @@ def _fills_budget(axis: Axis, points: list[float], options: SweepOptions) -> boo
     return params is not None and build(axis.perturber, params).fills_token_budget()
 
 
+def _remedy_specs(remedies: list[dict[str, Any]]) -> list[Any]:
+    """`--remedy` specs as a profile's RemedySpec, each checked against its remedy (ReplayError otherwise)."""
+    from toolquake.proxy.server.config import RemedySpec
+    from toolquake.remedies import build
+
+    out = []
+    for r in remedies:
+        try:
+            build(r["name"], r.get("params") or {})
+        except ValueError as exc:
+            raise ReplayError(f"--remedy: {exc}") from None
+        out.append(RemedySpec(r["name"], dict(r.get("params") or {})))
+    return out
+
+
 def run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -> SweepSummary:
-    """Check the backend, plan the grid, ask each case what is left to ask, record everything."""
+    """Check the backend, plan the grid, ask each case what is left to ask, record everything. With remedies, the
+    unremedied twin is swept first (the same grid and cases, sweep.sqlite), then the remedied sweep
+    (sweep-remedied.sqlite); the remedied summary is returned, the twin's in its `twin`."""
+    if options.remedies:
+        _remedy_specs(options.remedies)
+        twin = _run_sweep(dataclasses.replace(options, remedies=[]), log)
+        if twin.aborted:
+            return twin
+        summary = _run_sweep(options, log)
+        summary.twin, summary.remedies = twin, [r["name"] for r in options.remedies]
+        return summary
+    return _run_sweep(options, log)
+
+
+def _run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -> SweepSummary:
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     model = _reach(options, _auth(options))
     config, _, cases = prepare(options, say)  # loads the plugins too: their axes are declared from here on
@@ -352,13 +400,14 @@ def run_sweep(options: SweepOptions, log: Callable[[str], None] | None = None) -
     if not cases:
         raise ReplayError("no cases selected (check --categories, --limit and --shard)")
     _applies(axis, cases)
-    results = ResultsFile(Path(options.out) / sweep_name(options.shard))
+    results = ResultsFile(Path(options.out) / sweep_name(options.shard, bool(options.remedies)))
     try:
         _claim(results, options, axis, points, model, config, say)
-        summary = SweepSummary(results.path, model, axis.name, points, cases=len(cases))
+        summary = SweepSummary(results.path, model, axis.name, points, cases=len(cases), unit=axis.decl.unit)
+        with_remedies = f" with {' + '.join(r['name'] for r in options.remedies)}" if options.remedies else ""
         say(f"sweep: {len(cases)} cases along {axis.name} ({axis.decl.unit}) from {points[0]:g} to {points[-1]:g} "
-            f"in {len(points)} points, model {model!r}" + (f", {options.trials} trials per point ({options.rule})"
-                                                            if options.trials > 1 else ""))
+            f"in {len(points)} points{with_remedies}, model {model!r}"
+            + (f", {options.trials} trials per point ({options.rule})" if options.trials > 1 else ""))
         if options.trials > 1 and not options.temperature:
             say("sweep: note: --trials with temperature 0 (or none) measures only the backend's own nondeterminism; "
                 "pass --temperature to sample")

@@ -21,9 +21,9 @@ class ReplayTraces:
     stays open until `case_done`."""
 
     def __init__(self, config: Config, pairs: list[tuple[Any, str, int]] | None, command: str = "replay") -> None:
-        from toolquake.proxy.server.app import tracer
+        from toolquake.proxy.tracing import make_tracer
 
-        self.tracing = tracer(config)
+        self.tracing = make_tracer(config)
         self.tracing.start()
         self.command = command
         self.arms = None if pairs is None else Counter((case.id, trial) for case, _, trial in pairs)
@@ -40,7 +40,7 @@ class ReplayTraces:
             return None, {}
 
     def _arm(self, case: Any, profile: str, trial: int) -> tuple[Any, dict[str, str]]:
-        from toolquake.proxy.server.spans import CLIENT, INTERNAL, new_id, traceparent
+        from toolquake.proxy.tracing.spans import CLIENT, INTERNAL, new_id, traceparent
 
         key = self._key(case, trial)
         entry = self.cases.get(key)

@@ -4,7 +4,8 @@ Enabled only when an admin token is configured (TOOLQUAKE_ADMIN_TOKEN); every ca
 `Authorization: Bearer <token>`. A PUT is validated like the config file; an invalid one changes nothing. A PUT
 adding a profile past `[server] max_profiles` gets 409 `too_many_profiles`.
 The token changes profiles, never hosts, paths, environment variables or secrets: a PUT that sets a perturber's
-operator-only parameter (`Perturber.operator_only`) is refused with 403, and GET shows URLs without credentials.
+or a remedy's operator-only parameter (`Perturber.operator_only`) is refused with 403, and GET shows URLs without
+credentials.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Request, Response, route
 
+from toolquake import remedies
 from toolquake.perturbers import operator_only_set, shown_params
 from toolquake.proxy.server.config import ConfigError, ProfileSpec, decode_profile, shown_name
 from toolquake.proxy.server.errors import error_body
@@ -38,17 +40,20 @@ def _authorized(st: ProxyState, request: Request) -> bool:
 
 
 def _refused(spec: ProfileSpec, current: ProfileSpec | None) -> str | None:
-    """Why the admin may not set `spec` (an operator-only parameter), or None. The operator's own values for the
-    same step of the profile being replaced may be sent back unchanged (a GET, edited, PUT again)."""
-    for i, step in enumerate(spec.perturbers):
-        mine = current.perturbers[i] if current is not None and i < len(current.perturbers) else None
-        allowed = mine.params if mine is not None and mine.name == step.name else None
-        names = operator_only_set(step.name, step.params, allowed)
-        if names:
-            listed = ", ".join(repr(n) for n in names)
-            return (f"perturbers[{i}] ({step.name}): {listed} may only be set by the operator, in the config file or "
-                    "the environment (hosts, paths, environment variables and keys are not the admin API's to "
-                    "choose); leave it out to use the operator's default.")
+    """Why the admin may not set `spec` (an operator-only parameter of a perturber or a remedy), or None. The
+    operator's own values for the same step of the profile being replaced may be sent back unchanged (a GET,
+    edited, PUT again)."""
+    for key, known in (("perturbers", None), ("remedies", remedies.registry())):
+        theirs = getattr(current, key) if current is not None else []
+        for i, step in enumerate(getattr(spec, key)):
+            mine = theirs[i] if i < len(theirs) else None
+            allowed = mine.params if mine is not None and mine.name == step.name else None
+            names = operator_only_set(step.name, step.params, allowed, known)
+            if names:
+                listed = ", ".join(repr(n) for n in names)
+                return (f"{key}[{i}] ({step.name}): {listed} may only be set by the operator, in the config file or "
+                        "the environment (hosts, paths, environment variables and keys are not the admin API's to "
+                        "choose); leave it out to use the operator's default.")
     return None
 
 
@@ -63,7 +68,7 @@ def routes(st: ProxyState) -> list[Any]:
 
     def profile_json(name: str) -> dict[str, Any]:
         spec = msgspec.to_builtins(st.profiles.get(name).spec)
-        for step in spec.get("perturbers", []):
+        for step in [*spec.get("perturbers", []), *spec.get("remedies", [])]:
             if isinstance(step.get("params"), dict):
                 step["params"] = shown_params(step["params"])
         return {"name": name, **spec}

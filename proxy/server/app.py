@@ -57,20 +57,20 @@ async def _setup_perturbers(st: ProxyState, profiles: list[Profile], progress: W
     errors: set[tuple[str, str]] = set()
     try:
         for profile in profiles:
-            for step in profile.steps if profile else ():
-                if id(step.perturber) in seen:
+            for perturber in profile.all_steps() if profile else ():  # the remedies too
+                if id(perturber) in seen:
                     continue
-                seen.add(id(step.perturber))
+                seen.add(id(perturber))
                 if progress is not None:
-                    progress.current = f"{profile.name}/{step.perturber.name}"
+                    progress.current = f"{profile.name}/{perturber.name}"
                 try:
-                    await asyncio.to_thread(step.perturber.setup, st.services)
+                    await asyncio.to_thread(perturber.setup, st.services)
                 except Exception as exc:  # fail-open: the perturber will fail (and be counted) per request instead
-                    failed.append(f"{profile.name}/{step.perturber.name}")
+                    failed.append(f"{profile.name}/{perturber.name}")
                     error = (type(exc).__name__, str(exc)[:300])
                     if error not in errors:  # once per distinct error (no embeddings: dozens of profiles, one cause)
                         errors.add(error)
-                        log.warning("perturber_setup_failed", profile=profile.name, perturber=step.perturber.name,
+                        log.warning("perturber_setup_failed", profile=profile.name, perturber=perturber.name,
                                     error_type=error[0], error=error[1])
             if progress is not None and profile and profile.name in progress.pending:
                 progress.pending.remove(profile.name)
@@ -124,14 +124,10 @@ class Lifecycle:
         self.spawn(st.metrics.watch_loop_lag())  # cancelled by shutdown()
         if st.metrics.multiprocess:
             self.spawn(self.refresh_gauges())
-        if st.tracing is not None:  # in each worker (after the fork): the exporter sends from this event loop
-            st.tracing.start(asyncio.get_running_loop())
 
     async def shutdown(self) -> None:
         for task in list(self.background):
             task.cancel()
-        if self.st.tracing is not None:  # after live scoring's shutdown (its verdicts end the spans they held)
-            await self.st.tracing.ashutdown()
         await self.st.upstream.aclose()
 
 
@@ -153,17 +149,7 @@ def _proxy_state(config: Config, admin_token: str | None, services: Services | N
     st.metrics.watch_runtime(st.upstream.pool_states, _loop_tasks)
     st.profiles.on_gone = st.metrics.forget_profiles
     st.metrics.profiles_shown = lambda: (*st.profiles.names(), NO_PROFILE, NOISE_PROFILE)
-    if config.tracing.enabled:
-        st.tracing = tracer(config, st.metrics)
     return st
-
-
-def tracer(config: Config, metrics: Metrics | None = None) -> Any:
-    """The server's tracer (`[tracing] enabled`); a ConfigError that says what to do when it cannot be made
-    (a bad OTEL_* setting). Without `metrics`: only checks the settings."""
-    from toolquake.proxy.server.tracing import Tracing
-
-    return Tracing(config.tracing, metrics or Metrics(), config.server.upstream)
 
 
 def _model_routes(chat_handler: ChatHandler, responses_handler: ChatHandler) -> list:

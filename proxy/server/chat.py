@@ -137,8 +137,7 @@ class ChatHandler:
         st = self.st
         request_id, t0 = new_request_id(), time.perf_counter()
         served, asked = Served(), None
-        if st.tracing is not None:
-            served.trace = st.tracing.begin(headers, t0)
+        served.trace = st.tracing.begin(headers, t0)  # None: not traced (hooks.Tracer)
         st.metrics.in_flight.inc()
         streamed = False  # a streamed answer finishes (and leaves in_flight) in its background task
         try:
@@ -197,8 +196,7 @@ class ChatHandler:
         """Whether the request must be decoded whole (its profile perturbs it, or an observer reads it), and its
         case when that is known without decoding it (else UNDECIDED: the decoded request decides)."""
         st = self.st
-        if st.observers or (profile.mode == "perturb" and profile.steps) or \
-                (st.tracing is not None and st.tracing.config.contents):  # spans with contents carry the request
+        if st.observers or profile.perturbs or st.tracing.contents:  # spans with contents carry the request
             return True, UNDECIDED
         if not st.case_observers:
             return False, None
@@ -247,14 +245,15 @@ class ChatHandler:
         assert profile is not None
         send_raw = raw
         served.sent = asked.request
-        if asked.request is not None and profile.mode == "perturb" and profile.steps:
+        if asked.request is not None and profile.perturbs:
             try:
                 served.outcome = await run_profile(profile, ChatRequest(asked.request), asked.perturbation_seed,
                                                    st.services, asked.case)
             except PerturbationFailed as exc:
-                st.metrics.perturbation_failures.labels(exc.perturber).inc()
+                st.metrics.count_failure(exc, profile.name)
                 raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None
-            st.metrics.count_outcome(served.outcome, getattr(st.services.token_counter, "source", "none"))
+            st.metrics.count_outcome(served.outcome, getattr(st.services.token_counter, "source", "none"),
+                                     profile.name)
             served.sent = served.outcome.request.body
             if served.outcome.changed:
                 send_raw = _encode(api.to_wire(served.sent, asked.wire_request or {}, asked.conversion))

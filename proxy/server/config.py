@@ -418,7 +418,7 @@ def load_plugins(modules: list[str]) -> None:
 
 
 def decode_profile(payload: bytes | dict[str, Any], name: str) -> ProfileSpec:
-    """Decode one profile (admin API or file) and check that its perturbers can be built."""
+    """Decode one profile (admin API or file) and check that its perturbers and remedies can be built."""
     try:
         if isinstance(payload, (bytes, bytearray)):
             spec = msgspec.json.decode(payload, type=ProfileSpec)
@@ -437,16 +437,22 @@ def shown_name(name: str) -> str:
 
 
 def validate_profiles(profiles: dict[str, ProfileSpec]) -> None:
+    from toolquake import remedies
     from toolquake.perturbers import build
 
     for name, spec in profiles.items():
         if not _PROFILE_NAME.fullmatch(name):
             raise ConfigError(f"invalid profile name {shown_name(name)}: 1 to {MAX_PROFILE_NAME} letters, digits, "
                               "'.', '_' or '-', starting with a letter or digit")
-        if name == "off" and spec.perturbers:
-            raise ConfigError("profile 'off' is reserved and has no perturbers")
+        if name == "off" and (spec.perturbers or spec.remedies):
+            raise ConfigError("profile 'off' is reserved and has no perturbers or remedies")
         for i, p in enumerate(spec.perturbers):
             try:
                 build(p.name, p.params)
             except ValueError as exc:
                 raise ConfigError(f"profile {name!r}, perturbers[{i}]: {exc}") from None
+        for i, r in enumerate(spec.remedies):
+            try:
+                remedies.build(r.name, r.params)
+            except ValueError as exc:
+                raise ConfigError(f"profile {name!r}, remedies[{i}]: {exc}") from None

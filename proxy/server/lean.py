@@ -175,8 +175,8 @@ class LeanPath:
                     name = v.decode("latin-1")
                     break
         profile = self.st.profiles.get(name or self.st.config.server.default_profile)
-        if profile is None or (profile.mode == "perturb" and profile.steps):
-            return None  # unknown profiles (404) and perturbing ones: the framework's route
+        if profile is None or profile.perturbs:
+            return None  # unknown profiles (404) and perturbing ones (remedies too): the framework's route
         return handler, named
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
-    from toolquake.proxy.server.pipeline import Outcome
+    from toolquake.proxy.server.pipeline import Outcome, PerturbationFailed
 
 # seconds: from 100 µs (proxy overhead) to 10 min (long generations)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -106,9 +106,21 @@ class Metrics:
             "toolquake_answers_uninspected", "Upstream answers relayed to the client without inspection (no "
             "conformance check, assembly, trace summary or observer), by reason: `too_large` (past [server] "
             "max_answer_bytes; nothing more of it was kept).", ["reason"], registry=r)
+        self._remedy_metrics(r)
         self.injected_calls = Counter("toolquake_injected_tool_calls",
                                       "Calls the model made to tools the proxy added (not the client's), by profile "
                                       "and the perturber that added the tool.", ["profile", "perturber"], registry=r)
+
+    def _remedy_metrics(self, r: CollectorRegistry) -> None:
+        """What the profiles' remedies did (remedies/): applied, raised, and the needed tools they left out."""
+        self.remedies = Counter("toolquake_remedies", "Remedies applied, by profile and remedy.",
+                                ["profile", "remedy"], registry=r)
+        self.remedy_failures = Counter("toolquake_remedy_failures", "Remedies that raised; the request went on as "
+                                       "the perturbations left it.", ["profile", "remedy"], registry=r)
+        self.remedy_dropped_needed = Counter(
+            "toolquake_remedy_dropped_needed", "Tools the case's ground truth calls that a remedy left out of the "
+            "request (counted only for requests tied to a known case), by profile and remedy.",
+            ["profile", "remedy"], registry=r)
 
     def _conformance_metrics(self, r: CollectorRegistry) -> None:
         """The backend's answers against the tool-call conformance rules (docs/conformance.md)."""
@@ -181,16 +193,32 @@ class Metrics:
             except Exception as exc:  # a gauge left stale never breaks a scrape
                 log.warning("metrics_refresh_failed", error_type=type(exc).__name__)
 
-    def count_outcome(self, outcome: Outcome, counter: str) -> None:
-        """The one place perturbation metrics are counted: steps applied (with the tokens each added, as
-        measured by the token counter named `counter`) and steps that failed."""
+    def count_outcome(self, outcome: Outcome, counter: str, profile: str) -> None:
+        """The one place perturbation and remedy metrics are counted: steps applied (with the tokens each added,
+        as measured by the token counter named `counter`) and steps that failed; the remedies of `profile`
+        applied, failed, and the needed tools they left out."""
         for a in outcome.applied:
+            if a.is_remedy:
+                self.child(self.remedies, profile, a.name).inc()
+                needed = a.report.get("dropped_needed")
+                if isinstance(needed, list) and needed:
+                    self.child(self.remedy_dropped_needed, profile, a.name).inc(len(needed))
+                continue
             self.perturbations.labels(a.name).inc()
             added = a.report.get("tokens_added")
             if isinstance(added, int) and added >= 0:
                 self.tokens_added.labels(a.name, counter).observe(added)
         for name in outcome.failed:
             self.perturbation_failures.labels(name).inc()
+        for name in outcome.remedies_failed:
+            self.child(self.remedy_failures, profile, name).inc()
+
+    def count_failure(self, exc: PerturbationFailed, profile: str) -> None:
+        """A strict profile's step that failed the request: a perturber's, or a remedy's."""
+        if exc.kind:
+            self.child(self.remedy_failures, profile, exc.perturber).inc()
+        else:
+            self.perturbation_failures.labels(exc.perturber).inc()
 
     def count_restore_failures(self, failed: list[str]) -> None:
         for name in failed:

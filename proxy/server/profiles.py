@@ -1,4 +1,4 @@
-"""Profiles at run time: named, ordered lists of built perturbers, replaceable through the admin API.
+"""Profiles at run time: named, ordered lists of built perturbers (then remedies), replaceable through the admin API.
 
 With several workers (`toolquake serve --workers N`) a change made through the admin API on one worker
 reaches the others through `SharedProfiles`: a snapshot file of every profile's spec and a generation
@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 import msgspec
 import structlog
 
+from toolquake import remedies
 from toolquake.perturbers import Perturber, build
 from toolquake.proxy.server.config import ProfileSpec
 
@@ -44,6 +45,8 @@ class Profile:
     name: str
     spec: ProfileSpec
     steps: tuple[Step, ...]
+    #: applied after every step, in order (`remedies = [{ name, params }]`)
+    remedies: tuple[remedies.Remedy, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -51,12 +54,22 @@ class Profile:
 
     @property
     def active(self) -> bool:
-        return self.spec.mode != "off" and bool(self.steps)
+        """The profile changes requests (a perturbation step or a remedy): in front of traffic or in its twins."""
+        return self.spec.mode != "off" and bool(self.steps or self.remedies)
+
+    @property
+    def perturbs(self) -> bool:
+        """Requests served under this profile are changed before they go upstream (never the lean path)."""
+        return self.spec.mode == "perturb" and bool(self.steps or self.remedies)
+
+    def all_steps(self) -> tuple[Perturber, ...]:
+        """The perturbers, then the remedies, in the order they run."""
+        return tuple(s.perturber for s in self.steps) + self.remedies
 
 
 def build_profile(name: str, spec: ProfileSpec) -> Profile:
     steps = tuple(Step(build(p.name, p.params), p.probability) for p in spec.perturbers)
-    return Profile(name, spec, steps)
+    return Profile(name, spec, steps, tuple(remedies.build(r.name, r.params) for r in spec.remedies))
 
 
 class TooManyProfiles(Exception):

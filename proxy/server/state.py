@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
+from toolquake.proxy.server.hooks import TraceHooks, Tracer
+
 if TYPE_CHECKING:
     from toolquake.perturbers import ChatRequest, Services
     from toolquake.proxy.server.apis import Api
@@ -98,8 +100,8 @@ class Served:
     repaired: str | None = None
     #: why the answer reached the client uninspected, or was refused (`too_large`: past max_answer_bytes)
     uninspected: str | None = None
-    #: the request's span (tracing.RequestTrace) when `[tracing]` is on, else None
-    trace: Any = None
+    #: the request's trace (hooks.TraceHooks: the tracing wing's when it is attached and on), else None
+    trace: TraceHooks | None = None
 
 
 #: called with each finished request; must return quickly (enqueue and go)
@@ -156,5 +158,5 @@ class ProxyState:
     conformance_sinks: list[ConformanceSink] = field(default_factory=list)
     #: schedules perturbers' setup() for new profiles, in the background (set by create_app)
     warm: Callable[[list[Profile]], None] | None = None
-    #: the tracer (proxy/server/tracing.py) when `[tracing] enabled`, else None
-    tracing: Any = None
+    #: the tracer: the tracing wing's when attached (`toolquake.proxy.tracing.attach`), else a no-op (hooks.py)
+    tracing: Tracer = field(default_factory=Tracer)

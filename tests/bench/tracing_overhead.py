@@ -148,7 +148,7 @@ def floor_request() -> tuple[Callable[[str, bytes], None], Any]:
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import RequestTrace, Tracing
+    from toolquake.proxy.tracing.tracer import RequestTrace, Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
                                                         "OTEL_TRACES_SAMPLER": "always_on",

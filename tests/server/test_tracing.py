@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import ROOT, free_port, recorded, start_process
 from tests.server.test_proxy_core import metric_value
-from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import ConfigError, load_config
-from toolquake.proxy.server.spans import Span
+from toolquake.proxy.tracing import otlp
+from toolquake.proxy.tracing.spans import Span
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -141,7 +141,7 @@ def _ours(sdk_span, fixed: int = 0) -> Span:
 
 
 def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
-    """proxy/server/otlp.py's ExportTraceServiceRequest of toolquake's span records, decoded by the official
+    """proxy/tracing/otlp.py's ExportTraceServiceRequest of toolquake's span records, decoded by the official
     protobuf classes, equals the OpenTelemetry SDK's own encoding of the same spans made by the SDK (remote and
     local parents, trace state, every attribute type, status), three times (the second from the encoder's caches, the
     third with some attributes encoded beforehand, as `Span.fixed`)."""
@@ -226,7 +226,7 @@ HOSTILE_TRACEPARENTS = [
 def test_trace_context_parser_refuses_what_is_not_w3c():
     """The parser alone: the W3C format checked by position and character set, a later version's extra fields
     skipped, an invalid or oversized tracestate dropped as a whole, in linear time on large input."""
-    from toolquake.proxy.server.spans import extract, parse_traceparent, parse_tracestate
+    from toolquake.proxy.tracing.spans import extract, parse_traceparent, parse_tracestate
 
     assert parse_traceparent(f"00-{GOOD_TRACE}-{GOOD_PARENT}-01") == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16), True)
     assert parse_traceparent(f"00-{GOOD_TRACE}-{GOOD_PARENT}-02") == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16), False)
@@ -313,7 +313,7 @@ def test_a_full_span_queue_drops_and_counts(sink):
     thread runs, what was queued reaches the collector."""
     from prometheus_client import CollectorRegistry, Counter
 
-    from toolquake.proxy.server.spans import SERVER, Exporter
+    from toolquake.proxy.tracing.spans import SERVER, Exporter
 
     failures = Counter("t_failures", "t", registry=CollectorRegistry())
     exporter = Exporter(sink.url + "/v1/traces", {"OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_BSP_SCHEDULE_DELAY": "50"},
@@ -337,7 +337,7 @@ def test_a_pair_of_spans_takes_the_room_left_and_the_rest_is_counted_dropped():
     place left the first is queued and the second dropped and counted; with none, both."""
     from prometheus_client import CollectorRegistry, Counter
 
-    from toolquake.proxy.server.spans import Exporter
+    from toolquake.proxy.tracing.spans import Exporter
 
     failures = Counter("t_pair_failures", "t", registry=CollectorRegistry())
     exporter = Exporter("http://127.0.0.1:9/v1/traces", {"OTEL_BSP_MAX_QUEUE_SIZE": "5"}, {"service.name": "t"},
@@ -387,7 +387,7 @@ def test_a_streams_summary_gives_the_attributes_the_assembled_answer_gives():
     it would read differently makes it give up (None), and the stream is assembled as before."""
     from tests.fake_upstream import completion, stream_frames
     from toolquake.proxy.server.streaming import assemble_sse, summarize_sse
-    from toolquake.proxy.server.tracing import answer_attributes
+    from toolquake.proxy.tracing.tracer import answer_attributes
 
     fake = [b"".join(stream_frames(completion(answer, "fake-model"), piece))
             for answer in ({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
@@ -407,7 +407,7 @@ def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_u
     response attributes, read back from the collector, are those of the answer the client got (assembled here from
     its bytes); the same for a whole answer."""
     from toolquake.proxy.server.streaming import assemble_sse
-    from toolquake.proxy.server.tracing import answer_attributes
+    from toolquake.proxy.tracing.tracer import answer_attributes
 
     tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
                               "OTEL_BSP_SCHEDULE_DELAY": "100"})
@@ -447,7 +447,7 @@ def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(pr
     """Tracing on, a passed-through whole answer is read for its span in the proxy's check that it is a JSON
     object (one decode for both): what the check lets through, or refuses and how, is what it does with tracing
     off, for answers of every kind; the span of one let through has what `answer_attributes` reads of it."""
-    from toolquake.proxy.server.tracing import answer_attributes
+    from toolquake.proxy.tracing.tracer import answer_attributes
 
     off = proxy_factory(None)
     on = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
@@ -479,7 +479,7 @@ def test_a_repaired_answers_span_reads_the_answer_the_client_got_and_says_the_re
     step), so the trace step reads it as the client gets it (an `ANSWER` step, not in the check): an answer left
     alone and one repaired (a call left in the text) both have the response attributes of the answer the client
     got, the repaired one the rule its repair fixed too (before, the span read the backend's bytes: no call)."""
-    from toolquake.proxy.server.tracing import answer_attributes
+    from toolquake.proxy.tracing.tracer import answer_attributes
 
     tq = proxy_factory('[profiles.fixed]\nmode = "off"\nrepair = true\n',
                        {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
@@ -530,7 +530,7 @@ def test_a_relayed_answers_summary_is_the_decoded_answers(answer):
     few fields read, the rest skipped) is what `answer_summary` reads of the same answer decoded whole, whatever
     its shape; and the proxy's check that reads them so lets the object through (hands it a dict)."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
-    from toolquake.proxy.server.tracing import answer_summary, checked_summary, relayed_summary
+    from toolquake.proxy.tracing.tracer import answer_summary, checked_summary, relayed_summary
 
     data = json.dumps(answer).encode()
     assert relayed_summary(CHAT_API, False, data) == answer_summary(json.loads(data))
@@ -557,7 +557,7 @@ def test_a_laid_out_passthrough_writes_the_bytes_passthrough_writes(trace_id, sp
     of a passed-through request's spans) writes, byte for byte, what `otlp.passthrough` writes from the same
     request: ids of any length and characters, a parent or none, a response id or none, token counts of any size
     (their varints one to ten bytes) or none, spans of any length."""
-    from toolquake.proxy.server.tracing import _OVERHEAD_MS, _UPSTREAM_MS
+    from toolquake.proxy.tracing.tracer import _OVERHEAD_MS, _UPSTREAM_MS
 
     start, end, up_start, up_end = times
     rid, resp = request_id.encode(), (response_id or "").encode()
@@ -610,7 +610,7 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import Tracing
+    from toolquake.proxy.tracing.tracer import Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
@@ -675,7 +675,7 @@ def test_what_is_noted_on_a_passthrough_requests_span_is_exported_with_it(noted)
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import Tracing
+    from toolquake.proxy.tracing.tracer import Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
@@ -728,7 +728,7 @@ def test_a_requests_span_is_made_once_whoever_asks_first():
 
     from toolquake.proxy.server.config import TracingConfig
     from toolquake.proxy.server.metrics import Metrics
-    from toolquake.proxy.server.tracing import Tracing
+    from toolquake.proxy.tracing.tracer import Tracing
 
     tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
@@ -759,7 +759,7 @@ def test_a_token_count_that_is_not_an_integer_is_left_out_on_both_paths(tokens):
     """`gen_ai.usage.*_tokens` are integers: a count sent as a boolean, a float or a string is left out, whether
     the answer's bytes were read (a passthrough request) or the answer was decoded whole."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
-    from toolquake.proxy.server.tracing import answer_summary, relayed_summary
+    from toolquake.proxy.tracing.tracer import answer_summary, relayed_summary
 
     answer = {"model": "m", "usage": {"prompt_tokens": tokens, "completion_tokens": 7}}
     relayed = relayed_summary(CHAT_API, False, json.dumps(answer).encode())
@@ -870,7 +870,7 @@ def test_a_hostile_answer_is_read_in_linear_time_and_not_kept():
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import Tracing, relayed_summary
+    from toolquake.proxy.tracing.tracer import Tracing, relayed_summary
 
     mib = 1 << 20
     calls = [{"function": {"name": "f" * 8}}] * (mib // 32)

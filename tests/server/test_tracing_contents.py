@@ -159,7 +159,7 @@ def test_the_queue_is_bounded_in_bytes_the_batch_being_sent_included(hanging_col
     queued until it is done."""
     from prometheus_client import CollectorRegistry, Counter
 
-    from toolquake.proxy.server.spans import SERVER, Exporter, Span
+    from toolquake.proxy.tracing.spans import SERVER, Exporter, Span
 
     failures = Counter("t_failures", "t", registry=CollectorRegistry())
     exporter = Exporter(hanging_collector + "/v1/traces",
@@ -205,7 +205,7 @@ def test_a_finished_requests_served_and_trace_are_freed_without_the_cycle_collec
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import RequestTrace, Tracing
+    from toolquake.proxy.tracing.tracer import RequestTrace, Tracing
 
     def alive() -> tuple[int, int]:
         objects = gc.get_objects()
@@ -254,7 +254,7 @@ def test_content_limits_come_from_the_otel_variables_and_the_queue_bound_from_it
     """OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT over OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT (the SDK's order), 65,536 by
     default; `[tracing] max_queue_bytes` from the file or TOOLQUAKE_TRACING_MAX_QUEUE_BYTES; bad values stop the
     load with what is wrong. A value cut says how many characters it lost."""
-    from toolquake.proxy.server.tracing import content_attributes
+    from toolquake.proxy.tracing.tracer import content_attributes
 
     assert load_config(None, env={}).tracing.content_chars == 65536
     assert load_config(None, env={}).tracing.max_queue_bytes == 32 * MIB
@@ -287,7 +287,7 @@ def test_contents_past_the_redaction_backlog_are_skipped_and_counted():
     from toolquake.proxy.server.metrics import Metrics
     from toolquake.proxy.server.profiles import build_profile
     from toolquake.proxy.server.state import Asked, Served
-    from toolquake.proxy.server.tracing import Tracing
+    from toolquake.proxy.tracing.tracer import Tracing
 
     async def run() -> None:
         tracing = Tracing(TracingConfig(enabled=True, contents=True, max_queue_bytes=1 << 16,

@@ -24,8 +24,9 @@ The report is built in layers, each module importing only those below it (a cont
     tables                                  every table as (title, header, rows) of text cells
     summary | cases                         the JSON report; the per-case diffs
     families | paper_tables | sweeps | live perturbation families and recovery; the papers' measures;
-                                            `toolquake sweep`'s breaking points and survival curves; the
-                                            anytime-valid intervals, shadow consistency and noise floor
+      | remedies                            `toolquake sweep`'s breaking points and survival curves; the
+                                            anytime-valid intervals, shadow consistency and noise floor; what
+                                            remedied arms win back against their unremedied twins
     stats                                   accuracy, intervals, paired tests, trials, flips
     rows | arms                             load: results files → rows (every SQLite read); the experiment
                                             each step belongs to, as its perturber declares it

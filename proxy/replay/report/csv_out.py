@@ -11,6 +11,8 @@ from typing import Any
 from toolquake.proxy.escape import csv_row
 from toolquake.proxy.replay.report.families import csv_cells, csv_columns
 from toolquake.proxy.replay.report.paper_tables import CSV_TABLES_COLUMNS, csv_rows
+from toolquake.proxy.replay.report.remedies import csv_cells as remedy_cells
+from toolquake.proxy.replay.report.remedies import csv_columns as remedy_columns
 
 #: the statistics columns `--csv-stats` appends to the BFCL-shaped CSV
 CSV_STATS_COLUMNS = ["Overall Acc CI Low", "Overall Acc CI High", "Drop vs Baseline", "Drop CI Low", "Drop CI High",
@@ -39,7 +41,8 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
     k_max = max((arm["trials"]["k"] for _, _, arm in entries if arm.get("trials")), default=0)
     trial_cols = CSV_TRIALS_COLUMNS if stats and k_max else []
     w.writerow(csv_row(["Rank", "Overall Acc", "Model", "Profile", "N", *categories,
-                        *(CSV_STATS_COLUMNS if stats else ()), *trial_cols, *csv_columns(summary)]))
+                        *(CSV_STATS_COLUMNS if stats else ()), *trial_cols, *csv_columns(summary),
+                        *remedy_columns(summary)]))
 
     def pct(x: float | None) -> str:
         return "N/A" if x is None else f"{x * 100:.2f}%"
@@ -72,6 +75,7 @@ def render_csv(summary: dict[str, Any], stats: bool = False) -> str:
                 *(pct(arm["by_category"][c]["accuracy"]) if c in arm["by_category"] else "N/A" for c in categories),
                 *extra,
                 *csv_cells(summary, model, p),
+                *remedy_cells(summary, model, p),
             ]
         ))
     return buf.getvalue()

@@ -76,6 +76,8 @@ class SweepRun:
     trials: int
     position: str
     source: Path
+    #: the remedies applied at every point (`sweep --remedy`), by name; empty for a sweep without
+    remedies: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -220,8 +222,7 @@ def _load_live(path: Path, res: Results) -> None:
         if valid is None:  # no case known, or a noise twin (compared only): in no accuracy
             continue
         if profile not in arms or (not arms[profile]["perturbers"] and steps):
-            arms[profile] = {"mode": mode, "perturbers": [{"name": s.get("name"), "params": s.get("params") or {}}
-                                                          for s in steps if isinstance(s, dict)]}
+            arms[profile] = {"mode": mode, **arm_steps(steps)}
         res.rows.append(Row(LIVE, profile, case_id or "", category or "unknown",
                             NOT_PERTURBED if unchanged else "scored", bool(valid), taxonomy, error_type, None,
                             _bool(fair), _bool(semantic), source=src))
@@ -233,12 +234,23 @@ def _load_live(path: Path, res: Results) -> None:
     res.sources.append(path)
 
 
+def arm_steps(steps: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """An arm's definition from the steps an answer records: {"perturbers": [...]}, and {"remedies": [...]} when
+    some step is a remedy (`"kind": "remedy"`), each {name, params}."""
+    shown = [(s.get("kind"), {"name": s.get("name"), "params": s.get("params") or {}})
+             for s in steps if isinstance(s, dict)]
+    remedies = [step for kind, step in shown if kind == "remedy"]
+    return {"perturbers": [step for kind, step in shown if kind != "remedy"], **({"remedies": remedies} if remedies
+                                                                                 else {})}
+
+
 def _load_sweep(db: sqlite3.Connection, res: Results, path: Path) -> None:
     """A sweep file: its settings, and every request as (case, x, trial, verdict); x read from the arm's spec."""
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     run = SweepRun(model=meta.get("model", "unknown"), axis=meta["sweep_axis"], unit=meta.get("sweep_unit", ""),
                    points=json.loads(meta.get("sweep_points") or "[]"), rule=meta.get("sweep_rule", "majority"),
-                   trials=int(meta.get("trials") or 1), position=meta.get("sweep_position", ""), source=path)
+                   trials=int(meta.get("trials") or 1), position=meta.get("sweep_position", ""), source=path,
+                   remedies=[str(r.get("name")) for r in json.loads(meta.get("sweep_remedies") or "[]")])
     if not run.points:
         raise ValueError(f"{path}: a sweep results file without its grid (sweep_points): written by an older "
                          "toolquake; sweep again into a new directory")
@@ -343,4 +355,35 @@ def _live_answers(path: Path, src: int, pairs: set[tuple[str, str]]) -> dict[tup
                                                 {"applied": json.loads(row[1]) if row[1] else []})
     finally:
         db.close()
+    return out
+
+
+def pair_usage(res: Results, wanted: set[tuple[str, str]]) -> dict[tuple[str, str, str], tuple[int | None,
+                                                                                           list[dict[str, Any]]]]:
+    """{(model, profile, case id): (prompt tokens, applied steps)} of the scored pairs of trial 0 of the wanted
+    (model, profile) arms in the replay files: the tokens the backend counted for the request (`usage`; a
+    multi-turn row sums its steps'), and the steps as recorded (a multi-turn row records counts only: [])."""
+    out: dict[tuple[str, str, str], tuple[int | None, list[dict[str, Any]]]] = {}
+    for path in _replay_files(res):
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = _model(db)
+            profiles = sorted(p for m, p in wanted if m == model)
+            if not profiles:
+                continue
+            marks = ", ".join("?" for _ in profiles)
+            found = db.execute(f"SELECT profile, case_id, prompt_tokens, perturbers FROM results WHERE status = "
+                               f"'scored' AND {trial_column(db)} = 0 AND profile IN ({marks}) ORDER BY rowid",
+                               profiles).fetchall()
+        except sqlite3.DatabaseError:
+            continue
+        finally:
+            db.close()
+        for profile, case_id, tokens, text in found:
+            try:
+                applied = (json.loads(text) or {}).get("applied") if text else None
+            except ValueError:
+                applied = None
+            steps = [s for s in applied if isinstance(s, dict)] if isinstance(applied, list) else []
+            out[(model, profile, case_id)] = (tokens if isinstance(tokens, int) else None, steps)
     return out

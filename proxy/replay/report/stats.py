@@ -189,6 +189,7 @@ def arms_summary(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
         with_drops(arms, baseline, {p: by_arm.get((model, p), []) for p in res.profiles(model)})
         for p, arm in arms.items():
             arm["perturbers"] = res.arms[(model, p)].get("perturbers", [])
+            arm["remedies"] = res.arms[(model, p)].get("remedies", [])
             arm["conversation"] = res.arms[(model, p)].get("conversation", "played")
             arm["trials"] = trial_numbers(all_trials.get((model, p), []))
             arm["source"] = "live" if model in res.live_rows else "replay"

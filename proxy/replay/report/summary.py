@@ -7,6 +7,7 @@ from typing import Any
 from toolquake.proxy.replay.report.families import family_numbers, recovery_numbers
 from toolquake.proxy.replay.report.live import shadow_numbers, with_anytime
 from toolquake.proxy.replay.report.paper_tables import sections
+from toolquake.proxy.replay.report.remedies import remedy_numbers
 from toolquake.proxy.replay.report.rows import Results
 from toolquake.proxy.replay.report.stats import BASELINE, arms_summary
 from toolquake.proxy.replay.report.sweeps import sweep_numbers
@@ -30,6 +31,7 @@ def summarize(res: Results, baseline: str = BASELINE) -> dict[str, Any]:
     with_anytime(res, summary, baseline)
     summary.update(families=family_numbers(summary), recovery=recovery_numbers(res))
     summary.update(sections(res, baseline, summary))
+    summary["remedies"] = remedy_numbers(res, summary)  # remedied arms against their twins (report/remedies.py)
     summary.update(sweep_numbers(res))  # `toolquake sweep` results: "sweeps", "sweep_comparisons"
     summary["sources"] += [str(r.source) for r in res.sweep_runs]
     # what the requests were sent with (the temperature, or `none`: left out, as BFCL does for models that refuse

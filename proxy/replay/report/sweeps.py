@@ -22,7 +22,7 @@ import math
 from collections import Counter, defaultdict
 from typing import Any
 
-from toolquake.proxy.replay.breaking import outcome, verdict
+from toolquake.proxy.replay.breaking import outcome, remedy_moves, verdict
 from toolquake.proxy.replay.failures import NOT_COMPARABLE
 from toolquake.proxy.replay.report.rows import Results, SweepRow, SweepRun
 from toolquake.scorers.aggregate import mcnemar, wilson_ci
@@ -30,21 +30,26 @@ from toolquake.scorers.aggregate import mcnemar, wilson_ci
 INF = math.inf
 
 
+def _name(run: SweepRun) -> str:
+    """A run's model, with its remedies when it has some (`sweep --remedy`: "model + tool_search")."""
+    return run.model + "".join(f" + {r}" for r in run.remedies)
+
+
 def _labels(runs: list[SweepRun]) -> list[str]:
-    """Each run's label: its model; "model (directory)" when one model was swept along one axis in several
-    directories (two proxies, two settings) — except the shards of one sweep (sweep-shard-*.sqlite, the same
-    settings), which are one run wherever they lie."""
+    """Each run's label: its model (and remedies); "model (directory)" when one model was swept along one axis in
+    several directories (two proxies, two settings) — except the shards of one sweep (sweep-shard-*.sqlite,
+    sweep-remedied-shard-*.sqlite, the same settings), which are one run wherever they lie."""
     groups: dict[tuple[str, str], list[SweepRun]] = defaultdict(list)
     for r in runs:
-        groups[(r.model, r.axis)].append(r)
+        groups[(_name(r), r.axis)].append(r)
     split = set()
     for key, members in groups.items():
         dirs = {r.source.parent for r in members}
-        shards = all(r.source.name.startswith("sweep-shard-") for r in members) and \
+        shards = all("-shard-" in r.source.name for r in members) and \
             len({(tuple(r.points), r.rule, r.trials, r.position) for r in members}) == 1
         if len(dirs) > 1 and not shards:
             split.add(key)
-    return [f"{r.model} ({r.source.parent.name})" if (r.model, r.axis) in split else r.model for r in runs]
+    return [f"{_name(r)} ({r.source.parent.name})" if (_name(r), r.axis) in split else _name(r) for r in runs]
 
 
 def case_outcomes(res: Results) -> dict[tuple[str, str], dict[str, Any]]:
@@ -155,7 +160,28 @@ def sweep_numbers(res: Results) -> dict[str, Any]:
     sweeps: dict[str, dict[str, Any]] = {}
     for (label, axis), data in found.items():
         sweeps.setdefault(label, {})[axis] = _axis_numbers(data["run"], data["cases"])
-    return {"sweeps": sweeps, "sweep_comparisons": comparisons(sweeps)}
+    return {"sweeps": sweeps, "sweep_comparisons": comparisons(sweeps), "sweep_remedies": remedy_shifts(res, sweeps)}
+
+
+def remedy_shifts(res: Results, sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per remedied run (`sweep --remedy`) and axis: its twin (the same model swept without the remedy, in the same
+    directory), both medians, and the sentence "with tool_search the median breaking point moves from X to Y …"."""
+    labels = _labels(res.sweep_runs)
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()  # the shards of one sweep are one run
+    for i, run in enumerate(res.sweep_runs):
+        twin = next((labels[j] for j, t in enumerate(res.sweep_runs) if not t.remedies and t.model == run.model
+                     and t.axis == run.axis and t.source.parent == run.source.parent), None)
+        if not run.remedies or twin is None or (labels[i], run.axis) in seen or \
+                run.axis not in sweeps.get(labels[i], {}) or run.axis not in sweeps.get(twin, {}):
+            continue
+        seen.add((labels[i], run.axis))
+        before, after = sweeps[twin][run.axis], sweeps[labels[i]][run.axis]
+        out.append({"axis": run.axis, "remedies": list(run.remedies), "run": labels[i], "twin": twin,
+                    "unit": after["unit"], "median_without": before["median"], "median_with": after["median"],
+                    "max": after["max"], "text": remedy_moves(run.remedies, before["median"], after["median"],
+                                                             after["max"], after["unit"])})
+    return out
 
 
 def comparisons(sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from typing import Any
 from toolquake.proxy.replay.report.families import tables as family_tables
 from toolquake.proxy.replay.report.live import tables as live_tables
 from toolquake.proxy.replay.report.paper_tables import tables as paper_tables
+from toolquake.proxy.replay.report.remedies import tables as remedy_tables
 from toolquake.proxy.replay.report.stats import ALPHA
 from toolquake.proxy.replay.report.sweeps import INF
 from toolquake.proxy.replay.report.text import acc, ci, compact, drop_ci, p_text, pct_ci, rel
@@ -17,9 +18,11 @@ from toolquake.scorers.aggregate import wilson_ci
 from toolquake.scorers.taxonomy import TAXONOMY
 
 
-def _spec_text(perturbers: list[dict[str, Any]]) -> str:
+def _spec_text(perturbers: list[dict[str, Any]], remedies: list[dict[str, Any]] | None = None) -> str:
+    """An arm's steps in one cell; a remedied arm's remedies after them, labelled (`… + remedy tool_search(…)`)."""
     text = "; ".join(f"{a.get('name')}({compact(a.get('params') or {})})" for a in perturbers) or "none"
-    return text if len(text) <= 120 else text[:120] + " …"
+    text = text if len(text) <= 120 else text[:120] + " …"
+    return text + "".join(f" + remedy {r.get('name')}({compact(r.get('params') or {})})" for r in remedies or [])
 
 
 def report_title(summary: dict[str, Any]) -> str:
@@ -41,7 +44,8 @@ def summary_table(summary: dict[str, Any]) -> tuple[str, list[str], list[list[st
     rows = []
     for model, p, arm in entries:
         cmp = arm["paired"]
-        rows.append([model, p, _spec_text(arm.get("perturbers") or []), pct_ci(arm["accuracy"], arm["accuracy_ci"]),
+        rows.append([model, p, _spec_text(arm.get("perturbers") or [], arm.get("remedies")),
+                     pct_ci(arm["accuracy"], arm["accuracy_ci"]),
                      codes_text(arm["failed"], arm["failed_codes"]), not_comparable_text(arm),
                      drop_ci(arm["drop_vs_off"], arm["drop_vs_off_ci"]), str(cmp["n"]),
                      str(cmp["valid_to_invalid"]), str(cmp["invalid_to_valid"]), p_text(cmp["p_value"]),
@@ -102,7 +106,7 @@ def _taxonomy_columns(summary: dict[str, Any]) -> list[str]:
 def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table in the report (the sweeps' after the replays')."""
     replays = [_accuracy_table(summary), *_error_table(summary), _arms_table(summary), *_category_tables(summary),
-               *family_tables(summary), *paper_tables(summary)] if summary["models"] else []
+               *family_tables(summary), *remedy_tables(summary), *paper_tables(summary)] if summary["models"] else []
     return [*_sent_with_table(summary), *replays, *live_tables(summary), *sweep_tables(summary)]
 
 
@@ -157,6 +161,13 @@ def sweep_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[lis
                      "median b − a"],
                     [[c["axis"], c["a"], c["b"], str(c["n"]), str(c["a_later"]), str(c["b_later"]), str(c["ties"]),
                       p_text(c["p_value"]), _x(c["median_difference"])] for c in comparisons]))
+    shifts = summary.get("sweep_remedies") or []
+    if shifts:
+        out.append(("Remedies along an axis: the median breaking point without and with the remedy (the survival "
+                    "curves of both are drawn on one plot)", ["axis", "remedy", "run", "twin", "median without",
+                                                              "median with", "what it means"],
+                    [[e["axis"], " + ".join(e["remedies"]), e["run"], e["twin"], _x(e["median_without"], e["max"]),
+                      _x(e["median_with"], e["max"]), e["text"]] for e in shifts]))
     return out
 
 

@@ -50,10 +50,14 @@ def _event(st: ProxyState, asked: Asked, served: Served) -> dict[str, Any]:
     outcome = served.outcome
     event: dict[str, Any] = dict(request_id=asked.request_id, route=asked.route, profile=asked.profile_name,
                                  stream=asked.stream, status=served.status,
-                                 perturbers=[a.name for a in outcome.applied] if outcome else [],
+                                 perturbers=[a.name for a in outcome.perturbations] if outcome else [],
                                  total_ms=round(served.total_s * 1000, 3))
     if outcome is not None and outcome.failed:
         event["perturbers_failed"] = outcome.failed
+    if outcome is not None and outcome.remedies:
+        event["remedies"] = [a.name for a in outcome.remedies]
+    if outcome is not None and outcome.remedies_failed:
+        event["remedies_failed"] = outcome.remedies_failed
     if served.injected_calls:
         event["injected_calls"] = list(served.injected_calls)
     if served.uninspected is not None:

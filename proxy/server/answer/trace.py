@@ -1,5 +1,6 @@
 """Trace: the final answer's GenAI attributes (response model and id, finish reasons, token usage, the calls
-made) on the request's span, when `[tracing]` is on and the span is sampled (proxy/server/tracing.py). A request
+made) on the request's span, when a tracer is attached and the span is sampled (through `hooks.TraceHooks`: the
+tracing wing, proxy/tracing/, implements it). A request
 that went upstream as it came (not decoded, not changed) has its answer read from the bytes relayed (a summary
 read without building the rest): a whole answer's in the proxy's check that they are a JSON object (one decode for
 both), a stream's once the client has it; any other's from the answer as the client got it."""
@@ -29,7 +30,7 @@ class Trace(AnswerStep):
         return ANSWER
 
     def summary_enough(self, asked: Asked, served: Served) -> bool:
-        return not self.st.tracing.config.contents  # with contents, the span carries the answer's messages
+        return not self.st.tracing.contents  # with contents, the span carries the answer's messages
 
     async def on_answer(self, asked: Asked, served: Served, answer: dict[str, Any]) -> dict[str, Any] | None:
         served.trace.answered(asked, served, answer)

@@ -30,8 +30,8 @@ from urllib.parse import unquote, urlsplit
 
 import structlog
 
-from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import TRACE_QUEUE_BYTES, ConfigError
+from toolquake.proxy.tracing import otlp
 
 log = structlog.get_logger("toolquake.tracing")
 

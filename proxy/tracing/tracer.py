@@ -2,7 +2,8 @@
 semantic conventions (`gen_ai.*`) plus toolquake's own attributes (`toolquake.*`), with child spans for the
 upstream call, the proxy's follow-ups, shadow twins and scoring.
 
-Imported only when tracing is on. The spans are toolquake's own records (proxy/server/spans.py: the W3C trace
+Imported only when tracing is on (the wing's `attach`, proxy/tracing/__init__.py); the server calls it through
+`hooks.TraceHooks` alone. The spans are toolquake's own records (proxy/tracing/spans.py: the W3C trace
 context, the SDK's samplers and one exporter thread posting OTLP/HTTP protobuf in batches); nothing on the
 request path waits on the collector, and an export that fails is counted
 (`toolquake_tracing_failures_total{stage="export"}`), never raised. The client's `traceparent`/`tracestate`
@@ -16,7 +17,6 @@ span (`hold`/`release`); a trace dropped unreleased ends its span when collected
 from __future__ import annotations
 
 import asyncio
-import operator
 import random
 import struct
 import threading
@@ -29,9 +29,11 @@ import structlog
 from prometheus_client import Counter
 
 from toolquake import __version__
-from toolquake.proxy.server import otlp
 from toolquake.proxy.server.config import TRACE_CONTENT_CHARS, ConfigError, TracingConfig
-from toolquake.proxy.server.spans import (
+from toolquake.proxy.server.hooks import TraceHooks, Tracer
+from toolquake.proxy.server.state import Asked
+from toolquake.proxy.tracing import otlp
+from toolquake.proxy.tracing.spans import (
     CLIENT,
     ERROR,
     INTERNAL,
@@ -45,7 +47,6 @@ from toolquake.proxy.server.spans import (
     scan,
     traceparent,
 )
-from toolquake.proxy.server.state import Asked
 
 if TYPE_CHECKING:
     from toolquake.proxy.server.metrics import Metrics
@@ -69,9 +70,6 @@ _UPSTREAM_MS, _OVERHEAD_MS = (otlp.float_attribute(k, 0.0)[:-8] for k in ("toolq
                                                                           "toolquake.overhead_ms"))
 _pack_double = struct.Struct("<d").pack
 _uvarint = otlp.uvarint
-#: a request's id, route, profile, stream flag, model, case and decoded request (`Asked`'s fields by name)
-_ASKED = operator.itemgetter(*(Asked._fields.index(f) for f in ("request_id", "api", "profile", "stream", "model",
-                                                                  "case", "request")))
 _ZERO8, _ONE8, _ONE16 = bytes(8), (1).to_bytes(8, "big"), (1).to_bytes(16, "big")  # no id is 0 (`RequestTrace`)
 _MAKING = threading.Lock()  # a request's `Span` is made once (`RequestTrace.span`)
 
@@ -104,10 +102,10 @@ def forward(trace_id: int, span_id: int, sampled: bool, tracestate: str | None,
     return out
 
 
-class Tracing:
-    """One server's tracer (one per worker process: `start` runs at the app's start-up, after any fork).
-    `redact`: set by `live.attach` when `contents` is on (prompts and answers are exported redacted, or not at
-    all)."""
+class Tracing(Tracer):
+    """One server's tracer (one per worker process: `start` runs at the app's start-up, after any fork), the
+    server's `hooks.Tracer`. `redact`: set by `live.attach` (`use_redactor`) when `contents` is on (prompts and
+    answers are exported redacted, or not at all)."""
 
     def __init__(self, config: TracingConfig, metrics: Metrics, upstream: str) -> None:
         self.config = config
@@ -147,6 +145,14 @@ class Tracing:
         self.layouts: dict[tuple[Any, ...], otlp.PassthroughLayout] = {}
         #: epoch ns minus perf_counter() ns, and when that was read (`epoch`)
         self.clock_at, self.clock_offset = float("-inf"), 0
+
+    @property
+    def contents(self) -> bool:  # type: ignore[override]
+        """Spans carry prompts and answers (`[tracing] contents`)."""
+        return self.config.contents
+
+    def use_redactor(self, redact: Callable[[Any], Any]) -> None:
+        self.redact = redact
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """The exporter's sender (in each worker, after any fork): a task of the server's event loop `loop`, else
@@ -243,85 +249,73 @@ class Tracing:
             otlp.int_attribute("http.response.status_code", status), _LOCAL_UNSET))
 
     def plain_span(self, trace: RequestTrace) -> bool:
-        """The span of a plain request (its attributes are the request's own values only: a request not decoded,
-        unchanged, of no case, answered without an error or a repair, and nothing was noted on it but its
-        conformance) written straight to the wire format: what it shares with other requests (its
-        route and profile's attributes, then its model, stream flag, status, the answer's summary but its id and
-        token counts, the conformance check) from bounded caches, then its own values (ids, times, the response's
-        id, the token counts, the durations). A request that went upstream with no trace state: both spans from the
-        layout of its shape, the lengths of its values and its parent (`otlp.PassthroughLayout`), found by one
-        lookup. False (nothing written) where the request is not plain: only its attributes gathered in a dict can
-        say it (`fill`)."""
-        asked, made, served = trace.asked, trace.made, trace  # what was served: the trace's copy (`finish`)
-        if asked is None:
+        """The span of a plain request (`is_plain`: its attributes are the request's own values only) written
+        straight to the wire format: what it shares with other requests (its route and profile's attributes, then
+        its model, stream flag, status, the answer's summary but its id and token counts, the conformance check)
+        from bounded caches, then its own values (ids, times, the response's id, the token counts, the durations).
+        A request that went upstream with no trace state: both spans from the layout of its shape, the lengths of
+        its values and its parent (`otlp.PassthroughLayout`, `layout_for`), found by one lookup; any other, or one
+        whose shape is too large to lay out, by `write_encoded`. False (nothing written) where the request is not
+        plain: only its attributes gathered in a dict can say it (`RequestTrace.fill`)."""
+        asked = trace.asked
+        if asked is None or not is_plain(trace, asked):
             return False
-        request_id, api, profile, stream, asked_model, case, request = _ASKED(asked)  # one call, not seven lookups
-        if request is not None or case is not None or served.perturbation is not None or served.injected_calls \
-                or served.repaired or not 0 < served.status < 500 \
-                or (made is not None and (made.attributes or made.events)):
-            return False
-        summary, rules, up_start, upstream_s = trace.summary, trace.rules, trace.up_start, served.upstream_s
-        if up_start is not None and upstream_s is not None and trace.tracestate is None:
-            rid = request_id.encode("utf-8", "replace")
-            if summary is None:  # no summary at all: its key's parts None (an answer's are tuples)
-                model = reasons = names = None
-                resp, resp_n, tokens_in, tokens_out = b"", -1, b"", b""
-            else:
-                model, reasons, count_in, count_out, names, answer_id = summary
-                if answer_id is None:
-                    resp, resp_n = b"", -1
-                else:
-                    resp = answer_id.encode("utf-8", "replace")
-                    resp_n = len(resp)
-                # the counts' varints: never empty, so an empty one says there is no count
-                tokens_in = b"" if count_in is None else _uvarint(count_in)
-                tokens_out = b"" if count_out is None else _uvarint(count_out)
-            parent = trace.pid
-            # everything the layout depends on: what the shape's bytes say (route, profile, model, stream, status,
-            # the conformance check, the answer's summary but its id and counts), the values' lengths and the parent
-            key = (api, profile.name if profile is not None else "-",
-                   profile.spec.mode if profile is not None else "off", asked_model, stream, served.status,
-                   None if rules is None else tuple(rules), model, reasons, names, len(rid), resp_n, len(tokens_in),
-                   len(tokens_out),
-                   2 if parent else 0)  # a request's parent is remote (the client's) where there is one
-            layout = self.layouts.get(key)
-            if layout is None:
-                layout = self._layout(trace, key, (len(rid), resp_n, len(tokens_in), len(tokens_out)))
+        if trace.up_start is not None and trace.upstream_s is not None and trace.tracestate is None:
+            values = own_values(asked.request_id, trace.summary)
+            layout = self.layout_for(trace, asked, values)
             if layout is not None:
-                start = trace.start
-                server, client = layout.spans(
-                    trace.tid, trace.sid, parent, start, trace.end_ns or 0, rid, resp, tokens_in,
-                    tokens_out, round(upstream_s * 1e6) / 1000,
-                    round(over * 1e6) / 1000 if (over := served.total_s - upstream_s) > 0.0 else 0.0, trace.uid,
-                    start + int((up_start - trace.t0) * 1e9), trace.up_end_ns)
-                self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path does
+                self.write_laid_out(trace, layout, values)
                 return True
+        self.write_encoded(trace, asked)
+        return True
+
+    def layout_for(self, trace: RequestTrace, asked: Asked, values: OwnValues) -> otlp.PassthroughLayout | None:
+        """The layout of a plain request's spans, by everything it depends on: what the shape's bytes say (route,
+        profile, model, stream, status, the conformance check, the answer's summary but its id and counts), the
+        lengths of its own `values` and its parent. None: the shape is too large to keep."""
+        summary, rules, profile = trace.summary, trace.rules, asked.profile
+        model, reasons, names = (None, None, None) if summary is None else \
+            (summary.model, summary.finish_reasons, summary.tool_calls)  # no summary at all: its key's parts None
+        rid, resp, resp_n, tokens_in, tokens_out = values
+        key = (asked.api, profile.name if profile is not None else "-",
+               profile.spec.mode if profile is not None else "off", asked.model, asked.stream, trace.status,
+               None if rules is None else tuple(rules), model, reasons, names, len(rid), resp_n, len(tokens_in),
+               len(tokens_out),
+               2 if trace.pid else 0)  # a request's parent is remote (the client's) where there is one
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self._layout(trace, key, (len(rid), resp_n, len(tokens_in), len(tokens_out)))
+        return layout
+
+    def write_laid_out(self, trace: RequestTrace, layout: otlp.PassthroughLayout, values: OwnValues) -> None:
+        """A plain request's two spans from its `layout`: its ids, times, own `values` and durations packed in."""
+        rid, resp, _, tokens_in, tokens_out = values
+        start, upstream_s, up_start = trace.start, trace.upstream_s, trace.up_start
+        assert upstream_s is not None and up_start is not None  # `plain_span` lays out only what went upstream
+        server, client = layout.spans(
+            trace.tid, trace.sid, trace.pid, start, trace.end_ns or 0, rid, resp, tokens_in, tokens_out,
+            _ms(upstream_s), _ms(over) if (over := trace.total_s - upstream_s) > 0.0 else 0.0, trace.uid,
+            start + int((up_start - trace.t0) * 1e9), trace.up_end_ns)
+        self.exporter.put_pair(client, server)  # the upstream call's span first, as the general path does
+
+    def write_encoded(self, trace: RequestTrace, asked: Asked) -> None:
+        """A plain request's span from the shape it shares with other requests (`shape`) and its own attributes
+        (`own_attributes`); with its upstream call's span when it went upstream, else alone (refused before)."""
         shared = self.shape(trace)
+        own = own_attributes(trace, asked.request_id)
         exporter = self.exporter
-        own = otlp.str_attribute("toolquake.request_id", request_id)
-        if summary is not None:  # the answer's own values, in the order the layout writes them
-            if summary.id is not None:
-                own += otlp.str_attribute("gen_ai.response.id", summary.id)
-            if summary.input_tokens is not None:
-                own += otlp.int_attribute("gen_ai.usage.input_tokens", summary.input_tokens)
-            if summary.output_tokens is not None:
-                own += otlp.int_attribute("gen_ai.usage.output_tokens", summary.output_tokens)
-        if upstream_s is not None:
-            own += _UPSTREAM_MS + _pack_double(_ms(upstream_s)) + _OVERHEAD_MS + _pack_double(
-                _ms(max(served.total_s - upstream_s, 0.0)))
-        if up_start is None:  # refused before it went upstream: the request's span alone
+        if trace.up_start is None:  # refused before it went upstream: the request's span alone
             if exporter.room():
                 exporter.put_encoded(otlp.framed_parts(
                     otlp.head(trace.trace_id, trace.span_id, trace.parent_id, trace.tracestate, shared[0], SERVER,
                               trace.start, trace.end_ns or 0), shared[1], own,
                     _REMOTE_UNSET if trace.parent_id and trace.remote else _LOCAL_UNSET))
-            return True
-        up = self.up_spanned(api, served.status)
+            return
+        up = self.up_spanned(asked.api, trace.status)
         server, client = otlp.passthrough(trace.trace_id, trace.span_id, trace.parent_id, trace.remote,
                                           trace.tracestate, shared[0], trace.start, trace.end_ns or 0, shared[1], own,
-                                          trace.up_id, up[0], up[1], trace.at(up_start), trace.up_end_ns)
+                                          trace.up_id, up[0], up[1], trace.at(trace.up_start), trace.up_end_ns)
         exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
-        return True
 
     def shape(self, trace: RequestTrace) -> tuple[bytes, bytes]:
         """What a plain request's span shares with other requests: its name field, and its attributes but its
@@ -390,7 +384,7 @@ class Tracing:
         log.warning("tracing_failed", error_type=type(exc).__name__, error=str(exc)[:200])
 
 
-class RequestTrace:
+class RequestTrace(TraceHooks):
     """The span of one model request and what it takes to end it (`span` None: the sampler left the request out;
     its calls upstream still carry a context, sampled flag 0). The upstream call's span is written when the
     request finishes, from the times recorded (`up_start`); until then it is only its id, which the backend gets.
@@ -662,15 +656,18 @@ class RequestTrace:
             self.holds = 1
             self.release()
 
-    def call(self, name: str, asked: Asked, headers: Iterable[tuple[str, str]],
-             attributes: dict[str, Any]) -> tuple[Span | None, list[tuple[str, str]]]:
-        """A call the proxy makes upstream for this request (a follow-up, a shadow twin): its span, a child of the
-        request's, and the headers that carry its context to the backend."""
+    def call(self, name: str, asked: Asked, headers: Iterable[tuple[str, str]], attributes: dict[str, Any],
+             outcome: Any = None) -> tuple[Span | None, list[tuple[str, str]]]:
+        """A call the proxy makes upstream for this request (a follow-up, a shadow twin carrying the perturbation
+        `outcome`: its `perturbation_attributes` after `attributes`): its span, a child of the request's, and the
+        headers that carry its context to the backend."""
         try:
             span = None
             if self.span is not None:
                 attrs = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", **self.tracing.server,
                          **({"gen_ai.request.model": asked.model} if asked.model else {}), **attributes}
+                if outcome is not None:
+                    attrs.update(perturbation_attributes(outcome))
                 span = self.child(name, CLIENT, attributes=attrs)
             return span, self.forward(span, headers)
         except Exception as exc:
@@ -749,6 +746,49 @@ def request_into(out: dict[str, Any], asked: Asked, served: RequestTrace) -> Non
         out.update(served.perturbation)
 
 
+#: a plain request's own values as `otlp.PassthroughLayout` writes them: its id's bytes, its answer's id's bytes and
+#: their length (-1: no id), and the token counts' varints (empty: no count; a varint is never empty)
+OwnValues = tuple[bytes, bytes, int, bytes, bytes]
+
+
+def is_plain(trace: RequestTrace, asked: Asked) -> bool:
+    """A request whose span's attributes are its own values only (`Tracing.plain_span`): not decoded, of no case,
+    unchanged, answered without an error, a call to an added tool or a repair, and nothing noted on it."""
+    made = trace.made
+    return asked.request is None and asked.case is None and trace.perturbation is None \
+        and not trace.injected_calls and not trace.repaired and 0 < trace.status < 500 \
+        and (made is None or not (made.attributes or made.events))
+
+
+def own_values(request_id: str, summary: AnswerSummary | None) -> OwnValues:
+    """A plain request's own values (`OwnValues`) from its id and its answer's summary."""
+    rid = request_id.encode("utf-8", "replace")
+    if summary is None:
+        return rid, b"", -1, b"", b""
+    count_in, count_out, answer_id = summary.input_tokens, summary.output_tokens, summary.id
+    resp = b"" if answer_id is None else answer_id.encode("utf-8", "replace")
+    return (rid, resp, -1 if answer_id is None else len(resp), b"" if count_in is None else _uvarint(count_in),
+            b"" if count_out is None else _uvarint(count_out))
+
+
+def own_attributes(trace: RequestTrace, request_id: str) -> bytes:
+    """A plain request's own attributes, encoded in the order the layout writes them: its id, its answer's id and
+    token counts, the durations."""
+    summary, upstream_s = trace.summary, trace.upstream_s
+    own = otlp.str_attribute("toolquake.request_id", request_id)
+    if summary is not None:
+        if summary.id is not None:
+            own += otlp.str_attribute("gen_ai.response.id", summary.id)
+        if summary.input_tokens is not None:
+            own += otlp.int_attribute("gen_ai.usage.input_tokens", summary.input_tokens)
+        if summary.output_tokens is not None:
+            own += otlp.int_attribute("gen_ai.usage.output_tokens", summary.output_tokens)
+    if upstream_s is not None:
+        own += _UPSTREAM_MS + _pack_double(_ms(upstream_s)) + _OVERHEAD_MS + _pack_double(
+            _ms(max(trace.total_s - upstream_s, 0.0)))
+    return own
+
+
 _REQUEST_NUMBERS = (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
                     ("max_tokens", "gen_ai.request.max_tokens"), ("seed", "gen_ai.request.seed"),
                     ("max_completion_tokens", "gen_ai.request.max_tokens"))
@@ -756,14 +796,22 @@ _REQUEST_NUMBERS = (("temperature", "gen_ai.request.temperature"), ("top_p", "ge
 
 def perturbation_attributes(outcome: Any) -> dict[str, Any]:
     """The steps applied, and their key report fields: numbers and booleans, the few identifier-valued fields,
-    the tools each added (never text that came from the request)."""
-    out: dict[str, Any] = {"toolquake.perturbers": [a.name for a in outcome.applied],
+    the tools each added (never text that came from the request); the remedies apart (`toolquake.remedies`,
+    `toolquake.remedy.<name>.*`, the needed tools one left out as a count)."""
+    out: dict[str, Any] = {"toolquake.perturbers": [a.name for a in outcome.perturbations],
                            "toolquake.perturbed": bool(outcome.changed)}
     if outcome.failed:
         out["toolquake.perturbers_failed"] = list(outcome.failed)
+    if outcome.remedies:
+        out["toolquake.remedies"] = [a.name for a in outcome.remedies]
+    if outcome.remedies_failed:
+        out["toolquake.remedies_failed"] = list(outcome.remedies_failed)
     tokens = 0
     for applied in outcome.applied:
-        prefix = f"toolquake.perturber.{applied.name}."
+        prefix = f"toolquake.{'remedy' if applied.is_remedy else 'perturber'}.{applied.name}."
+        needed = applied.report.get("dropped_needed")
+        if isinstance(needed, list):
+            out[prefix + "dropped_needed"] = len(needed)
         for key, value in applied.report.items():
             if isinstance(value, bool) or (isinstance(value, (int, float)) and value == value):
                 out[prefix + key] = value
@@ -772,7 +820,7 @@ def perturbation_attributes(outcome: Any) -> dict[str, Any]:
         if applied.added_tools:
             out[prefix + "tools_added"] = list(applied.added_tools)
         added = applied.report.get("tokens_added")
-        if isinstance(added, int) and not isinstance(added, bool):
+        if isinstance(added, int) and not isinstance(added, bool) and not applied.is_remedy:
             tokens += added
     out["toolquake.tokens_added"] = tokens
     return out
