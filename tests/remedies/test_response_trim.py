@@ -29,7 +29,7 @@ def conversation(content: str, question: str = "What is the temperature at Reykj
 
 def run(body: dict[str, Any], budget: int) -> tuple[ChatRequest, ChatRequest, dict[str, Any]]:
     request = ChatRequest(body)
-    ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
     return request, build("response_trim", {"budget_tokens": budget}).apply(request, ctx), ctx.report
 
 
