@@ -58,11 +58,6 @@ class Asked(NamedTuple):
                 f"observed={self.observed!r})")
 
     @property
-    def seed(self) -> int:
-        """`perturbation_seed` under its old name, for server/tracing.py until it is renamed there."""
-        return self.perturbation_seed
-
-    @property
     def route(self) -> str:
         return self.api.route if self.api is not None else "-"
 
