@@ -550,7 +550,7 @@ _ID = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size
        up_shared=st.binary(max_size=300),
        tokens=st.lists(st.one_of(st.none(), st.integers(0, 200), st.integers(-(1 << 63), (1 << 64) - 1)),
                        min_size=2, max_size=2))
-def test_a_laid_out_unperturbed_span_writes_the_bytes_unperturbed_writes(trace_id, span_id, parent, remote, up_id, times,
+def test_a_laid_out_unperturbed_span_is_the_bytes_unperturbed_writes(trace_id, span_id, parent, remote, up_id, times,
                                                                     request_id, response_id, durations, name, shared,
                                                                     up_name, up_shared, tokens):
     """`otlp.UnperturbedLayout` (two `struct` packs of a shape's constant parts and a request's values, the hot path
