@@ -79,7 +79,7 @@ HOSTILE_STEPS = {"tool_search": {"k": 1, "method": "bm25"}, "response_trim": {"b
 
 
 def _cpu(name: str, body: dict[str, Any]) -> float:
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services(token_counter=EstimateCounter()))
     remedy = build(name, HOSTILE_STEPS[name])
     start = time.process_time()
     remedy.apply(ChatRequest(body), ctx)
