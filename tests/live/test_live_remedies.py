@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import start_fake_upstream, start_proxy
 from tests.fake_upstream import LOST_TEXT
 from tests.live.test_shadow import metric, wait_for
-from tests.replay.test_live_report import report
+from tests.replay.test_live_report import SAME, report
 from tests.replay.test_replay import replay
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings]
@@ -272,7 +272,10 @@ def test_a_replay_of_the_same_cases_gives_the_same_remedies_section(live, tmp_pa
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         fake.stop()
-    replayed = _entry(json.loads(report(str(tmp_path / "runs"), "--format", "json").stdout), "search-padded")
-    lived = _entry(json.loads(report("--db", str(live["db"]), "--format", "json").stdout), "search-padded")
-    same = {k: v for k, v in lived.items() if k != "model"}
-    assert same == {k: v for k, v in replayed.items() if k != "model"}
+    replayed = json.loads(report(str(tmp_path / "runs"), "--format", "json").stdout)
+    lived = json.loads(report("--db", str(live["db"]), "--format", "json").stdout)
+    same = {k: v for k, v in _entry(lived, "search-padded").items() if k != "model"}
+    assert same == {k: v for k, v in _entry(replayed, "search-padded").items() if k != "model"}
+    # the two arms' own statistics too (off differs: live, it also holds the shadowed requests' own answers)
+    for p in PROFILES[1:]:
+        assert {k: lived["arms"][p][k] for k in SAME} == {k: replayed["arms"][p][k] for k in SAME}, p
