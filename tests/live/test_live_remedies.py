@@ -23,6 +23,7 @@ from tests.fake_upstream import LOST_TEXT
 from tests.live.test_shadow import metric, wait_for
 from tests.replay.test_live_report import SAME, report
 from tests.replay.test_replay import replay
+from toolquake.scorers.consistency import DISAGREE
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings]
 
@@ -258,6 +259,8 @@ def test_a_shadow_profile_of_the_remedy_alone_shows_its_consistency(live):
     assert e["cases_won"] == sum(1 for i in SHADOW if twin[i] and not original[i]) and e["cases_lost"] == 1
     assert (e["needed_dropped"], e["needed_dropped_known"]) == (len(dropped), len(SHADOW))
     assert 'toolquake_remedy_dropped_needed_total{profile="search-shadow",remedy="tool_search"} 1.0' in exposition
+    assert (f'toolquake_consistency_total{{agree="{DISAGREE}",model="fake-model",profile="search-shadow"}} '
+            f'{float(len(SHADOW) - agree)}') in exposition
     md = report("--db", str(live["db"]), "--no-plots").stdout
     assert "| search-shadow |" in md and "Shadow consistency" in md
 
