@@ -7,8 +7,10 @@ given: it builds a new one with `request.replace(...)` and shallow copies of wha
 Everything the rest of toolquake relies on about a perturber is declared on `Perturber` below:
 how `apply` runs (plain, `blocking` in a worker thread, or `async def`), whether it rewrites the
 answer (`rewrites_response` + `restore`), how it changes the expected answer (`expected_answer`),
-what grading should read instead of the restored answer (`answer_decodes`), and which experiment of the
-report its arms belong to (`experiment`, `axes`). Nothing outside this package asks for a perturber by name.
+what grading should read instead of the restored answer (`answer_decodes`), which experiment of the
+report its arms belong to (`experiment`, `axes`), which profiles replay's preset of its name selects
+(`preset_profiles`), and whether a generator model writes what it adds (`generates_text`). Nothing outside
+this package asks for a perturber by name.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class Services:
 class PerturbContext:
     """What a perturber may know besides the request: its seeded RNG, the case, the services."""
 
-    seed: int
+    #: the request's perturbation seed (X-Toolquake-Seed, else the conversation, else the body); `rng` is seeded
+    #: from it, the step's position and name
+    perturbation_seed: int
     rng: random.Random
     services: Services
     case: Any = None
@@ -111,6 +115,11 @@ class PerturbContext:
     report: dict[str, Any] = field(default_factory=dict)
     #: state a perturber keeps between apply() and restore() of the same request
     state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        """`perturbation_seed` under its old name, for perturbers written before it was renamed."""
+        return self.perturbation_seed
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,9 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     experiment: ClassVar[str] = ""
     #: the parameters that place an arm in its experiment: a grid's axes, or a family's kind
     axes: ClassVar[tuple[str, ...]] = ()
+    #: the profiles (names or shell patterns of the config's profiles) that `toolquake replay --profiles @<name>`
+    #: selects after `off`, <name> being this perturber's: the arms of its family; empty: no preset of its name
+    preset_profiles: ClassVar[tuple[str, ...]] = ()
     #: the parameters `toolquake sweep` may grow, by axis name (`--axis NAME`, or `--axis <perturber>.<param>`):
     #: each one promises prefix-stable growth — the content at a larger value holds the content at a smaller one,
     #: the same additions in the same order, grown — so that a verdict along it means something (docs/sweep.md)
@@ -185,6 +197,12 @@ class Perturber(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Tool results this step replaced with a failure, judged from its report: one {"index": message index,
         "kind": failure kind} each; the answer that follows is scored for recovery. Empty for most steps."""
         return []
+
+    def generates_text(self) -> bool:
+        """True when what this step, with its parameters, puts into the request is written by a generator model (its
+        `generator_model` parameter, else the model under test itself): replay refuses such an arm with no fixed
+        generator model unless `--self-rephrase`, so that every model compared sees the same text."""
+        return False
 
     def fills_token_budget(self) -> bool:
         """True when this step grows the request to a token budget counted by the proxy's token counter (catalog

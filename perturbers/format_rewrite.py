@@ -283,7 +283,7 @@ class FormatRewrite(Perturber):
             if not chosen.has_calls:
                 choices.append(choice)
                 continue
-            key = f"{ctx.seed}:{response.get('id')}:{choice.get('index', 0)}"
+            key = f"{ctx.perturbation_seed}:{response.get('id')}:{choice.get('index', 0)}"
             tool_calls = [{"id": _call_id(key, n), "type": "function",
                            "function": {"name": names.to_client(c["name"]),
                                         "arguments": json.dumps(jsonable(c["arguments"]), ensure_ascii=False)}}

@@ -56,6 +56,8 @@ class Paraphrase(Perturber):
     biases the drop down)."""
 
     name = "paraphrase"
+    #: seed 001's rephrased query: the report's rephraser and rephrasing-drop tables read its arms
+    experiment = "rephrasing"
     blocking: ClassVar[bool] = True
     #: a host to send prompts to, a directory to write to, an environment variable to send as a key: the operator's
     operator_only: ClassVar[frozenset[str]] = frozenset({"generator_url", "cache_dir", "api_key_env"})
@@ -81,6 +83,9 @@ class Paraphrase(Perturber):
             raise ValueError(f"generator_url must be an http(s) URL, got {self.generator_url!r}")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+
+    def generates_text(self) -> bool:
+        return True
 
     def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
         index = request.last_user_index()

@@ -236,7 +236,8 @@ class ResponseLengthening(Perturber):
                     ctx.report["needles"] = ctx.report.get("needles", 0) + len(found.values)
                     needles = found if found.values or found.bounds else None  # nothing to check: no check
                 # the padding stream depends on the case (or request) and the function, never on the budget
-                rng = random.Random(f"{getattr(ctx.case, 'id', None) or ctx.seed}:{tool}:response_lengthening")
+                origin = getattr(ctx.case, "id", None) or ctx.perturbation_seed
+                rng = random.Random(f"{origin}:{tool}:response_lengthening")
                 targets.append(_Target(i, content, ctx, words, bank=bank, needles=needles, rng=rng))
             except (LookupError, OSError, RuntimeError) as exc:  # no array of records; prose without a corpus
                 skipped.append({"message": i, "reason": str(exc)[:200]})

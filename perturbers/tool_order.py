@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
 
@@ -11,6 +13,8 @@ class ToolOrder(Perturber):
     """Shuffle the toolkit (`mode="shuffle"`), or reverse it (`mode="reverse"`)."""
 
     name = "tool_order"
+    #: `@tool_order`: order sensitivity, shuffled and reversed
+    preset_profiles: ClassVar[tuple[str, ...]] = ("shuffled", "reversed")
     mode: str = "shuffle"
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ miss_func; BFCL irrelevance)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from toolquake.bfcl.convert import openai_name
 from toolquake.perturbers import register
@@ -55,10 +55,12 @@ def _expectation(which: str, removed: list[str], case: Any) -> str:
 @register
 class ToolRemoval(Perturber):
     """Removes tools from the request: `which="expected"` the ones the case's ground truth calls (the
-    case must be known), `"random"` one tool chosen with the request's seed, or a tool name. What was
+    case must be known), `"random"` one tool chosen with the request's perturbation seed, or a tool name. What was
     removed is reported, with `expect`: `no_call` when the case's tool is gone (scored as irrelevance)."""
 
     name = "tool_removal"
+    #: `@tool_removal`: the target tool removed (the right answer is no call), or a random one
+    preset_profiles: ClassVar[tuple[str, ...]] = ("no-target-tool", "random-tool-removed")
     which: str = EXPECTED
 
     def __post_init__(self) -> None:

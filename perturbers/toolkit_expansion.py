@@ -121,6 +121,9 @@ class ToolkitExpansion(Perturber):
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
 
+    def generates_text(self) -> bool:
+        return self.source == "generate"
+
     def setup(self, services: Services) -> None:
         get_shared_embedder(services)  # the embedding model (and, for retrieval, the pool) loaded once
         if self.source == "retrieval":
@@ -259,7 +262,7 @@ class ToolkitExpansion(Perturber):
 
 
 def request_key(originals: list[dict[str, Any]], user: str) -> int:
-    """A seed from the request's tool names and user message (not the request seed): every arm and every
+    """A seed from the request's tool names and user message (not its perturbation seed): every arm and every
     model that sends this request gets the same tools."""
     text = json.dumps([sorted(tool_name(t) for t in originals), user])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

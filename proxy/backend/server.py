@@ -162,16 +162,17 @@ class Engine:
     """N `Llama` instances over one GGUF file; each request borrows one for its whole generation."""
 
     def __init__(self, model_path: str, *, n_ctx: int = 8192, threads: int = 1, parallel: int = 1,
-                 seed: int = 0) -> None:
+                 sampling_seed: int = 0) -> None:
         from llama_cpp import Llama
 
         self.n_ctx = n_ctx
-        self.seed = seed
+        #: the sampling seed of a request that sends none
+        self.sampling_seed = sampling_seed
         self.pool: queue.Queue = queue.Queue()
         self.instances = []
         for _ in range(max(1, parallel)):
-            llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, seed=seed,
-                        verbose=False)
+            llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                        seed=sampling_seed, verbose=False)
             self.instances.append(llm)
             self.pool.put(llm)
         self.n_vocab = self.instances[0].n_vocab()
@@ -235,7 +236,7 @@ class Engine:
         return tokens
 
     def generate(self, prompt: list[t.Segment] | list[int], schema: dict[str, Any] | None, *, max_tokens: int,
-                 temperature: float, top_p: float, seed: int | None, stop: list[str],
+                 temperature: float, top_p: float, sampling_seed: int | None, stop: list[str],
                  on_text: Callable[[str], None] | None = None, deadline: Deadline | None = None) -> Generation:
         """One answer to a prompt (segments, or its tokens from `prompt_tokens`); an ApiError 504 when `deadline`
         passes before it is done (the generation is stopped there and the instance given back)."""
@@ -246,7 +247,8 @@ class Engine:
         llm = self.pool.get()
         try:
             kwargs = dict(max_tokens=max_tokens, temperature=max(0.0, temperature), top_p=top_p,
-                          seed=self.seed if seed is None else seed, stop=[t.IM_END, *stop], grammar=grammar)
+                          seed=self.sampling_seed if sampling_seed is None else sampling_seed, stop=[t.IM_END, *stop],
+                          grammar=grammar)
             if deadline is not None:
                 deadline.start()
                 kwargs["stopping_criteria"] = deadline
@@ -286,7 +288,8 @@ class Job:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int | None
+    #: the request body's `seed`, modulo 2**32
+    sampling_seed: int | None
     stop: list[str]
     schema: dict[str, Any] | None
     stream: bool
@@ -448,11 +451,11 @@ def parse_job(body: Any, api: str, default_max_tokens: int) -> Job:
                        "invalid_value", "stop")
     stop = [s for s in stop if s]  # an empty stop string would end every answer before it starts
     keys = ("max_completion_tokens", "max_tokens") if api == "chat" else ("max_output_tokens",)
-    seed = _typed(body, "seed", int, "an integer")
-    if seed is not None:
-        if not -2**63 <= seed < 2**64:
+    sampling_seed = _typed(body, "seed", int, "an integer")
+    if sampling_seed is not None:
+        if not -2**63 <= sampling_seed < 2**64:
             raise ApiError(400, "'seed' must be a 64-bit integer", "invalid_value", "seed")
-        seed %= 2**32  # llama.cpp's seeds are 32-bit
+        sampling_seed %= 2**32  # llama.cpp's seeds are 32-bit
     if api == "chat":
         fmt, where = body.get("response_format"), "response_format"
         opts = _typed(body, "stream_options", dict, "an object")
@@ -475,7 +478,7 @@ def parse_job(body: Any, api: str, default_max_tokens: int) -> Job:
         if schema is not None and mode != "none":
             mode = "none"
     return Job(msgs, mode, allowed, parallel, _int(body, keys, default_max_tokens),
-               _num(body, "temperature", 0.0, 0.0, 2.0), _num(body, "top_p", 1.0, 0.0, 1.0), seed, stop,
+               _num(body, "temperature", 0.0, 0.0, 2.0), _num(body, "top_p", 1.0, 0.0, 1.0), sampling_seed, stop,
                schema, stream)
 
 
@@ -508,8 +511,8 @@ def complete(engine: Engine, job: Job, on_text: Callable[[str], None] | None = N
     plain = job.schema is None or job.mode == "none"
     prompt = job.tokens or job.segments
     gen = engine.generate(prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                          top_p=job.top_p, seed=job.seed, stop=job.stop, on_text=on_text if plain else None,
-                          deadline=job.deadline)
+                          top_p=job.top_p, sampling_seed=job.sampling_seed, stop=job.stop,
+                          on_text=on_text if plain else None, deadline=job.deadline)
     if plain or job.mode != "auto" or not repeat_guard:
         return gen
     _, calls = g.decode_answer(gen.text)
@@ -517,7 +520,7 @@ def complete(engine: Engine, job: Job, on_text: Callable[[str], None] | None = N
     if calls and done and all(_canonical(n, a) in done for n, a in calls):
         job.schema = g.reply_schema()
         return engine.generate(prompt, job.schema, max_tokens=job.max_tokens, temperature=job.temperature,
-                               top_p=job.top_p, seed=job.seed, stop=job.stop, deadline=job.deadline)
+                               top_p=job.top_p, sampling_seed=job.sampling_seed, stop=job.stop, deadline=job.deadline)
     return gen
 
 

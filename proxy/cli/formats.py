@@ -75,7 +75,7 @@ def _render(args: argparse.Namespace) -> int:
     perturber = FormatRewrite(return_format=fmt.return_format, function_doc_format=fmt.function_doc_format,
                               tool_call_tag=fmt.tool_call_tag, prompt_format=fmt.prompt_format,
                               prompt_style=fmt.prompt_style)
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(), case=case)
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services(), case=case)
     sent = perturber.apply(ChatRequest(body), ctx).body
     if "skipped" in ctx.report:
         print(f"toolquake: nothing to render: {ctx.report['skipped']}", file=sys.stderr)

@@ -13,7 +13,7 @@ from toolquake.proxy.cli.common import config_from_args, load_request
 def run(args: argparse.Namespace) -> int:
     from toolquake.perturbers import ChatRequest, Services, shown_params
     from toolquake.perturbers.helpers.tokens import counter_label, make_counter
-    from toolquake.proxy.server.pipeline import run_profile, seed_for
+    from toolquake.proxy.server.pipeline import perturbation_seed_for, run_profile
     from toolquake.proxy.server.profiles import ProfileStore
 
     config = config_from_args(args, upstream=args.upstream)
@@ -28,12 +28,14 @@ def run(args: argparse.Namespace) -> int:
 
         case = case_by_id(args.case)
     raw = json.dumps(body).encode()
-    seed = args.seed if args.seed is not None else seed_for(None, raw, request=ChatRequest(body))
+    perturbation_seed = (args.seed if args.seed is not None
+                         else perturbation_seed_for(None, raw, request=ChatRequest(body)))
     services = Services(token_counter=make_counter(config.server.token_counter, config.server.upstream))
-    outcome = asyncio.run(run_profile(profile, ChatRequest(body), seed, services, case))
+    outcome = asyncio.run(run_profile(profile, ChatRequest(body), perturbation_seed, services, case))
     json.dump(outcome.request.body, sys.stdout, ensure_ascii=False, indent=2)
     sys.stdout.write("\n")
-    summary = {"profile": profile.name, "seed": seed, "token_counter": counter_label(services.token_counter),
+    summary = {"profile": profile.name, "seed": perturbation_seed,
+               "token_counter": counter_label(services.token_counter),
                "applied": [{"name": a.name, "params": shown_params(a.params), **a.report,
                             **({"kind": a.kind} if a.kind else {})}
                            for a in outcome.applied],
@@ -53,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = perturb.add_mutually_exclusive_group(required=True)
     src.add_argument("--request", help="chat-completions request body (JSON file, or - for stdin)")
     src.add_argument("--case", help="BFCL case id (needs `toolquake corpus pull`)")
-    perturb.add_argument("--seed", type=int, help="seed for the perturbers' randomness (default: hash of the body)")
+    perturb.add_argument("--seed", type=int,
+                         help="the perturbation seed, which seeds the perturbers' randomness (default: as the proxy "
+                              "derives it from the request: the conversation key, else a hash of the body)")
     perturb.add_argument("--upstream", help="backend base URL, used by the 'upstream' token counter")
     perturb.set_defaults(func=run)

@@ -129,9 +129,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "TOOLQUAKE_GENERATOR_MODEL instead); the report labels the rephraser of each arm")
     p.add_argument("--trials", type=int, default=1, metavar="K",
                    help="send every (case, profile) K times (default 1), trial t with the sampling seed "
-                        "trial_seed(case, t) — the same in every arm and on a rerun; each (case, profile, trial) is "
-                        "recorded exactly once. The report adds the mean accuracy over trials with its spread, "
-                        "pass^k and pass@k. Use with --temperature > 0")
+                        "trial_sampling_seed(case, t) — the same in every arm and on a rerun; each (case, profile, "
+                        "trial) is recorded exactly once. The report adds the mean accuracy over trials with its "
+                        "spread, pass^k and pass@k. Use with --temperature > 0")
     p.set_defaults(func=run)
 
 

@@ -141,7 +141,7 @@ def raise_open_files(wanted: int) -> tuple[int, int]:
 def tune_gc() -> None:
     """Leave what start-up built (imports, the app, profiles, pools) out of the cyclic garbage collector's
     scans, and collect the young generation less often. Before this, collections were ~13 % of a
-    passthrough request's CPU time at 64 connections (docs/benchmarks.md)."""
+    unperturbed request's CPU time at 64 connections (docs/benchmarks.md)."""
     gc.collect()
     gc.freeze()
     # a young-generation collection after 10,000 net new container objects instead of 700: the objects of

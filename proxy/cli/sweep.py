@@ -151,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "original tools, 0-1; lengthening: a whole number is a 1-based block index, a decimal a fraction: "
                    "1 is first, 1.0 last); default: the perturber's")
     p.add_argument("--trials", type=int, default=1, metavar="K", help="send each point K times (trial t with the "
-                   "sampling seed trial_seed(case, t)) and take the --rule's verdict: for noisy backends "
+                   "sampling seed trial_sampling_seed(case, t)) and take the --rule's verdict: for noisy backends "
                    "(--temperature > 0). Default 1")
     p.add_argument("--rule", choices=("majority", "all"), default="majority", help="with --trials: a point is right "
                    "when more than half of its K trials are (majority, default) or when all K are (all)")

@@ -1,15 +1,15 @@
 """Shadow twins: for a `mode = "shadow"` profile, the perturbed copy of a request the client never sees.
 
 The client was answered from its original request (streamed if it asked). After the fact, for a
-sampled share of requests (`sample_rate`, decided from the request seed so reruns repeat), the
-profile's perturbers, then its remedies, run over the original body (a profile of remedies only: the twin is the
-remedied request, compared with the client's unremedied answer), the result goes to the same upstream client
-(non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
+sampled share of requests (`sample_rate`, decided from the request's perturbation seed so reruns
+repeat), the profile's perturbers, then its remedies, run over the original body (a profile of remedies only:
+the twin is the remedied request, compared with the client's unremedied answer), the result goes to the same
+upstream client (non-stream, with the client's own end-to-end headers, auth included), and the answer — restored
 when a perturber rewrote its shape — is handed on to be compared with the original answer. At most
 `max_concurrent` twins per profile are in flight; a twin over that limit is skipped and counted,
 never queued, so shadowing can never build up load or delay anybody.
 
-The noise floor: for a share `noise_rate` of requests (decided from the seed, independently of
+The noise floor: for a share `noise_rate` of requests (decided from the perturbation seed, independently of
 `sample_rate`), a second twin goes out *unperturbed* — the client's own request again. How often it
 disagrees with the original answer is the model's own nondeterminism; it is counted under the
 profile label `<noise>` (`NOISE_PROFILE`), never in the profile's own consistency. Noise twins share
@@ -55,12 +55,12 @@ class Twin:
     kind: str = "twin"
 
 
-def sampled(seed: int, rate: float, salt: str = "shadow") -> bool:
+def sampled(perturbation_seed: int, rate: float, salt: str = "shadow") -> bool:
     if rate >= 1.0:
         return True
     if rate <= 0.0:
         return False
-    return random.Random(f"{seed}:{salt}").random() < rate
+    return random.Random(f"{perturbation_seed}:{salt}").random() < rate
 
 
 def twin_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +88,8 @@ class ShadowRunner:
             return False
         spec = profile.spec
         if spec.noise_rate > 0:
-            self._start(asked, served, profile, "noise", sampled(asked.seed, spec.noise_rate, "noise"))
-        return self._start(asked, served, profile, "twin", sampled(asked.seed, spec.sample_rate))
+            self._start(asked, served, profile, "noise", sampled(asked.perturbation_seed, spec.noise_rate, "noise"))
+        return self._start(asked, served, profile, "twin", sampled(asked.perturbation_seed, spec.sample_rate))
 
     def _start(self, asked: Asked, served: Served, profile: Any, kind: str, chosen: bool) -> bool:
         label = NOISE_PROFILE if kind == "noise" else asked.profile_name
@@ -131,7 +131,8 @@ class ShadowRunner:
         request = asked.request or {}
         if perturb:
             try:
-                outcome = await run_profile(profile, ChatRequest(request), asked.seed, st.services, asked.case)
+                outcome = await run_profile(profile, ChatRequest(request), asked.perturbation_seed, st.services,
+                                            asked.case)
             except Exception as exc:  # strict profiles raise; the client was served already
                 if isinstance(exc, PerturbationFailed):
                     m.count_failure(exc, profile.name)

@@ -17,8 +17,8 @@ was killed was never committed and is simply sent again. A request that failed o
 an inference error, so it is final; one that failed on the proxy's or the network's side is retried.
 
 Repeated trials (`--trials K`): each (case, profile) is sent K times, trial t carrying the sampling
-seed `trial_seed(case_id, t)` — the same in every arm, so arms differ only by the perturbation, and
-the same on a rerun, so a resumed trial asks the same question. The perturbation's own seed does not
+seed `trial_sampling_seed(case_id, t)` — the same in every arm, so arms differ only by the perturbation, and
+the same on a rerun, so a resumed trial asks the same question. The perturbation seed does not
 depend on the trial: the K answers of an arm differ by the model's sampling only.
 """
 
@@ -107,8 +107,9 @@ class Summary:
     tallies: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def trial_seed(case_id: str, trial: int) -> int:
-    """The `seed` sent with trial `trial` of a case (with --trials > 1): a stable 31-bit hash of both."""
+def trial_sampling_seed(case_id: str, trial: int) -> int:
+    """The sampling seed (the request body's `seed`) sent with trial `trial` of a case (with --trials > 1): a stable
+    31-bit hash of both."""
     return int.from_bytes(hashlib.sha256(f"{case_id}\0{trial}".encode()).digest()[:4], "big") >> 1
 
 
@@ -236,10 +237,10 @@ class _Sender:
         self.say(f"{self.command}: WARNING: {rec.warning}")
 
     def sampling(self, case_id: str, trial: int) -> dict[str, Any]:
-        """temperature, max_tokens, and with --trials > 1 the trial's seed (`trial_seed`)."""
-        seed = trial_seed(case_id, trial) if self.options.trials > 1 else None
+        """temperature, max_tokens, and with --trials > 1 the trial's sampling seed (`trial_sampling_seed`)."""
+        sampling_seed = trial_sampling_seed(case_id, trial) if self.options.trials > 1 else None
         return {k: v for k, v in (("temperature", self.options.temperature), ("max_tokens", self.options.max_tokens),
-                                  ("seed", seed)) if v is not None}
+                                  ("seed", sampling_seed)) if v is not None}
 
     async def multi_turn(self, case: Any, profile: str, trial: int, traced: dict[str, str]) -> Record:
         """A multi-turn case: a whole conversation through the proxy, scored by BFCL's multi-turn checker."""
@@ -502,10 +503,13 @@ def _check_given(options: Options, config: Any, arms: list[str], cases: list[Any
 
 
 def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None:
-    """Arms whose `paraphrase`, or whose `toolkit_expansion` with `source = "generate"`, has no fixed generator model
-    would have their text written by each model under test: refused unless --self-rephrase."""
+    """Arms with a step whose text a generator model writes (`Perturber.generates_text`: a rephrased query, generated
+    related tools) and that names no fixed generator model would have their text written by each model under test:
+    refused unless --self-rephrase."""
+    from toolquake.perturbers import build
+
     selfish = [p for p, spec in specs.items() for step in spec["perturbers"]
-               if _self_generated(step) and not step["params"].get("generator_model")]
+               if build(step["name"], step["params"]).generates_text() and not step["params"].get("generator_model")]
     if selfish and not options.self_rephrase:
         raise ReplayError(
             f"{', '.join(sorted(set(selfish)))}: no fixed generator model is configured, so each model under test "
@@ -513,12 +517,6 @@ def _check_rephraser(options: Options, specs: dict[str, dict[str, Any]]) -> None
             "every model compared saw the same text). Set TOOLQUAKE_GENERATOR_URL and TOOLQUAKE_GENERATOR_MODEL (or "
             "the profile's generator_url / generator_model) to a fixed model, or pass --self-rephrase to accept "
             "self-generation; the report labels which rephraser each arm used.")
-
-
-def _self_generated(step: dict[str, Any]) -> bool:
-    """A step whose text a generator model writes: `paraphrase`, or `toolkit_expansion` generating its tools."""
-    return step["name"] == "paraphrase" or (step["name"] == "toolkit_expansion"
-                                            and step["params"].get("source") == "generate")
 
 
 def temperature_sent(options: Options) -> str:

@@ -8,7 +8,8 @@ from typing import Any
 
 from toolquake.proxy.replay.errors import ReplayError
 
-#: named groups of profiles for `--profiles` (`@name`); patterns are expanded against the config
+#: named groups of profiles for `--profiles` (`@name`); patterns are expanded against the config. A perturber's
+#: family has a preset of the perturber's name, with the profiles it declares (`Perturber.preset_profiles`): `presets`
 PRESETS: dict[str, list[str]] = {
     # seed 001 Table 2: original / rephrased query / expanded toolkit (run it on `multiple`); the rephrasing drop on
     # the cases whose rephrasing passed the value check (rephrased) and on all of them (rephrased-all, the paper's)
@@ -20,8 +21,6 @@ PRESETS: dict[str, list[str]] = {
     "seed003-prompt": ["off", "prompt-off", "prompt-pad-*"],
     # seed 002: the 26 format configurations of BFCL V4 format sensitivity (run it on `format_sensitivity`)
     "seed002": ["fmt-*"],
-    "tool_order": ["off", "shuffled", "reversed"],
-    "tool_removal": ["off", "no-target-tool", "random-tool-removed"],
     # issue #19: failed tool results (tool_failure) and rewritten tool descriptions (tool_metadata)
     "faults": ["off", "fail-*"],
     "metadata": ["off", "meta-*"],
@@ -55,6 +54,15 @@ PRESET_CATEGORIES: dict[str, list[str]] = {
     "remedies": ["simple_python", "live_simple", "multiple"],
     "remedies-responses": ["multi_turn_base"],
 }
+
+
+def presets() -> dict[str, list[str]]:
+    """Every preset: `PRESETS`, then one per perturber that declares `preset_profiles` (`@tool_order`, ...)."""
+    from toolquake.perturbers import registry
+
+    declared = {name: ["off", *cls.preset_profiles] for name, cls in sorted(registry().items())
+                if cls.preset_profiles and name not in PRESETS}
+    return {**PRESETS, **declared}
 
 
 def default_categories(profiles_spec: str) -> list[str] | None:
@@ -98,11 +106,12 @@ def expand_profiles(spec: str, known: list[str]) -> list[str]:
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
         raise ReplayError("--profiles is empty")
+    groups = presets() if any(i.startswith("@") for i in items) else PRESETS
     for item in items:
         if item.startswith("@"):
-            group = PRESETS.get(item[1:])
+            group = groups.get(item[1:])
             if group is None:
-                raise ReplayError(f"unknown preset {item!r} (presets: {', '.join('@' + p for p in PRESETS)})")
+                raise ReplayError(f"unknown preset {item!r} (presets: {', '.join('@' + p for p in groups)})")
             names = [n for pattern in group for n in _match(pattern, known, item)]
         else:
             names = _match(item, known, item)

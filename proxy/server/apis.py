@@ -80,8 +80,8 @@ class ChatCompletions(Api):
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:
         return streaming.emit_stream(answer)
 
-    def text_through(self) -> streaming.TextThrough:
-        return streaming.TextThrough()
+    def text_through(self) -> streaming.ChatTextThrough:
+        return streaming.ChatTextThrough()
 
 
 class Responses(Api):
@@ -114,8 +114,8 @@ class Responses(Api):
     def emit(self, answer: dict[str, Any]) -> Iterator[bytes]:
         return responses.emit_events(answer)
 
-    def text_through(self) -> responses.TextThrough:
-        return responses.TextThrough()
+    def text_through(self) -> responses.ResponsesTextThrough:
+        return responses.ResponsesTextThrough()
 
 
 CHAT = ChatCompletions()

@@ -26,7 +26,7 @@ from toolquake.proxy.server.answer.plain import JSON, Plain
 from toolquake.proxy.server.apis import Api
 from toolquake.proxy.server.config import shown_name
 from toolquake.proxy.server.errors import ProxyError
-from toolquake.proxy.server.pipeline import PerturbationFailed, run_profile, seed_for
+from toolquake.proxy.server.pipeline import PerturbationFailed, perturbation_seed_for, run_profile
 from toolquake.proxy.server.state import UNDECIDED, Asked, ProxyState, Served
 from toolquake.proxy.server.upstream import UpstreamError, UpstreamResponse, request_headers
 
@@ -213,7 +213,7 @@ class ChatHandler:
 
     def _decode(self, light: Asked, headers: list[tuple[str, str]], raw: bytes, case: Any) -> Asked:
         """The request decoded whole (for its perturbers and observers), its case (resolved here when still
-        UNDECIDED) and its seed."""
+        UNDECIDED) and its perturbation seed."""
         st, api = self.st, self.api
         st.metrics.child(st.metrics.request_decodes, "whole").inc()
         try:
@@ -235,9 +235,10 @@ class ChatHandler:
                     case = st.case_resolver(light.case_header, chat)
                 except Exception as exc:  # fail-open: an unknown case never breaks the request
                     log.warning("case_resolution_failed", error_type=type(exc).__name__)
-        seed = seed_for(header(headers, "x-toolquake-seed"), raw,
-                        conversation=header(headers, "x-toolquake-conversation"), request=chat)
-        return light._replace(seed=seed, case=case, request=request, wire_request=body, conversion=conversion)
+        seed = perturbation_seed_for(header(headers, "x-toolquake-seed"), raw,
+                                     conversation=header(headers, "x-toolquake-conversation"), request=chat)
+        return light._replace(perturbation_seed=seed, case=case, request=request, wire_request=body,
+                              conversion=conversion)
 
     async def _serve(self, asked: Asked, served: Served, raw: bytes) -> Plain | Stream:
         st, profile, api = self.st, asked.profile, self.api
@@ -246,8 +247,8 @@ class ChatHandler:
         served.sent = asked.request
         if asked.request is not None and profile.perturbs:
             try:
-                served.outcome = await run_profile(profile, ChatRequest(asked.request), asked.seed, st.services,
-                                                   asked.case)
+                served.outcome = await run_profile(profile, ChatRequest(asked.request), asked.perturbation_seed,
+                                                   st.services, asked.case)
             except PerturbationFailed as exc:
                 st.metrics.count_failure(exc, profile.name)
                 raise ProxyError(500, str(exc), type="server_error", code="perturbation_failed") from None

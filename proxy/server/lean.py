@@ -34,7 +34,7 @@ says which.
 
 **Why uvicorn internals.** Serving in the protocol skips the ASGI hop through the framework's handler, takes a
 body that already arrived whole as it is, and writes a whole answer's head and body in one socket write
-(uvicorn's `send` writes them apart): 1.07-1.13x requests/s and 0.89-0.92x CPU per request on the passthrough
+(uvicorn's `send` writes them apart): 1.07-1.13x requests/s and 0.89-0.92x CPU per request on the unperturbed
 path against the same lean path as ASGI (docs/benchmarks.md). uvicorn offers no public hook there.
 
 **Exactly which internals** (`uvicorn.protocols.http.httptools_impl`), listed in `PROTOCOL_INTERNALS` and

@@ -1,8 +1,10 @@
 """Running a profile's perturbers, then its remedies, over one request, fail-open, and restoring the answer.
 
-The seed of a request is the `X-Toolquake-Seed` header, else a hash of the body: the same request
-perturbs the same way every time. Each step gets its own RNG derived from (seed, position, name), each
-remedy from (seed, "remedy", position, name), so adding a step never changes what the others do.
+The perturbation seed of a request is the `X-Toolquake-Seed` header, else its conversation, else a hash of
+the body: the same request perturbs the same way every time. Each step gets its own RNG derived from
+(perturbation seed, position, name), each remedy from (perturbation seed, "remedy", position, name), so adding a
+step never changes what the others do. (Not the sampling seed, the `seed` a request body may send the model: the
+proxy relays that untouched.)
 
 A remedy runs after every perturbation step; it is recorded as an `Applied` with `kind = "remedy"` (stored as
 `{"name", "params", "report", "kind": "remedy"}`) and counted as a remedy, never as a perturbation. When the
@@ -50,11 +52,11 @@ def conversation_key(request: ChatRequest) -> bytes | None:
     return None
 
 
-def seed_for(header: str | None, body: bytes, *, conversation: str | None = None,
-             request: ChatRequest | None = None) -> int:
-    """The request's seed: an integer `X-Toolquake-Seed`; else the conversation — `X-Toolquake-Conversation`
-    when sent, else the conversation key of the request — so every turn of one conversation perturbs the
-    same way; else a hash of the body."""
+def perturbation_seed_for(header: str | None, body: bytes, *, conversation: str | None = None,
+                          request: ChatRequest | None = None) -> int:
+    """The request's perturbation seed: an integer `X-Toolquake-Seed`; else the conversation —
+    `X-Toolquake-Conversation` when sent, else the conversation key of the request — so every turn of one
+    conversation perturbs the same way; else a hash of the body."""
     if header:
         try:
             return int(header)
@@ -153,7 +155,7 @@ async def _call(perturber: Perturber, request: ChatRequest, ctx: PerturbContext)
     return result
 
 
-async def run_profile(profile: Profile, request: ChatRequest, seed: int, services: Services,
+async def run_profile(profile: Profile, request: ChatRequest, perturbation_seed: int, services: Services,
                       case: Any = None) -> Outcome:
     """Apply each step with its probability, then each remedy; a step that raises is skipped (counted in `failed`,
     a remedy in `remedies_failed`)."""
@@ -161,11 +163,11 @@ async def run_profile(profile: Profile, request: ChatRequest, seed: int, service
     current = request
     for i, step in enumerate(profile.steps):
         p = step.perturber
-        rng = random.Random(f"{seed}:{i}:{p.name}")
+        rng = random.Random(f"{perturbation_seed}:{i}:{p.name}")
         if step.probability < 1.0 and rng.random() >= step.probability:
             outcome.skipped.append(p.name)
             continue
-        ctx = PerturbContext(seed=seed, rng=rng, services=services, case=case)
+        ctx = PerturbContext(perturbation_seed=perturbation_seed, rng=rng, services=services, case=case)
         before = current
         try:
             current = await _call(p, current, ctx)
@@ -181,17 +183,17 @@ async def run_profile(profile: Profile, request: ChatRequest, seed: int, service
         if p.rewrites_response:
             outcome.restorers.append((p, ctx))
     for i, remedy in enumerate(profile.remedies):
-        current = await _remedy(profile, i, remedy, current, outcome, seed, services, case)
+        current = await _remedy(profile, i, remedy, current, outcome, perturbation_seed, services, case)
     outcome.request = current
     outcome.changed = current is not request
     return outcome
 
 
-async def _remedy(profile: Profile, i: int, remedy: Remedy, current: ChatRequest, outcome: Outcome, seed: int,
-                  services: Services, case: Any) -> ChatRequest:
+async def _remedy(profile: Profile, i: int, remedy: Remedy, current: ChatRequest, outcome: Outcome,
+                  perturbation_seed: int, services: Services, case: Any) -> ChatRequest:
     """Apply remedy `i` of the profile to `current`; the request it sent, or `current` when it raised."""
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:{REMEDY}:{i}:{remedy.name}"), services=services,
-                         case=case)
+    rng = random.Random(f"{perturbation_seed}:{REMEDY}:{i}:{remedy.name}")
+    ctx = PerturbContext(perturbation_seed=perturbation_seed, rng=rng, services=services, case=case)
     try:
         result = await _call(remedy, current, ctx)
     except Exception as exc:  # fail-open boundary: the request goes on as the perturbations left it

@@ -337,7 +337,7 @@ def completed(response: dict[str, Any], seq: Iterator[int]) -> bytes:
     return _event("response.completed", next(seq), response=final)
 
 
-class TextThrough:
+class ResponsesTextThrough:
     """A Responses stream whose plain text is released as it arrives (the message item opened early), the
     rest of the answer — remaining text, then other items such as calls — emitted once it is complete."""
 

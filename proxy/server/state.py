@@ -38,7 +38,9 @@ class Asked(NamedTuple):
     profile: Profile | None = None
     stream: bool = False
     model: str | None = None
-    seed: int = 0
+    #: the perturbation seed (`pipeline.perturbation_seed_for`: X-Toolquake-Seed, the conversation, the body), which
+    #: seeds each step's RNG; not the sampling seed a request body may send the model
+    perturbation_seed: int = 0
     case: Any = None
     case_header: str | None = None
     request: dict[str, Any] | None = None
@@ -52,7 +54,8 @@ class Asked(NamedTuple):
 
     def __repr__(self) -> str:  # never the headers (auth) nor the bodies
         return (f"Asked(request_id={self.request_id!r}, route={self.route!r}, profile={self.profile_name!r}, "
-                f"stream={self.stream!r}, model={self.model!r}, seed={self.seed!r}, observed={self.observed!r})")
+                f"stream={self.stream!r}, model={self.model!r}, perturbation_seed={self.perturbation_seed!r}, "
+                f"observed={self.observed!r})")
 
     @property
     def route(self) -> str:

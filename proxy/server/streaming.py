@@ -207,7 +207,7 @@ def assemble_sse(data: bytes) -> dict[str, Any]:
     return asm.result()
 
 
-class TextThrough:
+class ChatTextThrough:
     """A chat stream whose plain text is released as it arrives (after a role chunk), the rest of the answer —
     remaining text, or the calls the text turned into — emitted once it is complete."""
 

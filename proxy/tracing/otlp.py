@@ -267,7 +267,7 @@ def span(s: Any) -> bytes:
     return b"".join(out)
 
 
-def passthrough(trace_id: int, span_id: int, parent: int, remote: bool, tracestate: str | None, name: bytes,
+def unperturbed(trace_id: int, span_id: int, parent: int, remote: bool, tracestate: str | None, name: bytes,
                 start: int, end: int, shared: bytes, own: bytes, up_id: int, up_name: bytes, up_shared: bytes,
                 up_start: int, up_end: int) -> tuple[bytes, bytes]:
     """A passed-through request's two spans (`framed`): the request's (a server span: `shared` its attributes
@@ -288,12 +288,12 @@ def passthrough(trace_id: int, span_id: int, parent: int, remote: bool, tracesta
     return server, b"\x12" + (bytes((n & 0x7F | 0x80, n >> 7)) if 0x80 <= n < 0x4000 else _varint(n)) + body
 
 
-class PassthroughLayout:
-    """`passthrough` for the spans of requests that share a shape (name and attributes of both spans), the lengths
+class UnperturbedLayout:
+    """`unperturbed` for the spans of requests that share a shape (name and attributes of both spans), the lengths
     of their request and response ids and of their token counts' varints, and whether their parent is remote,
     local or absent (no trace state): both spans' bytes are a fixed layout of constant parts and per-request
     values, written by two `struct` packs (the constant parts passed along, not copied; the span lengths are known
-    in advance). `spans` writes what `passthrough` would with `own` the request's id, the response's id, the token
+    in advance). `spans` writes what `unperturbed` would with `own` the request's id, the response's id, the token
     counts and the two durations, in that order (tests/server/test_tracing.py compares them)."""
 
     __slots__ = ("spans", "parts")
@@ -333,7 +333,7 @@ class PassthroughLayout:
 
         #: `spans(trace_id, span_id, parent, start, end, request_id, response_id, tokens_in, tokens_out,
         #: upstream_ms, overhead_ms, up_id, up_start, up_end)`: the request's span and its upstream call's
-        #: (`framed`), as `passthrough` writes them; the ids as their bytes (the parent's empty: none), the token
+        #: (`framed`), as `unperturbed` writes them; the ids as their bytes (the parent's empty: none), the token
         #: counts as their varints (`uvarint`), each of the length the layout was made for (a `struct` field pads
         #: or cuts what is not)
         self.spans = spans

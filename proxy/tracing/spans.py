@@ -359,7 +359,7 @@ class Exporter:
 
     def put_pair(self, first: bytes, second: bytes) -> None:
         """Two spans encoded, queued in this order as the queue has room (`room`, `put_encoded`; one call where
-        both fit, the passthrough request's hot path)."""
+        both fit, the unperturbed request's hot path)."""
         queue = self.queue
         size = len(first) + len(second)
         self.left -= size  # taken, then given back where they do not fit (`Exporter`: no change is lost)

@@ -141,8 +141,8 @@ class Tracing(Tracer):
         #: what `plain_span` writes of a request span that other requests share (its name field, and its attributes
         #: but its own values), by what it depends on: bounded in entries and each in bytes
         self.shapes: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
-        #: how a shape's passthrough spans are laid out, by the shape, the ids' lengths and the parent (`_laid_out`)
-        self.layouts: dict[tuple[Any, ...], otlp.PassthroughLayout] = {}
+        #: how a shape's unperturbed spans are laid out, by the shape, the ids' lengths and the parent (`_laid_out`)
+        self.layouts: dict[tuple[Any, ...], otlp.UnperturbedLayout] = {}
         #: epoch ns minus perf_counter() ns, and when that was read (`epoch`)
         self.clock_at, self.clock_offset = float("-inf"), 0
 
@@ -254,7 +254,7 @@ class Tracing(Tracer):
         its model, stream flag, status, the answer's summary but its id and token counts, the conformance check)
         from bounded caches, then its own values (ids, times, the response's id, the token counts, the durations).
         A request that went upstream with no trace state: both spans from the layout of its shape, the lengths of
-        its values and its parent (`otlp.PassthroughLayout`, `layout_for`), found by one lookup; any other, or one
+        its values and its parent (`otlp.UnperturbedLayout`, `layout_for`), found by one lookup; any other, or one
         whose shape is too large to lay out, by `write_encoded`. False (nothing written) where the request is not
         plain: only its attributes gathered in a dict can say it (`RequestTrace.fill`)."""
         asked = trace.asked
@@ -269,7 +269,7 @@ class Tracing(Tracer):
         self.write_encoded(trace, asked)
         return True
 
-    def layout_for(self, trace: RequestTrace, asked: Asked, values: OwnValues) -> otlp.PassthroughLayout | None:
+    def layout_for(self, trace: RequestTrace, asked: Asked, values: OwnValues) -> otlp.UnperturbedLayout | None:
         """The layout of a plain request's spans, by everything it depends on: what the shape's bytes say (route,
         profile, model, stream, status, the conformance check, the answer's summary but its id and counts), the
         lengths of its own `values` and its parent. None: the shape is too large to keep."""
@@ -287,7 +287,7 @@ class Tracing(Tracer):
             layout = self._layout(trace, key, (len(rid), resp_n, len(tokens_in), len(tokens_out)))
         return layout
 
-    def write_laid_out(self, trace: RequestTrace, layout: otlp.PassthroughLayout, values: OwnValues) -> None:
+    def write_laid_out(self, trace: RequestTrace, layout: otlp.UnperturbedLayout, values: OwnValues) -> None:
         """A plain request's two spans from its `layout`: its ids, times, own `values` and durations packed in."""
         rid, resp, _, tokens_in, tokens_out = values
         start, upstream_s, up_start = trace.start, trace.upstream_s, trace.up_start
@@ -312,7 +312,7 @@ class Tracing(Tracer):
                     _REMOTE_UNSET if trace.parent_id and trace.remote else _LOCAL_UNSET))
             return
         up = self.up_spanned(asked.api, trace.status)
-        server, client = otlp.passthrough(trace.trace_id, trace.span_id, trace.parent_id, trace.remote,
+        server, client = otlp.unperturbed(trace.trace_id, trace.span_id, trace.parent_id, trace.remote,
                                           trace.tracestate, shared[0], trace.start, trace.end_ns or 0, shared[1], own,
                                           trace.up_id, up[0], up[1], trace.at(trace.up_start), trace.up_end_ns)
         exporter.put_pair(client, server)  # the upstream call's span first, as the general path writes it
@@ -357,7 +357,7 @@ class Tracing(Tracer):
         return up
 
     def _layout(self, trace: RequestTrace, key: tuple[Any, ...],
-                lengths: tuple[int, int, int, int]) -> otlp.PassthroughLayout | None:
+                lengths: tuple[int, int, int, int]) -> otlp.UnperturbedLayout | None:
         """The layout of `plain_span`'s `key` (its shape, its values' `lengths`: request id, response id (-1: none)
         and the token counts' varints (0: none); its parent), kept in a cache bounded in entries;
         None where the shape is too large to keep (a hostile model or answer: written by the general encoder)."""
@@ -372,7 +372,7 @@ class Tracing(Tracer):
                     b"" if not in_n else otlp.int_prefix("gen_ai.usage.input_tokens", in_n),
                     b"" if not out_n else otlp.int_prefix("gen_ai.usage.output_tokens", out_n), _UPSTREAM_MS,
                     _OVERHEAD_MS)
-        layout = otlp.PassthroughLayout(shared[0], shared[1], prefixes, (rid_n, max(resp_n, 0), in_n, out_n),
+        layout = otlp.UnperturbedLayout(shared[0], shared[1], prefixes, (rid_n, max(resp_n, 0), in_n, out_n),
                                         parent != 0, parent == 2, up[0], up[1])
         if len(self.layouts) >= _LAYOUTS:
             self.layouts.clear()
@@ -391,7 +391,7 @@ class RequestTrace(TraceHooks):
     The request span's attributes are worked out when it ends, from the request (`asked`), what was served (the
     few fields of `Served` a span reads, copied as the request finishes: the trace never holds the `Served`, which
     holds the trace, nor its bodies) and its answer:
-    a passthrough request's (nothing but its own values: plain) are written straight to the wire format, the
+    an unperturbed request's (nothing but its own values: plain) are written straight to the wire format, the
     part they share with other requests from a cache (`Tracing.plain_span`); any other's are gathered in the span's
     dict (`fill`) and encoded from it. Every method fails open."""
 
@@ -446,7 +446,7 @@ class RequestTrace(TraceHooks):
     @property
     def span(self) -> Span | None:
         """The request's span (None: not sampled), made from the trace's fields the first time it is asked for
-        (a passthrough request's never is: `Tracing.plain_span` writes it from the fields)."""
+        (an unperturbed request's never is: `Tracing.plain_span` writes it from the fields)."""
         span = self.made
         if span is None and self.sampled:
             with _MAKING:  # once: a verdict's thread and the event loop may both ask first
@@ -739,14 +739,14 @@ def request_into(out: dict[str, Any], asked: Asked, served: RequestTrace) -> Non
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[attr] = value
         out["toolquake.tools"] = sum(1 for t in request.get("tools") or () if isinstance(t, dict))
-        out["toolquake.seed"] = str(asked.seed)
+        out["toolquake.seed"] = str(asked.perturbation_seed)
     if asked.case is not None:
         out["toolquake.case_id"] = str(getattr(asked.case, "id", ""))
     if served.perturbation is not None:
         out.update(served.perturbation)
 
 
-#: a plain request's own values as `otlp.PassthroughLayout` writes them: its id's bytes, its answer's id's bytes and
+#: a plain request's own values as `otlp.UnperturbedLayout` writes them: its id's bytes, its answer's id's bytes and
 #: their length (-1: no id), and the token counts' varints (empty: no count; a varint is never empty)
 OwnValues = tuple[bytes, bytes, int, bytes, bytes]
 

@@ -45,7 +45,7 @@ CALLS = [{"name": "tool_0", "arguments": {"query": "coffee shop", "limit": 3, "f
 
 def one(p: FormatRewrite, body: dict[str, Any], answer: str, case: Any = None) -> float:
     """Seconds for one apply + restore."""
-    ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(), case=case)
+    ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(), case=case)
     response = {"id": "x", "choices": [{"index": 0, "finish_reason": "stop",
                                         "message": {"role": "assistant", "content": answer}}]}
     t0 = time.perf_counter()

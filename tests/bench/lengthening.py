@@ -52,10 +52,10 @@ def time_apply(name: str, params: dict[str, Any], body: dict[str, Any], counter:
     perturber = build(name, params)
     services = Services(token_counter=counter)
     times, cpu, reports = [], [], []
-    warm = PerturbContext(seed=0, rng=random.Random(0), services=services)
+    warm = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=services)
     perturber.apply(ChatRequest(body), warm)  # first use builds shared services (the corpus filler pool)
     for seed in range(1, runs + 1):
-        ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services)
+        ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=services)
         t0, c0 = time.perf_counter(), time.thread_time()
         out = perturber.apply(ChatRequest(body), ctx)
         times.append((time.perf_counter() - t0) * 1000)

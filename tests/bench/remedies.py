@@ -104,13 +104,13 @@ def in_process(method: str, same: dict[str, Any], catalogs: list[dict[str, Any]]
     if method != "bm25":
         get_pool(services)  # as when catalog_padding runs in the same process: the pool's rows are reused
     for body in catalogs:  # every tool seen once (cached by signature), as after a few requests
-        remedy.apply(ChatRequest(body), PerturbContext(seed=0, rng=random.Random(0), services=services))
+        remedy.apply(ChatRequest(body), PerturbContext(perturbation_seed=0, rng=random.Random(0), services=services))
 
     def cpu(body_of) -> list[float]:
         out = []
         for i in range(n):
             request = ChatRequest(body_of(i))
-            ctx = PerturbContext(seed=i, rng=random.Random(i), services=services)
+            ctx = PerturbContext(perturbation_seed=i, rng=random.Random(i), services=services)
             t0 = time.process_time()
             remedy.apply(request, ctx)
             out.append((time.process_time() - t0) * 1000)

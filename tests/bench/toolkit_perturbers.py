@@ -80,7 +80,7 @@ def apply(perturber: Any, body: dict[str, Any], services: Any, seed: int
     """(perturbed body, report, wall ms, CPU ms)."""
     from toolquake.perturbers.base import ChatRequest, PerturbContext
 
-    ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=services)
     t, c = time.perf_counter(), time.process_time()
     out = perturber.apply(ChatRequest(body), ctx)
     return out.body, ctx.report, (time.perf_counter() - t) * 1000, (time.process_time() - c) * 1000

@@ -45,7 +45,7 @@ def perturb(params: dict[str, Any], body: dict[str, Any], case: Any, seed: int =
     from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
     from toolquake.perturbers.helpers.tokens import EstimateCounter
 
-    ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=SERVICES.setdefault(
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=SERVICES.setdefault(
         "s", Services(token_counter=EstimateCounter())), case=case)
     out = build("conversation_lengthening", params).apply(ChatRequest(body), ctx)
     return out.body, ctx.report

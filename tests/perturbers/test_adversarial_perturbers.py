@@ -157,7 +157,7 @@ def _fill_paraphrase_cache(cache_dir: str, body: dict[str, Any]) -> None:
 
 
 def _apply(perturber: Any, body: dict[str, Any]) -> ChatRequest:
-    ctx = PerturbContext(seed=3, rng=random.Random(f"3:0:{perturber.name}"), services=_services())
+    ctx = PerturbContext(perturbation_seed=3, rng=random.Random(f"3:0:{perturber.name}"), services=_services())
     result = perturber.apply(ChatRequest(body), ctx)
     return asyncio.run(result) if inspect.isawaitable(result) else result
 

@@ -442,7 +442,7 @@ class FakeCase:
 
 
 def context(case: Any = None, seed: int = 7) -> PerturbContext:
-    return PerturbContext(seed=seed, rng=random.Random(seed), services=Services(), case=case)
+    return PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=Services(), case=case)
 
 
 def completion(text: str | None, **message: Any) -> dict[str, Any]:

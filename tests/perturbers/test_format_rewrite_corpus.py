@@ -142,7 +142,7 @@ def test_the_client_gets_every_ground_truth_back_as_tool_calls_under_its_own_nam
                 if fmt == "python" and not python_can_write(calls):
                     continue
                 p = FormatRewrite(return_format=fmt, tool_call_tag=tag, parse="lenient")
-                ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(), case=case)
+                ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(), case=case)
                 sent = p.apply(ChatRequest(body), ctx).body
                 assert "tools" not in sent
                 answer = {"id": "x", "choices": [{"index": 0, "finish_reason": "stop",
@@ -234,7 +234,7 @@ def test_upstream_messages_equal_bfcls_for_all_5200_format_sensitivity_prompts(b
                     prompt_format=cfg.prompt_format,
                     prompt_style=cfg.prompt_style,
                 )
-                ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(), case=case)
+                ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services(), case=case)
                 sent = p.apply(ChatRequest(body), ctx).body["messages"]
                 want = bfcl.system_prompt_pre_processing_chat_model(
                     copy.deepcopy(case.turns[0]), docs, f"format_sensitivity_0:{cfg.config_string}:{case_id}"

@@ -58,7 +58,7 @@ class FakeCase:
 
 
 def context(case: Any = None) -> PerturbContext:
-    return PerturbContext(seed=1, rng=random.Random(1), services=Services(), case=case)
+    return PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(), case=case)
 
 
 def params_of(cfg: CallFormat, **extra: Any) -> dict[str, Any]:

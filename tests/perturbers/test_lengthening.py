@@ -61,7 +61,7 @@ def tool_request(content: str | None = None, extra_tool: str | None = None) -> d
 def run(name: str, params: dict[str, Any], body: dict[str, Any], seed: int = 7, counter: Any = None,
         case: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     services = Services(token_counter=counter or EstimateCounter())
-    ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services, case=case)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=services, case=case)
     original = copy.deepcopy(body)
     out = build(name, params).apply(ChatRequest(body), ctx)
     assert body == original, "the perturber mutated the request it was given"
@@ -465,7 +465,7 @@ def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -
     perturber = build("response_lengthening", {"budget_tokens": 30_000})
     counts = []
     for seed in range(4):
-        ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services)
+        ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=services)
         out = perturber.apply(ChatRequest(tool_request()), ctx)
         assert abs(counter.count_request(out.body) - 30_000) <= 1_500
         counts.append(ctx.report["counts"])

@@ -70,7 +70,7 @@ def request(text: str) -> dict[str, Any]:
 
 def run(gen_url: str, text: str, cache_dir: Path, **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     perturber = build("paraphrase", {"generator_url": gen_url, "cache_dir": str(cache_dir), **params})
-    ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
     out = perturber.apply(ChatRequest(request(text)), ctx)
     return out.body, ctx.report
 

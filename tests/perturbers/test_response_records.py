@@ -26,7 +26,7 @@ TOLERANCE = 0.02  # the response-scope budget is met within 2 % (the estimate co
 def perturb(params: dict[str, Any], body: dict[str, Any], case: Any = None, services: Services | None = None,
             seed: int = 5) -> tuple[dict[str, Any], dict[str, Any]]:
     services = services or Services(token_counter=EstimateCounter())
-    ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=services, case=case)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed), services=services, case=case)
     out = build("response_lengthening", params).apply(ChatRequest(body), ctx)
     return out.body, ctx.report
 

@@ -34,7 +34,8 @@ def apply(text: str, rate: float, seed: int) -> tuple[dict[str, Any], dict[str, 
                                        {"role": "user", "content": "an earlier question, left alone"},
                                        {"role": "assistant", "content": "ok"},
                                        {"role": "user", "content": text}]}
-    ctx = PerturbContext(seed=seed, rng=random.Random(seed), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(seed),
+                         services=Services(token_counter=EstimateCounter()))
     out = build("surface_noise", {"rate": rate}).apply(ChatRequest(body), ctx)
     assert out.body["messages"][:3] == body["messages"][:3], "only the last user message changes"
     return out.body, ctx.report

@@ -30,7 +30,7 @@ def _apply(services: Services, axis: str, x: int, request: ChatRequest, seed: in
     """The perturber of `axis` at intensity x, as the sweep builds it (its declared fixed parameters included)."""
     name, decl = next((n, c.numeric_axes[axis]) for n, c in registry().items() if axis in c.numeric_axes)
     step = build(name, {**decl.fixed, decl.param: x, **(extra or {})})
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:{name}"), services=services)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:{name}"), services=services)
     return step.apply(request, ctx), ctx.report
 
 

@@ -303,7 +303,7 @@ def test_padding_with_the_embedded_backends_tokenizer_matches_seed_003_table_3()
             perturber = build("catalog_padding", {"budget_tokens": budget, "position": 0.5})
             tools = []
             for i, case in enumerate(cases):
-                ctx = PerturbContext(seed=i, rng=random.Random(i), services=services)
+                ctx = PerturbContext(perturbation_seed=i, rng=random.Random(i), services=services)
                 out = perturber.apply(ChatRequest(corpus.case_request(case, model=backend.model)), ctx).body
                 reached = httpx.post(f"{backend.url}/tokenize", json={"messages": out["messages"],
                                                                       "tools": out["tools"]}, timeout=120).json()

@@ -36,7 +36,7 @@ def apply(params: dict[str, Any], messages: list[dict[str, Any]], seed: int = 7)
                                                                                           dict[str, Any]]:
     """(the request given, the request returned, the report), the step's RNG made as the pipeline makes it."""
     request = ChatRequest({"model": "m", "messages": messages})
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:tool_failure"), services=Services())
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:tool_failure"), services=Services())
     return request, build("tool_failure", params).apply(request, ctx), ctx.report
 
 

@@ -47,7 +47,8 @@ def bfcl(case_id: str) -> tuple[Any, dict[str, Any]]:
 
 
 def apply(kind: str, body: dict[str, Any], case: Any = None, seed: int = 7) -> tuple[dict[str, Any], dict[str, Any]]:
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(), case=case)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(),
+                         case=case)
     out = build("tool_metadata", {"kind": kind}).apply(ChatRequest(body), ctx)
     return out.body, ctx.report
 
@@ -195,11 +196,12 @@ def tq(fake_upstream):
 
 def expected_tools(kind: str, body: dict[str, Any], case: Any) -> list[dict[str, Any]]:
     """What the perturber makes of the tools under the seed the proxy gives this conversation."""
-    from toolquake.proxy.server.pipeline import seed_for
+    from toolquake.proxy.server.pipeline import perturbation_seed_for
 
     request = ChatRequest(body)
-    seed = seed_for(None, request.encode(), request=request)
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(), case=case)
+    seed = perturbation_seed_for(None, request.encode(), request=request)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(),
+                         case=case)
     return build("tool_metadata", {"kind": kind}).apply(request, ctx).tools
 
 

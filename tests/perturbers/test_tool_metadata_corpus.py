@@ -27,7 +27,8 @@ def applied_step(kind: str, case: Any, body: dict[str, Any], seed: int) -> tuple
     from toolquake.proxy.server.pipeline import Applied
 
     perturber = build("tool_metadata", {"kind": kind})
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(), case=case)
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:tool_metadata"), services=Services(),
+                         case=case)
     out = perturber.apply(ChatRequest(body), ctx)
     return out.body, Applied("tool_metadata", perturber.params(), ctx.report, perturber)
 

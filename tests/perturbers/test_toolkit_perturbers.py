@@ -47,7 +47,7 @@ def apply(name: str, params: dict[str, Any], body: dict[str, Any], *, seed: int 
           services: Services | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Apply one perturber the way the pipeline does (its own seeded RNG), return (body sent, report)."""
     perturber = build(name, params)
-    ctx = PerturbContext(seed=seed, rng=random.Random(f"{seed}:0:{name}"),
+    ctx = PerturbContext(perturbation_seed=seed, rng=random.Random(f"{seed}:0:{name}"),
                          services=services or SERVICES, case=case)
     out = perturber.apply(ChatRequest(body), ctx)
     return out.body, ctx.report

@@ -71,7 +71,7 @@ def test_needle_right_only_within_the_first_tokens_of_the_last_tool_message(fake
 
 
 def remedied(name: str, params: dict, body: dict) -> dict:
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services())
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services())
     return build(name, params).apply(ChatRequest(body), ctx).body
 
 

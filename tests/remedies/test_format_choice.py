@@ -28,7 +28,7 @@ BODY = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
 
 
 def ctx() -> PerturbContext:
-    return PerturbContext(seed=5, rng=random.Random(5), services=Services())
+    return PerturbContext(perturbation_seed=5, rng=random.Random(5), services=Services())
 
 
 def test_the_arm_ids_are_seed002s_profiles():

@@ -64,7 +64,7 @@ def test_remedies_never_raise_and_never_grow_the_request(body: dict[str, Any]):
     counter = EstimateCounter()
     for name, params in REMEDIES.items():
         given_body = copy.deepcopy(body)
-        ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(token_counter=counter))
+        ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services(token_counter=counter))
         out = build(name, params).apply(ChatRequest(given_body), ctx)
         assert given_body == body, f"{name} changed the request it was given"
         if name in SHRINKING:
@@ -79,7 +79,7 @@ HOSTILE_STEPS = {"tool_search": {"k": 1, "method": "bm25"}, "response_trim": {"b
 
 
 def _cpu(name: str, body: dict[str, Any]) -> float:
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services(token_counter=EstimateCounter()))
     remedy = build(name, HOSTILE_STEPS[name])
     start = time.process_time()
     remedy.apply(ChatRequest(body), ctx)

@@ -29,7 +29,7 @@ def conversation(content: str, question: str = "What is the temperature at Reykj
 
 def run(body: dict[str, Any], budget: int) -> tuple[ChatRequest, ChatRequest, dict[str, Any]]:
     request = ChatRequest(body)
-    ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
+    ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(token_counter=EstimateCounter()))
     return request, build("response_trim", {"budget_tokens": budget}).apply(request, ctx), ctx.report
 
 
@@ -87,7 +87,7 @@ def test_the_budget_holds_by_a_tokenizers_count():
     counter = make_counter("tiktoken:o200k_base")
     body = conversation(json.dumps({"status": "ok", "readings": records(3000, 1777)}))
     for budget in (300, 1000, 5000):
-        ctx = PerturbContext(seed=1, rng=random.Random(1), services=Services(token_counter=counter))
+        ctx = PerturbContext(perturbation_seed=1, rng=random.Random(1), services=Services(token_counter=counter))
         out = build("response_trim", {"budget_tokens": budget}).apply(ChatRequest(body), ctx)
         content = out.messages[2]["content"]
         assert "Reykjavik harbour" in content

@@ -39,7 +39,7 @@ def names(tools: list[dict[str, Any]]) -> list[str]:
 
 def run(params: dict[str, Any], body: dict[str, Any], services: Services | None = None
         ) -> tuple[ChatRequest, dict[str, Any]]:
-    ctx = PerturbContext(seed=3, rng=random.Random(3), services=services or Services())
+    ctx = PerturbContext(perturbation_seed=3, rng=random.Random(3), services=services or Services())
     out = build("tool_search", params).apply(ChatRequest(body), ctx)
     return out, ctx.report
 
@@ -87,7 +87,7 @@ def test_called_tools_and_the_named_tool_are_kept_and_k_plus_called_is_the_most(
 def test_a_toolkit_within_k_is_left_as_it_came():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLKIT[:5]}
     request = ChatRequest(body)
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=Services())
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=Services())
     assert build("tool_search", {"k": 8, "method": "bm25"}).apply(request, ctx) is request
     assert ctx.report == {"k": 8, "method": "bm25", "kept": 5, "dropped": []}
 

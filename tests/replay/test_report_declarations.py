@@ -1,6 +1,8 @@
 """The report finds the arms of its grids and families by what perturbers declare (`Perturber.experiment` and
 `Perturber.axes`, perturbers/base.py), never by a perturber's name: a perturber of another name that declares
-seed 003's catalog experiment, or the faults family, is reported there; one that declares nothing is not.
+seed 003's catalog experiment, or the faults family, is reported there; one that declares nothing is not. So
+does replay: a preset of a perturber's name holds the profiles it declares (`preset_profiles`), and an arm whose
+step declares that a generator model writes its text (`generates_text`) needs a fixed one.
 
 The results are written through the replay's own writer (`ResultsFile`); the perturbers are registered the way
 an out-of-tree plugin registers its own (`@register`), under names no shipped perturber has.
@@ -11,9 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
+
 from toolquake.perturbers import register
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Perturber
+from toolquake.proxy.replay.errors import ReplayError
 from toolquake.proxy.replay.report import build, load, padding_counts, summarize
+from toolquake.proxy.replay.run import Options, _check_rephraser
+from toolquake.proxy.replay.selection import expand_profiles
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 
@@ -56,6 +63,23 @@ class _Undeclared(Perturber):
         return request
 
 
+@register
+class _RephrasingLookalike(Perturber):
+    """Declares seed 001's rephrasing under a name of its own; a generator model writes its text."""
+
+    name = "test_declared_rephrasing"
+    experiment = "rephrasing"
+    preset_profiles: ClassVar[tuple[str, ...]] = ("reworded-*",)
+    generator_model: str = ""
+    rejected: str = "keep"
+
+    def generates_text(self) -> bool:
+        return True
+
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+        return request
+
+
 def _step(name: str, **params: Any) -> dict[str, Any]:
     return {"mode": "perturb", "perturbers": [{"name": name, "params": params, "probability": 1.0}]}
 
@@ -86,3 +110,38 @@ def test_arms_are_found_by_the_experiment_their_perturber_declares(tmp_path: Pat
     assert table1["arms"] == 2 and {table1["max_arm"], table1["min_arm"]} <= {"declared-8k", "declared-32k"}
     text, _ = build([tmp_path], "md", None, plots=False)
     assert "Perturbation families" in text and "Seed 003 Table 1" in text
+
+
+def test_rephrasing_arms_are_found_by_the_experiment_their_perturber_declares(tmp_path: Path) -> None:
+    f = ResultsFile(tmp_path / "replay.sqlite")
+    f.claim("m", "http://backend/v1")
+    f.register_arms({"off": {"mode": "off", "perturbers": []},
+                     "reworded-all": _step("test_declared_rephrasing", generator_model="fixed", rejected="send")})
+    for i in range(4):
+        f.record(Record(f"c{i}", "off", "multiple", "scored", valid=True))
+        # c0's rephrasing lost a value and was sent anyway (`rejected = "send"`); the others were accepted
+        report = {"rephraser": "fixed", **({"rejected_for": ["200"]} if i == 0 else {})}
+        f.record(Record(f"c{i}", "reworded-all", "multiple", "scored", valid=i % 2 == 1, taxonomy=None,
+                        perturbers={"applied": [{"name": "test_declared_rephrasing", "report": report}]}))
+    f.close()
+    summary = summarize(load([tmp_path]))
+    assert summary["rephrasers"]["m"]["reworded-all"]["rephraser"] == "fixed"
+    assert summary["rephrasers"]["m"]["reworded-all"]["pairs"] == {"fixed": 4}
+    drops = summary["rephrasing_drops"]["m"]["reworded-all"]
+    assert (drops["cases"], drops["table2"], drops["rejected_sent"], drops["n"]) == ("all cases", True, 1, 4)
+
+
+def test_a_preset_holds_the_profiles_its_perturber_declares() -> None:
+    known = ["off", "shuffled", "reversed", "reworded-a", "reworded-b", "other"]
+    assert expand_profiles("@test_declared_rephrasing", known) == ["off", "reworded-a", "reworded-b"]
+    assert expand_profiles("@tool_order", known) == ["off", "shuffled", "reversed"]
+
+
+def test_an_arm_whose_text_a_generator_writes_needs_a_fixed_generator(tmp_path: Path) -> None:
+    options = Options(backend="http://127.0.0.1:1/v1", profiles="reworded", out=tmp_path)
+    own = {"reworded": _step("test_declared_rephrasing")}
+    with pytest.raises(ReplayError, match="reworded: no fixed generator model is configured(.|\n)*--self-rephrase"):
+        _check_rephraser(options, own)
+    _check_rephraser(options, {"reworded": _step("test_declared_rephrasing", generator_model="fixed")})
+    options.self_rephrase = True
+    _check_rephraser(options, own)

@@ -30,7 +30,7 @@ from tests.replay.test_replay import (  # noqa: F401  (oracle: the fixture)
     row_counter,
     rows,
 )
-from toolquake.proxy.replay.run import trial_seed
+from toolquake.proxy.replay.run import trial_sampling_seed
 from toolquake.scorers.aggregate import pass_at_k, pass_hat_k, spread
 
 FLAKY = 0.3
@@ -38,7 +38,8 @@ TRIALS = 3
 
 
 def _want_valid(case, trial: int, wrong: set[str]) -> bool:
-    return case.id not in wrong and not flaky_hit(trial_seed(case.id, trial), case.turns[0][-1]["content"], FLAKY)
+    return case.id not in wrong and not flaky_hit(trial_sampling_seed(case.id, trial), case.turns[0][-1]["content"],
+                                                  FLAKY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,8 +74,9 @@ def test_pass_hat_k_and_pass_at_k_by_hand_and_by_enumeration():
 
 
 def test_trial_seed_is_stable_and_differs_by_trial_and_case():
-    seeds = {trial_seed(c, t) for c in ("a", "b") for t in range(3)}
-    assert len(seeds) == 6 and trial_seed("a", 1) == trial_seed("a", 1) and all(0 <= s < 2**31 for s in seeds)
+    seeds = {trial_sampling_seed(c, t) for c in ("a", "b") for t in range(3)}
+    assert len(seeds) == 6 and trial_sampling_seed("a", 1) == trial_sampling_seed("a", 1)
+    assert all(0 <= s < 2**31 for s in seeds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +104,7 @@ def test_trials_send_each_pair_k_times_with_the_trial_seed_and_report_pass_k(ora
             if s["path"] == "/v1/chat/completions"]
     assert len(seen) == 2 * N_CASES * TRIALS and all(b["temperature"] == 0.7 for b in seen)
     sent = sorted(b["seed"] for b in seen)
-    assert sent == sorted(trial_seed(c.id, t) for c in cases for t in range(TRIALS) for _ in range(2))
+    assert sent == sorted(trial_sampling_seed(c.id, t) for c in cases for t in range(TRIALS) for _ in range(2))
     assert "× 3 trials" in r.stderr
 
     data = json.loads(subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json"],
@@ -135,7 +137,7 @@ def test_trials_send_each_pair_k_times_with_the_trial_seed_and_report_pass_k(ora
     assert len(rows(out)) == 2 * N_CASES * 4
     new = [json.loads(s["body"])["seed"] for s in httpx.get(f"{fake.url}/_fake/requests",
                                                              params={"tag": "trials"}).json() if s["method"] == "POST"]
-    assert sorted(new) == sorted(trial_seed(c.id, 3) for c in cases for _ in range(2))
+    assert sorted(new) == sorted(trial_sampling_seed(c.id, 3) for c in cases for _ in range(2))
 
 
 @pytest.mark.needs_corpus

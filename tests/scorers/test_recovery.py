@@ -48,7 +48,7 @@ def failed_request(kind: str) -> dict[str, Any]:
                      "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
                 {"role": "tool", "tool_call_id": "call_a", "content": json.dumps(RESULT)}]
     request = ChatRequest({"model": "m", "messages": messages, "tools": TOOLS})
-    ctx = PerturbContext(seed=3, rng=random.Random("3:0:tool_failure"), services=Services())
+    ctx = PerturbContext(perturbation_seed=3, rng=random.Random("3:0:tool_failure"), services=Services())
     perturber = build("tool_failure", {"kind": kind})
     out = perturber.apply(request, ctx)
     assert perturber.injected_failures(ctx.report) == [{"index": 2, "kind": kind}]

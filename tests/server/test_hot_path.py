@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services, register
 from toolquake.proxy.server.config import PerturberSpec, ProfileSpec
-from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile, seed_for
+from toolquake.proxy.server.pipeline import PerturbationFailed, perturbation_seed_for, restore, run_profile
 from toolquake.proxy.server.profiles import build_profile
 from toolquake.proxy.server.streaming import SSEParser, assemble_sse, emit_stream
 from toolquake.proxy.server.upstream.base import request_headers, response_headers
@@ -122,7 +122,7 @@ def test_emit_then_assemble_round_trips_the_message(content):
     assert choice["message"]["tool_calls"] == calls
 
 
-# --- run_profile / restore / seed_for ---------------------------------------------------------------
+# --- run_profile / restore / perturbation_seed_for ---------------------------------------------------------------
 
 @register
 class _Raises(Perturber):
@@ -185,14 +185,15 @@ def _names(request: ChatRequest) -> list[str]:
 
 def test_seed_header_wins_over_body_hash():
     body = REQUEST.encode()
-    assert seed_for("12345", body) == 12345
-    assert seed_for("12345", body) != seed_for(None, body)
+    assert perturbation_seed_for("12345", body) == 12345
+    assert perturbation_seed_for("12345", body) != perturbation_seed_for(None, body)
 
 
 def test_non_integer_seed_header_falls_back_to_a_stable_body_hash():
     body = REQUEST.encode()
-    assert seed_for("not-a-number", body) == seed_for(None, body) == seed_for("", body)
-    assert seed_for(None, body) != seed_for(None, body + b" ")
+    assert (perturbation_seed_for("not-a-number", body) == perturbation_seed_for(None, body)
+            == perturbation_seed_for("", body))
+    assert perturbation_seed_for(None, body) != perturbation_seed_for(None, body + b" ")
 
 
 async def test_same_seed_same_perturbation_and_seeds_vary_it():

@@ -85,7 +85,7 @@ async def test_async_sdk_stream_through_proxy_reassembles_to_the_direct_answer(p
     assert via[0] == "get_weather" and via[2] == "tool_calls"
 
 
-def test_passthrough_stream_is_relayed_byte_for_byte(proxy, fake_upstream):
+def test_an_unperturbed_stream_is_relayed_byte_for_byte(proxy, fake_upstream):
     payload = json.dumps(body(stream=True))
 
     def raw(base: str) -> bytes:

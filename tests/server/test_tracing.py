@@ -550,11 +550,11 @@ _ID = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size
        up_shared=st.binary(max_size=300),
        tokens=st.lists(st.one_of(st.none(), st.integers(0, 200), st.integers(-(1 << 63), (1 << 64) - 1)),
                        min_size=2, max_size=2))
-def test_a_laid_out_passthrough_writes_the_bytes_passthrough_writes(trace_id, span_id, parent, remote, up_id, times,
+def test_a_laid_out_unperturbed_span_is_the_bytes_unperturbed_writes(trace_id, span_id, parent, remote, up_id, times,
                                                                     request_id, response_id, durations, name, shared,
                                                                     up_name, up_shared, tokens):
-    """`otlp.PassthroughLayout` (two `struct` packs of a shape's constant parts and a request's values, the hot path
-    of a passed-through request's spans) writes, byte for byte, what `otlp.passthrough` writes from the same
+    """`otlp.UnperturbedLayout` (two `struct` packs of a shape's constant parts and a request's values, the hot path
+    of an unperturbed request's spans) writes, byte for byte, what `otlp.unperturbed` writes from the same
     request: ids of any length and characters, a parent or none, a response id or none, token counts of any size
     (their varints one to ten bytes) or none, spans of any length."""
     from toolquake.proxy.tracing.tracer import _OVERHEAD_MS, _UPSTREAM_MS
@@ -567,11 +567,11 @@ def test_a_laid_out_passthrough_writes_the_bytes_passthrough_writes(trace_id, sp
            + (otlp.str_attribute("gen_ai.response.id", response_id) if response_id is not None else b"")
            + b"".join(otlp.int_attribute(k, n) for k, n in zip(keys, tokens) if n is not None)
            + _UPSTREAM_MS + struct.pack("<d", up_ms) + _OVERHEAD_MS + struct.pack("<d", over_ms))
-    expected = otlp.passthrough(trace_id, span_id, parent, remote, None, name, start, end, shared, own, up_id,
+    expected = otlp.unperturbed(trace_id, span_id, parent, remote, None, name, start, end, shared, own, up_id,
                                 up_name, up_shared, up_start, up_end)
     counts = [b"" if n is None else otlp.uvarint(n) for n in tokens]
     prefixes = [b"" if n is None else otlp.int_prefix(k, len(c)) for k, n, c in zip(keys, tokens, counts)]
-    layout = otlp.PassthroughLayout(
+    layout = otlp.UnperturbedLayout(
         name, shared, (otlp.string_prefix("toolquake.request_id", len(rid)),
                        b"" if response_id is None else otlp.string_prefix("gen_ai.response.id", len(resp)),
                        *prefixes, _UPSTREAM_MS, _OVERHEAD_MS), (len(rid), len(resp), *map(len, counts)),
@@ -596,10 +596,10 @@ def _decoded(spans: list[bytes]) -> list:
     (200, 0.0123456, [], False, True), (200, 0.5, ["tool_name_unknown", "arguments_not_json"], True, True),
     (404, None, None, False, True), (429, 0.002, None, True, True), (413, None, None, True, False),
     (200, 0.01, None, "tracestate", True)])
-def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, answer_id, status,
+def test_an_unperturbed_span_is_the_span_its_attributes_gathered_in_a_dict_give(stream, model, answer_id, status,
                                                                                 upstream_s, rules, remote, sent):
     """A request passed through has its span written straight to the wire format, what it shares with other
-    requests from a cache (`Tracing.plain_span`: laid out by `otlp.PassthroughLayout` when it went upstream with no
+    requests from a cache (`Tracing.plain_span`: laid out by `otlp.UnperturbedLayout` when it went upstream with no
     trace state); decoded, it is the span the general path writes from the same request's attributes gathered in a
     dict (`RequestTrace.fill`): ids, parent, name, kind, times, flags, status and every attribute with its type.
     Each case four times, with token counts that differ: the second's of the first's varint lengths, from the
@@ -665,7 +665,7 @@ def test_a_passthrough_span_is_the_span_its_attributes_gathered_in_a_dict_give(s
 
 
 @pytest.mark.parametrize("noted", ["note", "client_got", "child", None])
-def test_what_is_noted_on_a_passthrough_requests_span_is_exported_with_it(noted):
+def test_what_is_noted_on_an_unperturbed_requests_span_is_exported_with_it(noted):
     """A passed-through request's span is its trace's fields until something is noted on it (a verdict's
     attributes, the id the client got, a child span): then it is written by the general path with what was noted,
     its ids and times the same; with nothing noted, by the layout. Either way one request span, under its
@@ -757,7 +757,7 @@ def test_a_requests_span_is_made_once_whoever_asks_first():
 @pytest.mark.parametrize("tokens", [True, 2.0, "3", None])
 def test_a_token_count_that_is_not_an_integer_is_left_out_on_both_paths(tokens):
     """`gen_ai.usage.*_tokens` are integers: a count sent as a boolean, a float or a string is left out, whether
-    the answer's bytes were read (a passthrough request) or the answer was decoded whole."""
+    the answer's bytes were read (an unperturbed request) or the answer was decoded whole."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
     from toolquake.proxy.tracing.tracer import answer_summary, relayed_summary
 
@@ -864,7 +864,7 @@ def _held(value: object) -> int:
 
 def test_a_hostile_answer_is_read_in_linear_time_and_not_kept():
     """What a span reads of a 1 MiB answer the model controls (a huge id, thousands of calls or choices, a huge
-    model name) takes linear time, and a shape that large is not kept in the passthrough caches."""
+    model name) takes linear time, and a shape that large is not kept in the unperturbed span caches."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
     from toolquake.proxy.server.config import ProfileSpec, TracingConfig
     from toolquake.proxy.server.metrics import Metrics

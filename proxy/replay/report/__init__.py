@@ -23,7 +23,7 @@ The report is built in layers, each module importing only those below it (a cont
     plots                                   matplotlib figures
     tables                                  every table as (title, header, rows) of text cells
     summary | cases                         the JSON report; the per-case diffs
-    families | paper_tables | sweeps | live perturbation families and recovery; the seed papers' measures;
+    families | paper_tables | sweeps | live perturbation families and recovery; the papers' measures;
       | remedies                            `toolquake sweep`'s breaking points and survival curves; the
                                             anytime-valid intervals, shadow consistency and noise floor; what
                                             remedied arms win back against their unremedied twins

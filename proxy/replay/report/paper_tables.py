@@ -1,4 +1,4 @@
-"""The seed papers' own measures and tables from replay results; every paper-specific name of the report lives
+"""The papers' own measures and tables from replay results; every paper-specific name of the report lives
 here (seed 001's Table 2, seed 002's format configurations and Fig. 2, seed 003's Tables 1, 2, 5, 6, 7 and
 Figs. 3 and 4):
 
@@ -24,12 +24,13 @@ from toolquake.proxy.replay.report.rows import Results, scored_steps, step_repor
 from toolquake.scorers.aggregate import ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
 
-#: the seed papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
+#: the papers' experiments, as the perturbers that run them declare it (`Perturber.experiment`)
 CATALOG = "catalog_size"  # seed 003 challenge 1: the catalog padded to a budget, the original tools at a position
 RESPONSES = "response_size"  # seed 003 challenge 2: the last tool response grown, the answer at a position
 CONVERSATIONS = "conversation_size"  # seed 003 challenge 3: the conversation lengthened, the fact in a setting
 FORMATS = "answer_format"  # seed 002: the format the model answers in and the tools are documented in
 EXPANSION = "related_tools"  # seed 001 §2.2: related but not equivalent tools added to the toolkit
+REPHRASING = "rephrasing"  # seed 001 §2.1: the user's query rephrased by a generator model
 
 #: seed 001 Table 2's class of a caused failure whose request failed on the backend's side (not one of the paper's)
 FAILED_CLASS = "request failed"
@@ -215,18 +216,18 @@ def padding_reached(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
 
 def rephrasers(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """{model: {profile: {"rephraser", "generator_url", "self", "pairs": {rephraser: n}}}}: who rephrased each arm
-    with `paraphrase` (seed 001's rephrased query): the fixed generator model the arm names, or the model under
+    with a rephrasing step (seed 001's rephrased query): the fixed generator model the arm names, or the model under
     test itself (`self`, accepted with `replay --self-rephrase`); `pairs` counts the scored pairs' reports."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (model, profile), spec in res.arms.items():
-        step = next((s for s in spec.get("perturbers") or [] if s.get("name") == "paraphrase"), None)
+        step = step_of(spec.get("perturbers") or [], REPHRASING)
         if step is None:
             continue
         fixed = (step.get("params") or {}).get("generator_model") or ""
         out.setdefault(model, {})[profile] = {
             "rephraser": fixed or "the model under test", "self": not fixed,
             "generator_url": (step.get("params") or {}).get("generator_url"), "pairs": Counter()}
-    for model, profile, report in step_reports(res, ["paraphrase"]):
+    for model, profile, report in step_reports(res, names_of(REPHRASING)):
         if isinstance(report.get("rephraser"), str) and profile in out.get(model, {}):
             out[model][profile]["pairs"][report["rephraser"]] += 1
     for arms in out.values():
@@ -240,19 +241,19 @@ CHECKED, ALL_CASES = "checked", "all cases"
 
 
 def rephrasing_drops(res: Results, summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Seed 001's rephrasing drop both ways, per model and `paraphrase` arm: `cases` = "checked" (a rephrasing the
-    value check rejects is not sent; the pair leaves the arm) or "all cases" (`rejected = "send"`: sent anyway, and
-    counted in `rejected_sent`); `table2` says which one the paper's Table 2 corresponds to (all cases: the paper
-    rephrased all 200 and kept them after a review). {model: {profile: {"cases", "table2", "n", "accuracy",
-    "drop_vs_off", "drop_vs_off_ci", "paired_n", "not_perturbed", "rejected_sent"}}}."""
+    """Seed 001's rephrasing drop both ways, per model and rephrasing arm: `cases` = "checked" (a rephrasing the
+    value check rejects, `rejected_for`, is not sent; the pair leaves the arm, not perturbed) or "all cases"
+    (`rejected = "send"`: sent anyway, and counted in `rejected_sent`); `table2` says which one the paper's Table 2
+    corresponds to (all cases: the paper rephrased all 200 and kept them after a review). {model: {profile: {"cases",
+    "table2", "n", "accuracy", "drop_vs_off", "drop_vs_off_ci", "paired_n", "not_perturbed", "rejected_sent"}}}."""
     sent: Counter[tuple[str, str]] = Counter()
-    for model, profile, report in step_reports(res, ["paraphrase"]):
-        if report.get("paraphrase") == "rejected, sent":
+    for model, profile, report in step_reports(res, names_of(REPHRASING)):
+        if report.get("rejected_for") and NOT_PERTURBED not in report:  # rejected by the value check, sent anyway
             sent[(model, profile)] += 1
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
-            step = next((s for s in arm.get("perturbers") or [] if s.get("name") == "paraphrase"), None)
+            step = step_of(arm.get("perturbers") or [], REPHRASING)
             if step is None:
                 continue
             every = (step.get("params") or {}).get("rejected") == "send"

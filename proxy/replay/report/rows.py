@@ -361,29 +361,37 @@ def _live_answers(path: Path, src: int, pairs: set[tuple[str, str]]) -> dict[tup
 def pair_usage(res: Results, wanted: set[tuple[str, str]]) -> dict[tuple[str, str, str], tuple[int | None,
                                                                                            list[dict[str, Any]]]]:
     """{(model, profile, case id): (prompt tokens, applied steps)} of the scored pairs of trial 0 of the wanted
-    (model, profile) arms in the replay files: the tokens the backend counted for the request (`usage`; a
-    multi-turn row sums its steps'), and the steps as recorded (a multi-turn row records counts only: [])."""
+    (model, profile) arms, in the replay files and the live store: the tokens the backend counted for the request
+    (`usage`; a multi-turn row sums its steps'), and the steps as recorded (a multi-turn row records counts only:
+    []). A live store's pair is its latest scored answer, as the paired comparison reads it."""
     out: dict[tuple[str, str, str], tuple[int | None, list[dict[str, Any]]]] = {}
-    for path in _replay_files(res):
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    for src, path in enumerate(res.sources):
+        live = src in res.live_sources
+        db = connect(path, readonly=True) if live else sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            model = _model(db)
+            model = LIVE if live else _model(db)
             profiles = sorted(p for m, p in wanted if m == model)
             if not profiles:
                 continue
             marks = ", ".join("?" for _ in profiles)
-            found = db.execute(f"SELECT profile, case_id, prompt_tokens, perturbers FROM results WHERE status = "
-                               f"'scored' AND {trial_column(db)} = 0 AND profile IN ({marks}) ORDER BY rowid",
-                               profiles).fetchall()
+            scored = "valid IS NOT NULL" if live else f"status = 'scored' AND {trial_column(db)} = 0"
+            found = db.execute(f"SELECT profile, case_id, prompt_tokens, perturbers FROM results WHERE {scored} "
+                               f"AND profile IN ({marks}) ORDER BY {'id' if live else 'rowid'}", profiles).fetchall()
         except sqlite3.DatabaseError:
             continue
         finally:
             db.close()
         for profile, case_id, tokens, text in found:
-            try:
-                applied = (json.loads(text) or {}).get("applied") if text else None
-            except ValueError:
-                applied = None
-            steps = [s for s in applied if isinstance(s, dict)] if isinstance(applied, list) else []
-            out[(model, profile, case_id)] = (tokens if isinstance(tokens, int) else None, steps)
+            out[(model, profile, case_id)] = (tokens if isinstance(tokens, int) else None, _recorded_steps(text))
     return out
+
+
+def _recorded_steps(text: str | None) -> list[dict[str, Any]]:
+    """The applied steps of a stored `perturbers` column: a replay file's {"applied": [...]} or a live store's list
+    ([] when it cannot be read)."""
+    try:
+        stored = json.loads(text) if text else None
+    except ValueError:
+        return []
+    applied = stored.get("applied") if isinstance(stored, dict) else stored
+    return [s for s in applied if isinstance(s, dict)] if isinstance(applied, list) else []

@@ -91,7 +91,7 @@ class Plan:
         return self.reads(asked) or bool(self.bytes)
 
 
-#: the plan of an answer no step needs (shared: a passthrough request allocates none)
+#: the plan of an answer no step needs (shared: an unperturbed request allocates none)
 NOTHING = Plan()
 
 

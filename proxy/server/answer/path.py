@@ -13,7 +13,7 @@ from toolquake.proxy.server.answer.plain import Plain, plain_answer
 from toolquake.proxy.server.answer.repair import Repair
 from toolquake.proxy.server.answer.restore import Restore
 from toolquake.proxy.server.answer.streams import Relay, Rewritten, Uninspected
-from toolquake.proxy.server.answer.text_through import TextThrough
+from toolquake.proxy.server.answer.text_through import TextThroughStep
 from toolquake.proxy.server.answer.trace import Trace
 from toolquake.proxy.server.errors import ProxyError
 from toolquake.proxy.server.upstream import AnswerTooLarge
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: every answer step, in the order they run: a repair reads the text before a restore turns text back into
 #: calls, and calls to added tools are judged on the answer as the client would get it; the trace reads the answer
 #: the client got
-STEPS: tuple[type[AnswerStep], ...] = (Repair, Restore, InjectedCalls, TextThrough, Conformance, Trace)
+STEPS: tuple[type[AnswerStep], ...] = (Repair, Restore, InjectedCalls, TextThroughStep, Conformance, Trace)
 
 
 class AnswerPath:

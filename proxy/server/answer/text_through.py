@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from toolquake.proxy.server.upstream import UpstreamResponse
 
 
-class TextThrough(AnswerStep):
+class TextThroughStep(AnswerStep):
     name = "text_through"
 
     def needs(self, asked: Asked, served: Served) -> str | None:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class Trace(AnswerStep):
-    """ANSWER (or, for a request passed through, CHECK: a whole answer, BYTES: a stream) when the request's span
+    """ANSWER (or, for an answer relayed undecoded, CHECK: a whole answer, BYTES: a stream) when the request's span
     records; reads the answer, never changes it (the trace fails open)."""
 
     name = "trace"
