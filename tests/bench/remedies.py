@@ -140,7 +140,7 @@ def remedy_method(remedy: Any, services: Any, body: dict[str, Any]) -> str:
     """The method the remedy reports it used (after `auto`)."""
     from toolquake.perturbers.base import ChatRequest, PerturbContext
 
-    ctx = PerturbContext(seed=0, rng=random.Random(0), services=services)
+    ctx = PerturbContext(perturbation_seed=0, rng=random.Random(0), services=services)
     remedy.apply(ChatRequest(body), ctx)
     return str(ctx.report["method"])
 
