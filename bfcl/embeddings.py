@@ -5,7 +5,7 @@ One process-wide `Embedder` (`get_embedder()`), shared by the perturbers and the
 `TOOLQUAKE_EMBEDDING_MODEL` may name another sentence-transformers model folder;
 `embed_query(text, max_tokens=...)` embeds one short query fast: the model's first `max_tokens` tokens of it, by a copy
 of the model whose Linear layers are quantized to int8 (dynamic quantization; the word embeddings shared, not
-copied), for a request's CPU budget (tool_search): its vector is close to `embed`'s (cosine about 0.97), not equal.
+copied), for a request's CPU budget (tool_search): its vector is close to `embed`'s (cosine about 0.95), not equal.
 `TOOLQUAKE_EMBEDDING_THREADS` sets the CPU threads of torch and of numpy's BLAS (default 1). Nothing is ever
 downloaded: `HF_HUB_OFFLINE=1` is set before the library is imported. Without the `embeddings` extra
 every entry point raises `EmbeddingsUnavailable` saying how to install it.

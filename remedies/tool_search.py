@@ -40,6 +40,9 @@ MESSAGE_CHARS = 500
 QUERY_CHARS = 2000
 #: the tokens of the last user message the model reads (its cost grows with them: ~3 ms at 3 tokens, ~5 at 32)
 QUERY_TOKENS = 32
+#: characters of English prose per token, about: a last user message's text past QUERY_TOKENS of them joins the
+#: recent turns' lexical part (the model does not read it)
+PROSE_CHARS_PER_TOKEN = 4
 #: the weight of the recent turns' BM25 (scaled: the best tool's 1) beside the last user message's cosine
 TURNS_WEIGHT = 0.25
 #: the query embeddings kept (16-byte digest and 384 float32 each: about 2 KB), per process, in bytes
@@ -200,8 +203,10 @@ class ToolSearch(Remedy):
         else:
             recent = " ".join(parts[1:])[:QUERY_CHARS]
             scores = self._cosines(tools, signatures, parts[0] if parts[0].strip() else recent, embedder, ctx)
-            if recent.strip():  # the recent turns, lexically
-                lexical = self._bm25(signatures, recent, ctx)
+            # the recent turns, and what the model does not read of a long last user message, lexically
+            rest = " ".join([parts[0][QUERY_TOKENS * PROSE_CHARS_PER_TOKEN:], *parts[1:]])[:QUERY_CHARS]
+            if rest.strip():
+                lexical = self._bm25(signatures, rest, ctx)
                 top = max(lexical)
                 if top > 0:
                     scores = [c + TURNS_WEIGHT * b / top for c, b in zip(scores, lexical)]
