@@ -9,8 +9,9 @@ every other step uses: the tool pool's row when the pool is loaded in this proce
 embedded once and kept like the statistics) to the embedding of the last user message — its first QUERY_TOKENS
 tokens, by the model's int8 copy (`Embedder.embed_query`), kept in an LRU keyed by the digest of what was embedded
 (an agent's steps within a turn repeat the last user message: only the turn's first step pays for the model) —
-and adds TURNS_WEIGHT times the BM25 of the recent turns' text (scaled to the best tool's): the turns change
-every step, and a model pass over them would cost each step 10 ms and more. `"auto"` (the default) uses
+and adds TURNS_WEIGHT times the BM25 of the recent turns' text and of what the model does not read of a long last
+user message (scaled to the best tool's): the turns change every step, and a model pass over them would cost each
+step 10 ms and more. `"auto"` (the default) uses
 embeddings when the embeddings extra is installed, else BM25.
 
 Kept, in the request's order: every tool an assistant message of the conversation already called (its agent may
