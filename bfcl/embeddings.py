@@ -152,7 +152,9 @@ class Embedder:
         import numpy as np
         import torch
 
-        text = text[:max(1, max_tokens) * CHARS_PER_TOKEN]
+        # a lone surrogate (JSON's "\ud800" decodes to one) makes the tokenizer raise: it is replaced, as any
+        # other character that is not UTF-8
+        text = text[:max(1, max_tokens) * CHARS_PER_TOKEN].encode("utf-8", "replace").decode("utf-8")
         with self._lock:
             if self._query_model is None:
                 self._query_model = self._quantized()

@@ -192,3 +192,14 @@ def test_a_turns_later_steps_reuse_the_query_embedding_and_read_the_recent_turns
 
     cache = services.get(_QUERIES, dict)
     assert len(cache) == 1 and cache.nbytes < 4096 <= len(question) and cache.max_bytes == QUERY_CACHE_BYTES
+
+
+@pytest.mark.needs_embeddings
+@needs_embeddings
+def test_a_lone_surrogate_in_the_question_is_searched_by_embeddings():
+    """JSON's "\\ud800" decodes to a lone surrogate, which the model's tokenizer refuses: the question is still
+    embedded (that character replaced), not the step failed."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Exchange rate of the euro \ud800 today"}],
+            "tools": TOOLKIT}
+    out, report = run({"k": 3, "method": "embeddings"}, body)
+    assert report["method"] == "embeddings" and "t4_currency" in names(out.tools) and len(out.tools) == 3
