@@ -11,8 +11,7 @@ tokens, by the model's int8 copy (`Embedder.embed_query`), kept in an LRU keyed 
 (an agent's steps within a turn repeat the last user message: only the turn's first step pays for the model) —
 and adds TURNS_WEIGHT times the BM25 of the recent turns' text and of what the model does not read of a long last
 user message (scaled to the best tool's): the turns change every step, and a model pass over them would cost each
-step 10 ms and more. `"auto"` (the default) uses
-embeddings when the embeddings extra is installed, else BM25.
+step 10 ms and more. `"auto"` (the default) uses embeddings when the embeddings extra is installed, else BM25.
 
 Kept, in the request's order: every tool an assistant message of the conversation already called (its agent may
 call it again), the tool `tool_choice` names (in one of the k places), then the best-scoring others until k places
