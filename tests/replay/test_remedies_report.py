@@ -209,3 +209,18 @@ def test_the_remedies_presets_pair_each_perturbation_with_its_remedied_twin():
     help_text = next(a for a in build_parser()._subparsers._group_actions[0].choices["replay"]._actions
                      if "--profiles" in a.option_strings).help
     assert "'@remedies'" in help_text and "'@remedies-responses'" in help_text
+
+
+def test_remedied_arms_stay_out_of_the_papers_tables_and_keep_their_own_section(results):
+    """A remedied arm measures the remedy, not the model under the perturbation: seed 003's grids and tables (Max/Min
+    over the padding arms, the heatmap's cells, the positions and budgets) and seed 001's caused failures are those
+    of the unremedied arms alone; the remedied arms are in the remedies section."""
+    summary = summarize(load([results]))
+    remedied = {p for p, spec in ARMS.items() if spec.get("remedies")}
+    for key in ("padding_extremes", "padding_same_position", "padding_same_budget", "caused_errors"):
+        shown = json.dumps(summary[key])
+        assert "pad-32k-p50" in shown, key  # the unremedied padding arm is there
+        assert not [p for p in remedied if f'"{p}"' in shown], (key, shown)
+    [extremes] = summary["padding_extremes"]["m1"].values()
+    assert extremes["arms"] == 1  # one padding arm: pad-32k-p50 (the two remedied padding arms left out)
+    assert {e["profile"] for e in summary["remedies"]} == remedied

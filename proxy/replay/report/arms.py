@@ -37,3 +37,10 @@ def param(step: dict[str, Any], key: str) -> Any:
     if key in params:
         return params[key]
     return getattr(registry().get(str(step.get("name"))), key, None)
+
+
+def remedied(arm: dict[str, Any]) -> bool:
+    """Whether an arm (its definition, or its summary entry) applies remedies after its perturbations: such an arm
+    measures the remedy, not the model under the perturbation, and stays out of the papers' tables, grids and
+    families (it has its own section, report/remedies.py)."""
+    return bool(arm.get("remedies"))

@@ -11,7 +11,7 @@ import json
 from collections import Counter, defaultdict
 from typing import Any
 
-from toolquake.proxy.replay.report.arms import axes_of, experiment_of
+from toolquake.proxy.replay.report.arms import axes_of, experiment_of, remedied
 from toolquake.proxy.replay.report.rows import Results, scored_steps
 from toolquake.proxy.replay.report.text import drop_ci, p_text, pct_ci
 from toolquake.scorers.aggregate import ratio, wilson_ci
@@ -78,7 +78,7 @@ def family_numbers(summary: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
-            fam = _family(arm.get("perturbers") or [])
+            fam = None if remedied(arm) else _family(arm.get("perturbers") or [])
             if fam is None:
                 continue
             cmp = arm.get("paired") or {}

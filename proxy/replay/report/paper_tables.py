@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from toolquake.perturbers.base import NOT_PERTURBED
-from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, step_of
+from toolquake.proxy.replay.report.arms import experiment_of, names_of, param, remedied, step_of
 from toolquake.proxy.replay.report.rows import Results, scored_steps, step_reports, step_usage
 from toolquake.scorers.aggregate import ratio, relative_drop, wilson_ci
 from toolquake.scorers.taxonomy import PAPER_CLASS, PAPER_CLASSES, TAXONOMY
@@ -97,7 +97,7 @@ def caused_failures(res: Results, baseline: str) -> dict[str, dict[str, dict[str
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model in res.models:
         for p in res.profiles(model):
-            if p == baseline or (model, p) not in counts:
+            if p == baseline or (model, p) not in counts or remedied(res.arms.get((model, p), {})):
                 continue
             classes, fines = counts[(model, p)]
             n = sum(classes.values())
@@ -253,7 +253,7 @@ def rephrasing_drops(res: Results, summary: dict[str, Any]) -> dict[str, dict[st
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for model, data in summary["models"].items():
         for p, arm in data["arms"].items():
-            step = step_of(arm.get("perturbers") or [], REPHRASING)
+            step = None if remedied(arm) else step_of(arm.get("perturbers") or [], REPHRASING)
             if step is None:
                 continue
             every = (step.get("params") or {}).get("rejected") == "send"
@@ -292,7 +292,7 @@ def lengthening_stats(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _arms_with(data: dict[str, Any], experiment: str) -> dict[str, dict[str, Any]]:
     return {p: arm for p, arm in data["arms"].items()
-            if any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])
+            if not remedied(arm) and any(experiment_of(s) == experiment for s in arm.get("perturbers") or [])
             and (experiment != FORMATS or _format_arm(arm))}
 
 
@@ -363,7 +363,7 @@ def grid_arms(data: dict[str, Any], experiment: str, *keys: str) -> list[tuple[s
     skipped."""
     out = []
     for p, arm in data["arms"].items():
-        step = step_of(arm.get("perturbers") or [], experiment)
+        step = None if remedied(arm) else step_of(arm.get("perturbers") or [], experiment)
         if step is None or not arm["n"]:
             continue
         values = {k: param(step, k) for k in keys}
@@ -578,7 +578,7 @@ def padding_counts(summary: dict[str, Any], model: str, category: str | None = N
     prompting: never pooled together), arms with the same cell pooled; with `category`, that subset's pairs only."""
     pooled: dict[tuple[int, float], list[int]] = defaultdict(lambda: [0, 0])
     for arm in summary["models"][model]["arms"].values():
-        if catalog_mode(arm) != mode:
+        if catalog_mode(arm) != mode or remedied(arm):
             continue
         params = _params(arm["perturbers"], CATALOG)
         numbers = arm if category is None else arm["by_category"].get(category)
@@ -600,7 +600,8 @@ def catalog_categories(summary: dict[str, Any]) -> list[str]:
     """The subsets the catalog-padding arms scored, the paper's figure order first (live_simple, simple,
     multiple), then the others by name."""
     found = {c for data in summary["models"].values() for arm in data["arms"].values()
-             if _params(arm["perturbers"], CATALOG) is not None for c, n in arm["by_category"].items() if n["n"]}
+             if not remedied(arm) and _params(arm["perturbers"], CATALOG) is not None
+             for c, n in arm["by_category"].items() if n["n"]}
     order = list(CATALOG_FIGURES)
     return sorted(found, key=lambda c: (order.index(c) if c in order else len(order), c))
 
