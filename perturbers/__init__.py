@@ -10,39 +10,60 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Mapping
+from typing import Any, Generic, Mapping, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
 from toolquake.perturbers.base import NO_CALL, ChatRequest, PerturbContext, Perturber, Services
 
-__all__ = ["NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry", "build",
-           "operator_only_set", "shown_params", "without_credentials"]
+S = TypeVar("S", bound=Perturber)
 
-_REGISTRY: dict[str, type[Perturber]] = {}
-_loaded = False
+__all__ = ["Registry", "NO_CALL", "ChatRequest", "PerturbContext", "Perturber", "Services", "register", "registry",
+           "build", "operator_only_set", "shown_params", "without_credentials"]
+
+
+class Registry(Generic[S]):
+    """Steps registered by name: every module directly in `package` (not in `skip`, not a sub-package, not starting
+    with `_`) is imported on first use and registers its step with `register`. The perturbers' registry, and the
+    remedies' (`toolquake.remedies`)."""
+
+    def __init__(self, kind: str, package: str, path: Any, skip: frozenset[str]) -> None:
+        self.kind, self.package, self.path, self.skip = kind, package, path, skip
+        self.classes: dict[str, type[S]] = {}
+        self.loaded = False
+
+    def register(self, cls: type[S]) -> type[S]:
+        if not cls.name:
+            raise ValueError(f"{cls.__name__} has no name")
+        if cls.name in self.classes and self.classes[cls.name] is not cls:
+            raise ValueError(f"{self.kind} {cls.name!r} registered twice")
+        self.classes[cls.name] = cls
+        return cls
+
+    def all(self) -> dict[str, type[S]]:
+        if not self.loaded:
+            for mod in pkgutil.iter_modules(self.path):
+                if not mod.ispkg and not mod.name.startswith("_") and mod.name not in self.skip:
+                    importlib.import_module(f"{self.package}.{mod.name}")
+            self.loaded = True
+        return self.classes
+
+    def build(self, name: str, params: dict[str, Any] | None = None) -> S:
+        """Instantiate a registered step from its parameters; ValueError with the reason otherwise."""
+        known = self.all()
+        if name not in known:
+            raise ValueError(f"unknown {self.kind} {name!r} (known: {', '.join(sorted(known)) or 'none'})")
+        try:
+            return msgspec.convert(params or {}, known[name])
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{self.kind} {name!r}: {exc}") from None
+
+
 # the interface module holds no perturber
-_NOT_PERTURBERS = {"base"}
-
-
-def register(cls: type[Perturber]) -> type[Perturber]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"perturber {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registry() -> dict[str, type[Perturber]]:
-    global _loaded
-    if not _loaded:
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.ispkg and not mod.name.startswith("_") and mod.name not in _NOT_PERTURBERS:
-                importlib.import_module(f"{__name__}.{mod.name}")
-        _loaded = True
-    return _REGISTRY
+_PERTURBERS: Registry[Perturber] = Registry("perturber", __name__, __path__, frozenset({"base"}))
+register = _PERTURBERS.register
+registry = _PERTURBERS.all
 
 
 def operator_only_set(name: str, params: dict[str, Any], allowed: dict[str, Any] | None = None,
@@ -86,10 +107,4 @@ def shown_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def build(name: str, params: dict[str, Any] | None = None) -> Perturber:
     """Instantiate a registered perturber from its parameters; ValueError with the reason otherwise."""
-    known = registry()
-    if name not in known:
-        raise ValueError(f"unknown perturber {name!r} (known: {', '.join(sorted(known))})")
-    try:
-        return msgspec.convert(params or {}, known[name])
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"perturber {name!r}: {exc}") from None
+    return _PERTURBERS.build(name, params)

@@ -7,46 +7,12 @@ sentence-transformers) lazily, inside functions.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import Any
-
-import msgspec
-
+from toolquake.perturbers import Registry
 from toolquake.remedies.base import ChatRequest, PerturbContext, Remedy, Services
 
 __all__ = ["ChatRequest", "PerturbContext", "Remedy", "Services", "register", "registry", "build"]
 
-_REGISTRY: dict[str, type[Remedy]] = {}
-_loaded = False
-_NOT_REMEDIES = {"base"}
-
-
-def register(cls: type[Remedy]) -> type[Remedy]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"remedy {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registry() -> dict[str, type[Remedy]]:
-    global _loaded
-    if not _loaded:
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.ispkg and not mod.name.startswith("_") and mod.name not in _NOT_REMEDIES:
-                importlib.import_module(f"{__name__}.{mod.name}")
-        _loaded = True
-    return _REGISTRY
-
-
-def build(name: str, params: dict[str, Any] | None = None) -> Remedy:
-    """Instantiate a registered remedy from its parameters; ValueError with the reason otherwise."""
-    known = registry()
-    if name not in known:
-        raise ValueError(f"unknown remedy {name!r} (known: {', '.join(sorted(known)) or 'none'})")
-    try:
-        return msgspec.convert(params or {}, known[name])
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"remedy {name!r}: {exc}") from None
+_REMEDIES: Registry[Remedy] = Registry("remedy", __name__, __path__, frozenset({"base"}))
+register = _REMEDIES.register
+registry = _REMEDIES.all
+build = _REMEDIES.build
