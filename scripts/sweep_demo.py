@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,15 +39,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="model instances, one CPU thread each (default: 2 on a machine with 2+ CPUs)")
     args = parser.parse_args(argv)
 
-    from scripts.demo import start_backend
+    from scripts.demo import fresh_dir, start_backend
     from toolquake.proxy.replay.errors import ReplayError
     from toolquake.proxy.replay.sweep import SweepOptions, run_sweep
     from toolquake.proxy.server import logs
 
     logs.configure("warning")
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = fresh_dir(args.out)
     t0 = time.monotonic()
     backend = start_backend("sweep-demo", out, args.parallel)
     if backend is None:
