@@ -1,91 +1,18 @@
-"""Shared fixtures: real processes on loopback (the fake upstream, the proxy), started and stopped here."""
+"""Shared fixtures: real processes on loopback (the fake upstream, the proxy), started and stopped here; the
+helpers they use live in tests/support/."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-def start_process(args: list[str], port: int, ready_path: str = "/healthz", env: dict[str, str] | None = None,
-                  timeout: float = 30.0, cwd: Path = ROOT, scheme: str = "http") -> Proc:
-    """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers (over `scheme`;
-    https: any certificate)."""
-    log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    popen = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=log.open("wb"),
-                             stderr=subprocess.STDOUT)
-    url = f"{scheme}://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(f"{args} exited with {popen.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(url + ready_path, timeout=1.0, verify=scheme == "http").status_code < 500:
-                return Proc(popen, url, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    popen.kill()
-    raise RuntimeError(f"{args} did not become ready on {url}:\n{log.read_text(errors='replace')}")
-
-
-def start_fake_upstream(*extra: str) -> Proc:
-    port = free_port()
-    return start_process(["-m", "tests.fake_upstream", "--port", str(port), *extra], port, "/v1/models",
-                         scheme="https" if "--tls" in extra else "http")
-
-
-def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str, str] | None = None,
-                *extra: str) -> Proc:
-    """Start `toolquake serve` against `upstream_url` (the fake's root URL; /v1 is appended); one worker
-    process unless `extra` says `--workers N`."""
-    port = free_port()
-    args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port)]
-    if "--workers" not in extra:
-        args += ["--workers", "1"]
-    if config_text is not None:
-        cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
-        cfg.write_text(config_text)
-        args += ["--config", str(cfg)]
-    return start_process([*args, *extra], port, "/healthz", env=env)
+from tests.support import ORPHAN_MARK, Proc, marked_processes, start_fake_upstream, start_proxy
+from tests.support.replay import N_CASES, WRONG_EVERY, oracle_script
 
 
 @pytest.fixture(scope="session")
@@ -119,11 +46,6 @@ def proxy_factory(fake_upstream: Proc) -> Iterator[Callable[..., Proc]]:
         proc.stop()
 
 
-def recorded(fake: Proc, tag: str) -> list[dict]:
-    """What the fake upstream received for requests sent with `X-Test-Tag: tag`."""
-    return httpx.get(f"{fake.url}/_fake/requests", params={"tag": tag}, verify=False).json()
-
-
 @pytest.fixture(scope="session")
 def backends() -> Iterator[Any]:
     """BFCL's multi-turn API simulators in their sandboxed worker (installed from the cached wheel if needed)."""
@@ -137,43 +59,31 @@ def backends() -> Iterator[Any]:
         yield worker
 
 
+@pytest.fixture(scope="module")
+def oracle() -> Iterator[tuple[Proc, list, set[str]]]:
+    """A fake upstream answering the first N_CASES BFCL `multiple` cases with their ground truth, but a wrong
+    function for every WRONG_EVERY-th case: (the fake, the cases, the ids answered wrong)."""
+    from toolquake.bfcl.corpus import load_category
+
+    cases = load_category("multiple")[:N_CASES]
+    messages = [c.turns[0][-1]["content"] for c in cases]
+    assert len(set(messages)) == len(messages), "the oracle needs distinct user messages"
+    wrong = {c.id for i, c in enumerate(cases) if i % WRONG_EVERY == 0}
+    script = oracle_script(cases, wrong)
+    fake = start_fake_upstream("--script", str(script))
+    yield fake, cases, wrong
+    fake.stop()
+
+
 # -- no orphans: every process the suite starts inherits this marker; at the end none may be alive ---------
 
-ORPHAN_MARK = "TOOLQUAKE_TEST_SESSION"
 os.environ.setdefault(ORPHAN_MARK, f"{os.getpid()}-{time.time_ns()}")
 _SESSION_MARK = f"{ORPHAN_MARK}={os.environ[ORPHAN_MARK]}".encode()
-#: children of pytest that exit with it by design (multiprocessing's helpers)
-_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"from multiprocessing.")
 
 
 def _suite_processes() -> dict[int, str]:
     """Live (not zombie) processes other than this one whose environment carries this session's marker."""
     return marked_processes(_SESSION_MARK)
-
-
-def marked_processes(mark: bytes) -> dict[int, str]:
-    """Live (not zombie) processes other than this one whose environment holds `mark` (`NAME=value`), with their
-    command lines; pytest's own helpers left out."""
-    found: dict[int, str] = {}
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if stat[0] == "Z" or (int(stat[1]) == me and any(h in cmdline for h in _HELPERS)):
-            continue
-        found[pid] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    return found
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,4 +1,5 @@
-"""A fake OpenAI-compatible upstream, run as its own process: `python -m tests.fake_upstream --port N`.
+"""A fake OpenAI-compatible upstream, run as its own process: `python -m tests.fake_upstream --port N` (0: any free
+port; the first line of its output says `listening on http://HOST:PORT`).
 
 Raw ASGI on uvicorn (httptools + uvloop) so benchmarks measure the proxy, not this server.
 
@@ -105,6 +106,7 @@ import asyncio
 import collections
 import itertools
 import random
+import socket
 import time
 from typing import Any
 
@@ -1038,7 +1040,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Fake OpenAI-compatible upstream for tests and benchmarks.")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (said on the first output line)")
     parser.add_argument("--script", help="JSON lines of {match, answer} (see module docstring)")
     parser.add_argument(
         "--tokenize",
@@ -1094,10 +1096,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.script:
         with open(args.script) as f:
             SCRIPT.extend(_dec(line) for line in f if line.strip())
-    uvicorn.run(
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))  # --port 0: the kernel picks a free one, said on the line below
+    sock.listen(2048)
+    scheme = "https" if args.tls else "http"
+    print(f"listening on {scheme}://{args.host}:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         loop="uvloop",
         http=_protocol(),
         log_level="error",
@@ -1105,7 +1111,7 @@ def main(argv: list[str] | None = None) -> None:
         lifespan="on",
         timeout_keep_alive=args.keep_alive,
         **({"ssl_certfile": args.tls[0], "ssl_keyfile": args.tls[1]} if args.tls else {}),
-    )
+    )).run(sockets=[sock])
 
 
 if __name__ == "__main__":

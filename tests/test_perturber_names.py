@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.perturbers import registry
 
 #: the folders whose Python sources may not name a perturber

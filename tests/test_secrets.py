@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT
-from tests.server.test_proxy_core import body
+from tests.support import ROOT
+from tests.support.chat import body
 
 SHADOW_CONFIG = """
 [server]
@@ -52,7 +52,7 @@ def test_secrets_never_leave_the_request(tmp_path, proxy_factory, log_contents):
     traffic(p.url, secret)
     time.sleep(1.0)  # shadow twins and scoring run after the answers
     metrics = httpx.get(f"{p.url}/metrics").text
-    from tests.server.test_proxy_core import metric_value
+    from tests.support import metric_value
 
     assert metric_value(metrics, "toolquake_shadow_requests_total") >= 2  # the twins really ran, with the auth
     p.stop()

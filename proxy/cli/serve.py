@@ -76,15 +76,20 @@ def run(args: argparse.Namespace) -> int:
                               timeout_graceful_shutdown=GRACEFUL_S, server_header=False,
                               timeout_keep_alive=server.keep_alive_timeout, proxy_headers=False)
 
-    if n == 1:
-        app = create_app(config, admin_token=admin_token, extensions=extensions)
-        tune_gc()
-        uvicorn.Server(uvicorn_config(app)).run()
-        return 0
     try:
         sock = workers.listen(server.host, server.port)
     except OSError as exc:
         sys.exit(f"toolquake: cannot listen on {server.host}:{server.port}: {exc}")
+    # the port it got (`--port 0`: any free one, picked by the kernel), for whoever started it
+    port = sock.getsockname()[1]
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    structlog.get_logger("toolquake.proxy").info("listening", host=server.host, port=port,
+                                                 url=f"http://{host}:{port}")
+    if n == 1:
+        app = create_app(config, admin_token=admin_token, extensions=extensions)
+        tune_gc()
+        uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+        return 0
     runtime = workers.Runtime.create()
     workers.use_multiprocess_metrics(runtime.metrics)
     tune_gc()  # before the fork: the workers share these pages, and no collection writes to them
@@ -179,7 +184,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--upstream", help="the backend's OpenAI API base URL, e.g. http://127.0.0.1:8000/v1 "
                        "(env TOOLQUAKE_UPSTREAM; default from the config file)")
     serve.add_argument("--host", help="address to listen on (env TOOLQUAKE_HOST; default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to listen on (env TOOLQUAKE_PORT; default 8080)")
+    serve.add_argument("--port", type=int, help="port to listen on (env TOOLQUAKE_PORT; default 8080; 0: any free "
+                       "port, logged as the `listening` event's port)")
     serve.add_argument("--workers", type=int, metavar="N", help="worker processes sharing the port (env "
                        "TOOLQUAKE_WORKERS, [server] workers; default: one per CPU this process may use). Metrics "
                        "are summed over the workers and admin-API profile changes reach all of them; "

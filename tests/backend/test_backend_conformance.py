@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conformance.test_conformance_probe import rule_rows
-from tests.conftest import ROOT, start_proxy
+from tests.support import ROOT, start_proxy
 from toolquake.proxy.server.conformance import RULES
 
 pytestmark = [

@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 
-from tests.conftest import start_proxy
+from tests.support import start_proxy
 
 pytestmark = [
     pytest.mark.slow,

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import Proc, free_port, start_process
+from tests.support import Proc, free_port, start_process
 
 pytestmark = [
     pytest.mark.slow,

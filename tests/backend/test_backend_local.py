@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.support import ROOT, free_port
 
 pytestmark = [
     pytest.mark.slow,

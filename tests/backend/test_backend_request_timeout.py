@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Proc, free_port, start_process
+from tests.support import ROOT, Proc, free_port, start_process
 
 STAND_IN = Path(__file__).parent / "stand_in"
 REQUEST_TIMEOUT = 2.0

@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import Proc, start_proxy
+from tests.support import Proc, start_proxy
 
 pytestmark = [
     pytest.mark.slow,

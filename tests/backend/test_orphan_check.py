@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import ORPHAN_MARK, ROOT
+from tests.support import ORPHAN_MARK, ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the check reads /proc")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.proxy_overhead import BODIES, cpu_per_request, proc_tree, run_asyncio, run_wrk
-from tests.conftest import ROOT, Proc, free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import ROOT, Proc, free_port, start_fake_upstream, start_process, start_proxy
 
 
 def install_ref(ref: str, into: Path) -> Path:

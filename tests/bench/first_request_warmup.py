@@ -20,7 +20,7 @@ import httpx
 
 
 def one_run(warm_up: bool) -> dict[str, object]:
-    from tests.conftest import recorded, start_fake_upstream, start_proxy
+    from tests.support import recorded, start_fake_upstream, start_proxy
     from toolquake.bfcl import corpus
 
     case = corpus.load_case("multiple_4")

@@ -17,7 +17,7 @@ from typing import Any
 
 from tests.bench.ab import compare
 from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
-from tests.conftest import free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import free_port, start_fake_upstream, start_process, start_proxy
 
 CONFIG = "[scoring]\nenabled = false\n"
 

@@ -45,7 +45,7 @@ def ensure_image(image: str) -> str | None:
 
 
 def one_start(image: str, upstream: str, warm_up: bool) -> dict[str, float]:
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     port = free_port()
     t0 = time.monotonic()
@@ -80,7 +80,7 @@ def cgroup_mib(cid: str) -> list[float]:
 
 
 def memory(image: str, upstream: str, limit: str = "512m") -> None:
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     try:
         from toolquake.bfcl import corpus
@@ -129,7 +129,7 @@ def main() -> int:
     if why is not None:
         print(f"skipped: {why}")
         return 0
-    from tests.conftest import start_fake_upstream
+    from tests.support import start_fake_upstream
 
     size_mb = int(podman("image", "inspect", "-f", "{{.Size}}", args.image).stdout.strip()) / 1e6
     print(f"image {args.image}: {size_mb:.0f} MB (goal for the default image: <= 320 MB)")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import Proc, free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import Proc, free_port, start_fake_upstream, start_process, start_proxy
 
 TOOLS = [{"type": "function", "function": {
     "name": f"tool_{i}", "description": "Looks something up in a catalogue of things." * 2,
@@ -308,7 +308,7 @@ def where_time_goes(pid: int, url: str, conns: int, seconds: float, load) -> dic
 
 def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
     """LiteLLM's proxy in its own virtualenv (created once under the cache dir), one worker."""
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     cache = Path(os.environ.get("TOOLQUAKE_CACHE", Path.home() / ".cache" / "toolquake")) / "bench"
     venv = cache / "litellm-venv"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import start_fake_upstream
+from tests.support import start_fake_upstream
 
 
 async def _direct(url: str, bodies: list[dict], concurrency: int) -> float:

@@ -27,7 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.bench.proxy_overhead import _ms  # wrk duration parsing
-from tests.conftest import start_fake_upstream, start_proxy
+from tests.support import start_fake_upstream, start_proxy
 
 CASE = "multiple_0"
 CONFIG = """

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import start_fake_upstream, start_proxy
+from tests.support import start_fake_upstream, start_proxy
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}} for i in range(4)]

@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from tests.conftest import start_fake_upstream, start_proxy
+from tests.support import start_fake_upstream, start_proxy
 
 CONFIG = """
 [profiles.format-python]

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 BUDGETS = (8192, 16384, 32768, 65536, 120000)
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -37,7 +37,7 @@ import httpx
 from tests.bench.ab import install_ref
 from tests.bench.proxy_overhead import BODY
 from tests.bench.tracing_overhead import OFF, floor_answers, floor_base, floor_request, on
-from tests.conftest import ROOT, free_port, start_fake_upstream, start_process
+from tests.support import ROOT, free_port, start_fake_upstream, start_process
 
 WARM_IN_PROCESS, WARM_PROXY = 300, 600
 

@@ -31,7 +31,7 @@ import httpx
 
 from tests.bench.ab import alternating_rounds, install_ref, start_ref_proxy
 from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
-from tests.conftest import free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import free_port, start_fake_upstream, start_process, start_proxy
 
 OFF = "[server]\n[scoring]\nenabled = false\n"
 

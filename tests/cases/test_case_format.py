@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",

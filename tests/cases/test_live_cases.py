@@ -10,8 +10,7 @@ import openai
 import pytest
 
 from tests.cases.test_case_format import TIME, WEATHER
-from tests.conftest import start_proxy
-from tests.live.test_shadow import metric, wait_for
+from tests.support import scraped, start_proxy, wait_for
 from toolquake.proxy.live import results
 from toolquake.proxy.replay.report import summarize_db
 
@@ -67,16 +66,16 @@ def test_user_cases_are_scored_live_by_content_hash_and_header(served):
     # a request of no case: counted as unlabeled, not scored
     sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Weather in Paris?"}],
                                 tools=[WEATHER, TIME])
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == len(SENT), what="every answer scored")
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == len(SENT), what="every answer scored")
     wait_for(lambda: len(results.read_rows(db)) == len(SENT), what="every row stored")
     want: dict[tuple[str, str], int] = {}
     for case_id, _, _, _, (valid, _) in SENT:
         key = (by_id[case_id].get("category", "mine"), "valid" if valid else "invalid")
         want[key] = want.get(key, 0) + 1
     for (category, verdict), n in want.items():
-        assert metric(proxy, "toolquake_scored_total", category=category, verdict=verdict) == n, (category, verdict)
-    assert metric(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 1
-    assert metric(proxy, "toolquake_errors_total", error_type="wrong_function") == 1
+        assert scraped(proxy, "toolquake_scored_total", category=category, verdict=verdict) == n, (category, verdict)
+    assert scraped(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 1
+    assert scraped(proxy, "toolquake_errors_total", error_type="wrong_function") == 1
     stored = {r["request_id"]: r for r in results.read_rows(db)}  # two workers: rows may land in any order
     rows = [stored[i] for i in request_ids]
     assert [(r["case_id"], bool(r["valid"]), r["taxonomy"]) for r in rows] == [

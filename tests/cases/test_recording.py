@@ -17,8 +17,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import ROOT, start_proxy
-from tests.replay.test_replay import replay, rows
+from tests.support import ROOT, start_proxy
+from tests.support.replay import replay, rows
 
 API_KEY = "sk-test-SECRETKEY0123456789abcdef"
 SEED_SECRET = "seed-secret-5f2a91"

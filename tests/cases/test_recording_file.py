@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cases.test_recording import TOOLS, metric, read, toolquake
-from tests.conftest import ROOT, free_port, start_proxy
+from tests.support import ROOT, free_port, start_proxy
 
 
 def sqlite_db(path: Path) -> Path:

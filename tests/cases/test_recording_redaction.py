@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 
 from tests.cases.test_recording import metric, read, toolquake
-from tests.conftest import start_proxy
+from tests.support import start_proxy
 
 ALNUM = string.ascii_letters + string.digits
 UPPER = string.ascii_uppercase + string.digits

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.cases.test_case_format import TIME, WEATHER
-from tests.conftest import ROOT, start_fake_upstream
-from tests.replay.test_replay import replay, rows
+from tests.support import ROOT, start_fake_upstream
+from tests.support.replay import replay, rows
 
 CURRENCY = {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount.",
             "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "to": {"type": "string"}},

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
+from tests.support import ROOT, start_fake_upstream
 
 
 def probe(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -70,7 +70,7 @@ def test_a_backend_with_known_faults_gets_them_in_the_table_and_exit_1(faulty):
 
 
 def test_an_unreachable_backend_exits_2():
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     out = probe(f"http://127.0.0.1:{free_port()}/v1", "--model", "m", "--timeout", "2")
     assert out.returncode == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Proc
+from tests.support import Proc
 
 MODEL = "conf-model"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -58,7 +58,7 @@ def db(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def checked(fake_upstream: Proc, db: Path):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, config(db))
     yield proc
@@ -333,7 +333,7 @@ def test_report_db_lists_the_violations_by_model_and_rule(proxy_factory, tmp_pat
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support import ROOT
 
     db = tmp_path / "rep.sqlite"
     proxy = proxy_factory(config(db))

@@ -26,7 +26,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port, recorded, start_fake_upstream
+from tests.support import free_port, recorded, start_fake_upstream
 
 pytestmark = pytest.mark.container
 
@@ -381,7 +381,7 @@ REPLAY_PROFILES = "off,reversed"
 @pytest.fixture(scope="module")
 def oracle_upstream() -> Iterator[tuple[str, list, set]]:
     """The fake upstream answering each case with its ground truth, except every fourth (tests/replay)."""
-    from tests.replay.test_replay import WRONG_EVERY, _oracle_script
+    from tests.support.replay import WRONG_EVERY, oracle_script
     from toolquake.bfcl.corpus import load_category
 
     try:
@@ -389,7 +389,7 @@ def oracle_upstream() -> Iterator[tuple[str, list, set]]:
     except FileNotFoundError as exc:
         pytest.skip(f"no corpus: {exc}")
     wrong = {c.id for i, c in enumerate(cases) if i % WRONG_EVERY == 0}
-    fake = start_fake_upstream("--script", str(_oracle_script(cases, wrong)))
+    fake = start_fake_upstream("--script", str(oracle_script(cases, wrong)))
     yield fake.url, cases, wrong
     fake.stop()
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import Proc, free_port
+from tests.support import Proc, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -159,8 +159,8 @@ def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
     counts with llama.cpp's own tokenizer."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed: `make install-local`")
-    from tests.conftest import start_process
     from tests.deploy.test_deploy_image import parse_assignments, stages
+    from tests.support import start_process
     from toolquake.perturbers.helpers.tokens import make_counter
 
     svc = services()

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.conftest import Proc
+from tests.support import Proc
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

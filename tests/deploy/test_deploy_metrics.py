@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from tests.conftest import Proc
+from tests.support import Proc
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.conftest import Proc, free_port, start_process
+from tests.support import Proc, free_port, start_process
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DEPLOYMENT = ROOT / "k8s" / "overlays" / "sidecar" / "agent-deployment.yaml"

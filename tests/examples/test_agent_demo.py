@@ -20,7 +20,7 @@ import pytest
 
 from examples.agent.tasks import TASKS
 from scripts.agent_demo import Demo
-from tests.conftest import ORPHAN_MARK, marked_processes, start_fake_upstream
+from tests.support import ORPHAN_MARK, marked_processes, start_fake_upstream
 
 PROFILES = ["off", "shuffled", "fail-timeout", "meta-namespace-twin"]
 TOOLS = ["get_weather", "convert_currency", "list_events", "convert_units", "search_notes"]

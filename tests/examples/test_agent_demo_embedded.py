@@ -18,7 +18,7 @@ import time
 import pytest
 
 from examples.agent.tasks import TASKS
-from tests.conftest import ROOT, marked_processes
+from tests.support import ROOT, marked_processes
 
 pytestmark = [
     pytest.mark.slow,

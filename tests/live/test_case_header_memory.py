@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.live.test_live_scoring import gt_calls, live_config, send
-from tests.live.test_shadow import metric, wait_for
+from tests.support import scraped, wait_for
 
 HEADER_KIB = 512
 FLOOD = 60
@@ -70,7 +70,7 @@ def test_distinct_huge_case_headers_do_not_grow_the_proxy_and_real_ids_still_sco
     if cap is not None:
         config = config.replace("[server]\n", f"[server]\n{cap} = {2 * HEADER_KIB * 1024}\n", 1)
     proxy = proxy_factory(config)
-    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     case = load_case("simple_python_0")
     body = case_request(case)
     answer = {"calls": gt_calls(case)}
@@ -88,27 +88,27 @@ def test_distinct_huge_case_headers_do_not_grow_the_proxy_and_real_ids_still_sco
     # warm up: the allocator's high-water mark for one such request is not growth
     warm = flood(0, 5)
     assert set(warm) == {200}, warm
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total") >= len(warm), what="the warm-up to be counted")
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total") >= len(warm), what="the warm-up to be counted")
     before = rss(proxy.popen.pid)
     codes = flood(100, FLOOD)
     after = rss(proxy.popen.pid)
     assert set(codes) == {200}, codes
     assert after - before < RSS_BOUND, f"RSS grew by {(after - before) / 2**20:.1f} MiB over {FLOOD} headers"
     served = len(codes) + len(warm)
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="unknown_case") == served,
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="unknown_case") == served,
              what="every flooded request counted as unknown_case")
-    assert metric(proxy, "toolquake_scored_total") == 0
+    assert scraped(proxy, "toolquake_scored_total") == 0
 
     # real ids still resolve: a BFCL id is scored; a format-sensitivity id of a real configuration names its case
     # (answered with native calls through `off`, it is counted as a category live scoring does not grade)
     for case_id in ("simple_python_0", f"format_sensitivity_5:{FORMAT_CONFIGS[5]}:simple_python_0"):
         _, message = send(proxy, "off", body, answer=answer, case_header=case_id, stream=False)
         assert message["tool_calls"]
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == 1, what="the BFCL id to be scored")
-    assert metric(proxy, "toolquake_scored_total", category="simple_python", verdict="valid") == 1
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="unsupported_category") == 1,
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == 1, what="the BFCL id to be scored")
+    assert scraped(proxy, "toolquake_scored_total", category="simple_python", verdict="valid") == 1
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="unsupported_category") == 1,
              what="the format-sensitivity id to be resolved")
-    assert metric(proxy, "toolquake_scoring_skipped_total", reason="unknown_case") == served
+    assert scraped(proxy, "toolquake_scoring_skipped_total", reason="unknown_case") == served
 
 
 @pytest.mark.needs_corpus

@@ -18,11 +18,10 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import start_fake_upstream, start_proxy
 from tests.fake_upstream import LOST_TEXT
-from tests.live.test_shadow import metric, wait_for
 from tests.replay.test_live_report import SAME, report
-from tests.replay.test_replay import replay
+from tests.support import scraped, start_fake_upstream, start_proxy, wait_for
+from tests.support.replay import replay
 from toolquake.scorers.consistency import DISAGREE
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings]
@@ -120,7 +119,7 @@ def live(tmp_path_factory):
                                   f'[scoring]\nstore = "{db}"\n')
     answers: dict[tuple[str, str], dict] = {}
     try:
-        wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, timeout=60, what="the case index")
+        wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, timeout=60, what="the case index")
         for profile in PROFILES:
             client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-live", max_retries=0)
             for case in cases[:N_MAIN]:
@@ -140,10 +139,10 @@ def live(tmp_path_factory):
                                "X-Test-Tag": f"search-shadow/{cases[i].id}"})
             answers[("search-shadow", cases[i].id)] = answer.choices[0].message.model_dump(exclude_none=True)
         shadows = len(SHADOW)
-        wait_for(lambda: metric(proxy, "toolquake_consistency_total", profile="search-shadow") == shadows,
+        wait_for(lambda: scraped(proxy, "toolquake_consistency_total", profile="search-shadow") == shadows,
                  timeout=60, what="every shadow twin compared")
         # each main case under three profiles, each shadow case's original (under off) and its twin
-        wait_for(lambda: metric(proxy, "toolquake_scored_total") == len(PROFILES) * N_MAIN + 2 * shadows,
+        wait_for(lambda: scraped(proxy, "toolquake_scored_total") == len(PROFILES) * N_MAIN + 2 * shadows,
                  timeout=60, what="every answer scored")
         recorded = httpx.get(f"{fake.url}/_fake/requests", timeout=30).json()
         exposition = httpx.get(f"{proxy.url}/metrics").text

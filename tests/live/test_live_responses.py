@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.live.test_live_scoring import MODEL, expected_verdict, gt_calls, live_config, wrong_value
-from tests.live.test_shadow import metric, wait_for
+from tests.support import scraped, wait_for
 from toolquake.proxy.live import results
 
 
@@ -49,5 +49,5 @@ def test_responses_answers_to_known_cases_are_scored_and_stored(proxy_factory, t
         verdict, error = sent[row["request_id"]]
         assert row["route"] == "responses" and row["stream"] == int(stream)
         assert ("valid" if row["valid"] else "invalid") == verdict and (row["taxonomy"] or None) == error
-    assert metric(proxy, "toolquake_scored_total", profile="reversed", verdict="valid") == 1
-    assert metric(proxy, "toolquake_scored_total", profile="reversed", verdict="invalid") == 1
+    assert scraped(proxy, "toolquake_scored_total", profile="reversed", verdict="valid") == 1
+    assert scraped(proxy, "toolquake_scored_total", profile="reversed", verdict="invalid") == 1

@@ -21,7 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.live.test_shadow import MESSAGES, TOOLS, metric, wait_for
+from tests.support import scraped, wait_for
+from tests.support.shadow import MESSAGES, TOOLS
 from toolquake.proxy.live import results
 from toolquake.proxy.replay.report import render_markdown, summarize_db
 
@@ -157,7 +158,7 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
 
     db = tmp_path / "live.sqlite"
     proxy = proxy_factory(live_config(db, semantic=False))
-    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     plan = []  # (profile, case id, answer kind, resolve by header?, stream?)
     for i, cid in enumerate(["multiple_0", "multiple_1", "multiple_2", "multiple_3", "simple_python_1",
                              "simple_python_2", "parallel_0", "parallel_1"]):
@@ -207,18 +208,18 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
     assert {"wrong_syntax", "wrong_function", "wrong_param_value", "irrelevance_violation"} <= {
         s["error"] for s in sent
     }
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == len(sent), what="every answer scored")
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == len(sent), what="every answer scored")
 
     by_labels = Counter((s["profile"], s["case"].category, s["verdict"]) for s in sent)
     for (profile, category, verdict), n in by_labels.items():
         assert (
-            metric(proxy, "toolquake_scored_total", profile=profile, model=MODEL, category=category, verdict=verdict)
+            scraped(proxy, "toolquake_scored_total", profile=profile, model=MODEL, category=category, verdict=verdict)
             == n
         ), (profile, category, verdict)
     errors = Counter((s["profile"], s["error"]) for s in sent if s["verdict"] == "invalid")
     for (profile, error), n in errors.items():
-        assert metric(proxy, "toolquake_errors_total", profile=profile, model=MODEL, error_type=error) == n
-    assert metric(proxy, "toolquake_errors_total") == sum(errors.values())
+        assert scraped(proxy, "toolquake_errors_total", profile=profile, model=MODEL, error_type=error) == n
+    assert scraped(proxy, "toolquake_errors_total") == sum(errors.values())
 
     wait_for(lambda: len(results.read_rows(db)) == len(sent), what="every row stored")
     rows = {r["request_id"]: r for r in results.read_rows(db)}
@@ -251,7 +252,7 @@ def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, t
     from toolquake.bfcl.corpus import case_request, load_case
 
     proxy = proxy_factory(live_config(tmp_path / "u.sqlite"))
-    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     case = load_case("multiple_2")
     body = case_request(case)
     # the case's question with tools under other names is some other conversation: unlabeled
@@ -288,12 +289,12 @@ def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, t
     # the upstream failed: there is no answer to score
     with pytest.raises(openai.InternalServerError):
         send(proxy, "off", body, answer=None, case_header=case.id, stream=False, fault="status:500")
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="followup") == 1, what="followup")
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", reason="no_answer") == 1, what="no answer")
-    assert metric(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 2
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="followup") == 1, what="followup")
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="no_answer") == 1, what="no answer")
+    assert scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 2
     # an id that names no case: served, counted apart (#28)
-    assert metric(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unknown_case") == 1
-    assert metric(proxy, "toolquake_scored_total") == 0
+    assert scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unknown_case") == 1
+    assert scraped(proxy, "toolquake_scored_total") == 0
 
 
 @pytest.mark.needs_corpus
@@ -315,8 +316,8 @@ def test_semantic_flips_are_counted(proxy_factory, tmp_path):
         if not check(case, calls, mode="bfcl").valid and check(case, calls, mode="semantic").valid:
             expected_flips += 1
     assert expected_flips >= 1  # the plan holds an answer that only the semantic mode accepts
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == 3, what="three verdicts")
-    assert metric(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == 3, what="three verdicts")
+    assert scraped(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
     wait_for(lambda: len(results.read_rows(db)) == 3, what="rows")
     assert sum(bool(r["semantic_valid"]) and not r["valid"] for r in results.read_rows(db)) == expected_flips
 
@@ -378,8 +379,8 @@ def test_shadow_original_counts_as_off_and_twin_under_the_profile(proxy_factory,
     assert rows["twin"]["agree"] == "false"
     expected_original, _ = expected_verdict(case, message)
     assert bool(rows["original"]["valid"]) == (expected_original == "valid")
-    assert metric(proxy, "toolquake_scored_total", profile="off", verdict=expected_original) == 1
-    assert metric(proxy, "toolquake_scored_total", profile="shadow-reversed") == 1
+    assert scraped(proxy, "toolquake_scored_total", profile="off", verdict=expected_original) == 1
+    assert scraped(proxy, "toolquake_scored_total", profile="shadow-reversed") == 1
 
 
 def test_queue_overflow_is_counted_and_nothing_breaks(proxy_factory, tmp_path):
@@ -395,19 +396,19 @@ def test_queue_overflow_is_counted_and_nothing_breaks(proxy_factory, tmp_path):
         for _ in range(n):
             r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
             assert r.choices[0].message.tool_calls  # every client is answered
-        wait_for(lambda: metric(proxy, "toolquake_shadow_requests_total", outcome="answered") == n, what="twins")
+        wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", outcome="answered") == n, what="twins")
         # one job is stuck in the worker's write, two wait in the queue, the other twins were dropped
-        wait_for(lambda: metric(proxy, "toolquake_scoring_dropped_total") == n - 3, what="drops")
-        assert metric(proxy, "toolquake_scoring_queue_depth") == 2
-        assert metric(proxy, "toolquake_scoring_dropped_total", profile="shadow-reversed") == n - 3
+        wait_for(lambda: scraped(proxy, "toolquake_scoring_dropped_total") == n - 3, what="drops")
+        assert scraped(proxy, "toolquake_scoring_queue_depth") == 2
+        assert scraped(proxy, "toolquake_scoring_dropped_total", profile="shadow-reversed") == n - 3
     finally:
         lock.execute("COMMIT")
         lock.close()
     wait_for(lambda: len(results.read_rows(db)) == 3, what="the three accepted jobs stored")
-    wait_for(lambda: metric(proxy, "toolquake_scoring_queue_depth") == 0, what="an empty queue")
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_queue_depth") == 0, what="an empty queue")
     client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)  # still serving and scoring
     wait_for(lambda: len(results.read_rows(db)) == 4, what="scoring resumed")
-    assert metric(proxy, "toolquake_consistency_total") == 4
+    assert scraped(proxy, "toolquake_consistency_total") == 4
 
 
 def test_no_scoring_flag_turns_the_queue_off(proxy_factory, tmp_path):
@@ -495,7 +496,7 @@ def prometheus(tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (Debian package prometheus)")
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
@@ -567,7 +568,7 @@ def test_dashboard_accuracy_and_drop_match_the_stored_verdicts(proxy_factory, pr
                 stream=False,
             )
             n += 1
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == n, what="every answer scored")
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == n, what="every answer scored")
     wait_for(lambda: promql(prom, "sum(toolquake_scored_total)") == {"{}": n}, timeout=30, what="a scrape")
     summary = summarize_db(db)
     queries = dashboard_queries()
@@ -595,12 +596,12 @@ def test_corpus_flag_points_at_a_data_directory(proxy_factory, tmp_path):
     proxy = proxy_factory(
         live_config(db, semantic=False), {"TOOLQUAKE_CACHE": str(empty_cache)}, None, "--corpus", str(data_dir())
     )
-    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     case = load_case("simple_python_1")
     body = case_request(case)
     send(proxy, "off", body, answer={"calls": gt_calls(case)}, case_header=None, stream=False)  # by content
     wait_for(
-        lambda: metric(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
+        lambda: scraped(proxy, "toolquake_scored_total", verdict="valid", category="simple_python") == 1,
         what="the verdict",
     )
     assert results.read_rows(db)[0]["resolved_by"] == "content"
@@ -616,7 +617,7 @@ def test_an_unusable_default_store_does_not_stop_serving_but_a_chosen_one_does(p
     proxy = proxy_factory(shadow, {"TOOLQUAKE_CACHE": str(not_a_dir)})  # default store: <cache>/results.sqlite
     client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
-    wait_for(lambda: metric(proxy, "toolquake_consistency_total") == 1, what="scoring without a store")
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total") == 1, what="scoring without a store")
     assert "results_store_unavailable" in proxy.output()
     with pytest.raises(RuntimeError, match=r"\[scoring\] store"):
         proxy_factory(shadow + f'[scoring]\nstore = "{not_a_dir / "results.sqlite"}"\n')
@@ -637,21 +638,21 @@ def test_anytime_gauges_are_the_reports_confidence_sequences(proxy_factory, tmp_
             calls = gt_calls(case)
             send(proxy, profile, case_request(case), answer={"calls": calls if right else wrong_value(calls)},
                  case_header=case.id, stream=False)
-    wait_for(lambda: metric(proxy, "toolquake_scored_total") == 2 * len(cases), what="every answer scored")
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == 2 * len(cases), what="every answer scored")
     # the monitor reads the store every few seconds: wait for the pairs it has seen
-    wait_for(lambda: metric(proxy, "toolquake_live_pairs", profile="reversed") == len(cases), timeout=30,
+    wait_for(lambda: scraped(proxy, "toolquake_live_pairs", profile="reversed") == len(cases), timeout=30,
              what="the anytime monitor read every pair")
     summary = summarize_db(db)
     arm, base = summary["arms"]["reversed"], summary["arms"]["off"]
     assert arm["anytime_pairs"] == len(cases)
     lo, hi = arm["drop_vs_off_cs"]
-    assert metric(proxy, "toolquake_live_drop_lower", profile="reversed") == pytest.approx(lo)
-    assert metric(proxy, "toolquake_live_drop_upper", profile="reversed") == pytest.approx(hi)
+    assert scraped(proxy, "toolquake_live_drop_lower", profile="reversed") == pytest.approx(lo)
+    assert scraped(proxy, "toolquake_live_drop_upper", profile="reversed") == pytest.approx(hi)
     assert lo <= arm["drop_vs_off"] == -1.0 <= hi < 0  # every case lost: the whole interval below 0
     for profile, a in (("reversed", arm), ("off", base)):
         acc_lo, acc_hi = a["accuracy_cs"]
-        assert metric(proxy, "toolquake_live_accuracy_lower", profile=profile) == pytest.approx(acc_lo)
-        assert metric(proxy, "toolquake_live_accuracy_upper", profile=profile) == pytest.approx(acc_hi)
+        assert scraped(proxy, "toolquake_live_accuracy_lower", profile=profile) == pytest.approx(acc_lo)
+        assert scraped(proxy, "toolquake_live_accuracy_upper", profile=profile) == pytest.approx(acc_hi)
         # anytime-valid is wider than the fixed-sample interval at the same n
         assert acc_lo <= a["accuracy_ci"][0] and a["accuracy_ci"][1] <= acc_hi
     text = render_markdown(summary)

@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-from tests.conftest import recorded
 from tests.fake_upstream import FLAKY_TEXT
-from tests.live.test_shadow import MESSAGES, TOOLS, client, config, metric, wait_for
+from tests.support import recorded, scraped, wait_for
+from tests.support.shadow import MESSAGES, TOOLS, client, config
 from toolquake.proxy.live import results
 from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.scorers.consistency import AGREE_EXACT, DISAGREE
@@ -34,13 +34,13 @@ def test_deterministic_model_has_a_zero_noise_floor_and_the_profile_keeps_its_ow
     for i in range(n):
         c.chat.completions.create(model="fake-model", tools=TOOLS, extra_headers={"X-Test-Tag": tag},
                                   messages=[{"role": "user", "content": f"{MESSAGES[0]['content']} ({i})"}])
-    wait_for(lambda: metric(proxy, "toolquake_consistency_total", profile=NOISE) == n
-             and metric(proxy, "toolquake_consistency_total", profile="shadow-reversed") == n, what="twins")
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total", profile=NOISE) == n
+             and scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed") == n, what="twins")
     # the reversed twin calls the other tool; the unperturbed twin asks the same question and gets the same call
-    assert metric(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=DISAGREE) == n
-    assert metric(proxy, "toolquake_consistency_total", profile=NOISE, model="fake-model", agree=AGREE_EXACT) == n
-    assert metric(proxy, "toolquake_shadow_requests_total", profile=NOISE, outcome="answered") == n
-    assert metric(proxy, "toolquake_shadow_requests_total", profile="shadow-reversed", outcome="answered") == n
+    assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=DISAGREE) == n
+    assert scraped(proxy, "toolquake_consistency_total", profile=NOISE, model="fake-model", agree=AGREE_EXACT) == n
+    assert scraped(proxy, "toolquake_shadow_requests_total", profile=NOISE, outcome="answered") == n
+    assert scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-reversed", outcome="answered") == n
     # upstream: per client request the original, the reversed twin, and the noise twin (the original's tools,
     # its messages, not streamed)
     seen = [json.loads(s["body"]) for s in recorded(fake_upstream, tag) if s["method"] == "POST"]
@@ -73,11 +73,11 @@ def test_nondeterministic_model_noise_is_measured_per_twin_and_never_mixed_in(pr
             model="fake-model", tools=TOOLS[:1], extra_headers={"X-Test-Tag": tag, "X-Fake-Flaky": "0.5"},
             messages=[{"role": "user", "content": f"Weather in city number {i}?"}])
         answers[raw.headers["x-toolquake-request-id"]] = raw.parse().choices[0].message
-    sampled_out = lambda: metric(proxy, "toolquake_shadow_requests_total", profile=NOISE,  # noqa: E731
+    sampled_out = lambda: scraped(proxy, "toolquake_shadow_requests_total", profile=NOISE,  # noqa: E731
                                  outcome="sampled_out")
-    wait_for(lambda: metric(proxy, "toolquake_consistency_total", profile=NOISE) + sampled_out() == n
-             and metric(proxy, "toolquake_consistency_total", profile="shadow-reversed") == n, what="twins")
-    noised = int(metric(proxy, "toolquake_consistency_total", profile=NOISE))
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total", profile=NOISE) + sampled_out() == n
+             and scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed") == n, what="twins")
+    noised = int(scraped(proxy, "toolquake_consistency_total", profile=NOISE))
     assert 0 < noised < n  # a share of 0.6, decided per request from its seed
     wait_for(lambda: db.exists() and len(results.read_rows(db)) == n + noised, what="stored rows")
     rows = results.read_rows(db)
@@ -90,10 +90,10 @@ def test_nondeterministic_model_noise_is_measured_per_twin_and_never_mixed_in(pr
         assert (r["agree"] == DISAGREE) == (original_flaky != twin_flaky), r
     disagree = sum(r["agree"] == DISAGREE for r in noise)
     assert 0 < disagree < noised
-    assert metric(proxy, "toolquake_consistency_total", profile=NOISE, agree=DISAGREE) == disagree
+    assert scraped(proxy, "toolquake_consistency_total", profile=NOISE, agree=DISAGREE) == disagree
     # the profile's own consistency counts its perturbed twins only
     twin_disagree = sum(r["agree"] == DISAGREE for r in twins)
-    assert metric(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=DISAGREE) == twin_disagree
+    assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=DISAGREE) == twin_disagree
     s = summarize_db(db)
     assert s["consistency"]["shadow-reversed"]["n"] == n
     assert s["consistency"]["shadow-reversed"]["disagree"] == twin_disagree

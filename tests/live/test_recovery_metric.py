@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.live.test_shadow import metric, wait_for
+from tests.support import scraped, wait_for
 
 NAME = "toolquake_tool_failure_recovery_total"
 CONFIG = """
@@ -45,7 +45,7 @@ ANSWERS = {
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream, tmp_path_factory):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG.format(db=tmp_path_factory.mktemp("rec") / "live.sqlite"))
     yield proc
@@ -83,10 +83,10 @@ def send(proxy, profile: str, api: str, stream: bool, answer: dict[str, Any], re
 @pytest.mark.parametrize("verdict", list(ANSWERS))
 def test_each_answer_after_a_timeout_is_counted_under_its_verdict(tq, api: str, stream: bool, verdict: str) -> None:
     labels = dict(profile="fail-timeout", kind="timeout")
-    before = {v: metric(tq, NAME, verdict=v, **labels) for v in ANSWERS}
+    before = {v: scraped(tq, NAME, verdict=v, **labels) for v in ANSWERS}
     send(tq, "fail-timeout", api, stream, ANSWERS[verdict])
-    wait_for(lambda: metric(tq, NAME, verdict=verdict, **labels) == before[verdict] + 1, what=f"{verdict} counted")
-    assert {v: metric(tq, NAME, verdict=v, **labels) for v in ANSWERS} == {
+    wait_for(lambda: scraped(tq, NAME, verdict=verdict, **labels) == before[verdict] + 1, what=f"{verdict} counted")
+    assert {v: scraped(tq, NAME, verdict=v, **labels) for v in ANSWERS} == {
         v: before[v] + (v == verdict) for v in ANSWERS}
 
 
@@ -94,19 +94,19 @@ def test_only_the_failure_the_answer_reacts_to_is_counted(tq) -> None:
     """`each` with probability 1 keeps the first turn's failure in the history: the second turn's answer is
     judged once, on the newest result."""
     labels = dict(profile="fail-each", kind="server_error")
-    before = metric(tq, NAME, **labels)
+    before = scraped(tq, NAME, **labels)
     send(tq, "fail-each", "chat", False, ANSWERS["reported"], results=2)
-    wait_for(lambda: metric(tq, NAME, **labels) > before, what="a verdict")
+    wait_for(lambda: scraped(tq, NAME, **labels) > before, what="a verdict")
     send(tq, "fail-each", "chat", False, ANSWERS["retried"], results=2)  # one more, to be sure the first is all in
-    wait_for(lambda: metric(tq, NAME, **labels) >= before + 2, what="two verdicts")
-    assert metric(tq, NAME, **labels) == before + 2
-    assert metric(tq, NAME, verdict="reported", **labels) >= 1 and metric(tq, NAME, verdict="retried", **labels) >= 1
+    wait_for(lambda: scraped(tq, NAME, **labels) >= before + 2, what="two verdicts")
+    assert scraped(tq, NAME, **labels) == before + 2
+    assert scraped(tq, NAME, verdict="reported", **labels) >= 1 and scraped(tq, NAME, verdict="retried", **labels) >= 1
 
 
 def test_requests_without_an_injected_failure_count_nothing(tq) -> None:
-    before = metric(tq, NAME)
+    before = scraped(tq, NAME)
     send(tq, "fail-timeout", "chat", False, ANSWERS["reported"], results=0)  # no tool result to replace
     send(tq, "off", "chat", False, ANSWERS["reported"])  # a tool result, no perturbation
     send(tq, "fail-timeout", "chat", False, ANSWERS["invented"])  # counted: marks that the two above were seen
-    wait_for(lambda: metric(tq, NAME) > before, what="the last request counted")
-    assert metric(tq, NAME) == before + 1
+    wait_for(lambda: scraped(tq, NAME) > before, what="the last request counted")
+    assert scraped(tq, NAME) == before + 1

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.live import results
 from toolquake.proxy.live.results import ResultsStore, Row, StoreError
 from toolquake.proxy.replay.report import render_markdown, summarize_db

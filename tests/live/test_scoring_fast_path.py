@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import recorded
 from tests.live.test_live_responses import message_of_response
 from tests.live.test_live_scoring import MODEL, expected_verdict, gt_calls, send, wrong_value
-from tests.live.test_shadow import MESSAGES, TOOLS, metric, wait_for
-from tests.server.test_proxy_core import tag
+from tests.support import recorded, scraped, wait_for
+from tests.support.chat import tag
+from tests.support.shadow import MESSAGES, TOOLS
 from toolquake.proxy import live
 from toolquake.proxy.live import recording, results
 from toolquake.proxy.server import lean
@@ -63,8 +63,8 @@ def test_an_observer_of_every_request_keeps_them_off_the_lean_path(tmp_path):
 
 
 def _decodes(proxy) -> tuple[float, float]:
-    return (metric(proxy, "toolquake_request_decodes_total", kind="typed"),
-            metric(proxy, "toolquake_request_decodes_total", kind="whole"))
+    return (scraped(proxy, "toolquake_request_decodes_total", kind="typed"),
+            scraped(proxy, "toolquake_request_decodes_total", kind="whole"))
 
 
 @pytest.mark.needs_corpus
@@ -73,7 +73,7 @@ def test_default_server_scores_matched_requests_and_decodes_the_others_once(prox
 
     db = tmp_path / "default.sqlite"
     proxy = proxy_factory(None, None, None, "--results-db", str(db))  # the packaged config: scoring on
-    wait_for(lambda: metric(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
     case = load_case("multiple_2")
     body = case_request(case)
     renamed = [{"type": "function", "function": {**t["function"], "name": t["function"]["name"] + "_v2"}}
@@ -88,7 +88,7 @@ def test_default_server_scores_matched_requests_and_decodes_the_others_once(prox
         send(proxy, "off", unmatched, answer={"text": "fine"}, case_header=None, stream=False)
     responses.create(model=MODEL, input="hi")
     assert _decodes(proxy) == (4, 0)  # each validated once, none decoded whole
-    wait_for(lambda: metric(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 4,
+    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 4,
              what="four unlabeled requests")
 
     # matching: by content (chat, then Responses), and by header
@@ -115,10 +115,10 @@ def test_default_server_scores_matched_requests_and_decodes_the_others_once(prox
         expected_case, resolved_by, (verdict, error) = sent[row["request_id"]]
         assert (row["case_id"], row["resolved_by"], row["profile"]) == (expected_case.id, resolved_by, "off")
         assert ("valid" if row["valid"] else "invalid") == verdict and (row["taxonomy"] or None) == error
-    assert metric(proxy, "toolquake_scored_total", verdict="valid") == sum(
+    assert scraped(proxy, "toolquake_scored_total", verdict="valid") == sum(
         v == "valid" for _, _, (v, _) in sent.values())
-    assert metric(proxy, "toolquake_scored_total") == 3
-    assert metric(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 4
+    assert scraped(proxy, "toolquake_scored_total") == 3
+    assert scraped(proxy, "toolquake_scoring_skipped_total", reason="unlabeled") == 4
 
 
 @pytest.mark.parametrize("extra", [(), ("--no-scoring",)], ids=["default", "no-scoring"])

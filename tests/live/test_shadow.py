@@ -7,16 +7,13 @@ client is the real `openai` SDK. Plus the consistency rules themselves (scorers/
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import recorded
+from tests.support import recorded, scraped, wait_for
+from tests.support.shadow import MESSAGES, TOOLS, _tool, client, config
 from toolquake.proxy.live import results
 from toolquake.scorers.consistency import (
     AGREE_EXACT,
@@ -27,62 +24,6 @@ from toolquake.scorers.consistency import (
     compare,
     values_equivalent,
 )
-
-
-def _tool(name: str, **defaults) -> dict:
-    props = {"city": {"type": "string"}, "days": {"type": "integer"}}
-    for k, v in defaults.items():
-        props[k] = {"type": "string", "default": v}
-    return {"type": "function", "function": {"name": name, "description": f"{name} tool",
-                                             "parameters": {"type": "object", "properties": props,
-                                                            "required": ["city"]}}}
-
-
-TOOLS = [_tool("weather_forecast"), _tool("humidity_forecast")]
-MESSAGES = [{"role": "user", "content": "How humid will Miami be this week?"}]
-
-
-def metric(proxy, name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (0 when there is none)."""
-    text = httpx.get(f"{proxy.url}/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def config(db, *, sample_rate: float = 1.0, max_concurrent: int = 4, noise_rate: float = 0.0,
-           store_contents: bool = False) -> str:
-    return f"""
-[server]
-model_allowlist = ["fake-model"]
-
-[profiles.shadow-reversed]
-mode = "shadow"
-sample_rate = {sample_rate}
-max_concurrent = {max_concurrent}
-noise_rate = {noise_rate}
-perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
-
-[scoring]
-store = "{db}"
-store_contents = {str(store_contents).lower()}
-"""
-
-
-def client(proxy, profile: str = "shadow-reversed") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-shadow-test", max_retries=0)
 
 
 def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(proxy_factory, fake_upstream, tmp_path):
@@ -96,7 +37,7 @@ def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(proxy_f
     chunks = list(stream.parse())
     names = [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.function.name]
     assert names == ["weather_forecast"]
-    wait_for(lambda: metric(proxy, "toolquake_consistency_total", profile="shadow-reversed") == 1, what="twin")
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed") == 1, what="twin")
     original, twin = recorded(fake_upstream, tag)
     orig_body, twin_body = json.loads(original["body"]), json.loads(twin["body"])
     assert orig_body["stream"] is True and twin_body["stream"] is False
@@ -104,7 +45,7 @@ def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(proxy_f
     assert [t["function"]["name"] for t in twin_body["tools"]] == ["humidity_forecast", "weather_forecast"]
     assert twin["headers"]["authorization"] == "Bearer sk-shadow-test"
     assert not any(k.startswith("x-toolquake-") for k in twin["headers"])
-    assert metric(proxy, "toolquake_consistency_total", profile="shadow-reversed", model="fake-model",
+    assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", model="fake-model",
                   agree=DISAGREE) == 1
     wait_for(lambda: db.exists() and len(results.read_rows(db)) == 1, what="stored row")
     [row] = results.read_rows(db)
@@ -131,10 +72,10 @@ def test_agreement_exact_and_semantic_and_disagreement_are_counted(proxy_factory
                  "humidity_forecast": {"calls": [{"name": "weather_forecast", "arguments": twin_args}]}}
         c.chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
                                   extra_headers={"X-Fake-Answer-By-First-Tool": json.dumps(table)})
-    wait_for(lambda: metric(proxy, "toolquake_consistency_total") == len(cases), what="three twins")
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total") == len(cases), what="three twins")
     for agree in (AGREE_EXACT, AGREE_SEMANTIC, DISAGREE):
         expected = sum(1 for *_, a in cases if a == agree)
-        assert metric(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=agree) == expected
+        assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=agree) == expected
 
 
 def test_twins_over_max_concurrent_are_skipped_and_never_delay_the_client(proxy_factory, tmp_path):
@@ -150,10 +91,10 @@ def test_twins_over_max_concurrent_are_skipped_and_never_delay_the_client(proxy_
         answered = list(pool.map(ask, range(3)))
     assert answered == ["weather_forecast"] * 3
     # the clients have their answers while the one admitted twin is still waiting on the slow upstream
-    assert metric(proxy, "toolquake_shadow_requests_total", outcome="answered") == 0
-    assert metric(proxy, "toolquake_shadow_requests_total", profile="shadow-reversed", outcome="busy") == 2
-    wait_for(lambda: metric(proxy, "toolquake_shadow_requests_total", outcome="answered") == 1, what="the twin")
-    assert metric(proxy, "toolquake_consistency_total") == 1
+    assert scraped(proxy, "toolquake_shadow_requests_total", outcome="answered") == 0
+    assert scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-reversed", outcome="busy") == 2
+    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", outcome="answered") == 1, what="the twin")
+    assert scraped(proxy, "toolquake_consistency_total") == 1
 
 
 def test_sample_rate_zero_sends_no_twin(proxy_factory, fake_upstream, tmp_path):
@@ -162,9 +103,9 @@ def test_sample_rate_zero_sends_no_twin(proxy_factory, fake_upstream, tmp_path):
     for _ in range(3):
         client(proxy).chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
                                               extra_headers={"X-Test-Tag": tag})
-    wait_for(lambda: metric(proxy, "toolquake_shadow_requests_total", outcome="sampled_out") == 3, what="counts")
+    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", outcome="sampled_out") == 3, what="counts")
     assert len(recorded(fake_upstream, tag)) == 3
-    assert metric(proxy, "toolquake_consistency_total") == 0
+    assert scraped(proxy, "toolquake_consistency_total") == 0
 
 
 # --- the consistency rules --------------------------------------------------------------------

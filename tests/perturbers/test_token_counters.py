@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_fake_upstream
+from tests.support import start_fake_upstream
 from toolquake.perturbers.helpers.tokens import (
     MESSAGE_OVERHEAD,
     EstimateCounter,

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import recorded
+from tests.support import recorded
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_failure import EXPECTED_BEHAVIOUR, KINDS
 
@@ -226,7 +226,7 @@ QUESTION = "Weather in Paris and then in Lyon?"
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG)
     yield proc

@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import recorded
-from tests.server.test_proxy_core import metric_value
+from tests.support import metric_value, recorded
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_metadata import KINDS, first_sentence, paraphrase
 from toolquake.perturbers.tool_removal import expected_functions
@@ -187,7 +186,7 @@ CASE = "multiple_104"
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG)
     yield proc

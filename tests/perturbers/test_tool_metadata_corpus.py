@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import start_fake_upstream
 from tests.perturbers.test_tool_metadata import needs_corpus
-from tests.replay.test_replay import _oracle_script, replay, rows
+from tests.support import start_fake_upstream
+from tests.support.replay import oracle_script, replay, rows
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_metadata import KINDS
 
@@ -72,7 +72,7 @@ def test_replay_of_the_metadata_preset_against_the_ground_truth_scores_every_arm
     from toolquake.bfcl.corpus import load_category
 
     cases = load_category(category)
-    fake = start_fake_upstream("--script", str(_oracle_script(cases, set())))
+    fake = start_fake_upstream("--script", str(oracle_script(cases, set())))
     try:
         done = replay("--backend", f"{fake.url}/v1", "--profiles", "@metadata", "--out", str(tmp_path),
                       "--categories", category, "--concurrency", "8", timeout=900)

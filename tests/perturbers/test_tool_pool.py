@@ -15,7 +15,7 @@ if importlib.util.find_spec("sentence_transformers") is None or importlib.util.f
 
 import numpy as np  # noqa: E402
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.support import ROOT  # noqa: E402
 from toolquake.bfcl.embeddings import EmbeddingsUnavailable, get_embedder, signature  # noqa: E402
 from toolquake.perturbers.base import Services  # noqa: E402
 from toolquake.perturbers.helpers.tokens import EstimateCounter, make_counter  # noqa: E402

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, recorded, start_fake_upstream, start_proxy
+from tests.support import ROOT, recorded, start_fake_upstream, start_proxy
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.tokens import EstimateCounter, UpstreamCounter, make_counter

@@ -12,8 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import Proc, start_fake_upstream
 from tests.fake_upstream import LOST_TEXT
+from tests.support import Proc, start_fake_upstream
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.remedies import build
 

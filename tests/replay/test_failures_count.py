@@ -22,8 +22,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
-from tests.replay.test_replay import _oracle_script, kill_at_random_points, replay, row_counter, rows
+from tests.support import ROOT, start_fake_upstream
+from tests.support.replay import kill_at_random_points, oracle_script, replay, row_counter, rows
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -39,7 +39,7 @@ def refusing():
 
     cases = load_category("simple_python")[:LIMIT] + load_category("multiple")[:LIMIT]
     wrong = {c.id for i, c in enumerate(cases) if c.category == "multiple" and i % 3 == 0}
-    fake = start_fake_upstream("--script", str(_oracle_script(cases, wrong)), "--max-tools", str(MAX_TOOLS))
+    fake = start_fake_upstream("--script", str(oracle_script(cases, wrong)), "--max-tools", str(MAX_TOOLS))
     yield fake, cases, wrong
     fake.stop()
 

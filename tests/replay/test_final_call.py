@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
 from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
+from tests.support import ROOT, start_fake_upstream
 from toolquake.scorers import multiturn as mt
 
 pytestmark = pytest.mark.needs_corpus

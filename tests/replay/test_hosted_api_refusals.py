@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream, start_proxy
-from tests.replay.test_replay import _oracle_script, replay, rows
+from tests.support import ROOT, start_fake_upstream, start_proxy
+from tests.support.replay import oracle_script, replay, rows
 
 LIMIT = 6  # of each category
 CAP = 20  # the tools array the fake accepts (OpenAI: 128)
@@ -48,7 +48,7 @@ def hosted():
     from toolquake.bfcl.corpus import load_category
 
     cases = load_category("simple_python")[:LIMIT] + load_category("multiple")[:LIMIT]
-    fake = start_fake_upstream("--script", str(_oracle_script(cases, set())), "--tools-array-max", str(CAP),
+    fake = start_fake_upstream("--script", str(oracle_script(cases, set())), "--tools-array-max", str(CAP),
                                "--max-tools", str(CONTEXT))
     yield fake, cases
     fake.stop()
@@ -114,7 +114,7 @@ def test_a_model_that_refuses_temperature_is_not_comparable_and_temperature_none
     from toolquake.bfcl.corpus import load_category
 
     cases = load_category("simple_python")[:3]
-    fake = start_fake_upstream("--script", str(_oracle_script(cases, set())), "--refuse-temperature")
+    fake = start_fake_upstream("--script", str(oracle_script(cases, set())), "--refuse-temperature")
     try:
         base = ("--backend", f"{fake.url}/v1", "--profiles", "off", "--categories", "simple_python", "--limit", "3")
         r = replay(*base, "--out", str(tmp_path / "zero"), "--header", "X-Test-Tag: zero")

@@ -20,10 +20,9 @@ import sys
 import openai
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream, start_proxy
-from tests.live.test_shadow import metric, wait_for
-from tests.replay.test_replay import _oracle_script, replay
 from tests.replay.test_report_stats import _chromium, _console, _open
+from tests.support import ROOT, scraped, start_fake_upstream, start_proxy, wait_for
+from tests.support.replay import oracle_script, replay
 
 pytestmark = pytest.mark.needs_corpus
 
@@ -54,7 +53,7 @@ def both(tmp_path_factory):
     broken = {_name(cases[i].functions[-1]): {"text": "I cannot help with that."} for i in BROKEN}
     assert not set(broken) & firsts, "a broken case's last tool must be no case's first"
     header = json.dumps(broken, separators=(",", ":"))
-    script = _oracle_script(cases, {cases[i].id for i in WRONG})
+    script = oracle_script(cases, {cases[i].id for i in WRONG})
     fake = start_fake_upstream("--script", str(script))
     tmp = tmp_path_factory.mktemp("live-report")
     db, runs = tmp / "live.sqlite", tmp / "runs"
@@ -69,7 +68,7 @@ def both(tmp_path_factory):
                 client.chat.completions.create(
                     model="fake-model", messages=body["messages"], tools=body["tools"],
                     extra_headers={"X-Toolquake-Case": case.id, "X-Fake-Answer-By-First-Tool": header})
-        wait_for(lambda: metric(proxy, "toolquake_scored_total") == 2 * N_CASES, what="every answer scored")
+        wait_for(lambda: scraped(proxy, "toolquake_scored_total") == 2 * N_CASES, what="every answer scored")
         r = replay("--backend", f"{fake.url}/v1", "--profiles", ",".join(PROFILES), "--categories", "multiple",
                    "--limit", str(N_CASES), "--header", f"X-Fake-Answer-By-First-Tool: {header}", "--out", str(runs))
         assert r.returncode == 0, r.stderr[-2000:]

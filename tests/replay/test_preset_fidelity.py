@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import start_fake_upstream
-from tests.replay.test_replay import replay
+from tests.support import start_fake_upstream
+from tests.support.replay import replay
 
 PAD_TINY = ('[profiles.pad-tiny]\nmode = "perturb"\nperturbers = [{ name = "catalog_padding", '
             'params = { budget_tokens = 1500, position = 0.5 } }]\n')

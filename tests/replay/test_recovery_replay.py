@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import recorded, start_fake_upstream
-from tests.replay.test_replay import replay, rows
+from tests.support import recorded, start_fake_upstream
+from tests.support.replay import replay, rows
 from toolquake.scorers.aggregate import wilson
 
 pytestmark = pytest.mark.needs_corpus
@@ -150,7 +150,7 @@ def replay_report(out: Path, fmt: str) -> str:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support import ROOT
 
     done = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", fmt, "--no-plots"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

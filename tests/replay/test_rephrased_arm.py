@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
+from tests.support import ROOT, start_fake_upstream
 
 pytestmark = pytest.mark.needs_corpus
 N = 6

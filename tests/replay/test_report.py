@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 TAXA = ["wrong_function", "wrong_count", "wrong_param_value", "missing_param", "wrong_syntax"]

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.escape import FORMULA_STARTS
 from toolquake.proxy.replay import report
 from toolquake.proxy.replay.report import render_markdown, summarize_db
@@ -272,7 +272,7 @@ def replayed(tmp_path_factory):
 
     if not is_present():
         pytest.skip("needs the BFCL corpus (make corpus)")
-    from tests.conftest import start_fake_upstream
+    from tests.support import start_fake_upstream
 
     out = tmp_path_factory.mktemp("hostile") / "run"
     fake = start_fake_upstream()

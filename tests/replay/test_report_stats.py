@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, wilson, wilson_ci

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
 from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
+from tests.support import ROOT, start_fake_upstream
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 from toolquake.scorers import multiturn as mt
 

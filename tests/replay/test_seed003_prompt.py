@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_fake_upstream
 from tests.replay.test_hosted_api_refusals import report
-from tests.replay.test_replay import replay, rows
+from tests.support import start_fake_upstream
+from tests.support.replay import replay, rows
 
 CAP = 20
 #: the preset itself (off, prompt-off, the 25 prompting cells) and one native padded arm beside it

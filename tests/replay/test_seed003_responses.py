@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
 from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
+from tests.support import ROOT, start_fake_upstream
 from toolquake.bfcl.simulators import Backends
 from toolquake.scorers import multiturn as mt
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.replay.test_report_stats import _chromium, _console, _open
+from tests.support import ROOT
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.scorers.aggregate import wilson_ci
 
@@ -326,14 +326,14 @@ def test_a_real_catalog_padding_replay_gives_tables_5_6_and_the_reached_labels(t
     answers two cases in five wrong; the report's tables and labels recomputed from the rows it stored."""
     import sqlite3
 
-    from tests.conftest import start_fake_upstream
-    from tests.replay.test_replay import _oracle_script, replay
+    from tests.support import start_fake_upstream
+    from tests.support.replay import oracle_script, replay
     from toolquake.bfcl.corpus import is_present, load_category
 
     if not is_present():
         pytest.skip("needs the BFCL corpus: toolquake corpus pull")
     cases = load_category("multiple")[:10]
-    script = _oracle_script(cases, {c.id for i, c in enumerate(cases) if i % 5 in (1, 3)})
+    script = oracle_script(cases, {c.id for i, c in enumerate(cases) if i % 5 in (1, 3)})
     config = tmp_path / "config.toml"
     grid = [(b, p) for b in (2000, 6000) for p in (0.1, 0.9)]
     config.write_text("".join(f'[profiles.grid-{j}]\nmode = "perturb"\nperturbers = [{{ name = "catalog_padding", '

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 BUDGETS = [8192, 32768]

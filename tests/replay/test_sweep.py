@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
+from tests.support import ROOT, start_fake_upstream
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -348,7 +348,7 @@ def test_unknown_axis_and_bad_settings_are_clear_errors(tools_fake, tmp_path):
 def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
     """`--proxy URL`: the proxy as its own server in front of the fake; the sweep puts its profiles there through the
     admin API (its token from the environment) and finds the same breaking points as with its own proxy."""
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     ids = ["t-7", "t-123", "t-window"]
     cases = _cases_file(ids)

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
 from tests.replay.test_sweep import sweep
+from tests.support import ROOT, start_fake_upstream
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, start_fake_upstream
 from tests.replay.test_sweep import HIDDEN_TOOLS, _breaking_file, _cases_file, _is_wrong, sweep
+from tests.support import ROOT, start_fake_upstream
 
 stats = pytest.importorskip("scipy.stats", reason="scipy recomputes the intervals independently")
 

@@ -11,9 +11,9 @@ import sqlite3
 import httpx
 import pytest
 
-from tests.conftest import start_fake_upstream
 from tests.perturbers.test_token_counters import _tiktoken_files, _tiktokens_own
-from tests.replay.test_replay import replay
+from tests.support import start_fake_upstream
+from tests.support.replay import replay
 from toolquake.perturbers.helpers.tokens import MESSAGE_OVERHEAD, render_request
 
 
@@ -86,7 +86,7 @@ def test_serve_refuses_a_tokenizer_it_cannot_load_with_the_reason(tmp_path) -> N
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support import ROOT
 
     for spec, says in ((f"tiktoken:{tmp_path / 'none.tiktoken'}", "neither a known encoding"),
                        (f"tokenizer:{tmp_path / 'none.json'}", "tokenizer file not found")):

@@ -20,16 +20,9 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import ROOT
 from tests.fake_upstream import flaky_hit
-from tests.replay.test_replay import (  # noqa: F401  (oracle: the fixture)
-    N_CASES,
-    kill_at_random_points,
-    oracle,
-    replay,
-    row_counter,
-    rows,
-)
+from tests.support import ROOT
+from tests.support.replay import N_CASES, kill_at_random_points, replay, row_counter, rows
 from toolquake.proxy.replay.run import trial_sampling_seed
 from toolquake.scorers.aggregate import pass_at_k, pass_hat_k, spread
 

@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import start_proxy
-from tests.server.test_proxy_core import body, metric_samples
+from tests.support import metric_samples, start_proxy
+from tests.support.chat import body
 
 TOKEN = "adm-limits-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

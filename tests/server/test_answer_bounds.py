@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.live.test_case_header_memory import rss
-from tests.live.test_shadow import metric, wait_for
 from tests.server.test_tracing import _spans, sink  # noqa: F401 (a fixture)
+from tests.support import scraped, wait_for
 from toolquake.proxy.server import conformance
 from toolquake.proxy.server.conformance import Offered
 from toolquake.proxy.server.streaming import assemble_sse, summarize_sse
@@ -67,7 +67,7 @@ def warm(proxy, api: str) -> int:
     """One answer past the bound, so the allocator's high-water mark for one such answer is not counted as growth;
     the proxy's RSS after it."""
     relay_and_sample(proxy, api, "huge:0", True, 2 * LIMIT)
-    wait_for(lambda: metric(proxy, "toolquake_in_flight_requests") == 0, what="the warm-up answer to end")
+    wait_for(lambda: scraped(proxy, "toolquake_in_flight_requests") == 0, what="the warm-up answer to end")
     return rss(proxy.popen.pid)
 
 
@@ -75,11 +75,11 @@ def warm(proxy, api: str) -> int:
 def test_an_endless_stream_is_relayed_uninspected_past_the_bound_and_rss_stays_flat(proxy_factory, api):
     proxy = proxy_factory(BOUNDED)
     before = warm(proxy, api)
-    counted = metric(proxy, "toolquake_answers_uninspected_total", reason="too_large")
+    counted = scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large")
     got, peak = relay_and_sample(proxy, api, "huge:0", True, 12 * LIMIT)
     assert got >= 12 * LIMIT  # the client kept receiving bytes past the bound
     assert peak - before < RSS_GROWTH, f"RSS grew by {(peak - before) / MIB:.1f} MiB over {got / MIB:.0f} MiB relayed"
-    wait_for(lambda: metric(proxy, "toolquake_answers_uninspected_total", reason="too_large") == counted + 1,
+    wait_for(lambda: scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large") == counted + 1,
              what="the runaway stream to be counted as uninspected")
 
 
@@ -88,7 +88,7 @@ def test_a_client_hanging_up_on_a_runaway_stream_leaves_the_proxy_serving_and_st
     proxy = proxy_factory(BOUNDED)
     got, _ = relay_and_sample(proxy, api, "huge:0", True, 4 * LIMIT)  # then the client hangs up
     assert got >= 4 * LIMIT
-    wait_for(lambda: metric(proxy, "toolquake_in_flight_requests") == 0, timeout=30,
+    wait_for(lambda: scraped(proxy, "toolquake_in_flight_requests") == 0, timeout=30,
              what="the hung-up stream to end")
     assert httpx.get(f"{proxy.url}/healthz", timeout=30).status_code == 200
     proxy.popen.send_signal(signal.SIGTERM)
@@ -100,7 +100,7 @@ def test_many_small_deltas_are_checked_without_holding_the_loop(proxy_factory, a
     """30,000 deltas of 1,000 characters, under the bound: the conformance check reads them all (in time linear in
     the deltas, off the loop); /healthz answers meanwhile (the old check, quadratic, held the loop for minutes)."""
     proxy = proxy_factory("[server]\nmax_answer_bytes = 100_000_000\n")
-    checks = metric(proxy, "toolquake_conformance_checks_total")
+    checks = scraped(proxy, "toolquake_conformance_checks_total")
     with httpx.stream("POST", proxy.url + PATHS[api], json=body(api, True), timeout=60,
                       headers={"X-Fake-Fault": "huge:30000000:1000"}) as r:
         assert r.status_code == 200
@@ -110,9 +110,9 @@ def test_many_small_deltas_are_checked_without_holding_the_loop(proxy_factory, a
     assert got > 30_000_000 and tail.endswith(b"\n\n")  # the whole stream came
     assert tail.endswith(b"data: [DONE]\n\n") if api == "chat" else tail.endswith(b'"annotations":[]}]}]}}\n\n')
     assert httpx.get(f"{proxy.url}/healthz", timeout=10).status_code == 200
-    wait_for(lambda: metric(proxy, "toolquake_conformance_checks_total") == checks + 1, timeout=120,
+    wait_for(lambda: scraped(proxy, "toolquake_conformance_checks_total") == checks + 1, timeout=120,
              what="the stream's conformance check")
-    assert metric(proxy, "toolquake_answers_uninspected_total") == 0
+    assert scraped(proxy, "toolquake_answers_uninspected_total") == 0
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "models"])
@@ -128,7 +128,7 @@ def test_a_huge_plain_answer_is_relayed_as_it_comes(proxy_factory, api):
     assert got > size  # all of it, to its end
     assert peak - before < RSS_GROWTH, f"RSS grew by {(peak - before) / MIB:.1f} MiB over {got / MIB:.0f} MiB relayed"
     if api != "models":
-        wait_for(lambda: metric(proxy, "toolquake_answers_uninspected_total", reason="too_large") == 2,
+        wait_for(lambda: scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large") == 2,
                  what="the plain answer to be counted as uninspected")  # the warm-up stream, then this one
         r = httpx.post(proxy.url + PATHS[api], json=body(api, False), headers={"X-Fake-Fault": fault}, timeout=60)
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
@@ -148,7 +148,7 @@ def test_a_huge_answer_a_profile_must_rewrite_gets_an_openai_error(proxy_factory
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_answer_too_large"
     assert r.json()["error"]["type"] == "upstream_error"
-    assert metric(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
+    assert scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
@@ -167,7 +167,7 @@ def test_a_huge_text_through_stream_ends_with_an_in_band_error(proxy_factory, ap
     last = data.rstrip().rsplit(b"data: ", 1)[1]
     assert json.loads(last)["error"]["code"] == "upstream_answer_too_large"
     assert len(data) < 2 * LIMIT  # released as it came, up to the bound; nothing after it
-    assert metric(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
+    assert scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
@@ -178,7 +178,7 @@ def test_every_upstream_client_stops_reading_a_whole_answer_at_the_bound(proxy_f
     fault = {"X-Fake-Fault": f"huge:{3 * LIMIT}:65536"}
     r = httpx.post(f"{proxy.url}/v1/chat/completions", json=body("chat", False), headers=fault, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) >= 3 * LIMIT
-    wait_for(lambda: metric(proxy, "toolquake_answers_uninspected_total", reason="too_large") == 1,
+    wait_for(lambda: scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large") == 1,
              what="the answer to be counted as uninspected")
     r = httpx.post(f"{proxy.url}/p/fixed/v1/chat/completions", json=body("chat", False), headers=fault, timeout=60)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_answer_too_large"

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Proc, recorded, start_proxy
-from tests.server.test_proxy_core import TOOLS, body, metric_value, tag
+from tests.support import Proc, metric_value, recorded, start_proxy
+from tests.support.chat import TOOLS, body, tag
 
 HEADER_TIMEOUT = 3.0
 BODY_TIMEOUT = 4.0

@@ -22,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from tests.server.test_proxy_core import body, tag
+from tests.support.chat import body, tag
 from toolquake.proxy.server import lean
 from toolquake.proxy.server.app import create_app
 from toolquake.proxy.server.chat import Plain

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import recorded
+from tests.support import recorded
 
 PLAN = "get_weather,get_time"
 ADDED = "zz_lookup_archive"  # the tool tests/plugins/adds_tool.py adds
@@ -44,7 +44,7 @@ PROFILES = ["off", "shuffled", "invented", "format-python", "shadowed"]
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG, None, "--results-db", "off")
     yield proc

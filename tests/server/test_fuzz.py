@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.test_proxy_core import metric_value
+from tests.support import metric_value
 
 EXAMPLES = int(os.environ.get("TOOLQUAKE_FUZZ_EXAMPLES", "1000"))
 PROFILES = [
@@ -137,7 +137,7 @@ def raw_bodies(draw) -> bytes:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
 def fuzz_proxy(fake_upstream, request):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, None, {"TOOLQUAKE_MAX_BODY_BYTES": str(4 * 1024 * 1024)},
                        "--workers", str(request.param))

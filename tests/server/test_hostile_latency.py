@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 
-from tests.server.test_proxy_core import metric_samples, metric_value
+from tests.support import metric_samples, metric_value
 from toolquake.proxy.server.metrics import Metrics
 
 KIB = 1024

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import recorded, start_fake_upstream, start_proxy
-from tests.server.test_proxy_core import body, metric_samples, metric_value, tag
+from tests.support import metric_samples, metric_value, recorded, start_fake_upstream, start_proxy
+from tests.support.chat import body, tag
 
 SECRET = "sk-lean-secret-123"
 CASES = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_process
+from tests.support import free_port, start_process
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the limits from /proc/<pid>/limits")
 

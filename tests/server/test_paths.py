@@ -19,8 +19,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import Proc, recorded, start_fake_upstream, start_proxy
-from tests.server.test_proxy_core import body, metric_value, tag
+from tests.support import Proc, metric_value, recorded, start_fake_upstream, start_proxy
+from tests.support.chat import body, tag
 
 CONFIG = """
 [server]

@@ -6,51 +6,14 @@ import json
 import subprocess
 import sys
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, recorded
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"}, "days": {"type": "integer"}},
-                                          "required": ["city", "days"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "get_stock", "parameters": {"type": "object", "properties": {}}}},
-]
-MESSAGES = [{"role": "user", "content": "What's the weather in Paris for 3 days?"}]
-
-
-def tag() -> str:
-    return uuid.uuid4().hex
-
-
-def body(**extra) -> dict:
-    return {"model": "fake-model", "messages": MESSAGES, "tools": TOOLS, **extra}
-
-
-def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric_value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for (n, lbls), v in metric_samples(text).items():
-        d = dict(lbls)
-        if n == name and all(d.get(k) == val for k, val in labels.items()):
-            total += v
-    return total
-
+from tests.support import ROOT, metric_value, recorded
+from tests.support.chat import MESSAGES, TOOLS, body, tag
 
 # --- same answers, same streams -------------------------------------------------------------------
 
@@ -254,7 +217,7 @@ def test_upstream_error_status_and_body_pass_through(proxy):
 
 
 def test_unreachable_upstream_is_502_openai_shaped(proxy_factory):
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     p = proxy_factory(None, None, f"http://127.0.0.1:{free_port()}")
     client = openai.OpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0)

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.server.test_proxy_core import body, metric_value
+from tests.support import free_port, metric_value
+from tests.support.chat import body
 
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
@@ -26,8 +26,8 @@ def proxy_1s(fake_upstream, request):
     is 0 until its event loop runs), so a baseline read then is short by that worker's idle tasks, and every
     later reading looks like "N task(s) left behind" (seen under load: the sum went 6 -> 11 in the first half
     second after `/healthz` answered). So the fixture waits until every worker has served a request."""
-    from tests.conftest import start_proxy
     from tests.server.test_workers import on_every_worker
+    from tests.support import start_proxy
 
     client, workers = request.param
     config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{client}"\n')

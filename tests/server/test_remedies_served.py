@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import recorded, start_proxy
-from tests.live.test_shadow import metric, wait_for
-from tests.server.test_proxy_core import tag
+from tests.support import recorded, scraped, start_proxy, wait_for
+from tests.support.chat import tag
 from toolquake.proxy.live import results
 from toolquake.scorers.consistency import DISAGREE
 
@@ -87,13 +86,13 @@ def _exposition(proxy) -> str:
 
 
 def test_a_profile_of_remedies_only_serves_the_remedied_request_and_is_not_the_lean_path(served, fake_upstream):
-    whole = metric(served, "toolquake_request_decodes_total", kind="whole")
+    whole = scraped(served, "toolquake_request_decodes_total", kind="whole")
     t = tag()
     answer = _send(served, "kept", t)
     assert _upstream_tools(fake_upstream, t) == [["weather_forecast"]]
     assert answer.choices[0].message.tool_calls[0].function.name == "weather_forecast"
     # decoded whole (the lean path forwards a request it never reads), counted as a remedy under its profile
-    assert metric(served, "toolquake_request_decodes_total", kind="whole") == whole + 1
+    assert scraped(served, "toolquake_request_decodes_total", kind="whole") == whole + 1
     assert 'toolquake_remedies_total{profile="kept",remedy="test_keep_tools"} 1.0' in _exposition(served)
     [line] = [e for e in _log(served) if e.get("event") == "request" and e.get("profile") == "kept"]
     assert (line["remedies"], line["perturbers"]) == (["test_keep_tools"], [])
@@ -106,10 +105,10 @@ def test_remedies_run_after_the_perturbations(served, fake_upstream):
     assert _upstream_tools(fake_upstream, t) == [["wind_forecast"]]
     text = _exposition(served)
     assert 'toolquake_remedies_total{profile="reversed-kept",remedy="test_keep_tools"} 1.0' in text
-    assert metric(served, "toolquake_perturbations_total", perturber="tool_order") >= 1
-    assert metric(served, "toolquake_perturbations_total", perturber="test_keep_tools") == 0
+    assert scraped(served, "toolquake_perturbations_total", perturber="tool_order") >= 1
+    assert scraped(served, "toolquake_perturbations_total", perturber="test_keep_tools") == 0
     # no case tied to the request: nothing is known of the tools it needed
-    assert metric(served, "toolquake_remedy_dropped_needed_total", profile="reversed-kept") == 0
+    assert scraped(served, "toolquake_remedy_dropped_needed_total", profile="reversed-kept") == 0
 
 
 def test_a_raising_remedy_is_skipped_the_request_served_and_counted(served, fake_upstream):
@@ -120,7 +119,7 @@ def test_a_raising_remedy_is_skipped_the_request_served_and_counted(served, fake
     text = _exposition(served)
     assert 'toolquake_remedy_failures_total{profile="broken-remedy",remedy="test_remedy_raises"} 1.0' in text
     assert 'toolquake_remedies_total{profile="broken-remedy",remedy="test_keep_tools"} 1.0' in text
-    assert metric(served, "toolquake_perturbation_failures_total", perturber="test_remedy_raises") == 0
+    assert scraped(served, "toolquake_perturbation_failures_total", perturber="test_remedy_raises") == 0
     assert "this remedy always fails" in served.output()
 
 
@@ -128,7 +127,7 @@ def test_a_raising_remedy_is_skipped_the_request_served_and_counted(served, fake
 def test_a_needed_tool_a_remedy_dropped_is_counted_for_a_known_case(served, fake_upstream):
     from toolquake.bfcl.corpus import case_request, load_case
 
-    wait_for(lambda: metric(served, "toolquake_corpus_cases") > 0, what="the case index")
+    wait_for(lambda: scraped(served, "toolquake_corpus_cases") > 0, what="the case index")
     body = case_request(load_case("multiple_0"))  # needs triangle_properties.get, the first of its two tools
     t = tag()
     _send(served, "case-kept", t, body["tools"], body["messages"], {"X-Toolquake-Case": "multiple_0"})
@@ -150,10 +149,10 @@ def test_a_shadow_profile_of_remedies_only_compares_the_remedied_twin(served, fa
     t = tag()
     answer = _send(served, "shadow-kept", t, TOOLS[:2])
     assert answer.choices[0].message.tool_calls[0].function.name == "weather_forecast"  # the client's own request
-    wait_for(lambda: metric(served, "toolquake_consistency_total", profile="shadow-kept") == 1, what="the twin")
+    wait_for(lambda: scraped(served, "toolquake_consistency_total", profile="shadow-kept") == 1, what="the twin")
     original, twin = _upstream_tools(fake_upstream, t)
     assert original == ["weather_forecast", "humidity_forecast"] and twin == ["humidity_forecast"]
-    assert metric(served, "toolquake_consistency_total", profile="shadow-kept", agree=DISAGREE) == 1
+    assert scraped(served, "toolquake_consistency_total", profile="shadow-kept", agree=DISAGREE) == 1
     assert 'toolquake_remedies_total{profile="shadow-kept",remedy="test_keep_tools"} 1.0' in _exposition(served)
 
 

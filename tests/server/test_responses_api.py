@@ -14,8 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import recorded
-from tests.server.test_proxy_core import metric_value
+from tests.support import metric_value, recorded
 
 NAMES = ["get_weather", "get_time", "get_news", "get_stock", "get_flight", "get_hotel"]
 TOOLS = [{"type": "function", "name": n, "description": f"{n} for a city.",
@@ -43,7 +42,7 @@ perturbers = [{ name = "test_adds_tool" }]
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream):
-    from tests.conftest import start_proxy
+    from tests.support import start_proxy
 
     proc = start_proxy(fake_upstream.url, CONFIG)
     yield proc

@@ -11,7 +11,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from tests.conftest import start_proxy
+from tests.support import start_proxy
 from toolquake.proxy.server.protocol import ChatCompletionRequest
 
 CHAT_PATHS = ("/v1/chat/completions", "/p/{profile}/v1/chat/completions")

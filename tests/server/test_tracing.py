@@ -21,8 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT, free_port, recorded, start_process
-from tests.server.test_proxy_core import metric_value
+from tests.support import ROOT, free_port, metric_value, recorded, start_process
 from toolquake.proxy.server.config import ConfigError, load_config
 from toolquake.proxy.tracing import otlp
 from toolquake.proxy.tracing.spans import Span

@@ -15,8 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_process
-from tests.server.test_proxy_core import metric_value
+from tests.support import free_port, metric_value, start_process
 from toolquake.proxy.server.config import ConfigError, load_config
 
 MIB = 1 << 20

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import Proc, free_port, recorded, start_proxy
+from tests.support import Proc, free_port, recorded, start_proxy
 from toolquake.proxy.backend.local import die_with_parent_preexec
 
 pytestmark = pytest.mark.slow  # Phoenix takes 20-60 s to start on 2 cores
@@ -386,7 +386,7 @@ def test_the_trace_in_phoenix_ui_screenshot(tq, fake_upstream, phoenix, tmp_path
 
 
 def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix, tmp_path):
-    from tests.replay.test_replay import replay, rows
+    from tests.support.replay import replay, rows
 
     second = {**CASE, "id": "trace-time", "messages": [{"role": "user", "content": "Time in Oslo?"}],
               "expected": [{"name": "get_time", "arguments": {"city": ["example"]}}]}
@@ -418,8 +418,8 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
 def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_path):
     """`toolquake sweep` traced: one trace per case, its span ending with the breaking point the results file
     holds, and one child span per request the sweep recorded (a point asked), each with its verdict."""
-    from tests.conftest import start_fake_upstream
     from tests.replay.test_sweep import _breaking_file, _cases_file, _first_wrong, stored, sweep
+    from tests.support import start_fake_upstream
 
     hidden = {"t-5": [[6, None]], "t-never": []}
     fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))

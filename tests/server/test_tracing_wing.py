@@ -12,7 +12,7 @@ import secrets
 import subprocess
 import sys
 
-from tests.conftest import ROOT, recorded
+from tests.support import ROOT, recorded
 
 #: every module of the span machinery, where it lives now and where it lived inside the server
 SPAN_MODULES = ("toolquake.proxy.tracing", "toolquake.proxy.server.tracing", "toolquake.proxy.server.spans",

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Proc, recorded, start_proxy
-from tests.server.test_proxy_core import TOOLS, body, metric_value, tag
+from tests.support import Proc, metric_value, recorded, start_proxy
+from tests.support.chat import TOOLS, body, tag
 
 SCORING_OFF = "[scoring]\nenabled = false\n"
 ADMIN = {"Authorization": "Bearer adm-workers"}
