@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # wall time. TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast bench demo agent-demo sweep-demo \
+.PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast coverage bench demo agent-demo sweep-demo \
 	remedy-demo clean image \
 	test-image \
 	lock containers
@@ -136,10 +136,19 @@ test: install-embeddings corpus tools install-local containers phoenix tiktoken-
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-# without the heavy extras and the corpus: the proxy core only
+# the edit loop: no heavy extra, no corpus, no slow family (the embedded model, containers, Phoenix); a family
+# alone with PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-m model"`
+FAST := not slow and not needs_corpus and not needs_embeddings and not container and not model and not phoenix
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not needs_corpus and not needs_embeddings and not container" $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "$(FAST)" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# the suite under coverage.py (child processes included: pyproject.toml's [tool.coverage.run]); the report of the
+# product's packages on the terminal and in build/coverage.json
+coverage: install-embeddings corpus tools install-local containers phoenix tiktoken-files
+	rm -f .coverage .coverage.*
+	$(BIN)/coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/coverage combine -q && $(BIN)/coverage report && $(BIN)/coverage json -q -o build/coverage.json; exit $$rc
 
 # every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)
 # py-spy: where a missed goal's CPU time went (the overhead benchmark samples the proxy with it)
