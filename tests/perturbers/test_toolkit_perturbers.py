@@ -7,40 +7,16 @@ import json
 import random
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from tests.support import ROOT, recorded, start_fake_upstream, start_proxy
+from tests.support.perturbers import HAVE_EMBEDDINGS, bfcl, corpus_present, embeddings, names, needs_pool, send
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.tokens import EstimateCounter, UpstreamCounter, make_counter
-
-HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
-embeddings = pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra (make install-embeddings)")
-
-
-def corpus_present() -> bool:
-    try:
-        from toolquake.bfcl import corpus
-    except ImportError:
-        return False
-    return corpus.is_present()
-
-
-def needs_pool(fn):
-    """Marks for tests that use the tool pool: the corpus and the embeddings extra."""
-    for mark in (pytest.mark.needs_corpus, pytest.mark.needs_embeddings, embeddings,
-                 pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")):
-        fn = mark(fn)
-    return fn
-
-
-def names(tools: list[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
 
 
 def apply(name: str, params: dict[str, Any], body: dict[str, Any], *, seed: int = 7, case: Any = None,
@@ -54,13 +30,6 @@ def apply(name: str, params: dict[str, Any], body: dict[str, Any], *, seed: int 
 
 
 SERVICES = Services(token_counter=EstimateCounter())
-
-
-def bfcl(case_id: str) -> tuple[Any, dict[str, Any]]:
-    from toolquake.bfcl.corpus import case_request, load_case
-
-    case = load_case(case_id)
-    return case, case_request(case, model="fake-model")
 
 
 def fresh_cosines(a: list[dict[str, Any]], b: list[dict[str, Any]]):
@@ -381,16 +350,6 @@ def served():
     yield fake, proxy
     proxy.stop()
     fake.stop()
-
-
-def send(proxy, profile: str, body: dict[str, Any], case_id: str | None = None) -> tuple[str, Any]:
-    tag = uuid.uuid4().hex
-    headers = {"X-Test-Tag": tag}
-    if case_id:
-        headers["X-Toolquake-Case"] = case_id
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="k", default_headers=headers, timeout=300)
-    answer = client.chat.completions.create(**body)
-    return tag, answer
 
 
 @pytest.mark.needs_corpus
