@@ -314,38 +314,6 @@ def test_long_conversation_profile_through_the_proxy_streaming(proxy, fake_upstr
     assert abs(EstimateCounter().count_request(sent) - 40_000) <= 2_000
 
 
-def test_toolquake_perturb_reports_tokens_added(tmp_path) -> None:
-    req = tmp_path / "req.json"
-    req.write_text(json.dumps(tool_request()))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolquake",
-            "perturb",
-            "--profile",
-            "long_response",
-            "--request",
-            str(req),
-            "--seed",
-            "5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stderr.strip().splitlines()[-1])
-    applied = summary["applied"][0]
-    assert applied["name"] == "response_lengthening" and summary["token_counter"] == "estimate"
-    out = json.loads(proc.stdout)
-    assert applied["tokens_added"] == EstimateCounter().count_request(out) - EstimateCounter().count_request(
-        tool_request()
-    )
-    assert applied["tokens_added"] > 35_000
-
-
 def test_json_without_records_is_skipped_with_the_reason() -> None:
     body = tool_request(content=json.dumps({"status": "ok", "temperature_c": 21}))
     out, report = run("response_lengthening", {"budget_tokens": 5_000}, body)
@@ -397,8 +365,9 @@ def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) 
 @pytest.mark.parametrize(
     "profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)]
 )
-def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
-    """Replays in another process (another hash seed) perturb byte for byte the same way."""
+def test_same_seed_same_output_across_processes_and_perturb_reports_tokens_added(tmp_path, profile: str) -> None:
+    """Replays in another process (another hash seed) perturb byte for byte the same way; `toolquake perturb`
+    reports the step, its token counter and the tokens it added."""
     req = tmp_path / "req.json"
     req.write_text(json.dumps(tool_request()))
     outs = []
@@ -415,6 +384,14 @@ def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
         outs.append(proc.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0]) != tool_request()
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    (applied,) = summary["applied"]
+    assert summary["token_counter"] == "estimate"
+    assert applied["name"] == {"long_response": "response_lengthening",
+                               "long_conversation": "conversation_lengthening"}[profile]
+    assert applied["tokens_added"] == EstimateCounter().count_request(json.loads(outs[0])) - EstimateCounter(
+    ).count_request(tool_request())
+    assert applied["tokens_added"] > 35_000
 
 
 def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -> None:

