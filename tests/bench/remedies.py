@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 
 from tests.bench.proxy_overhead import cpu_seconds, proc_tree, settle
-from tests.remedies.catalogs import padded_cases
 from tests.support import start_fake_upstream, start_proxy
+from tests.support.catalogs import padded_cases
 
 TARGET_MS = 2.0
 HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None

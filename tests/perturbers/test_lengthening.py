@@ -16,46 +16,11 @@ import openai
 import pytest
 
 from tests.support import ROOT, recorded
+from tests.support.lengthening import RESPONSE, records_of, tool_request
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.lengthening.records import find_main_array
 from toolquake.perturbers.helpers.tokens import EstimateCounter, make_counter
-
-QUESTION = "What is the cleanliness rating of vehicle 693265999? Answer with the number only."
-
-
-def car(vehicle_id: str, name: str, price: float, clean: float, supplier: str) -> dict[str, Any]:
-    return {"vehicle_id": vehicle_id,
-            "vehicle_info": {"v_name": name, "free_cancellation": 1, "transmission": "Automatic",
-                             "image_url": f"https://cdn.example.com/cars/{vehicle_id}.jpg"},
-            "pricing_info": {"base_price": price, "currency": "USD", "deposit": 250},
-            "rating_info": {"cleanliness": clean, "value_for_money": 8.1},
-            "supplier": {"name": supplier, "address": "1 World Way, Los Angeles", "location_code": "LAX01"},
-            "pickup_date": "2024-09-18T10:00:00", "features": ["gps", "bluetooth"]}
-
-
-RESPONSE = {"status": True, "message": "Success", "timestamp": 1726600000,
-            "data": {"count": 2, "provider": "booking.com",
-                     "search_results": [car("693265221", "Toyota Corolla", 120.53, 8.7, "Hertz Downtown"),
-                                        car("693265999", "Ford Focus", 99.1, 7.9, "Avis Airport")]}}
-
-
-def tool_request(content: str | None = None, extra_tool: str | None = None) -> dict[str, Any]:
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You help people rent cars."},
-        {"role": "user", "content": "Find me a rental car at LAX on September 18."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "search_car_rentals", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": content if content is not None else json.dumps(RESPONSE)},
-    ]
-    if extra_tool is not None:
-        messages[2]["tool_calls"].append({"id": "call_2", "type": "function",
-                                          "function": {"name": "get_weather", "arguments": "{}"}})
-        messages.append({"role": "tool", "tool_call_id": "call_2", "content": extra_tool})
-    messages.append({"role": "user", "content": QUESTION})
-    return {"model": "fake-model", "messages": messages,
-            "tools": [{"type": "function", "function": {"name": "search_car_rentals", "description": "Search cars.",
-                                                         "parameters": {"type": "object", "properties": {}}}}]}
 
 
 def run(name: str, params: dict[str, Any], body: dict[str, Any], seed: int = 7, counter: Any = None,
@@ -66,13 +31,6 @@ def run(name: str, params: dict[str, Any], body: dict[str, Any], seed: int = 7, 
     out = build(name, params).apply(ChatRequest(body), ctx)
     assert body == original, "the perturber mutated the request it was given"
     return out.body, ctx.report
-
-
-def records_of(body: dict[str, Any], index: int = 3) -> list[Any]:
-    value = json.loads(body["messages"][index]["content"])
-    found = find_main_array(value)
-    assert found is not None
-    return found[1]
 
 
 def shape(v: Any) -> Any:
@@ -356,38 +314,6 @@ def test_long_conversation_profile_through_the_proxy_streaming(proxy, fake_upstr
     assert abs(EstimateCounter().count_request(sent) - 40_000) <= 2_000
 
 
-def test_toolquake_perturb_reports_tokens_added(tmp_path) -> None:
-    req = tmp_path / "req.json"
-    req.write_text(json.dumps(tool_request()))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolquake",
-            "perturb",
-            "--profile",
-            "long_response",
-            "--request",
-            str(req),
-            "--seed",
-            "5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stderr.strip().splitlines()[-1])
-    applied = summary["applied"][0]
-    assert applied["name"] == "response_lengthening" and summary["token_counter"] == "estimate"
-    out = json.loads(proc.stdout)
-    assert applied["tokens_added"] == EstimateCounter().count_request(out) - EstimateCounter().count_request(
-        tool_request()
-    )
-    assert applied["tokens_added"] > 35_000
-
-
 def test_json_without_records_is_skipped_with_the_reason() -> None:
     body = tool_request(content=json.dumps({"status": "ok", "temperature_c": 21}))
     out, report = run("response_lengthening", {"budget_tokens": 5_000}, body)
@@ -439,8 +365,9 @@ def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) 
 @pytest.mark.parametrize(
     "profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)]
 )
-def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
-    """Replays in another process (another hash seed) perturb byte for byte the same way."""
+def test_same_seed_same_output_across_processes_and_perturb_reports_tokens_added(tmp_path, profile: str) -> None:
+    """Replays in another process (another hash seed) perturb byte for byte the same way; `toolquake perturb`
+    reports the step, its token counter and the tokens it added."""
     req = tmp_path / "req.json"
     req.write_text(json.dumps(tool_request()))
     outs = []
@@ -457,6 +384,14 @@ def test_same_seed_same_output_across_processes(tmp_path, profile: str) -> None:
         outs.append(proc.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0]) != tool_request()
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    (applied,) = summary["applied"]
+    assert summary["token_counter"] == "estimate"
+    assert applied["name"] == {"long_response": "response_lengthening",
+                               "long_conversation": "conversation_lengthening"}[profile]
+    assert applied["tokens_added"] == EstimateCounter().count_request(json.loads(outs[0])) - EstimateCounter(
+    ).count_request(tool_request())
+    assert applied["tokens_added"] > 35_000
 
 
 def test_upstream_counter_learns_its_ratio_and_then_counts_once(fake_upstream) -> None:

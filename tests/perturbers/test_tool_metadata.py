@@ -18,31 +18,14 @@ import openai
 import pytest
 
 from tests.support import metric_value, recorded
+from tests.support.perturbers import bfcl, needs_corpus
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_metadata import KINDS, first_sentence, paraphrase
 from toolquake.perturbers.tool_removal import expected_functions
 
-
-def corpus_present() -> bool:
-    try:
-        from toolquake.bfcl import corpus
-    except ImportError:
-        return False
-    return corpus.is_present()
-
-
-needs_corpus = [pytest.mark.needs_corpus,
-                pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")]
 pytestmark = needs_corpus
 
 CASES = ["multiple_98", "multiple_103", "live_multiple_5-3-0"]
-
-
-def bfcl(case_id: str) -> tuple[Any, dict[str, Any]]:
-    from toolquake.bfcl.corpus import case_request, load_case
-
-    case = load_case(case_id)
-    return case, case_request(case, model="fake-model")
 
 
 def apply(kind: str, body: dict[str, Any], case: Any = None, seed: int = 7) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.perturbers.test_tool_metadata import needs_corpus
 from tests.support import start_fake_upstream
+from tests.support.perturbers import needs_corpus
 from tests.support.replay import oracle_script, replay, rows
 from toolquake.perturbers import ChatRequest, PerturbContext, Services, build
 from toolquake.perturbers.tool_metadata import KINDS

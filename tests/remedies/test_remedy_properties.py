@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.hostile import FIELDS, LARGE, MS_PER_KIB, SMALL, UNITS, hostile, ordinary, request_with
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 from toolquake.remedies import build, registry
@@ -97,17 +98,6 @@ def _with_more_tools(body: dict[str, Any]) -> dict[str, Any]:
 def test_remedies_are_linear_in_hostile_text(name: str) -> None:
     """The perturbers' adversarial check (tests/perturbers/test_adversarial_perturbers.py: its hostile units, in
     every place a client controls, 64 KiB and 512 KiB, less ordinary prose of the same size) on each remedy."""
-    from tests.perturbers.test_adversarial_perturbers import (
-        FIELDS,
-        LARGE,
-        MS_PER_KIB,
-        SMALL,
-        UNITS,
-        hostile,
-        ordinary,
-        request_with,
-    )
-
     def body(field: str, text: str) -> dict[str, Any]:
         return _with_more_tools(request_with(field, text))
 

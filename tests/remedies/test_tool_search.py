@@ -4,27 +4,16 @@ made-up toolkits and on BFCL `multiple` cases padded to 500 tools, by BM25 and b
 from __future__ import annotations
 
 import copy
-import importlib.util
 import random
 import statistics
 from typing import Any
 
 import pytest
 
-from tests.remedies.catalogs import padded_cases
+from tests.support.catalogs import padded_cases
+from tests.support.perturbers import HAVE_EMBEDDINGS, on_corpus
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.remedies import build
-
-HAVE_EMBEDDINGS = importlib.util.find_spec("sentence_transformers") is not None
-
-
-def corpus_present() -> bool:
-    from toolquake.bfcl import corpus
-
-    return corpus.is_present()
-
-
-needs_corpus = pytest.mark.skipif(not corpus_present(), reason="needs the BFCL corpus: toolquake corpus pull")
 
 
 def tool(name: str, description: str = "", **params: str) -> dict[str, Any]:
@@ -127,12 +116,12 @@ def kept_needed(method: str, count: int, services: Services | None = None) -> fl
     return found / count
 
 
-@needs_corpus
+@on_corpus
 def test_bm25_keeps_the_needed_tool_of_padded_bfcl_cases():
     assert kept_needed("bm25", 100) >= 0.9
 
 
-@needs_corpus
+@on_corpus
 @pytest.mark.needs_embeddings
 @pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra (make install-embeddings)")
 def test_embeddings_keep_the_needed_tool_of_padded_bfcl_cases():
@@ -145,7 +134,7 @@ def test_embeddings_keep_the_needed_tool_of_padded_bfcl_cases():
 needs_embeddings = pytest.mark.skipif(not HAVE_EMBEDDINGS, reason="needs the embeddings extra")
 
 
-@needs_corpus
+@on_corpus
 @pytest.mark.needs_embeddings
 @needs_embeddings
 def test_the_int8_query_embedding_keeps_the_needed_tool_and_stays_close_to_the_models():

@@ -11,9 +11,10 @@ import sqlite3
 import httpx
 import pytest
 
-from tests.perturbers.test_token_counters import _tiktoken_files, _tiktokens_own
 from tests.support import start_fake_upstream
 from tests.support.replay import replay
+from tests.support.tokens import tiktoken_files as _tiktoken_files
+from tests.support.tokens import tiktokens_own as _tiktokens_own
 from toolquake.perturbers.helpers.tokens import MESSAGE_OVERHEAD, render_request
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,16 @@ def test_python_decoding_never_executes_the_text(tmp_path: Path) -> None:
     text = f"[f(a=1 + __import__('os').system('touch {marker}'))]"
     assert isinstance(decode_python(text), DecodeFailure)
     assert not marker.exists()
-    start = time.monotonic()
-    for bomb in ("[f(a=9**9**9)]", "[f(a='x'*10**12)]", "[f(a=1<<10**10)]"):
-        assert isinstance(decode_python(bomb), DecodeFailure), bomb
-    assert time.monotonic() - start < 2.0
+    # evaluated, each would take minutes or gigabytes (1<<10**10 alone is a 1.25 GB integer): the memory the
+    # decoding allocated at its peak shows it was not, whatever the machine's speed
+    tracemalloc.start()
+    try:
+        for bomb in ("[f(a=9**9**9)]", "[f(a='x'*10**12)]", "[f(a=1<<10**10)]"):
+            assert isinstance(decode_python(bomb), DecodeFailure), bomb
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024 * 1024, peak
 
 
 def test_tool_calls_are_decoded_as_bfcl_decodes_fc_answers() -> None:

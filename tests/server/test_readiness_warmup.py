@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.perturbers.test_toolkit_perturbers import bfcl, corpus_present, names, needs_pool, send
 from tests.support import recorded, start_fake_upstream, start_proxy
+from tests.support.perturbers import bfcl, corpus_present, names, needs_pool, send
 
 DEADLINE_S = 900  # the index build takes about a minute on two idle cores; a busy machine may take several
 
