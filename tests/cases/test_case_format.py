@@ -4,23 +4,12 @@ with the loader, and the BFCL checker grades user cases with BFCL's possible-ans
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.support import ROOT
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "number"}, "options": {"type": "object"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+from tests.support.cases import TIME, WEATHER, toolquake
 
 
 def case(**fields):
@@ -76,11 +65,6 @@ def mixed_file(tmp_path: Path) -> tuple[Path, dict[int, str]]:
     path = tmp_path / "mine.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path, bad_at
-
-
-def toolquake(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolquake", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
 
 def test_validate_names_every_bad_line_with_its_reason_and_exits_non_zero(mixed_file):

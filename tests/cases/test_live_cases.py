@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from tests.cases.test_case_format import TIME, WEATHER
 from tests.support import scraped, start_proxy, wait_for
+from tests.support.cases import TIME, WEATHER
 from toolquake.proxy.live import results
 from toolquake.proxy.replay.report import summarize_db
 

@@ -7,29 +7,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support import ROOT, start_proxy
+from tests.support import metric_samples, metrics_text, scraped, start_proxy, wait_for
+from tests.support.cases import RECORD_TOOLS, read_records, toolquake
 from tests.support.replay import replay, rows
 
 API_KEY = "sk-test-SECRETKEY0123456789abcdef"
 SEED_SECRET = "seed-secret-5f2a91"
 MARKED = "TOKEN-4711-ZQX"  # a value the [record] redact pattern removes from message contents
 PLAN = "get_weather,get_time"
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone.", "parameters": {
-        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
-]
+TOOLS = RECORD_TOOLS
 CONFIG = """
 [record]
 redact = ["TOKEN-[0-9]+-[A-Z]+"]
@@ -37,11 +29,6 @@ redact = ["TOKEN-[0-9]+-[A-Z]+"]
 [profiles.reversed]
 perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]
 """
-
-
-def toolquake(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolquake", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
 def client(proxy_url: str) -> OpenAI:
@@ -112,23 +99,6 @@ def responses_agent(sdk: OpenAI, question: str, stream: bool, exchanges: list) -
             items.append({"type": "function_call_output", "call_id": c.call_id, "output": f"result of {c.name}"})
 
 
-def read(path: Path) -> list[dict]:
-    from toolquake.proxy.live.recording import read_recording
-
-    rec = read_recording(path)
-    assert rec.problems == [] and rec.torn == 0, (rec.problems, rec.torn)
-    return rec.records
-
-
-def metric(proxy_url: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{proxy_url}/metrics").text.splitlines():
-        if line.startswith(name):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 def test_an_agent_loop_is_recorded_exactly_and_becomes_cases_that_replay(fake_upstream, tmp_path):
     recording = tmp_path / "staging.jsonl"
     proxy = start_proxy(fake_upstream.url, CONFIG, None, "--record", str(recording))
@@ -144,18 +114,15 @@ def test_an_agent_loop_is_recorded_exactly_and_becomes_cases_that_replay(fake_up
         # a perturbed exchange is not recorded
         perturbed = client(proxy.url).with_options(base_url=f"{proxy.url}/p/reversed/v1")
         chat_agent(perturbed, "Weather in Bern, reversed?", False, [])
-        deadline = time.monotonic() + 10
-        while sum(metric(proxy.url, "toolquake_recorded_total").values()) < len(exchanges) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        recorded_total = metric(proxy.url, "toolquake_recorded_total")
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total") >= len(exchanges), what="every exchange recorded")
+        recorded_total = {dict(labels)["route"]: value for (name, labels), value
+                          in metric_samples(metrics_text(proxy)).items() if name == "toolquake_recorded_total"}
     finally:
         proxy.stop()
     assert len(exchanges) == 6 * 3  # each loop: call, call, final text
-    records = read(recording)
+    records = read_records(recording)
     assert len(records) == len(exchanges)
-    assert recorded_total == {'toolquake_recorded_total{route="chat_completions"}': 12.0,
-                              'toolquake_recorded_total{route="responses"}': 6.0}
+    assert recorded_total == {"chat_completions": 12.0, "responses": 6.0}
     # the workers of `serve` (one per CPU) append in the order they finish: match records by what they hold
     def user_text(rec: dict) -> str:
         return next(m["content"] for m in rec["request"]["messages"] if m["role"] == "user")
@@ -234,9 +201,8 @@ def test_sigkill_mid_run_leaves_no_torn_record_and_the_cap_is_kept(fake_upstream
     threads = [threading.Thread(target=hammer) for _ in range(4)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 20
-    while (not recording.exists() or recording.stat().st_size < 3_000_000) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: recording.exists() and recording.stat().st_size >= 3_000_000, timeout=60,
+             what="3 MB recorded", interval=0.01)
     proxy.popen.send_signal(signal.SIGKILL)
     proxy.popen.wait(10)
     stop.set()
@@ -258,19 +224,14 @@ def test_sigkill_mid_run_leaves_no_torn_record_and_the_cap_is_kept(fake_upstream
         for i in range(40):
             httpx.post(f"{proxy.url}/v1/chat/completions", json={
                 "model": "m", "messages": [{"role": "user", "content": f"small {i}"}], "tools": TOOLS}, timeout=10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            m = metric(proxy.url, "toolquake_record")
-            if sum(v for k, v in m.items() if k.startswith(("toolquake_recorded_total", "toolquake_record_dropped_"
-                                                             "total"))) >= 40:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total")
+                 + scraped(proxy, "toolquake_record_dropped_total") >= 40, what="every exchange recorded or dropped")
+        recorded = scraped(proxy, "toolquake_recorded_total")
+        dropped = scraped(proxy, "toolquake_record_dropped_total", reason="size_cap")
     finally:
         proxy.stop()
-    final = read(recording)  # no torn line left, nothing unreadable
+    final = read_records(recording)  # no torn line left, nothing unreadable
     assert recording.stat().st_size <= cap
-    recorded = sum(v for k, v in m.items() if k.startswith("toolquake_recorded_total"))
-    dropped = m.get('toolquake_record_dropped_total{reason="size_cap"}', 0)
     assert recorded + dropped == 40 and dropped > 0 and recorded > 0
     assert len(final) == len(after_kill.records) + recorded
 
@@ -284,12 +245,10 @@ def test_a_recording_that_cannot_be_written_never_breaks_a_request(fake_upstream
             answer = sdk.chat.completions.create(model="fake-model", tools=TOOLS,
                                                  messages=[{"role": "user", "content": f"question {i}"}])
             assert answer.choices[0].message.tool_calls
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(metric(proxy.url, "toolquake_record_dropped_total").values()) < 3:
-            time.sleep(0.05)
-        assert metric(proxy.url, "toolquake_record_dropped_total") == {
-            'toolquake_record_dropped_total{reason="write_error"}': 3.0}
-        assert metric(proxy.url, "toolquake_recorded_total") == {}
+        wait_for(lambda: scraped(proxy, "toolquake_record_dropped_total") >= 3, what="three drops")
+        assert scraped(proxy, "toolquake_record_dropped_total") == 3
+        assert scraped(proxy, "toolquake_record_dropped_total", reason="write_error") == 3
+        assert scraped(proxy, "toolquake_recorded_total") == 0
     finally:
         proxy.stop()
 
@@ -303,13 +262,12 @@ def test_only_the_configured_profiles_are_recorded(fake_upstream, tmp_path):
             r = httpx.post(f"{proxy.url}{base}/chat/completions", timeout=10, json={
                 "model": "m", "messages": [{"role": "user", "content": f"via {base}"}], "tools": TOOLS})
             assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(recording.read_text().splitlines()) < 2:
-            time.sleep(0.05)
-        time.sleep(0.3)
-    finally:
+        # the last request is one of a recorded profile: once it is written, every request before it was seen
+        # (handed to the recorder in order, before its answer went out; written in that order)
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total") == 2, what="the quiet exchanges recorded")
+    finally:  # stopping drains the recorder's queue: anything else it had taken would be in the file now
         proxy.stop()
-    records = read(recording)
+    records = read_records(recording)
     assert [(r["profile"], r["request"]["messages"][0]["content"]) for r in records] == [
         ("quiet", "via /p/quiet/v1")] * 2
 
@@ -322,12 +280,10 @@ def test_a_sample_rate_of_zero_records_nothing_and_counts_every_exchange(fake_up
             r = httpx.post(f"{proxy.url}/v1/chat/completions", timeout=10, json={
                 "model": "m", "messages": [{"role": "user", "content": f"sampled {i}"}], "tools": TOOLS})
             assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(metric(proxy.url, "toolquake_record_dropped_total").values()) < 5:
-            time.sleep(0.05)
-        assert metric(proxy.url, "toolquake_record_dropped_total") == {
-            'toolquake_record_dropped_total{reason="sampled_out"}': 5.0}
+        wait_for(lambda: scraped(proxy, "toolquake_record_dropped_total") >= 5, what="five exchanges counted")
+        assert scraped(proxy, "toolquake_record_dropped_total") == 5
+        assert scraped(proxy, "toolquake_record_dropped_total", reason="sampled_out") == 5
     finally:
         proxy.stop()
-    assert read(recording) == []  # the header line alone
+    assert read_records(recording) == []  # the header line alone
     assert list(map(json.loads, recording.read_text().splitlines()))[0]["toolquake_recording"] == 1

@@ -13,7 +13,6 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cases.test_recording import TOOLS, metric, read, toolquake
-from tests.support import ROOT, free_port, start_proxy
+from tests.support import ROOT, scraped, start_proxy, wait_for
+from tests.support.cases import RECORD_TOOLS, read_records, toolquake
 
 
 def sqlite_db(path: Path) -> Path:
@@ -48,7 +47,7 @@ def serve_refused(path: Path, *extra: str) -> str:
     """`toolquake serve --record path` exits non-zero before serving; its stderr. A server that starts
     instead (the old recorder did, after "repairing" the file) is killed with its workers, and fails."""
     proc = subprocess.Popen([sys.executable, "-m", "toolquake", "serve", "--upstream", "http://127.0.0.1:9/v1",
-                             "--port", str(free_port()), "--record", str(path), *extra], cwd=ROOT,
+                             "--port", "0", "--record", str(path), *extra], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -59,6 +58,17 @@ def serve_refused(path: Path, *extra: str) -> str:
         pytest.fail(f"toolquake serve --record {path} did not refuse the file: it was still running after 120 s")
     assert proc.returncode != 0, (out, err)
     return err
+
+
+def prepared_or_refused(path: Path) -> str:
+    """The message `toolquake serve --record path` exits with before it serves (what it runs for that, in this
+    process)."""
+    from toolquake.proxy.live.recording import prepare_or_exit
+    from toolquake.proxy.server.config import RecordConfig
+
+    with pytest.raises(SystemExit) as refused:
+        prepare_or_exit(RecordConfig(path=str(path)))
+    return str(refused.value.code)
 
 
 def snapshot(path: Path) -> tuple[bytes, int, int]:
@@ -77,19 +87,16 @@ def old_record(i: int) -> bytes:
 
 def post(url: str, text: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
-        "model": "m", "messages": [{"role": "user", "content": text}], "tools": TOOLS})
+        "model": "m", "messages": [{"role": "user", "content": text}], "tools": RECORD_TOOLS})
     assert r.status_code == 200
 
 
-def wait_recorded(url: str, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while sum(metric(url, "toolquake_recorded_total").values()) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
+def wait_recorded(proxy, n: int) -> None:
+    wait_for(lambda: scraped(proxy, "toolquake_recorded_total") >= n, what=f"{n} exchange(s) recorded")
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "png", "text", "jsonl-of-others", "no-newline"])
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_file_that_is_not_a_recording_is_refused_and_left_as_it_was(tmp_path, kind, workers):
+def not_a_recording(tmp_path: Path, kind: str) -> Path:
+    """A file of someone else's, readable by the group."""
     path = tmp_path / {"sqlite": "results.sqlite", "png": "chart.png"}.get(kind, "notes.txt")
     if kind == "sqlite":
         sqlite_db(path)
@@ -102,6 +109,23 @@ def test_a_file_that_is_not_a_recording_is_refused_and_left_as_it_was(tmp_path, 
     else:
         path.write_bytes(b"one line of someone else's text, never ended")
     path.chmod(0o644)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "png", "text", "jsonl-of-others", "no-newline"])
+def test_a_file_that_is_not_a_recording_is_refused_and_left_as_it_was(tmp_path, kind):
+    """What `serve` runs before it serves (and before its workers start), here in the test's process."""
+    path = not_a_recording(tmp_path, kind)
+    before = snapshot(path)
+    err = prepared_or_refused(path)
+    assert str(path) in err and "not a toolquake recording" in err and "refusing" in err, err
+    assert snapshot(path) == before  # bytes, mode and modification time
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_refuses_a_file_that_is_not_a_recording_before_serving(tmp_path, workers):
+    """`toolquake serve --record` itself, with one worker and with two: exits, the file as it was."""
+    path = not_a_recording(tmp_path, "sqlite")
     before = snapshot(path)
     err = serve_refused(path, "--workers", workers)
     assert str(path) in err and "not a toolquake recording" in err and "refusing" in err, err
@@ -114,23 +138,23 @@ def test_a_torn_tail_loses_only_its_own_fragment(fake_upstream, tmp_path):
     try:
         for i in range(3):
             post(proxy.url, f"before {i}")
-        wait_recorded(proxy.url, 3)
+        wait_recorded(proxy, 3)
     finally:
         proxy.stop()
     whole = recording.read_bytes()
-    assert whole.endswith(b"\n") and len(read(recording)) == 3
+    assert whole.endswith(b"\n") and len(read_records(recording)) == 3
     fragment = b'{"v":1,"ts":1763900000.5,"request_id":"abc","route":"chat_completions","request":{"mess'
     recording.write_bytes(whole + fragment)
     proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
     try:
         assert recording.read_bytes() == whole  # exactly the fragment cut, at start-up
         post(proxy.url, "after")
-        wait_recorded(proxy.url, 1)
+        wait_recorded(proxy, 1)
     finally:
         proxy.stop()
     after = recording.read_bytes()
     assert after.startswith(whole)
-    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == [
+    assert [r["request"]["messages"][0]["content"] for r in read_records(recording)] == [
         "before 0", "before 1", "before 2", "after"]
 
 
@@ -139,7 +163,7 @@ def test_a_recording_with_foreign_bytes_at_its_end_is_refused_not_cut(tmp_path):
     recording.write_bytes(b'{"toolquake_recording":1,"created":1.0}\n' + old_record(0) + b"PK\x03\x04 not ours")
     recording.chmod(0o600)
     before = snapshot(recording)
-    err = serve_refused(recording)
+    err = prepared_or_refused(recording)
     assert str(recording) in err and "after its last newline" in err
     assert snapshot(recording) == before
 
@@ -152,12 +176,12 @@ def test_a_recording_of_the_format_before_headers_is_still_appended_to(fake_upst
     proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
     try:
         post(proxy.url, "new one")
-        wait_recorded(proxy.url, 1)
+        wait_recorded(proxy, 1)
     finally:
         proxy.stop()
     raw = recording.read_bytes()
     assert raw.startswith(old) and b"toolquake_recording" not in raw  # no header put in the middle of it
-    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == ["old 0", "old 1", "new one"]
+    assert [r["request"]["messages"][0]["content"] for r in read_records(recording)] == ["old 0", "old 1", "new one"]
     assert stat.S_IMODE(recording.stat().st_mode) == 0o600
     cases = tmp_path / "cases.jsonl"
     # no header: `cases from-recording` reads it only when told to (#45)
@@ -178,13 +202,13 @@ def test_a_new_or_empty_file_gets_a_header_and_is_0600(fake_upstream, tmp_path, 
     proxy = start_proxy(fake_upstream.url, None, None, "--record", str(recording))
     try:
         post(proxy.url, "first")
-        wait_recorded(proxy.url, 1)
+        wait_recorded(proxy, 1)
     finally:
         proxy.stop()
     lines = recording.read_bytes().splitlines()
     assert json.loads(lines[0])["toolquake_recording"] == 1 and len(lines) == 2
     assert stat.S_IMODE(recording.stat().st_mode) == 0o600
-    assert [r["request"]["messages"][0]["content"] for r in read(recording)] == ["first"]
+    assert [r["request"]["messages"][0]["content"] for r in read_records(recording)] == ["first"]
 
 
 def test_two_workers_share_one_recording_with_one_header(fake_upstream, tmp_path):
@@ -196,12 +220,12 @@ def test_two_workers_share_one_recording_with_one_header(fake_upstream, tmp_path
     try:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: post(proxy.url, f"parallel {i}"), range(n)))
-        wait_recorded(proxy.url, n)
+        wait_recorded(proxy, n)
     finally:
         proxy.stop()
     raw = recording.read_bytes()
     assert raw.count(b"toolquake_recording") == 1 and raw.endswith(b"\n")
-    contents = sorted(r["request"]["messages"][0]["content"] for r in read(recording))
+    contents = sorted(r["request"]["messages"][0]["content"] for r in read_records(recording))
     assert contents == sorted(["old 0", *(f"parallel {i}" for i in range(n))])
 
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.cases.test_recording import metric, read, toolquake
-from tests.support import start_proxy
+from tests.support import scraped, start_proxy, wait_for
+from tests.support.cases import read_records, toolquake
 
 ALNUM = string.ascii_letters + string.digits
 UPPER = string.ascii_uppercase + string.digits
@@ -158,10 +158,8 @@ def test_no_secret_of_the_corpus_is_left_in_the_recording(fake_upstream, tmp_pat
                                       extra_headers={"X-Fake-Answer": json.dumps({"text": said})})
         assert next(e.response for e in events if e.type == "response.completed").output_text == said
         sent += 1
-        deadline = time.monotonic() + 20
-        while sum(metric(proxy.url, "toolquake_recorded_total").values()) < sent and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sum(metric(proxy.url, "toolquake_recorded_total").values()) == sent
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total") >= sent, what="every exchange recorded")
+        assert scraped(proxy, "toolquake_recorded_total") == sent
     finally:
         proxy.stop()
 
@@ -176,7 +174,7 @@ def test_no_secret_of_the_corpus_is_left_in_the_recording(fake_upstream, tmp_pat
                  '"enum"', '"metric"', '"call_1"', "aws_secret_access_key = [redacted]", "Authorization: Bearer",
                  "postgres://admin:[redacted]@db.internal", "plain-looking-value-123", '"role":"tool"', "Paris"):
         assert kept.encode() in raw, kept
-    records = read(recording)
+    records = read_records(recording)
     assert len(records) == sent
     assert [(r["route"], r["stream"]) for r in sorted(records, key=lambda r: (r["route"], r["stream"]))] == [
         ("chat_completions", False), ("chat_completions", True), ("responses", False), ("responses", True)]
@@ -328,13 +326,11 @@ def test_the_shapes_of_45_are_not_in_a_real_recording(fake_upstream, tmp_path):
         resp = sdk.responses.create(model="fake-model", input=items, tools=tools,
                                     extra_headers={"X-Fake-Answer": json.dumps({"text": "Done."})})
         assert resp.output_text == "Done."
-        deadline = time.monotonic() + 20
-        while sum(metric(proxy.url, "toolquake_recorded_total").values()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sum(metric(proxy.url, "toolquake_recorded_total").values()) == 2
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total") >= 2, what="both exchanges recorded")
+        assert scraped(proxy, "toolquake_recorded_total") == 2
     finally:
         proxy.stop()
-    records = read(recording)
+    records = read_records(recording)
     assert sorted(r["route"] for r in records) == ["chat_completions", "responses"]
     check_more(m, recording.read_bytes(), strings(records))
 
@@ -418,15 +414,13 @@ def test_a_slow_operator_pattern_never_holds_up_the_proxy(fake_upstream, tmp_pat
         r = httpx.post(f"{proxy.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": slow}, {"role": "user", "content": "Oslo"}]})
         assert r.status_code == 200
-        deadline = time.monotonic() + 120
-        while sum(metric(proxy.url, "toolquake_recorded_total").values()) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: scraped(proxy, "toolquake_recorded_total") >= 1, timeout=120, what="the exchange recorded")
         took = time.perf_counter() - t0
     finally:
         stop.set()
         prober.join(60)
         proxy.stop()
-    records = read(recording)
+    records = read_records(recording)
     assert [m["content"] for m in records[0]["request"]["messages"]] == ["[redacted]", "Oslo"]
     assert took >= 2.0  # the scan ran for its whole budget (2 s of CPU) ...
     assert worst[0] < took / 3, (worst[0], took)  # ... and the loop was never held for it

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cases.test_case_format import TIME, WEATHER
 from tests.support import ROOT, start_fake_upstream
+from tests.support.cases import TIME, WEATHER
 from tests.support.replay import replay, rows
 
 CURRENCY = {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount.",

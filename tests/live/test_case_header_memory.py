@@ -11,32 +11,17 @@ from __future__ import annotations
 import json
 import tracemalloc
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.live.test_live_scoring import gt_calls, live_config, send
 from tests.support import scraped, wait_for
+from tests.support.live import gt_calls, live_config, rss, send
 
 HEADER_KIB = 512
 FLOOD = 60
 #: growth allowed for the whole flood (the old code kept each header, twice: about 61 MB for this flood)
 RSS_BOUND = 15 * 1024 * 1024
-
-
-def rss(pid: int) -> int:
-    """Resident bytes of `pid` and its children (a server with one worker may fork it)."""
-    total = 0
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(p) for p in children.read_text().split()]
-    for p in pids:
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def header_cap() -> str | None:
@@ -56,12 +41,12 @@ def hostile_id(n: int) -> str:
 
 
 @pytest.mark.needs_corpus
-def test_distinct_huge_case_headers_do_not_grow_the_proxy_and_real_ids_still_score(proxy_factory, tmp_path):
+def test_distinct_huge_case_headers_do_not_grow_the_proxy_and_real_ids_still_score(request, proxy_factory, tmp_path):
     from toolquake.bfcl.corpus import FORMAT_CONFIGS, case_request, load_case
 
     cap = header_cap()
-    if cap is not None:  # the default header cap refuses such headers outright (431) ...
-        small = proxy_factory(None, None, None, "--no-scoring")
+    if cap is not None:  # the default header cap (the session's proxy) refuses such headers outright (431) ...
+        small = request.getfixturevalue("proxy")
         r = httpx.post(f"{small.url}/v1/chat/completions", json={"model": "m", "messages": []},
                        headers={"X-Toolquake-Case": hostile_id(0)})
         assert r.status_code == 431

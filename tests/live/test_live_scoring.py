@@ -3,6 +3,10 @@
 The fake upstream answers some BFCL cases correctly and others wrongly (`X-Fake-Answer`); the
 counters on /metrics and the rows in the results store must match the verdicts that the scorer
 computes, in this test, for the very answers the client received.
+
+The tests that read only their own requests' counters and rows share one proxy (`shared`): each counts what its
+requests added (the work of the tests before it waited for, so done) and reads the rows of its request ids. Those
+about a whole store or a server's own settings start their own.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import re
 import shutil
 import sqlite3
 import subprocess
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -21,135 +24,29 @@ import httpx
 import openai
 import pytest
 
-from tests.support import scraped, wait_for
+from tests.support import scraped, start_proxy, wait_for
+from tests.support.live import MODEL, expected_verdict, gt_calls, live_config, send, wrong_function, wrong_value
 from tests.support.shadow import MESSAGES, TOOLS
 from toolquake.proxy.live import results
 from toolquake.proxy.replay.report import render_markdown, summarize_db
 
-MODEL = "fake-model"
-
-
-def live_config(db, *, semantic: bool = True, workers: int = 2, queue_size: int = 1024) -> str:
-    return f"""
-[server]
-model_allowlist = ["{MODEL}"]
-
-[profiles.reversed]
-perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
-
-[profiles.removed]
-perturbers = [{{ name = "tool_removal", params = {{ which = "expected" }} }}]
-
-[profiles.python-text]
-perturbers = [{{ name = "format_rewrite", params = {{ return_format = "python", parse = "lenient" }} }}]
-
-[profiles.shadow-reversed]
-mode = "shadow"
-max_concurrent = 100
-perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
-
-[scoring]
-store = "{db}"
-workers = {workers}
-queue_size = {queue_size}
-semantic = {str(semantic).lower()}
-"""
-
-
-# --- answers, built from the ground truth -----------------------------------------------------
-
-
-def gt_calls(case) -> list[dict]:
-    """The ground truth as a model would answer it: OpenAI names, the first acceptable value of each parameter."""
-    from toolquake.bfcl.convert import openai_name
-
-    calls = []
-    for entry in case.ground_truth:
-        (name, params), = entry.items()
-        args = {}
-        for p, alternatives in params.items():
-            value = alternatives[0]
-            if value == "":  # "" first means the parameter may be left out
-                continue
-            args[p] = value
-        calls.append({"name": openai_name(name), "arguments": args})
-    return calls
-
-
-def wrong_value(calls: list[dict]) -> list[dict]:
-    out = json.loads(json.dumps(calls))
-    first = out[0]["arguments"]
-    key = next(iter(first))
-    first[key] = "definitely-not-this" if isinstance(first[key], str) else 987654
-    return out
-
-
-def wrong_function(case, calls: list[dict]) -> list[dict]:
-    from toolquake.bfcl.convert import to_openai_tools
-
-    tools, _ = to_openai_tools(case.functions)
-    other = next(t["function"]["name"] for t in tools if t["function"]["name"] != calls[0]["name"])
-    return [{"name": other, "arguments": calls[0]["arguments"]}]
-
-
-def message_of(completion) -> dict:
-    return completion.choices[0].message.model_dump(exclude_none=True)
-
-
-def message_of_stream(chunks) -> dict:
-    """The assistant message a streaming client reassembles from its deltas."""
-    content, calls = "", {}
-    for chunk in chunks:
-        if not chunk.choices:
-            continue
-        d = chunk.choices[0].delta
-        content += d.content or ""
-        for tc in d.tool_calls or []:
-            slot = calls.setdefault(tc.index, {"type": "function", "function": {"name": "", "arguments": ""}})
-            if tc.function.name:
-                slot["function"]["name"] += tc.function.name
-            if tc.function.arguments:
-                slot["function"]["arguments"] += tc.function.arguments
-    msg: dict = {"role": "assistant"}
-    if calls:
-        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
-    else:
-        msg["content"] = content
-    return msg
-
-
-def send(proxy, profile: str, body: dict, *, answer: dict | None, case_header: str | None, stream: bool,
-         fault: str | None = None):
-    """Send one request with the SDK; returns (request id, the message the client got)."""
-    client = openai.OpenAI(base_url=f"{proxy.url}/p/{profile}/v1", api_key="sk-live", max_retries=0)
-    headers = {"X-Fake-Fault": fault} if fault else {}
-    if answer is not None:
-        headers["X-Fake-Answer"] = json.dumps(answer)
-    if case_header:
-        headers["X-Toolquake-Case"] = case_header
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=body["messages"], tools=body["tools"], stream=stream, extra_headers=headers)
-    rid = raw.headers["x-toolquake-request-id"]
-    parsed = raw.parse()
-    return rid, (message_of_stream(list(parsed)) if stream else message_of(parsed))
-
-
-def expected_verdict(case, message: dict, *, irrelevance: bool = False):
-    """What the scorer says about `message` for `case` (BFCL mode), computed here from the same answer."""
-    from toolquake.bfcl.convert import to_openai_tools
-    from toolquake.bfcl.decode import calls_from_message
-    from toolquake.scorers.ast_checker import check
-
-    calls = calls_from_message(message, to_openai_tools(case.functions)[1])
-    if irrelevance:  # a removed expected tool: the right answer is no call at all
-        from toolquake.scorers.taxonomy import IRRELEVANCE_VIOLATION
-
-        return ("invalid", IRRELEVANCE_VIOLATION) if message.get("tool_calls") else ("valid", None)
-    v = check(case, calls, mode="bfcl")
-    return ("valid" if v.valid else "invalid"), (None if v.valid else (v.taxonomy or v.error_type))
-
-
 # --- the tests ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared(fake_upstream, tmp_path_factory):
+    """One proxy (live_config, semantic on) and its results store, for the tests that read only their own."""
+    db = tmp_path_factory.mktemp("live-scoring") / "shared.sqlite"
+    proxy = start_proxy(fake_upstream.url, live_config(db))
+    yield proxy, db
+    proxy.stop()
+
+
+def rows_of(db, request_ids) -> list[dict]:
+    """The stored rows of these requests: theirs (live, original) and their twins'."""
+    ids = set(request_ids)
+    return [r for r in results.read_rows(db) if r["request_id"] in ids or r["shadow_of"] in ids]
+
 
 
 @pytest.mark.needs_corpus
@@ -248,11 +145,17 @@ def test_metrics_and_rows_match_the_scorers_verdicts(proxy_factory, tmp_path):
 
 
 @pytest.mark.needs_corpus
-def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, tmp_path):
+def test_unlabeled_and_followup_requests_are_counted_not_scored(shared):
     from toolquake.bfcl.corpus import case_request, load_case
 
-    proxy = proxy_factory(live_config(tmp_path / "u.sqlite"))
+    proxy, _ = shared
     wait_for(lambda: scraped(proxy, "toolquake_corpus_cases") > 0, what="the case index")
+
+    def skipped(reason: str) -> float:
+        return scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason=reason)
+
+    before = {r: skipped(r) for r in ("followup", "no_answer", "unlabeled", "unknown_case")}
+    scored = scraped(proxy, "toolquake_scored_total")
     case = load_case("multiple_2")
     body = case_request(case)
     # the case's question with tools under other names is some other conversation: unlabeled
@@ -289,46 +192,48 @@ def test_unlabeled_and_followup_requests_are_counted_not_scored(proxy_factory, t
     # the upstream failed: there is no answer to score
     with pytest.raises(openai.InternalServerError):
         send(proxy, "off", body, answer=None, case_header=case.id, stream=False, fault="status:500")
-    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="followup") == 1, what="followup")
-    wait_for(lambda: scraped(proxy, "toolquake_scoring_skipped_total", reason="no_answer") == 1, what="no answer")
-    assert scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unlabeled") == 2
+    wait_for(lambda: skipped("followup") == before["followup"] + 1, what="followup")
+    wait_for(lambda: skipped("no_answer") == before["no_answer"] + 1, what="no answer")
+    assert skipped("unlabeled") == before["unlabeled"] + 2
     # an id that names no case: served, counted apart (#28)
-    assert scraped(proxy, "toolquake_scoring_skipped_total", profile="off", reason="unknown_case") == 1
-    assert scraped(proxy, "toolquake_scored_total") == 0
+    assert skipped("unknown_case") == before["unknown_case"] + 1
+    assert scraped(proxy, "toolquake_scored_total") == scored
 
 
 @pytest.mark.needs_corpus
-def test_semantic_flips_are_counted(proxy_factory, tmp_path):
+def test_semantic_flips_are_counted(shared):
     from toolquake.bfcl.convert import to_openai_tools
     from toolquake.bfcl.corpus import case_request, load_case
     from toolquake.bfcl.decode import calls_from_message
     from toolquake.scorers.ast_checker import check
 
-    db = tmp_path / "sem.sqlite"
-    proxy = proxy_factory(live_config(db))
+    proxy, db = shared
     case = load_case("multiple_2")  # country_info.capital(country="Brazil")
+    scored = scraped(proxy, "toolquake_scored_total")
+    flips = scraped(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL)
     expected_flips = 0
+    rids = []
     # valid as is; an evaluation artefact (the semantic mode accepts it); wrong in every mode (a number differs)
     for value in ("brazil", "BRAZIL!", "Brazil 1822"):
         answer = {"calls": [{"name": "country_info_capital", "arguments": {"country": value}}]}
-        _, message = send(proxy, "off", case_request(case), answer=answer, case_header=case.id, stream=False)
+        rid, message = send(proxy, "off", case_request(case), answer=answer, case_header=case.id, stream=False)
+        rids.append(rid)
         calls = calls_from_message(message, to_openai_tools(case.functions)[1])
         if not check(case, calls, mode="bfcl").valid and check(case, calls, mode="semantic").valid:
             expected_flips += 1
     assert expected_flips >= 1  # the plan holds an answer that only the semantic mode accepts
-    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == 3, what="three verdicts")
-    assert scraped(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == expected_flips
-    wait_for(lambda: len(results.read_rows(db)) == 3, what="rows")
-    assert sum(bool(r["semantic_valid"]) and not r["valid"] for r in results.read_rows(db)) == expected_flips
+    wait_for(lambda: scraped(proxy, "toolquake_scored_total") == scored + 3, what="three verdicts")
+    assert scraped(proxy, "toolquake_semantic_flips_total", profile="off", model=MODEL) == flips + expected_flips
+    wait_for(lambda: len(rows_of(db, rids)) == 3, what="rows")
+    assert sum(bool(r["semantic_valid"]) and not r["valid"] for r in rows_of(db, rids)) == expected_flips
 
 
 @pytest.mark.needs_corpus
-def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory, tmp_path):
+def test_format_rewrite_answers_are_scored_from_the_strict_decode(shared):
     """The upstream answers in text: decodable text is a call (scored), undecodable text is wrong_syntax."""
     from toolquake.bfcl.corpus import case_request, load_case
 
-    db = tmp_path / "fmt.sqlite"
-    proxy = proxy_factory(live_config(db, semantic=False))
+    proxy, db = shared
     case = load_case("multiple_2")  # country_info.capital(country="Brazil")
     texts = {
         "right": "[country_info.capital(country='Brazil')]",
@@ -344,8 +249,9 @@ def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory,
         sent[kind] = (rid, message)
     assert sent["right"][1]["tool_calls"][0]["function"]["name"] == "country_info_capital"  # restored for the client
     assert sent["fenced"][1].get("tool_calls")  # lenient parsing gave the client its call
-    wait_for(lambda: len(results.read_rows(db)) == len(texts), what="rows")
-    rows = {r["request_id"]: r for r in results.read_rows(db)}
+    rids = [rid for rid, _ in sent.values()]
+    wait_for(lambda: len(rows_of(db, rids)) == len(texts), what="rows")
+    rows = {r["request_id"]: r for r in rows_of(db, rids)}
     got = {
         kind: (bool(rows[rid]["valid"]), rows[rid]["taxonomy"], bool(rows[rid]["fair_valid"]))
         for kind, (rid, _) in sent.items()
@@ -362,25 +268,28 @@ def test_format_rewrite_answers_are_scored_from_the_strict_decode(proxy_factory,
 
 
 @pytest.mark.needs_corpus
-def test_shadow_original_counts_as_off_and_twin_under_the_profile(proxy_factory, tmp_path):
+def test_shadow_original_counts_as_off_and_twin_under_the_profile(shared):
     from toolquake.bfcl.corpus import case_request, load_case
 
-    db = tmp_path / "sh.sqlite"
-    proxy = proxy_factory(live_config(db, semantic=False))
+    proxy, db = shared
+    before = {v: scraped(proxy, "toolquake_scored_total", profile="off", verdict=v) for v in ("valid", "invalid")}
+    twins = scraped(proxy, "toolquake_scored_total", profile="shadow-reversed")
     case = load_case("multiple_1")  # three tools: the reversed twin is offered them in another order
     # no X-Fake-Answer: the fake calls the first tool offered, so the twin calls another function
     rid, message = send(proxy, "shadow-reversed", case_request(case), answer=None, case_header=case.id, stream=True)
     first = case_request(case)["tools"][0]["function"]["name"]
     assert message["tool_calls"][0]["function"]["name"] == first
-    wait_for(lambda: len(results.read_rows(db)) == 2, what="original and twin rows")
-    rows = {r["arm"]: r for r in results.read_rows(db)}
+    wait_for(lambda: len(rows_of(db, [rid])) == 2, what="original and twin rows")
+    rows = {r["arm"]: r for r in rows_of(db, [rid])}
     assert rows["original"]["profile"] == "off" and rows["twin"]["profile"] == "shadow-reversed"
     assert rows["twin"]["shadow_of"] == rid == rows["original"]["request_id"]
     assert rows["twin"]["agree"] == "false"
     expected_original, _ = expected_verdict(case, message)
     assert bool(rows["original"]["valid"]) == (expected_original == "valid")
-    assert scraped(proxy, "toolquake_scored_total", profile="off", verdict=expected_original) == 1
-    assert scraped(proxy, "toolquake_scored_total", profile="shadow-reversed") == 1
+    assert scraped(proxy, "toolquake_scored_total", profile="off", verdict=expected_original) == \
+        before[expected_original] + 1
+    assert scraped(proxy, "toolquake_scored_total", profile="off") == sum(before.values()) + 1
+    assert scraped(proxy, "toolquake_scored_total", profile="shadow-reversed") == twins + 1
 
 
 def test_queue_overflow_is_counted_and_nothing_breaks(proxy_factory, tmp_path):
@@ -416,9 +325,14 @@ def test_no_scoring_flag_turns_the_queue_off(proxy_factory, tmp_path):
     proxy = proxy_factory(live_config(db), None, None, "--no-scoring")
     client = openai.OpenAI(base_url=f"{proxy.url}/p/shadow-reversed/v1", api_key="k", max_retries=0)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
-    time.sleep(0.3)
+    # the request was finished (counted where the observers are handed it: a scorer, had it one, would have
+    # enqueued it and launched its twin by then) ...
+    wait_for(lambda: scraped(proxy, "toolquake_requests_total", profile="shadow-reversed") == 1,
+             what="the request counted")
+    # ... and there is no scorer: no queue, no twin, no store
     text = httpx.get(f"{proxy.url}/metrics").text
     assert "toolquake_scoring_queue_depth" not in text and "toolquake_consistency" not in text
+    assert "toolquake_shadow_requests" not in text
     assert not db.exists()
 
 
@@ -451,8 +365,8 @@ def dashboard_queries() -> dict[str, list[str]]:
     return out
 
 
-def test_dashboard_queries_name_only_metrics_the_proxy_exports(proxy_factory, tmp_path):
-    proxy = proxy_factory(live_config(tmp_path / "d.sqlite"))
+def test_dashboard_queries_name_only_metrics_the_proxy_exports(shared):
+    proxy, _ = shared
     exported = set(re.findall(r"^# HELP (\S+)", httpx.get(f"{proxy.url}/metrics").text, re.M))
     used = {name for exprs in dashboard_queries().values() for e in exprs for name in re.findall(r"toolquake_\w+", e)}
     assert used, "the dashboard has no toolquake queries"
@@ -496,8 +410,6 @@ def prometheus(tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (Debian package prometheus)")
-    from tests.support import free_port
-
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
     cfg = tmp_path / "prometheus.yml"
@@ -511,25 +423,32 @@ def prometheus(tmp_path):
             }
         )
     )
-    port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
+    log_path = tmp_path / "prometheus.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
         [
             binary,
             f"--config.file={cfg}",
             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.listen-address=127.0.0.1:0",  # it logs the port it got: `msg="Listening on" address=...`
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
+        address = wait_for(lambda: _listening(log_path), timeout=30, what="prometheus to say where it listens")
+        url = f"http://{address}"
         wait_for(lambda: _ready(url), timeout=30, what="prometheus")
         yield url, targets
     finally:
         proc.terminate()
         proc.wait(10)
+        log.close()
+
+
+def _listening(log_path: Path) -> str | None:
+    found = re.search(r'msg="Listening on" address=(127\.0\.0\.1:\d+)', log_path.read_text(errors="replace"))
+    return found.group(1) if found else None
 
 
 def _ready(url: str) -> bool:

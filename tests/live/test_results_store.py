@@ -105,16 +105,22 @@ def test_append_waits_for_another_writer_instead_of_failing(tmp_path):
     store = ResultsStore(path)
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    done = threading.Event()
+    other.execute("INSERT INTO results (request_id, ts, profile, mode, arm, stream, status, perturbers) "
+                  "VALUES ('other', 1.0, 'off', 'perturb', 'live', 0, 200, '[]')")
+    inserting, done = threading.Event(), threading.Event()
+    # sqlite calls this as the store's INSERT starts running (the write lock is taken after it)
+    store._db.set_trace_callback(lambda sql: inserting.set() if sql.lstrip().upper().startswith("INSERT") else None)
     t = threading.Thread(target=lambda: (store.append(_row()), done.set()))
     t.start()
-    assert not done.wait(0.5)  # blocked behind the other writer
+    assert inserting.wait(10)  # the append runs while the other writer holds the file ...
+    assert not done.is_set()  # ... and cannot have finished: the lock is held
     other.execute("COMMIT")
-    assert done.wait(10)
+    assert done.wait(10)  # it waited instead of failing
     t.join()
     other.close()
     store.close()
-    assert len(results.read_rows(path)) == 1
+    # written after the other writer's row: it waited for that transaction
+    assert [r["request_id"] for r in results.read_rows(path)] == ["other", "r1"]
 
 
 def test_two_stores_on_one_file_both_append(tmp_path):

@@ -15,10 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.live.test_live_responses import message_of_response
-from tests.live.test_live_scoring import MODEL, expected_verdict, gt_calls, send, wrong_value
 from tests.support import recorded, scraped, wait_for
 from tests.support.chat import tag
+from tests.support.live import MODEL, expected_verdict, gt_calls, message_of_response, send, wrong_value
 from tests.support.shadow import MESSAGES, TOOLS
 from toolquake.proxy import live
 from toolquake.proxy.live import recording, results
@@ -122,10 +121,12 @@ def test_default_server_scores_matched_requests_and_decodes_the_others_once(prox
 
 
 @pytest.mark.parametrize("extra", [(), ("--no-scoring",)], ids=["default", "no-scoring"])
-def test_a_body_that_is_not_utf8_is_refused_though_nothing_decodes_it_whole(proxy_factory, fake_upstream, extra):
+def test_a_body_that_is_not_utf8_is_refused_though_nothing_decodes_it_whole(request, proxy_factory, fake_upstream,
+                                                                            extra):
     """The typed decode skips the fields the proxy does not read without looking inside them; a body that is not
-    UTF-8 is still refused (400 invalid_json, as a decoded one is), never forwarded."""
-    proxy = proxy_factory(None, None, None, *extra)
+    UTF-8 is still refused (400 invalid_json, as a decoded one is), never forwarded. The default server is the
+    session's proxy (the packaged config, scoring on)."""
+    proxy = proxy_factory(None, None, None, *extra) if extra else request.getfixturevalue("proxy")
     messages = b'"messages": [{"role": "user", "content": "hi"}]'
     large = ('{"note": "' + "\u00e9" * 40_000 + '", ').encode() + messages + b"}"  # 80 KB of two-byte characters
     cut = 65_536 + 1  # past the first 64 KiB slice, the second byte of a two-byte character replaced

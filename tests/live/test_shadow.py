@@ -1,7 +1,8 @@
 """Shadow mode: the client gets the answer to its original request; a perturbed twin is compared with it.
 
 End to end: the proxy (`python -m proxy serve`) and the fake upstream run as their own processes; the
-client is the real `openai` SDK. Plus the consistency rules themselves (scorers/consistency.py).
+client is the real `openai` SDK. One proxy for the module: each test sends to a shadow profile of its own (the
+counters are per profile, so is `max_concurrent`). Plus the consistency rules themselves (scorers/consistency.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support import recorded, scraped, wait_for
+from tests.support import recorded, scraped, start_proxy, wait_for
 from tests.support.shadow import MESSAGES, TOOLS, _tool, client, config
 from toolquake.proxy.live import results
 from toolquake.scorers.consistency import (
@@ -25,10 +26,37 @@ from toolquake.scorers.consistency import (
     values_equivalent,
 )
 
+#: shadow profiles beside config()'s `shadow-reversed`, one per test (the same reversal)
+REVERSE = 'perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]'
+MORE_PROFILES = f"""
+[profiles.shadow-agree]
+mode = "shadow"
+sample_rate = 1.0
+{REVERSE}
 
-def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(proxy_factory, fake_upstream, tmp_path):
-    db = tmp_path / "shadow.sqlite"
-    proxy = proxy_factory(config(db))
+[profiles.shadow-one]
+mode = "shadow"
+sample_rate = 1.0
+max_concurrent = 1
+{REVERSE}
+
+[profiles.shadow-zero]
+mode = "shadow"
+sample_rate = 0.0
+{REVERSE}
+"""
+
+
+@pytest.fixture(scope="module")
+def served(fake_upstream, tmp_path_factory):
+    db = tmp_path_factory.mktemp("shadow") / "shadow.sqlite"
+    proxy = start_proxy(fake_upstream.url, config(db) + MORE_PROFILES)
+    yield proxy, db
+    proxy.stop()
+
+
+def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(served, fake_upstream):
+    proxy, db = served
     tag = uuid.uuid4().hex
     # the fake calls whichever tool comes first: the reversed twin calls the other one
     stream = client(proxy).chat.completions.with_raw_response.create(
@@ -47,17 +75,17 @@ def test_client_gets_the_original_answer_and_the_twin_goes_out_perturbed(proxy_f
     assert not any(k.startswith("x-toolquake-") for k in twin["headers"])
     assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", model="fake-model",
                   agree=DISAGREE) == 1
-    wait_for(lambda: db.exists() and len(results.read_rows(db)) == 1, what="stored row")
-    [row] = results.read_rows(db)
+    wait_for(lambda: [r for r in results.read_rows(db) if r["profile"] == "shadow-reversed"], what="stored row")
+    [row] = [r for r in results.read_rows(db) if r["profile"] == "shadow-reversed"]
     assert (row["arm"], row["agree"], row["shadow_of"], row["mode"]) == ("twin", DISAGREE, rid, "shadow")
     assert row["perturbers"] == [{"name": "tool_order", "params": {"mode": "reverse"},
                                   "report": {"order": ["humidity_forecast", "weather_forecast"]}}]
     assert row["request_body"] is None and row["response_body"] is None
 
 
-def test_agreement_exact_and_semantic_and_disagreement_are_counted(proxy_factory, tmp_path):
-    proxy = proxy_factory(config(tmp_path / "s.sqlite"))
-    c = client(proxy)
+def test_agreement_exact_and_semantic_and_disagreement_are_counted(served):
+    proxy, _ = served
+    c = client(proxy, "shadow-agree")
     cases = [  # (the original's arguments, the twin's arguments, expected agreement)
         # the perturbation changes the request but not the answer
         ({"city": "Miami"}, {"city": "Miami"}, AGREE_EXACT),
@@ -72,15 +100,16 @@ def test_agreement_exact_and_semantic_and_disagreement_are_counted(proxy_factory
                  "humidity_forecast": {"calls": [{"name": "weather_forecast", "arguments": twin_args}]}}
         c.chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
                                   extra_headers={"X-Fake-Answer-By-First-Tool": json.dumps(table)})
-    wait_for(lambda: scraped(proxy, "toolquake_consistency_total") == len(cases), what="three twins")
+    wait_for(lambda: scraped(proxy, "toolquake_consistency_total", profile="shadow-agree") == len(cases),
+             what="three twins")
     for agree in (AGREE_EXACT, AGREE_SEMANTIC, DISAGREE):
         expected = sum(1 for *_, a in cases if a == agree)
-        assert scraped(proxy, "toolquake_consistency_total", profile="shadow-reversed", agree=agree) == expected
+        assert scraped(proxy, "toolquake_consistency_total", profile="shadow-agree", agree=agree) == expected
 
 
-def test_twins_over_max_concurrent_are_skipped_and_never_delay_the_client(proxy_factory, tmp_path):
-    proxy = proxy_factory(config(tmp_path / "c.sqlite", max_concurrent=1))
-    c = client(proxy)
+def test_twins_over_max_concurrent_are_skipped_and_never_delay_the_client(served):
+    proxy, _ = served
+    c = client(proxy, "shadow-one")
 
     def ask(_: int) -> str:
         r = c.chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
@@ -91,21 +120,23 @@ def test_twins_over_max_concurrent_are_skipped_and_never_delay_the_client(proxy_
         answered = list(pool.map(ask, range(3)))
     assert answered == ["weather_forecast"] * 3
     # the clients have their answers while the one admitted twin is still waiting on the slow upstream
-    assert scraped(proxy, "toolquake_shadow_requests_total", outcome="answered") == 0
-    assert scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-reversed", outcome="busy") == 2
-    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", outcome="answered") == 1, what="the twin")
-    assert scraped(proxy, "toolquake_consistency_total") == 1
+    assert scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-one", outcome="answered") == 0
+    assert scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-one", outcome="busy") == 2
+    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-one", outcome="answered") == 1,
+             what="the twin")
+    assert scraped(proxy, "toolquake_consistency_total", profile="shadow-one") == 1
 
 
-def test_sample_rate_zero_sends_no_twin(proxy_factory, fake_upstream, tmp_path):
-    proxy = proxy_factory(config(tmp_path / "z.sqlite", sample_rate=0.0))
+def test_sample_rate_zero_sends_no_twin(served, fake_upstream):
+    proxy, _ = served
     tag = uuid.uuid4().hex
     for _ in range(3):
-        client(proxy).chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
+        client(proxy, "shadow-zero").chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS,
                                               extra_headers={"X-Test-Tag": tag})
-    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", outcome="sampled_out") == 3, what="counts")
+    wait_for(lambda: scraped(proxy, "toolquake_shadow_requests_total", profile="shadow-zero", outcome="sampled_out")
+             == 3, what="counts")
     assert len(recorded(fake_upstream, tag)) == 3
-    assert scraped(proxy, "toolquake_consistency_total") == 0
+    assert scraped(proxy, "toolquake_consistency_total", profile="shadow-zero") == 0
 
 
 # --- the consistency rules --------------------------------------------------------------------
