@@ -22,30 +22,30 @@ REQUEST = ChatRequest({"model": "m", "messages": [{"role": "user", "content": "h
 REVERSE = PerturberSpec(name="tool_order", params={"mode": "reverse"})
 
 
+def _unchanged(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+    return request
+
+
+def _tagged(self, response: dict, ctx: PerturbContext) -> dict:
+    return {**response, "trail": [*response.get("trail", []), self.tag]}
+
+
 @register_perturber
 class _Tagger(Perturber):
-    """Changes nothing; tags the answer it restores (the order of the tags is the order of the restores)."""
+    """Changes nothing; tags the answer it restores (the tags say the order of the restores)."""
 
-    name = "test_remedy_pipeline_tagger"
-    rewrites_response = True
-    tag: str = ""
-
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        return request
-
-    def restore(self, response: dict, ctx: PerturbContext) -> dict:
-        return {**response, "trail": [*response.get("trail", []), self.tag]}
+    name, rewrites_response, tag = "test_remedy_pipeline_tagger", True, ""
+    tag: str
+    apply, restore = _unchanged, _tagged
 
 
 @register
 class _RemedyTagger(Remedy):
     """The tagger as a remedy."""
 
-    name = "test_remedy_tagger"
-    rewrites_response = True
-    tag: str = ""
-    apply = _Tagger.apply
-    restore = _Tagger.restore
+    name, rewrites_response, tag = "test_remedy_tagger", True, ""
+    tag: str
+    apply, restore = _unchanged, _tagged
 
 
 def _profile(*remedies: tuple[str, dict], perturbers: tuple[PerturberSpec, ...] = (), strict: bool = False,

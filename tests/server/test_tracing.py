@@ -66,26 +66,32 @@ def test_tracing_off_lean_path_is_byte_identical(proxy, fake_upstream):
     assert "toolquake_tracing" not in httpx.get(f"{tq.url}/metrics").text
 
 
-def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(proxy_factory, fake_upstream):
+@pytest.fixture
+def refused():
+    """A collector's URL on a port bound but never listened on: every export to it is refused."""
+    with closed_port() as url:
+        yield url
+
+
+def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(refused, proxy_factory, fake_upstream):
     """Tracing on, exporting to a port nobody listens on: every answer is still the backend's bytes, the backend
     gets a traceparent in the client's trace whose parent is the proxy's span (the client's tracestate kept),
     and the exports that failed are counted."""
-    with closed_port() as dead:  # bound, never listened on: every export is refused
-        tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": dead,
-                                  "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"})
-        for i, (path, body, stream) in enumerate(CASES):
-            tag = secrets.token_hex(6)
-            trace_id, headers = _trace_headers(tag, 2000 + i)
-            direct = _send(fake_upstream.url, path, body, stream, {**headers, "x-test-tag": tag + "-direct"})
-            assert _send(tq.url, path, body, stream, headers) == direct
-            (sent,) = recorded(fake_upstream, tag)
-            version, tid, parent, flags = sent["headers"]["traceparent"].split("-")
-            assert (version, tid, flags) == ("00", trace_id, "01")
-            assert parent != headers["traceparent"].split("-")[2]
-            assert sent["headers"]["tracestate"] == "vendor=abc"
-        # a request span and its upstream call's span each
-        wait_for(lambda: scraped(tq, "toolquake_tracing_failures_total", stage="export") >= 2 * len(CASES), 60,
-                 "the failed exports to be counted")
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": refused,
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    for i, (path, body, stream) in enumerate(CASES):
+        tag = secrets.token_hex(6)
+        trace_id, headers = _trace_headers(tag, 2000 + i)
+        direct = _send(fake_upstream.url, path, body, stream, {**headers, "x-test-tag": tag + "-direct"})
+        assert _send(tq.url, path, body, stream, headers) == direct
+        (sent,) = recorded(fake_upstream, tag)
+        version, tid, parent, flags = sent["headers"]["traceparent"].split("-")
+        assert (version, tid, flags) == ("00", trace_id, "01")
+        assert parent != headers["traceparent"].split("-")[2]
+        assert sent["headers"]["tracestate"] == "vendor=abc"
+    # a request span and its upstream call's span each
+    wait_for(lambda: scraped(tq, "toolquake_tracing_failures_total", stage="export") >= 2 * len(CASES), 60,
+             "the failed exports to be counted")
     assert scraped(tq, "toolquake_tracing_failures_total", stage="span") == 0
     assert "sk-not-logged" not in tq.output()
 
