@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, metric_value, scraped, wait_for
 from tests.support.chat import body
+from toolquake.proxy.live.results import read_rows
 
 SHADOW_CONFIG = """
 [server]
@@ -50,12 +50,14 @@ def test_secrets_never_leave_the_request(tmp_path, proxy_factory, log_contents):
     p = proxy_factory(SHADOW_CONFIG.format(log_contents=log_contents, store=store),
                       {"TOOLQUAKE_ADMIN_TOKEN": "admin-" + uuid.uuid4().hex})
     traffic(p.url, secret)
-    time.sleep(1.0)  # shadow twins and scoring run after the answers
+    # shadow twins and scoring run after the answers: wait until the twins of the two answered shadowed requests
+    # were compared with their originals (then their rows are written; the proxy's stop drains what is queued)
+    wait_for(lambda: scraped(p, "toolquake_consistency_total", profile="shadowed") >= 2, 60,
+             "the shadow twins compared")
     metrics = httpx.get(f"{p.url}/metrics").text
-    from tests.support import metric_value
-
     assert metric_value(metrics, "toolquake_shadow_requests_total") >= 2  # the twins really ran, with the auth
     p.stop()
+    assert len(read_rows(store)) >= 2  # the twins' rows (with contents) are in the store looked at below
     logs = p.output()
     assert "request" in logs  # there are log lines to look at
     if log_contents == "true":

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.conformance.test_conformance_probe import rule_rows
 from tests.support import ROOT, start_proxy
+from tests.support.conformance import rule_rows
 from toolquake.proxy.server.conformance import RULES
 
 pytestmark = [

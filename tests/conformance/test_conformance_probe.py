@@ -10,23 +10,13 @@ import sys
 import pytest
 
 from tests.support import ROOT, start_fake_upstream
+from tests.support.conformance import rule_rows
+from tests.support.tracing import closed_port
 
 
 def probe(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "toolquake", "conformance", "--backend", url, *extra],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-
-
-def rule_rows(out: str) -> dict[str, tuple[str, str]]:
-    """rule → (result, where) from the probe's rule table."""
-    from toolquake.proxy.server.conformance import RULES
-
-    rows = {}
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] in RULES:
-            rows[cells[0]] = (cells[1], cells[2])
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +60,7 @@ def test_a_backend_with_known_faults_gets_them_in_the_table_and_exit_1(faulty):
 
 
 def test_an_unreachable_backend_exits_2():
-    from tests.support import free_port
-
-    out = probe(f"http://127.0.0.1:{free_port()}/v1", "--model", "m", "--timeout", "2")
+    with closed_port() as nobody:  # bound, never listened on: the connection is refused
+        out = probe(f"{nobody}/v1", "--model", "m", "--timeout", "2")
     assert out.returncode == 2
     assert "error: ConnectError" in out.stdout

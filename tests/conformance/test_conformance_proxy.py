@@ -5,14 +5,15 @@ rule each shape breaks — and nothing on well-formed answers."""
 from __future__ import annotations
 
 import json
-import re
-import time
+import secrets
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import Proc
+from tests.support import Proc, metric_samples, metrics_text, scraped, wait_for
+from tests.support import tracing as tracing_support
+from tests.support.tracing import sink_spans
 
 MODEL = "conf-model"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -78,31 +79,26 @@ def send(base: str, route: str, stream: bool, headers: dict[str, str], prefix: s
         return client.post(base + prefix + path, json=body(route, stream), headers=headers)
 
 
-def violations(rule_counts: str, route: str, stream: bool) -> dict[str, float]:
-    """toolquake_conformance_violations_total of the test model on one route and stream, by rule."""
+def violations(text: str, route: str, stream: bool) -> dict[str, float]:
+    """toolquake_conformance_violations_total of the test model on one route and stream, by rule (`text`: a
+    /metrics exposition)."""
     out = {}
-    for m in re.finditer(r"^toolquake_conformance_violations_total\{(.*)\} (\S+)$", rule_counts, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if (labels["model"], labels["route"], labels["stream"]) == (MODEL, route, str(stream).lower()):
-            out[labels["rule"]] = float(m.group(2))
+    for (name, labels), value in metric_samples(text).items():
+        got = dict(labels)
+        if name == "toolquake_conformance_violations_total" and \
+                (got["model"], got["route"], got["stream"]) == (MODEL, route, str(stream).lower()):
+            out[got["rule"]] = value
     return out
 
 
 def checks(proxy: Proc, route: str, stream: bool) -> float:
     """toolquake_conformance_checks_total of the test model on one route and stream."""
-    for m in re.finditer(r"^toolquake_conformance_checks_total\{(.*)\} (\S+)$", httpx.get(proxy.url + "/metrics").text,
-                         re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if (labels["model"], labels["route"], labels["stream"]) == (MODEL, route, str(stream).lower()):
-            return float(m.group(2))
-    return 0.0
+    return scraped(proxy, "toolquake_conformance_checks_total", model=MODEL, route=route, stream=str(stream).lower())
 
 
 def wait_checks(proxy: Proc, route: str, stream: bool, n: float) -> float:
     """Wait until `n` answers were checked (the check runs after the client's last byte)."""
-    deadline = time.monotonic() + 10
-    while checks(proxy, route, stream) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: checks(proxy, route, stream) >= n, 30, f"{n:g} answers checked")
     return checks(proxy, route, stream)
 
 
@@ -110,14 +106,11 @@ def stored(db: Path, request_id: str, want: int) -> list[dict]:
     """The conformance rows of one request (written off the event loop: wait for them)."""
     from toolquake.proxy.live.results import read_violations
 
-    deadline = time.monotonic() + 10
-    rows: list[dict] = []
-    while time.monotonic() < deadline:
-        rows = [r for r in read_violations(db) if r["request_id"] == request_id] if db.exists() else []
-        if len(rows) >= want:
-            break
-        time.sleep(0.05)
-    return rows
+    def rows() -> list[dict]:
+        return [r for r in read_violations(db) if r["request_id"] == request_id] if db.exists() else []
+
+    wait_for(lambda: len(rows()) >= want, 30, f"{want} conformance row(s) of request {request_id}")
+    return rows()
 
 
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -126,12 +119,11 @@ def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
 
 def counted(proxy: Proc, route: str, stream: bool, before: dict[str, float], want: set[str]) -> dict[str, float]:
     """The rules counted since `before` (the count is taken after the client's last byte: wait for it)."""
-    deadline = time.monotonic() + 10
-    while True:
-        now = diff(before, violations(httpx.get(proxy.url + "/metrics").text, route, stream))
-        if set(now) >= want or time.monotonic() > deadline:
-            return now
-        time.sleep(0.05)
+    def now() -> dict[str, float]:
+        return diff(before, violations(metrics_text(proxy), route, stream))
+
+    wait_for(lambda: set(now()) >= want, 30, f"the rules {sorted(want)} counted")
+    return now()
 
 
 # (route, stream, X-Fake-Broken, X-Fake-Answer, the rules that must fire — and no other)
@@ -200,14 +192,14 @@ def test_each_broken_shape_fires_its_rule_and_reaches_the_client_untouched(check
         headers["X-Fake-Broken"] = broken
     if answer:
         headers["X-Fake-Answer"] = answer
-    before = violations(httpx.get(checked.url + "/metrics").text, route, stream)
+    before = violations(metrics_text(checked), route, stream)
     direct = send(fake_upstream.url, route, stream, headers)
     proxied = send(checked.url, route, stream, headers)
     assert proxied.status_code == direct.status_code == 200
     assert proxied.content == direct.content  # the checker reads; it never alters
     assert set(counted(checked, route, stream, before, rules)) == rules
     # the request was finished too (a stream the relay could not assemble once left it in flight)
-    assert re.search(r"^toolquake_in_flight_requests 0\.0$", httpx.get(checked.url + "/metrics").text, re.M)
+    assert scraped(checked, "toolquake_in_flight_requests") == 0
     rows = stored(db, proxied.headers["x-toolquake-request-id"], len(rules))
     assert {r["rule"] for r in rows} >= rules
     for r in rows:
@@ -222,42 +214,63 @@ WELL_FORMED = [None, TWO_CALLS, PING, text("Sunny, 21 degrees."),
 @pytest.mark.parametrize("route", ["chat_completions", "responses"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_well_formed_answers_break_no_rule(checked, route, stream):
-    before = violations(httpx.get(checked.url + "/metrics").text, route, stream)
+    before = violations(metrics_text(checked), route, stream)
     checked_before = checks(checked, route, stream)
     for answer in WELL_FORMED:
         headers = {"X-Fake-Answer": answer} if answer else {}
         assert send(checked.url, route, stream, headers).status_code == 200
     assert wait_checks(checked, route, stream, checked_before + len(WELL_FORMED)) == checked_before + len(WELL_FORMED)
-    assert diff(before, violations(httpx.get(checked.url + "/metrics").text, route, stream)) == {}
+    assert diff(before, violations(metrics_text(checked), route, stream)) == {}
 
 
-def test_excerpts_are_stored_only_with_store_contents(proxy_factory, tmp_path):
-    db = tmp_path / "c.sqlite"
-    proxy = proxy_factory(config(db, contents=True))
-    r = send(proxy.url, "chat_completions", False, {"X-Fake-Answer": text(HERMES)})
+@pytest.fixture(scope="module")
+def kept(fake_upstream: Proc, tmp_path_factory):
+    """A proxy that stores contents (`store_contents = true`), into a results store of its own."""
+    from tests.support import start_proxy
+
+    db = tmp_path_factory.mktemp("kept") / "c.sqlite"
+    proc = start_proxy(fake_upstream.url, config(db, contents=True))
+    proc.db = db
+    yield proc
+    proc.stop()
+
+
+def test_excerpts_are_stored_only_with_store_contents(kept):
+    db = kept.db
+    r = send(kept.url, "chat_completions", False, {"X-Fake-Answer": text(HERMES)})
     rows = stored(db, r.headers["x-toolquake-request-id"], 1)
     assert [row["rule"] for row in rows] == ["call_in_content_hermes"]
     assert "<tool_call>" in rows[0]["excerpt"] and "Paris" in rows[0]["excerpt"]
     assert "Paris" not in rows[0]["detail"]
 
 
-def test_conformance_off_counts_nothing(proxy_factory, tmp_path):
-    proxy = proxy_factory(config(tmp_path / "o.sqlite").replace("[server]", "[server]\nconformance = false"))
-    assert send(proxy.url, "chat_completions", True, {"X-Fake-Broken": "no-id"}).status_code == 200
-    assert send(proxy.url, "chat_completions", False, {"X-Fake-Broken": "no-id"}).status_code == 200
-    time.sleep(0.3)  # nothing to wait for: with the check off nothing is counted at all
-    metrics = httpx.get(proxy.url + "/metrics").text
+sink = tracing_support.sink  # an OTLP collector of the test's own (a fixture)
+
+
+def test_conformance_off_counts_nothing(proxy_factory, sink, tmp_path):
+    """With the check off, broken answers are relayed and nothing is checked or counted. Looked at once each
+    request's span reached the collector: the span waits for every step after the last byte (the check's place
+    among them), so whatever a check would have counted was counted by then."""
+    proxy = proxy_factory(config(tmp_path / "o.sqlite").replace("[server]", "[server]\nconformance = false"),
+                          {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                           "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    traces = set()
+    for stream in (True, False):
+        trace_id = secrets.token_hex(16)
+        traces.add(trace_id)
+        headers = {"X-Fake-Broken": "no-id", "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        assert send(proxy.url, "chat_completions", stream, headers).status_code == 200
+    spans = [s for s in sink_spans(sink, traces, 2 * len(traces)) if s["kind"] == 2]  # the request spans
+    assert len(spans) == 2 and not any("toolquake.conformance.checked" in s["values"] for s in spans)
+    metrics = metrics_text(proxy)
     assert not violations(metrics, "chat_completions", True) and not violations(metrics, "chat_completions", False)
     assert checks(proxy, "chat_completions", True) == checks(proxy, "chat_completions", False) == 0
 
 
 def repairs(proxy: Proc) -> dict[tuple[str, str, str], float]:
-    out = {}
-    for m in re.finditer(r"^toolquake_conformance_repairs_total\{(.*)\} (\S+)$", httpx.get(proxy.url + "/metrics").text,
-                         re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out[(labels["route"], labels["stream"], labels["rule"])] = float(m.group(2))
-    return out
+    return {(got["route"], got["stream"], got["rule"]): value for (name, labels), value in
+            metric_samples(metrics_text(proxy)).items() if name == "toolquake_conformance_repairs_total"
+            for got in [dict(labels)]}
 
 
 @pytest.mark.parametrize("answer,rule", [(HERMES, "call_in_content_hermes"),
@@ -314,29 +327,25 @@ def test_a_checker_that_raises_is_counted_and_the_client_still_gets_the_backend_
         direct = send(fake_upstream.url, "chat_completions", stream, headers)
         proxied = send(proxy.url, "chat_completions", stream, headers)
         assert proxied.status_code == 200 and proxied.content == direct.content
-    deadline = time.monotonic() + 10
-    while True:
-        metrics = httpx.get(proxy.url + "/metrics").text
-        failed = re.search(r'^toolquake_conformance_check_failures_total\{route="chat_completions"\} (\S+)$', metrics,
-                           re.M)
-        if (failed and float(failed.group(1)) >= 2) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert failed and float(failed.group(1)) == 2
+    wait_for(lambda: scraped(proxy, "toolquake_conformance_check_failures_total", route="chat_completions") >= 2,
+             30, "two failed checks counted")
+    metrics = metrics_text(proxy)
+    assert scraped(proxy, "toolquake_conformance_check_failures_total", route="chat_completions") == 2
     assert not violations(metrics, "chat_completions", False) and not violations(metrics, "chat_completions", True)
     # the Responses checker is another module: it still counts
     assert send(proxy.url, "responses", False, {"X-Fake-Broken": "no-id"}).status_code == 200
     assert counted(proxy, "responses", False, {}, {"call_missing_id"}) == {"call_missing_id": 1.0}
 
 
-def test_report_db_lists_the_violations_by_model_and_rule(proxy_factory, tmp_path):
+def test_report_db_lists_the_violations_by_model_and_rule(kept):
+    """The report of a store (the module's proxy that keeps contents: its other requests break no rule counted
+    here) counts each rule per model."""
     import subprocess
     import sys
 
     from tests.support import ROOT
 
-    db = tmp_path / "rep.sqlite"
-    proxy = proxy_factory(config(db))
+    db, proxy = kept.db, kept
     ids = [send(proxy.url, "chat_completions", stream, {"X-Fake-Broken": "no-id,finish-stop"})
            .headers["x-toolquake-request-id"] for stream in (False, True)]
     for rid in ids:
@@ -355,7 +364,7 @@ def test_the_lean_path_checks_and_repairs_too(proxy_factory, fake_upstream, tmp_
     for route, stream, broken, rule in (("chat_completions", True, "no-id", "call_missing_id"),
                                         ("responses", False, "no-name", "call_missing_name")):
         headers = {"X-Fake-Seq": "3", "X-Fake-Broken": broken}
-        before = violations(httpx.get(proxy.url + "/metrics").text, route, stream)
+        before = violations(metrics_text(proxy), route, stream)
         direct = send(fake_upstream.url, route, stream, headers)
         proxied = send(proxy.url, route, stream, headers)
         assert proxied.status_code == 200 and proxied.content == direct.content

@@ -18,9 +18,10 @@ import time
 import httpx
 import pytest
 
-from tests.server.test_tracing import _spans, sink  # noqa: F401 (a fixture)
 from tests.support import scraped, wait_for
 from tests.support.live import rss
+from tests.support.tracing import sink  # noqa: F401 (a fixture)
+from tests.support.tracing import sink_spans as _spans
 from toolquake.proxy.server import conformance
 from toolquake.proxy.server.conformance import Offered
 from toolquake.proxy.server.streaming import assemble_sse, summarize_sse

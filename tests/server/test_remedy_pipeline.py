@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import tests.plugins.remedies  # noqa: F401  (registers the test remedies)
-from tests.server.test_hot_path import _Tagger  # registers test_hot_path_tagger
 from toolquake.bfcl.corpus import Case
-from toolquake.perturbers import ChatRequest, Services
+from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services
+from toolquake.perturbers import register as register_perturber
 from toolquake.proxy.server.config import ConfigError, PerturberSpec, ProfileSpec, RemedySpec, validate_profiles
 from toolquake.proxy.server.metrics import Metrics
 from toolquake.proxy.server.pipeline import PerturbationFailed, restore, run_profile
@@ -22,15 +22,30 @@ REQUEST = ChatRequest({"model": "m", "messages": [{"role": "user", "content": "h
 REVERSE = PerturberSpec(name="tool_order", params={"mode": "reverse"})
 
 
+def _unchanged(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+    return request
+
+
+def _tagged(self, response: dict, ctx: PerturbContext) -> dict:
+    return {**response, "trail": [*response.get("trail", []), self.tag]}
+
+
+@register_perturber
+class _Tagger(Perturber):
+    """Changes nothing; tags the answer it restores (the tags say the order of the restores)."""
+
+    name, rewrites_response, tag = "test_remedy_pipeline_tagger", True, ""
+    tag: str
+    apply, restore = _unchanged, _tagged
+
+
 @register
 class _RemedyTagger(Remedy):
-    """The perturbers' test tagger as a remedy: changes nothing, tags the answer it restores."""
+    """The tagger as a remedy."""
 
-    name = "test_remedy_tagger"
-    rewrites_response = True
-    tag: str = ""
-    apply = _Tagger.apply
-    restore = _Tagger.restore
+    name, rewrites_response, tag = "test_remedy_tagger", True, ""
+    tag: str
+    apply, restore = _unchanged, _tagged
 
 
 def _profile(*remedies: tuple[str, dict], perturbers: tuple[PerturberSpec, ...] = (), strict: bool = False,
@@ -99,7 +114,7 @@ async def test_a_strict_profile_fails_on_a_raising_remedy():
 
 async def test_restore_undoes_the_remedies_first():
     profile = _profile(("test_remedy_tagger", {"tag": "remedy"}),
-                       perturbers=(PerturberSpec(name="test_hot_path_tagger", params={"tag": "perturber"}),))
+                       perturbers=(PerturberSpec(name="test_remedy_pipeline_tagger", params={"tag": "perturber"}),))
     outcome = await run_profile(profile, REQUEST, 1, Services())
     restored, failed = restore(outcome, {"trail": ["upstream"]})
     assert restored["trail"] == ["upstream", "remedy", "perturber"] and failed == []

@@ -21,7 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support import ROOT, free_port, metric_value, recorded, start_process
+from tests.support import ROOT, metric_samples, metric_value, metrics_text, recorded, scraped, start_proxy, wait_for
+from tests.support import tracing as tracing_support
+from tests.support.tracing import LINEAR_GROWTH, SIZES, closed_port, per_byte_growth, sink_spans
 from toolquake.proxy.server.config import ConfigError, load_config
 from toolquake.proxy.tracing import otlp
 from toolquake.proxy.tracing.spans import Span
@@ -48,10 +50,10 @@ def _trace_headers(tag: str, seq: int) -> tuple[str, dict[str, str]]:
                       "x-test-tag": tag, "x-fake-seq": str(seq), "authorization": "Bearer sk-not-logged"}
 
 
-def test_tracing_off_lean_path_is_byte_identical(proxy_factory, fake_upstream):
-    """The default (tracing off): the lean path's answers are the backend's bytes, and the backend gets the
-    client's traceparent and tracestate as they were sent; no tracing metric exists."""
-    tq = proxy_factory()
+def test_tracing_off_lean_path_is_byte_identical(proxy, fake_upstream):
+    """The default (tracing off; the session's proxy): the lean path's answers are the backend's bytes, and the
+    backend gets the client's traceparent and tracestate as they were sent; no tracing metric exists."""
+    tq = proxy
     assert '"served_in":"protocol"' in tq.output().replace(" ", "")
     for i, (path, body, stream) in enumerate(CASES):
         tag = secrets.token_hex(6)
@@ -64,12 +66,18 @@ def test_tracing_off_lean_path_is_byte_identical(proxy_factory, fake_upstream):
     assert "toolquake_tracing" not in httpx.get(f"{tq.url}/metrics").text
 
 
-def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(proxy_factory, fake_upstream):
+@pytest.fixture
+def refused():
+    """A collector's URL on a port bound but never listened on: every export to it is refused."""
+    with closed_port() as url:
+        yield url
+
+
+def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(refused, proxy_factory, fake_upstream):
     """Tracing on, exporting to a port nobody listens on: every answer is still the backend's bytes, the backend
     gets a traceparent in the client's trace whose parent is the proxy's span (the client's tracestate kept),
     and the exports that failed are counted."""
-    dead = f"http://127.0.0.1:{free_port()}"
-    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": dead,
+    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": refused,
                               "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"})
     for i, (path, body, stream) in enumerate(CASES):
         tag = secrets.token_hex(6)
@@ -81,32 +89,44 @@ def test_tracing_on_same_bytes_new_context_and_a_collector_down_costs_nothing(pr
         assert (version, tid, flags) == ("00", trace_id, "01")
         assert parent != headers["traceparent"].split("-")[2]
         assert sent["headers"]["tracestate"] == "vendor=abc"
-    deadline = time.monotonic() + 30
-    failed = 0.0
-    while time.monotonic() < deadline:
-        failed = metric_value(httpx.get(f"{tq.url}/metrics").text, "toolquake_tracing_failures_total", stage="export")
-        if failed >= 2 * len(CASES):  # a request span and its upstream call's span each
-            break
-        time.sleep(0.3)
-    assert failed >= 2 * len(CASES)
-    assert metric_value(httpx.get(f"{tq.url}/metrics").text, "toolquake_tracing_failures_total", stage="span") == 0
+    # a request span and its upstream call's span each
+    wait_for(lambda: scraped(tq, "toolquake_tracing_failures_total", stage="export") >= 2 * len(CASES), 60,
+             "the failed exports to be counted")
+    assert scraped(tq, "toolquake_tracing_failures_total", stage="span") == 0
     assert "sk-not-logged" not in tq.output()
 
 
-@pytest.mark.parametrize("env, says", [
+BAD_SETTINGS = [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
     ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER"),
     ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "between 0 and 1"),
     ({"OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=a%0D%0Ax-injected: 1"}, "no line break"),  # header injection
     ({"OTEL_EXPORTER_OTLP_HEADERS": "x%20tenant=a"}, "a name is a token"),
-])
-def test_bad_tracing_settings_stop_serve_with_what_to_do(fake_upstream, env, says):
-    port = free_port()
+]
+
+
+@pytest.mark.parametrize("env, says", BAD_SETTINGS)
+def test_bad_tracing_settings_stop_serve_with_what_to_do(env, says):
+    """`serve` checks the tracing settings before it serves (`extensions_of`): each bad one ends it with a message
+    that says what to do (the command itself: test_serve_stops_on_a_bad_tracing_setting)."""
+    from toolquake.proxy.cli.serve import extensions_of
+
+    with pytest.raises(SystemExit) as stopped:
+        extensions_of(load_config(None, env={"TOOLQUAKE_TRACING": "1", **env}))
+    assert isinstance(stopped.value.code, str) and stopped.value.code.startswith("toolquake: ")
+    assert says in stopped.value.code
+
+
+def test_serve_stops_on_a_bad_tracing_setting(fake_upstream):
+    """`toolquake serve` itself, given a bad setting: it exits non-zero with the message on stderr, before it
+    listens (it never says `listening`)."""
+    env, says = BAD_SETTINGS[-2]
     full = {**os.environ, "PYTHONPATH": str(ROOT), "TOOLQUAKE_TRACING": "1", **env}
     done = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--upstream", f"{fake_upstream.url}/v1",
-                           "--port", str(port), "--workers", "1"], env=full, capture_output=True, text=True,
+                           "--port", "0", "--workers", "1"], env=full, capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert done.returncode != 0 and says in done.stderr
+    assert '"listening"' not in done.stdout + done.stderr
 
 
 def test_tracing_settings_from_file_and_environment(tmp_path):
@@ -186,23 +206,21 @@ def test_our_otlp_encoding_is_the_sdks_byte_for_byte_meaning():
     assert len(ours.resource_spans[0].scope_spans[0].spans) == 5
 
 
+sink = tracing_support.sink  # the module's OTLP collector (a fixture)
+
+#: a profile that repairs answers, beside the default route's (the lean path: routes are chosen per request)
+TRACED_CONFIG = '[profiles.fixed]\nmode = "off"\nrepair = true\n'
+
+
 @pytest.fixture(scope="module")
-def sink():
-    """An OTLP/HTTP collector of the test's own (tests/bench/otlp_sink.py) that decodes and keeps the spans."""
-    port = free_port()
-    proc = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port), "--decode"], port, "/_sink")
+def traced(fake_upstream, sink):
+    """One proxy with tracing on, exporting to the module's collector every 100 ms, for the tests that only send
+    to it and read their own traces back (each under trace ids of its own)."""
+    proc = start_proxy(fake_upstream.url, TRACED_CONFIG, {"TOOLQUAKE_TRACING": "1",
+                                                           "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                                                           "OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield proc
     proc.stop()
-
-
-def _spans(sink, trace_ids: set[str], wait_for: int, timeout: float = 20.0) -> list[dict]:
-    """The spans the collector got of these traces, once it has at least `wait_for` of them (or the timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        spans = [s for s in httpx.get(sink.url + "/_sink").json().get("spans", []) if s["trace_id"] in trace_ids]
-        if len(spans) >= wait_for or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.2)
 
 
 GOOD_TRACE, GOOD_PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -240,19 +258,24 @@ def test_trace_context_parser_refuses_what_is_not_w3c():
                    ("tracestate", "b=2")])
     assert (ctx.trace_id, ctx.span_id, ctx.sampled, ctx.tracestate) == (int(GOOD_TRACE, 16), int(GOOD_PARENT, 16),
                                                                        True, "a=1,b=2")
-    big = ["a=1," * 250_000, "-" * 1_000_000]
-    t0 = time.process_time()
-    assert parse_tracestate(big[:1]) is None and parse_traceparent(big[1]) is None
-    assert extract([("traceparent", big[1])] * 1000) is None
-    assert time.process_time() - t0 < 0.5
+
+    def hostile(chars: int):
+        tracestate, traceparent = ["a=1," * (chars // 4)], "-" * chars
+
+        def read() -> None:
+            assert parse_tracestate(tracestate) is None and parse_traceparent(traceparent) is None
+            assert extract([("traceparent", traceparent)] * 1000) is None
+        return read
+
+    growth = per_byte_growth(hostile, *SIZES)
+    assert growth < LINEAR_GROWTH, f"a byte of a {SIZES[1]}-byte header costs {growth:.1f} times one of {SIZES[0]}"
 
 
-def test_hostile_trace_headers_are_served_with_a_fresh_trace(proxy_factory, fake_upstream, sink):
+def test_hostile_trace_headers_are_served_with_a_fresh_trace(traced, fake_upstream, sink):
     """Malformed, oversized, repeated and wrongly versioned traceparents (and a hostile tracestate): each request
     is served the backend's bytes, the backend gets a fresh trace (a new trace id, not the client's, sampled) and
     the collector gets that trace's request span, a root, with its upstream call under it."""
-    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tq = traced
     fresh: dict[str, str] = {}
     for i, (label, values) in enumerate(HOSTILE_TRACEPARENTS):
         tag = secrets.token_hex(6)
@@ -268,7 +291,7 @@ def test_hostile_trace_headers_are_served_with_a_fresh_trace(proxy_factory, fake
         assert (version, flags) == ("00", "01") and tid not in (GOOD_TRACE, GOOD_TRACE.upper()), label
         assert "tracestate" not in sent["headers"], label
         fresh[tid] = parent
-    spans = _spans(sink, set(fresh), 2 * len(fresh))
+    spans = sink_spans(sink, set(fresh), 2 * len(fresh))
     for tid, upstream_id in fresh.items():
         mine = {s["span_id"]: s for s in spans if s["trace_id"] == tid}
         request = [s for s in mine.values() if s["name"] == "chat fake-model"]
@@ -279,12 +302,11 @@ def test_hostile_trace_headers_are_served_with_a_fresh_trace(proxy_factory, fake
     assert metric_value(metrics, "toolquake_tracing_failures_total", stage="span") == 0
 
 
-def test_sampled_out_requests_export_nothing_and_forward_an_unsampled_context(proxy_factory, fake_upstream, sink):
+def test_sampled_out_requests_export_nothing_and_forward_an_unsampled_context(traced, fake_upstream, sink):
     """The default sampler (parent-based): a client whose trace is not sampled (flag 00) gets its answer, the
     backend gets the client's trace with a new parent id and flag 00, and no span of that trace is ever
     exported; a sampled request of the same proxy, sent after them, is exported (the collector does read)."""
-    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tq = traced
     unsampled = set()
     for i, (path, body, stream) in enumerate(CASES):
         tag = secrets.token_hex(6)
@@ -301,7 +323,7 @@ def test_sampled_out_requests_export_nothing_and_forward_an_unsampled_context(pr
     tag = secrets.token_hex(6)
     sampled_id, headers = _trace_headers(tag, 4100)
     _send(tq.url, "/v1/chat/completions", CHAT, False, headers)
-    spans = _spans(sink, unsampled | {sampled_id}, 2)
+    spans = sink_spans(sink, unsampled | {sampled_id}, 2)
     assert {s["trace_id"] for s in spans} == {sampled_id}
     assert len(spans) == 2
 
@@ -324,7 +346,7 @@ def test_a_full_span_queue_drops_and_counts(sink):
     assert len(exporter.queue) == 4 and failures._value.get() == 2
     exporter.start()
     try:
-        spans = _spans(sink, {f"{trace_id:032x}"}, 4)
+        spans = sink_spans(sink, {f"{trace_id:032x}"}, 4)
     finally:
         exporter.shutdown()
     assert sorted(s["name"] for s in spans) == ["s0", "s1", "s2", "s3"]
@@ -401,15 +423,14 @@ def test_a_streams_summary_gives_the_attributes_the_assembled_answer_gives():
         assert summarize_sse(data) is None, label
 
 
-def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_upstream, sink):
+def test_a_relayed_streams_span_has_the_answers_attributes(traced, fake_upstream, sink):
     """Tracing on, nobody else reading the answer (the stream is summarized, not assembled): the request span's
     response attributes, read back from the collector, are those of the answer the client got (assembled here from
     its bytes); the same for a whole answer."""
     from toolquake.proxy.server.streaming import assemble_sse
     from toolquake.proxy.tracing.tracer import answer_attributes
 
-    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tq = traced
     answer = json.dumps({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
                                    {"name": "get_time", "arguments": {}}]})
     expected = {}
@@ -420,7 +441,7 @@ def test_a_relayed_streams_span_has_the_answers_attributes(proxy_factory, fake_u
         assert got.status_code == 200
         expected[trace_id] = answer_attributes(assemble_sse(got.content) if stream else got.json())
         assert expected[trace_id]["toolquake.answer.tool_calls"] == ["get_weather", "get_time"]
-    spans = _spans(sink, set(expected), 2 * len(expected))
+    spans = sink_spans(sink, set(expected), 2 * len(expected))
     for trace_id, attrs in expected.items():
         (request,) = [s for s in spans if s["trace_id"] == trace_id and s["name"] == "chat fake-model"]
         assert {k: request["values"].get(k) for k in attrs} == attrs, trace_id
@@ -442,15 +463,13 @@ ODD_ANSWERS = {
 }
 
 
-def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(proxy_factory, fake_upstream, sink):
+def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(proxy, traced, fake_upstream, sink):
     """Tracing on, a passed-through whole answer is read for its span in the proxy's check that it is a JSON
     object (one decode for both): what the check lets through, or refuses and how, is what it does with tracing
     off, for answers of every kind; the span of one let through has what `answer_attributes` reads of it."""
     from toolquake.proxy.tracing.tracer import answer_attributes
 
-    off = proxy_factory(None)
-    on = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    off, on = proxy, traced
     expected = {}
     for name, (fault, body) in ODD_ANSWERS.items():
         headers = {"x-fake-fault": fault, **({"x-fake-body": body} if body is not None else {})}
@@ -464,7 +483,7 @@ def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(pr
         if got["on"][0] == 200:
             expected[trace_id] = answer_attributes(json.loads(body))
     assert len(expected) == 3  # the empty object, the odd types and the chat completion were let through
-    spans = _spans(sink, set(expected), 2 * len(expected))
+    spans = sink_spans(sink, set(expected), 2 * len(expected))
     for trace_id, attrs in expected.items():
         (request,) = [s for s in spans if s["trace_id"] == trace_id and s["kind"] == 2]
         assert {k: request["values"].get(k) for k in attrs} == attrs, attrs
@@ -472,17 +491,14 @@ def test_a_whole_answer_is_checked_as_with_tracing_off_and_read_in_that_check(pr
             assert "gen_ai.usage.output_tokens" not in request["values"]
 
 
-def test_a_repaired_answers_span_reads_the_answer_the_client_got_and_says_the_repair(proxy_factory, fake_upstream,
-                                                                                     sink):
+def test_a_repaired_answers_span_reads_the_answer_the_client_got_and_says_the_repair(traced, fake_upstream, sink):
     """A profile that repairs answers (`repair = true`) decodes a passed-through request's whole answer (a `WHOLE`
     step), so the trace step reads it as the client gets it (an `ANSWER` step, not in the check): an answer left
     alone and one repaired (a call left in the text) both have the response attributes of the answer the client
     got, the repaired one the rule its repair fixed too (before, the span read the backend's bytes: no call)."""
     from toolquake.proxy.tracing.tracer import answer_attributes
 
-    tq = proxy_factory('[profiles.fixed]\nmode = "off"\nrepair = true\n',
-                       {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                        "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    tq = traced  # its profile `fixed` repairs
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     answers = {"left alone": json.dumps({"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}),
@@ -495,7 +511,7 @@ def test_a_repaired_answers_span_reads_the_answer_the_client_got_and_says_the_re
                        headers={"x-fake-answer": answer, "traceparent": f"00-{trace_id}-{'a1' * 8}-01"})
         assert r.status_code == 200
         got[trace_id] = (name, r.json())
-    spans = _spans(sink, set(got), 2 * len(got))
+    spans = sink_spans(sink, set(got), 2 * len(got))
     for trace_id, (name, answer) in got.items():
         (request,) = [s for s in spans if s["trace_id"] == trace_id and s["kind"] == 2]
         values = request["values"]
@@ -808,31 +824,40 @@ def _hostile_collector(kind: str) -> tuple[str, threading.Event]:
     return f"http://127.0.0.1:{server.getsockname()[1]}", stop
 
 
+#: the export timeout of the hostile-collector test: an export that held the event loop would hold it about as
+#: long (a silent collector: the whole timeout), which the loop-lag histogram would show
+EXPORT_TIMEOUT_S = 5
+
+
 @pytest.mark.parametrize("kind", ["silent", "endless_head", "huge_body", "garbage"])
 def test_a_hostile_collector_costs_no_request_and_is_counted(proxy_factory, kind):
     """The exporter sends from the server's event loop: a collector that never answers, answers an endless head or
     an endless body, or answers what is not HTTP, holds no request up and takes no unbounded memory (an answer's
     head is read up to 64 KiB, its body up to 1 MiB, all within the export timeout); its failed exports are
-    counted, and the proxy goes on serving."""
+    counted, and the proxy goes on serving. Not held up: every request is answered, and the event loop never ran
+    a timer as late as half the export timeout (an export holding the loop would hold it that long; the loop-lag
+    probe runs every 0.25 s)."""
     url, stop = _hostile_collector(kind)
     try:
         tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": url,
                                   "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
-                                  "OTEL_EXPORTER_OTLP_TIMEOUT": "2"})
+                                  "OTEL_EXPORTER_OTLP_TIMEOUT": str(EXPORT_TIMEOUT_S)})
         pid = tq.popen.pid
         rss = [int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")][0]
-        deadline, failed = time.monotonic() + 30, 0.0
-        with httpx.Client(timeout=10) as client:
-            while time.monotonic() < deadline and not failed:
+
+        def failed_after_requests() -> float:
+            with httpx.Client(timeout=30) as client:
                 for _ in range(8):
-                    t0 = time.perf_counter()
                     assert client.post(tq.url + "/v1/chat/completions", json=CHAT).status_code == 200
-                    assert time.perf_counter() - t0 < 2.0  # never held up by the export
-                failed = metric_value(client.get(tq.url + "/metrics").text, "toolquake_tracing_failures_total",
-                                      stage="export") or 0.0
-                time.sleep(0.3)
-            assert failed >= 1, kind
-            assert client.get(tq.url + "/healthz").status_code == 200
+            return scraped(tq, "toolquake_tracing_failures_total", stage="export")
+
+        assert wait_for(failed_after_requests, 60, f"a failed export to the {kind} collector", interval=0.3) >= 1
+        assert httpx.get(tq.url + "/healthz", timeout=30).status_code == 200
+        lag = metric_samples(metrics_text(tq))
+        late = [v for (name, labels), v in lag.items() if name == "toolquake_event_loop_lag_seconds_bucket"
+                and float(dict(labels)["le"]) >= EXPORT_TIMEOUT_S / 2]
+        runs = lag[("toolquake_event_loop_lag_seconds_count", ())]
+        assert runs > 0 and all(v == runs for v in late), f"{kind}: the event loop was held {lag}"
         grown = [int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")][0] - rss
         assert grown < 64 * 1024, f"{kind}: RSS grew {grown} KiB"
     finally:
@@ -840,16 +865,16 @@ def test_a_hostile_collector_costs_no_request_and_is_counted(proxy_factory, kind
 
 
 @pytest.mark.parametrize("fault", ["status:429", "status:400"])
-def test_an_error_answers_span_is_exported_at_once(proxy_factory, sink, fault):
+def test_an_error_answers_span_is_exported_at_once(traced, sink, fault):
     """An answer the backend refused (no check runs after its last byte) ends its span with the request: it
-    reaches the collector on the next export, with its status, even on a proxy that then sits idle."""
-    tq = proxy_factory(None, {"TOOLQUAKE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    reaches the collector on the next export, with its status, even on a proxy that then sits idle (nothing else
+    is sent to it until the span is there: a span held until the next request would never come)."""
+    tq = traced
     trace_id = secrets.token_hex(16)
     got = httpx.post(tq.url + "/v1/chat/completions", json=CHAT, timeout=30,
                      headers={"x-fake-fault": fault, "traceparent": f"00-{trace_id}-{'cd' * 8}-01"})
     assert got.status_code == int(fault.split(":")[1])
-    spans = _spans(sink, {trace_id}, 2, timeout=5.0)
+    spans = sink_spans(sink, {trace_id}, 2)
     (request,) = [s for s in spans if s["kind"] == 2]
     assert request["values"]["http.response.status_code"] == got.status_code
 
@@ -862,8 +887,9 @@ def _held(value: object) -> int:
 
 
 def test_a_hostile_answer_is_read_in_linear_time_and_not_kept():
-    """What a span reads of a 1 MiB answer the model controls (a huge id, thousands of calls or choices, a huge
-    model name) takes linear time, and a shape that large is not kept in the unperturbed span caches."""
+    """What a span reads of a 2 MiB answer the model controls (a huge id, thousands of calls or choices, a huge
+    model name) takes linear time (a byte of it costs about what a byte of a 64 KiB one does, in CPU time), and a
+    shape that large is not kept in the unperturbed span caches."""
     from toolquake.proxy.server.apis import CHAT as CHAT_API
     from toolquake.proxy.server.config import ProfileSpec, TracingConfig
     from toolquake.proxy.server.metrics import Metrics
@@ -871,34 +897,42 @@ def test_a_hostile_answer_is_read_in_linear_time_and_not_kept():
     from toolquake.proxy.server.state import Asked, Served
     from toolquake.proxy.tracing.tracer import Tracing, relayed_summary
 
-    mib = 1 << 20
-    calls = [{"function": {"name": "f" * 8}}] * (mib // 32)
-    answers = {
-        "id": {"id": "x" * mib},
-        "calls": {"choices": [{"finish_reason": "tool_calls", "message": {"tool_calls": calls}}]},
-        "choices": {"choices": [{"finish_reason": "stop" * 4}] * (mib // 40)},
-        "model": {"model": "m" * mib, "choices": [{"finish_reason": "r" * mib}]},
-    }
-    tracing = Tracing(TracingConfig(enabled=True, otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
-                                                        "OTEL_BSP_MAX_QUEUE_SIZE": "100"}),
+    def answer(name: str, size: int) -> dict:
+        calls = [{"function": {"name": "f" * 8}}] * (size // 32)
+        return {
+            "id": lambda: {"id": "x" * size},
+            "calls": lambda: {"choices": [{"finish_reason": "tool_calls", "message": {"tool_calls": calls}}]},
+            "choices": lambda: {"choices": [{"finish_reason": "stop" * 4}] * (size // 40)},
+            "model": lambda: {"model": "m" * size, "choices": [{"finish_reason": "r" * size}]},
+        }[name]()
+
+    tracing = Tracing(TracingConfig(enabled=True, max_queue_bytes=1 << 30,  # every span written is queued
+                                    otel={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                                          "OTEL_BSP_MAX_QUEUE_SIZE": "100"}),
                       Metrics(), "http://127.0.0.1:8000/v1")
     tracing.started = True
     profile = build_profile("off", ProfileSpec(mode="off"))
-    for name, answer in answers.items():
-        data = json.dumps(answer).encode()
-        t0 = time.process_time()
-        assert relayed_summary(CHAT_API, False, data) is not None
-        t0_span = time.perf_counter()
-        asked = Asked(secrets.token_hex(8), t0_span, CHAT_API, profile, False, "m" * mib if name == "model" else "m")
-        served = Served(status=200, t_upstream=t0_span, upstream_s=0.001, total_s=0.002)
-        served.trace = trace = tracing.begin([], t0_span)
-        trace.hold()
-        trace.sending(asked, served, [])
-        trace.finish(asked, served)
-        trace.relayed(asked, data)
-        trace.release()
-        took = time.process_time() - t0
-        assert took < 1.0, f"{name}: {took:.2f} s"
+    for name in ("id", "calls", "choices", "model"):
+        def read(size: int, name: str = name):
+            data = json.dumps(answer(name, size)).encode()
+            model = "m" * size if name == "model" else "m"
+
+            def run() -> None:
+                assert relayed_summary(CHAT_API, False, data) is not None
+                t0_span = time.perf_counter()
+                asked = Asked(secrets.token_hex(8), t0_span, CHAT_API, profile, False, model)
+                served = Served(status=200, t_upstream=t0_span, upstream_s=0.001, total_s=0.002)
+                served.trace = trace = tracing.begin([], t0_span)
+                trace.hold()
+                trace.sending(asked, served, [])
+                trace.finish(asked, served)
+                trace.relayed(asked, data)
+                trace.release()
+            return run
+
+        growth = per_byte_growth(read, *SIZES)
+        assert growth < LINEAR_GROWTH, f"{name}: a byte of a {SIZES[1]}-byte answer costs {growth:.1f} times one " \
+                                       f"of {SIZES[0]}"
         assert sum(len(v[1]) for v in tracing.shapes.values()) <= 4096, name  # nothing that large kept
         assert sum(_held(k) + _held(v.parts) for k, v in tracing.layouts.items()) <= 8192, name  # nor laid out
         assert len(tracing.exporter.queue) >= 1, name  # the span was written all the same

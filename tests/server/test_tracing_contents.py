@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from tests.support import free_port, metric_value, start_process
+from tests.support import scraped, wait_for
+from tests.support import tracing as tracing_support
 from toolquake.proxy.server.config import ConfigError, load_config
 
 MIB = 1 << 20
@@ -33,16 +34,10 @@ def _body(chars: int) -> dict:
 
 
 def _failures(url: str, stage: str) -> float:
-    return metric_value(httpx.get(url + "/metrics").text, "toolquake_tracing_failures_total", stage=stage) or 0.0
+    return scraped(url, "toolquake_tracing_failures_total", stage=stage)
 
 
-@pytest.fixture
-def sink():
-    """An OTLP/HTTP collector of the test's own that decodes and keeps the spans (tests/bench/otlp_sink.py)."""
-    port = free_port()
-    proc = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port), "--decode"], port, "/_sink")
-    yield proc
-    proc.stop()
+sink = tracing_support.sink  # an OTLP collector that decodes and keeps the spans (a fixture)
 
 
 @pytest.fixture
@@ -55,15 +50,13 @@ def hanging_collector():
     server.close()
 
 
-def _request_spans(sink, trace_ids: set[str], timeout: float = 60.0) -> list[dict]:
-    """The request spans (kind server) of these traces, once the sink has one for each (or the timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        spans = [s for s in httpx.get(sink.url + "/_sink", timeout=30).json().get("spans", [])
-                 if s["trace_id"] in trace_ids and s["kind"] == 2]
-        if len(spans) >= len(trace_ids) or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.3)
+def _request_spans(sink, trace_ids: set[str]) -> list[dict]:
+    """The request spans (kind server) of these traces, once the sink has one for each."""
+    def each() -> list[dict] | None:
+        spans = [s for s in sink.spans() if s["trace_id"] in trace_ids and s["kind"] == 2]
+        return spans if len(spans) >= len(trace_ids) else None
+
+    return wait_for(each, 120, f"the request spans of {len(trace_ids)} traces at the collector", interval=0.3)
 
 
 def _send(client: httpx.Client, url: str, body: dict) -> str:
@@ -131,11 +124,8 @@ def test_contents_with_a_hanging_collector_stay_within_the_byte_bound_and_drops_
         def accounted() -> float:
             return _failures(tq.url, "export") + _failures(tq.url, "contents")
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and accounted() < 4:
-            time.sleep(0.3)
-        first = accounted()
-        assert first >= 4, (_failures(tq.url, "export"), _failures(tq.url, "contents"))
+        first = wait_for(lambda: (n := accounted()) >= 4 and n, 60, "4 spans dropped or sent without contents",
+                         interval=0.3)
         # 12 more fill both bounds whichever way this machine goes (36 MiB of spans past 16 + 16 MiB); 12 after
         # them must find nothing more to keep
         rss = []
@@ -143,10 +133,8 @@ def test_contents_with_a_hanging_collector_stay_within_the_byte_bound_and_drops_
             for _ in range(12):
                 _send(client, tq.url, body)
             rss.append(_rss_mib(tq.popen.pid))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and accounted() < first + 16:
-            time.sleep(0.3)
-        assert accounted() >= first + 16
+        wait_for(lambda: accounted() >= first + 16, 60, "16 more spans dropped or sent without contents",
+                 interval=0.3)
         assert client.get(tq.url + "/healthz").status_code == 200
     # flat once the bounds are full: before them every span was kept, 3 MiB a request, 36 MiB for these 12
     assert rss[1] - rss[0] < 16, f"RSS {rss[0]:.0f} -> {rss[1]:.0f} MiB"
@@ -180,10 +168,8 @@ def test_the_queue_is_bounded_in_bytes_the_batch_being_sent_included(hanging_col
     assert len(exporter.queue) == 4 and failures._value.get() == 3
     exporter.start()
     try:
-        deadline = time.monotonic() + 10
-        while exporter.queue and time.monotonic() < deadline:  # the sender took the batch: it hangs sending it
-            time.sleep(0.02)
-        assert not exporter.queue
+        # the sender took the batch: it hangs sending it
+        wait_for(lambda: not exporter.queue, 30, "the sender to take the batch", interval=0.02)
         assert exporter.held == held + 5_000  # still held while it is being sent
         put(9)
         assert not exporter.queue and failures._value.get() == 4
@@ -231,7 +217,7 @@ def test_a_finished_requests_served_and_trace_are_freed_without_the_cycle_collec
                 trace.hold()  # a verdict that never comes
             trace.finish(asked, served)
             assert alive() == (baseline[0] + 1, baseline[1] + 1)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while contents and not queue and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # the contents are redacted off the loop, then the span is exported
             assert bool(queue) is contents
@@ -305,7 +291,7 @@ def test_contents_past_the_redaction_backlog_are_skipped_and_counted():
             trace.sending(asked, served, [])
             trace.finish(asked, served)
             span = trace.span
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while not trace.ended and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             got[chars] = dict(span.attributes)

@@ -27,10 +27,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support import Proc, free_port, recorded, start_proxy
+from tests.support import Proc, recorded, start_proxy, wait_for
+from tests.support.tracing import listening_ports
 from toolquake.proxy.backend.local import die_with_parent_preexec
 
-pytestmark = pytest.mark.slow  # Phoenix takes 20-60 s to start on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.phoenix]  # Phoenix takes 20-60 s to start on 2 cores
 
 CACHE = Path(os.environ.get("TOOLQUAKE_CACHE") or Path.home() / ".cache" / "toolquake")
 PHOENIX = Path(os.environ.get("TOOLQUAKE_PHOENIX") or CACHE / "phoenix" / "venv" / "bin" / "phoenix")
@@ -77,27 +78,33 @@ perturbers = [{{ name = "tool_order", params = {{ mode = "reverse" }} }}]
 def phoenix(tmp_path_factory) -> Iterator[str]:
     if not PHOENIX.exists():
         pytest.skip(f"no Arize Phoenix at {PHOENIX} (`make phoenix` installs it in a virtual environment of its own)")
-    port, grpc = free_port(), free_port()
     work = tmp_path_factory.mktemp("phoenix")
-    env = {**os.environ, "PHOENIX_WORKING_DIR": str(work), "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(grpc),
+    # port 0 for both servers (HTTP and gRPC): the kernel picks free ones, so no port is picked here and taken by
+    # someone else before Phoenix binds it; Phoenix does not say which it got (its banner says :0), so they are
+    # read from /proc (the sockets its process listens on) and the HTTP one is the one that answers /healthz
+    env = {**os.environ, "PHOENIX_WORKING_DIR": str(work), "PHOENIX_PORT": "0", "PHOENIX_GRPC_PORT": "0",
            "PHOENIX_HOST": "127.0.0.1", "PHOENIX_TELEMETRY_ENABLED": "false"}
     log = (work / "phoenix.log").open("wb")
     proc = subprocess.Popen([str(PHOENIX), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=lambda parent=os.getpid(): die_with_parent_preexec(parent))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"phoenix serve exited with {proc.returncode}:\n{(work / 'phoenix.log').read_text()}")
+
+    def healthy() -> str | None:
+        if proc.poll() is not None:
+            pytest.fail(f"phoenix serve exited with {proc.returncode}:\n{(work / 'phoenix.log').read_text()}")
+        for port in listening_ports(proc.pid):
+            url = f"http://127.0.0.1:{port}"
             try:
                 if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
+                    return url
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"phoenix serve did not start:\n{(work / 'phoenix.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+        return None
+
+    try:
+        try:
+            url = wait_for(healthy, 180, "phoenix serve to answer /healthz", interval=0.5)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}:\n{(work / 'phoenix.log').read_text()[-3000:]}")
         yield url
     finally:
         proc.terminate()
@@ -202,7 +209,10 @@ def value(v: dict) -> Any:
 
 
 def spans_of(phoenix: str, trace_id: str, at_least: int, settle_s: float = 1.5) -> list[dict]:
-    """The trace's spans as Phoenix has them, once at least `at_least` arrived and no more came for a while."""
+    """The trace's spans as Phoenix has them, once at least `at_least` arrived and no more came for a while.
+    (Neither the proxy nor Phoenix says when the last span of a trace is stored; `at_least` is the count the test
+    expects, each test then checks the exact spans, and the pause only gives a wrong extra span its chance to show
+    up: a test never passes because of it.)"""
     deadline, seen, stable_since = time.monotonic() + 60, -1, time.monotonic()
     while True:
         got = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1",
@@ -220,23 +230,21 @@ def spans_of(phoenix: str, trace_id: str, at_least: int, settle_s: float = 1.5) 
     return data
 
 
-def named_span(phoenix: str, name: str) -> dict:
-    """The one span of this name in Phoenix, waited for: Phoenix stores what it received a moment later (a
-    process that exported its spans and exited may be ahead of Phoenix's own writes)."""
+def named_span(phoenix: str, name: str, trace_spans: int) -> tuple[dict, list[dict]]:
+    """The one span of this name in Phoenix and the spans of its trace (at least `trace_spans` of them), waited
+    for: Phoenix stores what it received a moment later (a process that exported its spans and exited may be
+    ahead of Phoenix's own writes). The name is looked up again once the whole trace is stored (what the process
+    sent with the span, stored by then): still one span of that name."""
     def look() -> list[dict]:
         got = httpx.get(f"{phoenix}/v1/projects/{PROJECT}/spans/otlpv1", params={"name": name, "limit": 100},
                         timeout=10)
         return got.json().get("data", []) if got.status_code == 200 else []
 
-    deadline = time.monotonic() + 60
-    while not look():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no span named {name!r} in Phoenix after 60 s")
-        time.sleep(0.3)
-    time.sleep(0.5)  # a second span of this name would be stored with the first: look once more
+    found = wait_for(look, 60, f"a span named {name!r} in Phoenix", interval=0.3)[0]
+    spans = spans_of(phoenix, found["trace_id"], at_least=trace_spans)
     data = look()
     assert len(data) == 1, data
-    return data[0]
+    return found, spans
 
 
 def upstream_requests(fake: Proc, tag: str) -> list[dict]:
@@ -401,8 +409,8 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
     assert r.returncode == 0, r.stderr
     got = {(x["case_id"], x["profile"]): x for x in rows(out)}
     for case in (CASE, second):
-        found = named_span(phoenix, f"replay case {case['id']}")
-        spans = spans_of(phoenix, found["trace_id"], at_least=7)  # the case, two arms, each a request and its call
+        # the case, two arms, each a request and its call
+        found, spans = named_span(phoenix, f"replay case {case['id']}", trace_spans=7)
         arms = {s["name"]: s for s in spans if s["parent_span_id"] == found["span_id"]}
         assert set(arms) == {"replay off", "replay shuffled"}
         for profile in ("off", "shuffled"):
@@ -415,6 +423,7 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
             assert request["attrs"]["toolquake.request_id"] == row["request_id"]
 
 
+@pytest.mark.needs_embeddings  # the tools axis pads with catalog_padding, which draws tools by embeddings
 def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_path):
     """`toolquake sweep` traced: one trace per case, its span ending with the breaking point the results file
     holds, and one child span per request the sweep recorded (a point asked), each with its verdict."""
@@ -435,9 +444,8 @@ def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_pa
     found = stored(out)
     for cid in hidden:
         points = {x: rows[0][1] for x, rows in found[cid].items()}
-        named = named_span(phoenix, f"sweep case {cid}")
         # the case, and per point asked: the sweep's request span, the proxy's and its upstream call
-        spans = spans_of(phoenix, named["trace_id"], at_least=1 + 3 * len(points))
+        named, spans = named_span(phoenix, f"sweep case {cid}", trace_spans=1 + 3 * len(points))
         (case_span,) = [s for s in spans if s["span_id"] == named["span_id"]]
         attrs = case_span["attrs"]
         assert attrs["toolquake.sweep.axis"] == "tools" and attrs["toolquake.sweep.finished"] is True
