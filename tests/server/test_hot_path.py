@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.server import Tagger
 from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services, register
 from toolquake.proxy.server.config import PerturberSpec, ProfileSpec
 from toolquake.proxy.server.pipeline import PerturbationFailed, perturbation_seed_for, restore, run_profile
@@ -150,20 +151,7 @@ class _BlockingThread(Perturber):
 
 
 @register
-class _Tagger(Perturber):
-    name = "test_hot_path_tagger"
-    rewrites_response = True
-    tag: str = ""
-
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        return request
-
-    def restore(self, response: dict, ctx: PerturbContext) -> dict:
-        return {**response, "trail": [*response.get("trail", []), self.tag]}
-
-
-@register
-class _BadRestore(_Tagger):
+class _BadRestore(Tagger):
     name = "test_hot_path_bad_restore"
 
     def restore(self, response: dict, ctx: PerturbContext) -> dict:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support import metric_samples, metric_value, recorded, start_fake_upstream, start_proxy
 from tests.support.chat import body, tag
+from tests.support.server import runtime
 
 SECRET = "sk-lean-secret-123"
 CASES = [
@@ -158,8 +159,6 @@ def _peers(fake, t: str) -> list[tuple]:
 def test_native_client_reuses_connections_and_drops_failed_ones(proxy_factory, fake_upstream):
     """Sequential requests share one upstream connection; a connection whose answer timed out or was cut
     is closed, never handed to the next request; the pool's gauges say what it holds."""
-    from tests.server.test_reliability import runtime
-
     p = proxy_factory('[server]\nread_timeout = 1.0\nupstream_client = "native"\n[scoring]\nenabled = false\n')
 
     def ask(t: str, fault: str = "", stream: bool = False) -> int:

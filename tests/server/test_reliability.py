@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.support import free_port, metric_value
+from tests.support import start_proxy
 from tests.support.chat import body
+from tests.support.server import on_every_worker, refusing_port, runtime
 
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
@@ -26,9 +27,6 @@ def proxy_1s(fake_upstream, request):
     is 0 until its event loop runs), so a baseline read then is short by that worker's idle tasks, and every
     later reading looks like "N task(s) left behind" (seen under load: the sum went 6 -> 11 in the first half
     second after `/healthz` answered). So the fixture waits until every worker has served a request."""
-    from tests.server.test_workers import on_every_worker
-    from tests.support import start_proxy
-
     client, workers = request.param
     config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{client}"\n')
     proc = start_proxy(fake_upstream.url, config, None, "--workers", str(workers))
@@ -36,13 +34,6 @@ def proxy_1s(fake_upstream, request):
         on_every_worker(proc, lambda: httpx.post(f"{proc.url}/v1/chat/completions", json=body()), per_worker=1)
     yield proc
     proc.stop()
-
-
-def runtime(url: str) -> tuple[float, float, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return (metric_value(text, "toolquake_upstream_connections", state="active"),
-            metric_value(text, "toolquake_event_loop_tasks"),
-            metric_value(text, "toolquake_in_flight_requests"))
 
 
 def settled(url: str, baseline_tasks: float, timeout: float = 5.0) -> tuple[float, float, float]:
@@ -99,9 +90,18 @@ def test_fault_gets_its_answer_and_leaves_nothing_behind(proxy_1s, fault, check,
     assert httpx.post(f"{url}/v1/chat/completions", json=body()).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def refused_proxy():
+    """A proxy whose upstream refuses every connection (a port this process holds and never listens on)."""
+    with refusing_port() as port:
+        proc = start_proxy(f"http://127.0.0.1:{port}", CONFIG)
+        yield proc
+        proc.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_upstream_refusing_connections_is_502_every_time(proxy_factory, stream):
-    p = proxy_factory(CONFIG, None, f"http://127.0.0.1:{free_port()}")
+def test_upstream_refusing_connections_is_502_every_time(refused_proxy, stream):
+    p = refused_proxy
     for _ in range(3):
         status, data = fault_request(p.url, "", stream)
         assert status == 502 and b"upstream_unreachable" in data

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import tests.plugins.remedies  # noqa: F401  (registers the test remedies)
-from tests.server.test_hot_path import _Tagger  # registers test_hot_path_tagger
+from tests.support.server import Tagger as _Tagger  # registers test_hot_path_tagger
 from toolquake.bfcl.corpus import Case
 from toolquake.perturbers import ChatRequest, Services
 from toolquake.proxy.server.config import ConfigError, PerturberSpec, ProfileSpec, RemedySpec, validate_profiles

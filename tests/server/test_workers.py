@@ -14,35 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Proc, metric_value, recorded, start_proxy
+from tests.support import metric_value, recorded, start_proxy
 from tests.support.chat import TOOLS, body, tag
+from tests.support.server import log_events, on_every_worker, worker_pids
 
 SCORING_OFF = "[scoring]\nenabled = false\n"
 ADMIN = {"Authorization": "Bearer adm-workers"}
-
-
-def log_events(proc: Proc) -> list[dict]:
-    events = []
-    for line in proc.output().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            events.append(event)
-    return events
-
-
-def worker_pids(proc: Proc) -> list[int]:
-    (started,) = [e for e in log_events(proc) if e.get("event") == "workers_started"]
-    return started["pids"]
-
-
-def served_by(proc: Proc, request_ids: list[str]) -> dict[str, int]:
-    """request id -> pid of the worker that logged it."""
-    wanted = set(request_ids)
-    return {e["request_id"]: e["worker"] for e in log_events(proc)
-            if e.get("event") == "request" and e.get("request_id") in wanted}
 
 
 def alive(pid: int) -> bool:
@@ -51,33 +28,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def on_every_worker(proc: Proc, send, per_worker: int = 3, limit: int = 300) -> dict[int, list[httpx.Response]]:
-    """Call send() (each call a new connection) until every worker answered at least `per_worker` times."""
-    pids = worker_pids(proc)
-    answers: list[httpx.Response] = []
-    by_worker: dict[int, list[httpx.Response]] = {}
-
-    def group() -> dict[int, list[httpx.Response]]:
-        ids = served_by(proc, [r.headers["x-toolquake-request-id"] for r in answers])
-        out: dict[int, list[httpx.Response]] = {}
-        for r in answers:
-            out.setdefault(ids.get(r.headers["x-toolquake-request-id"], 0), []).append(r)
-        return out
-
-    for _ in range(limit):
-        answers.append(send())
-        if len(answers) % 10 == 0 or len(answers) == limit:
-            by_worker = group()
-            if all(len(by_worker.get(pid, [])) >= per_worker for pid in pids):
-                deadline = time.monotonic() + 5  # a stream's log line is written after its last byte
-                while 0 in by_worker and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    by_worker = group()
-                assert 0 not in by_worker, "a request was not logged by any worker"
-                return by_worker
-    raise AssertionError(f"{limit} requests did not reach every worker: {({k: len(v) for k, v in by_worker.items()})}")
 
 
 @pytest.fixture(scope="module")

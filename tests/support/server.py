@@ -1,0 +1,107 @@
+"""What several tests of the proxy server share: reading a proxy's JSON log lines, reaching every worker of a
+`--workers N` proxy, the runtime gauges a fault must leave at rest, and a response-rewriting test perturber."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from typing import Callable, Iterator
+
+import httpx
+
+from tests.support.metrics import metric_value
+from tests.support.processes import Proc
+from tests.support.waiting import wait_for
+from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, register
+
+
+def log_events(proc: Proc) -> list[dict]:
+    """The JSON objects of `proc`'s output, in order (other lines skipped)."""
+    events = []
+    for line in proc.output().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def worker_pids(proc: Proc) -> list[int]:
+    (started,) = [e for e in log_events(proc) if e.get("event") == "workers_started"]
+    return started["pids"]
+
+
+def served_by(proc: Proc, request_ids: list[str]) -> dict[str, int]:
+    """request id -> pid of the worker that logged it."""
+    wanted = set(request_ids)
+    return {e["request_id"]: e["worker"] for e in log_events(proc)
+            if e.get("event") == "request" and e.get("request_id") in wanted}
+
+
+def on_every_worker(proc: Proc, send: Callable[[], httpx.Response], per_worker: int = 3,
+                    limit: int = 300) -> dict[int, list[httpx.Response]]:
+    """Call send() (each call a new connection) until every worker answered at least `per_worker` times."""
+    pids = worker_pids(proc)
+    answers: list[httpx.Response] = []
+    by_worker: dict[int, list[httpx.Response]] = {}
+
+    def group() -> dict[int, list[httpx.Response]]:
+        ids = served_by(proc, [r.headers["x-toolquake-request-id"] for r in answers])
+        out: dict[int, list[httpx.Response]] = {}
+        for r in answers:
+            out.setdefault(ids.get(r.headers["x-toolquake-request-id"], 0), []).append(r)
+        return out
+
+    for _ in range(limit):
+        answers.append(send())
+        if len(answers) % 10 == 0 or len(answers) == limit:
+            by_worker = group()
+            if all(len(by_worker.get(pid, [])) >= per_worker for pid in pids):
+                # a stream's log line is written after its last byte: wait until every answer was logged
+                def logged() -> dict[int, list[httpx.Response]] | None:
+                    grouped = group()
+                    return None if 0 in grouped else grouped
+
+                return wait_for(logged, timeout=5, what="every request to be logged by a worker")
+    raise AssertionError(f"{limit} requests did not reach every worker: {({k: len(v) for k, v in by_worker.items()})}")
+
+
+def runtime(url: str) -> tuple[float, float, float]:
+    """(active upstream connections, event-loop tasks, requests in flight) of the proxy at `url`."""
+    text = httpx.get(f"{url}/metrics").text
+    return (metric_value(text, "toolquake_upstream_connections", state="active"),
+            metric_value(text, "toolquake_event_loop_tasks"),
+            metric_value(text, "toolquake_in_flight_requests"))
+
+
+def logged_requests(proc: Proc) -> int:
+    """How many `request` lines `proc` logged (a request is logged when it is counted, before it leaves the
+    in-flight gauge)."""
+    return sum(1 for e in log_events(proc) if e.get("event") == "request")
+
+
+@register
+class Tagger(Perturber):
+    """Changes no request; appends its `tag` to the answer's `trail` when it restores it."""
+
+    name = "test_hot_path_tagger"
+    rewrites_response = True
+    tag: str = ""
+
+    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
+        return request
+
+    def restore(self, response: dict, ctx: PerturbContext) -> dict:
+        return {**response, "trail": [*response.get("trail", []), self.tag]}
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the block runs: bound by this process (so no one else can
+    take it) and never listened on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
