@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support import metric_samples, metric_value, recorded, start_fake_upstream, start_proxy
+from tests.support import metric_samples, metric_value, recorded, scraped, start_fake_upstream, start_proxy, wait_for
 from tests.support.chat import body, tag
 from tests.support.server import runtime
 
@@ -118,7 +118,8 @@ def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path
     for _, _, _, t1 in leans:
         assert seen(t1) == framework_seen
     # the same metrics moved, by the same amounts (durations aside)
-    time.sleep(0.2)  # a stream is counted after its last byte
+    for p in pair:  # a stream is counted (and logged) after its last byte, then leaves the in-flight gauge
+        wait_for(lambda: scraped(p, "toolquake_in_flight_requests") == 0, what=f"{name} to be counted")
     after = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
     moved = []
     for b, a in zip(before, after):
@@ -317,8 +318,10 @@ def test_pipelined_and_slow_bodies_on_the_protocol_path(pair, fake_upstream):
         host, port = proc.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(head + raw[:10])
-            time.sleep(0.1)
-        time.sleep(0.2)
+            # the proxy is reading this request (it is in flight) when the client goes
+            wait_for(lambda: scraped(proc, "toolquake_in_flight_requests") == 1, what="the request to be read")
+        # the proxy gave the request up: only then can its absence upstream say anything
+        wait_for(lambda: scraped(proc, "toolquake_in_flight_requests") == 0, what="the request to be given up")
         assert recorded(fake_upstream, t4) == []
         assert httpx.post(proc.url + "/v1/chat/completions", json=body()).status_code == 200
 
