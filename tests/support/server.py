@@ -1,14 +1,18 @@
 """What several tests of the proxy server share: reading a proxy's JSON log lines, reaching every worker of a
-`--workers N` proxy, the runtime gauges a fault must leave at rest, and a response-rewriting test perturber."""
+`--workers N` proxy, the runtime gauges a fault must leave at rest, a response-rewriting test perturber, a port that
+refuses connections, and the hostile client of test_hostile_latency (its benchmark measures the same attack)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import socket
+import threading
+import time
 from typing import Callable, Iterator
 
 import httpx
+import openai
 
 from tests.support.metrics import metric_value
 from tests.support.processes import Proc
@@ -105,3 +109,76 @@ def refusing_port() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+KIB = 1024
+#: the two tools of the hostile requests (one of them gets the hostile description)
+HOSTILE_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "description": "The city."}}}}},
+    {"type": "function", "function": {"name": "find_book", "description": "Find a book by its title.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "title": {"type": "string"}}}}}]
+
+
+def hostile_requests() -> list[tuple[str, list[dict], list[dict]]]:
+    """(profile, messages, tools): the two reproduced attacks at their reported sizes, and their neighbours."""
+    user = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def described(text: str) -> list[dict]:
+        weather = HOSTILE_TOOLS[0]
+        return [{**weather, "function": {**weather["function"], "description": text}}, HOSTILE_TOOLS[1]]
+
+    return [
+        ("noisy", [{"role": "user", "content": "a+" * (32 * KIB)}], HOSTILE_TOOLS),
+        ("meta-paraphrase-target", user, described("Get it" + " " * (80 * 1000) + "(unclosed")),
+        ("noisy", [{"role": "user", "content": "\u201c" * (64 * KIB)}], HOSTILE_TOOLS),
+        ("noisy", [{"role": "user", "content": "x-" * (32 * KIB) + "@a"}], HOSTILE_TOOLS),
+        ("meta-paraphrase-target", user, described("a " * (40 * KIB))),
+        ("noisy", [{"role": "user", "content": "a+" * (32 * KIB)}], HOSTILE_TOOLS),
+    ]
+
+
+def hostile_attack(proxy_url: str, polls: int = 50, limit_s: float = 50.0) -> dict:
+    """The hostile requests (over again until the other client polled `polls` times, for up to `limit_s`) while
+    another client polls `/healthz`: {"answered": finish reasons, "rounds", "errors", "statuses": of the polls,
+    "latencies": seconds of each poll}."""
+    answered: list[str] = []
+    errors: list[BaseException] = []
+    rounds: list[int] = []
+    statuses: list[int] = []
+    latencies: list[float] = []
+
+    def attack() -> None:
+        client = openai.OpenAI(api_key="sk-test", max_retries=0, timeout=60.0)
+        try:
+            while True:
+                for profile, messages, tools in hostile_requests():
+                    client.base_url = f"{proxy_url}/p/{profile}/v1"
+                    answer = client.chat.completions.create(model="fake-model", messages=messages, tools=tools)
+                    answered.append(answer.choices[0].finish_reason)
+                rounds.append(len(rounds))
+                # a fast machine answers them all before the other client polled enough: again, while time allows
+                if len(statuses) >= polls or time.monotonic() - t_start > limit_s / 2.5:
+                    break
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    warm = openai.OpenAI(api_key="sk-test", max_retries=0, timeout=60.0)
+    for profile in ("noisy", "meta-paraphrase-target"):  # what a first request loads is not what is measured
+        warm.base_url = f"{proxy_url}/p/{profile}/v1"
+        warm.chat.completions.create(model="fake-model", tools=HOSTILE_TOOLS,
+                                     messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    with httpx.Client(base_url=proxy_url, timeout=30.0) as health:
+        health.get("/healthz")
+        attacker = threading.Thread(target=attack, daemon=True)
+        t_start = time.monotonic()
+        attacker.start()
+        while attacker.is_alive() and time.monotonic() - t_start < limit_s:
+            t0 = time.perf_counter()
+            statuses.append(health.get("/healthz").status_code)
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+        attacker.join(5)
+    return {"answered": answered, "rounds": rounds, "errors": errors, "statuses": statuses, "latencies": latencies}
