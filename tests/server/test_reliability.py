@@ -3,13 +3,14 @@ connection is released, no task is left behind, and the next request is fine."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
 import httpx
 import pytest
 
-from tests.support import start_proxy
+from tests.support import start_proxy, wait_for
 from tests.support.chat import body
 from tests.support.server import on_every_worker, refusing_port, runtime
 
@@ -36,16 +37,19 @@ def proxy_1s(fake_upstream, request):
     proc.stop()
 
 
-def settled(url: str, baseline_tasks: float, timeout: float = 5.0) -> tuple[float, float, float]:
-    """Wait until no upstream connection is active, nothing is in flight, tasks are back to baseline."""
-    deadline = time.monotonic() + timeout
-    state = runtime(url)
-    while time.monotonic() < deadline:
-        state = runtime(url)
-        if state[0] == 0 and state[2] == 0 and state[1] <= baseline_tasks:
-            return state
-        time.sleep(0.1)
-    return state
+def settled(url: str, baseline_tasks: float, timeout: float = 15.0) -> tuple[float, float, float]:
+    """Wait until no upstream connection is active, nothing is in flight, tasks are back to baseline; the state
+    then (or the last one seen, for the caller's assertions to name, after `timeout`)."""
+    state = [runtime(url)]
+
+    def at_rest() -> bool:
+        state[0] = runtime(url)
+        active, tasks, in_flight = state[0]
+        return active == 0 and in_flight == 0 and tasks <= baseline_tasks
+
+    with contextlib.suppress(AssertionError):
+        wait_for(at_rest, timeout, "the proxy to be at rest")
+    return state[0]
 
 
 def fault_request(url: str, fault: str, stream: bool) -> tuple[int, bytes]:
