@@ -64,7 +64,8 @@ def pair(fake_upstream):
     framework's route on aiohttp; the framework's arm last."""
     config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nlean_protocol = {}\n" \
         "upstream_client = {!r}\n[scoring]\nenabled = false\n" \
-        "[profiles.shuffled]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order' }}]\n"
+        "[profiles.shuffled]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order' }}]\n" \
+        "[profiles.rev]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order', params = {{ mode = 'reverse' }} }}]\n"
     procs = [start_proxy(fake_upstream.url, config.format("true", "true", "native")),
              start_proxy(fake_upstream.url, config.format("true", "false", "native")),
              start_proxy(fake_upstream.url, config.format("false", "true", "aiohttp"))]
@@ -138,19 +139,15 @@ def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path
     assert lines[0] == lines[2] and lines[1] == lines[2]
 
 
-def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(fake_upstream):
-    """A perturbing profile is left to the framework's route, and still perturbs."""
-    proc = start_proxy(fake_upstream.url, "[scoring]\nenabled = false\n[profiles.rev]\nmode = 'perturb'\n"
-                       "perturbers = [{ name = 'tool_order', params = { mode = 'reverse' } }]\n")
-    try:
+def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(pair, fake_upstream):
+    """A perturbing profile is left to the framework's route, and still perturbs (on every arm)."""
+    for proc in pair:
         t = tag()
         r = httpx.post(f"{proc.url}/p/rev/v1/chat/completions", json=body(), headers={"x-test-tag": t})
         assert r.status_code == 200
         (seen,) = recorded(fake_upstream, t)
         names = [x["function"]["name"] for x in json.loads(seen["body"])["tools"]]
         assert names == [x["function"]["name"] for x in body()["tools"]][::-1]
-    finally:
-        proc.stop()
 
 
 def _peers(fake, t: str) -> list[tuple]:
@@ -206,12 +203,12 @@ def test_native_client_skips_a_connection_the_backend_closed_while_idle():
         fake.stop()
 
 
-def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered():
+def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered(fake_upstream):
     """The one retry, deterministically: a request the backend read on a reused keep-alive connection and then
     dropped without a byte of answer is sent once more on a new connection (as Go's net/http does for a
     server that closed an idle connection), so the backend sees it twice; dropped again, the client gets 502
     and there is no third try; dropped on a fresh connection, it is not sent again."""
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url, '[server]\nupstream_client = "native"\n[scoring]\nenabled = false\n')
 
     def post(t: str, fault: str | None = None) -> httpx.Response:
@@ -239,7 +236,6 @@ def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswe
         assert metric_value(httpx.get(f"{proxy.url}/metrics").text, "toolquake_upstream_errors_total") == 2
     finally:
         proxy.stop()
-        fake.stop()
 
 
 ODD_TARGETS = [

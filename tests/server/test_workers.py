@@ -152,8 +152,12 @@ def test_a_worker_that_dies_is_replaced(fresh_workers):
     started = wait_for(lambda: [e for e in log_events(proc) if e.get("event") == "worker_died"], timeout=10,
                        what="the supervisor to log worker_died")
     assert started[0]["pid"] == first[0]
-    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
-    assert len(children) == 2 and str(first[0]) not in children
+
+    def replaced() -> list[str] | None:  # the supervisor logs the death, then forks the replacement
+        children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
+        return children if len(children) == 2 and str(first[0]) not in children else None
+
+    wait_for(replaced, timeout=10, what="a new worker in place of the dead one")
     for _ in range(20):
         assert httpx.post(f"{proc.url}/v1/chat/completions", json=body()).status_code == 200
     assert proc.popen.poll() is None
