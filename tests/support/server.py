@@ -13,11 +13,16 @@ from typing import Callable, Iterator
 
 import httpx
 import openai
+from hypothesis import HealthCheck, settings
 
 from tests.support.metrics import metric_value
 from tests.support.processes import Proc
 from tests.support.waiting import wait_for
 from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, register
+
+#: hypothesis settings for the property tests of the hot path: a loaded machine is slow, not wrong (no deadline per
+#: example, no health check on how fast inputs are generated)
+LOADED_MACHINE = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def log_events(proc: Proc) -> list[dict]:
