@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.support import scraped, wait_for
+from tests.support import scraped, start_proxy, wait_for
 from tests.support.live import rss
 from tests.support.tracing import sink  # noqa: F401 (a fixture)
 from tests.support.tracing import sink_spans as _spans
@@ -39,6 +39,23 @@ REPAIRING = BOUNDED + '[profiles.fixed]\nmode = "off"\nrepair = true\n'
 #: a profile that streams the text through and restores the whole answer at its end
 FORMAT_PYTHON = ('[profiles.fmt]\nmode = "perturb"\nperturbers = [{ name = "format_rewrite", params = { '
                  'return_format = "python", function_doc_format = "json" } }]\n')
+
+
+@pytest.fixture(scope="module")
+def bounded(fake_upstream):
+    """One proxy for the tests that only relay or refuse answers: the bound, the repairing profile `fixed` and the
+    format-rewrite profile `fmt` (unperturbed requests go through `off`). Each test reads what its own answers
+    moved; a relayed answer leaves nothing behind, so the RSS each measures grows from where the last left it."""
+    proc = start_proxy(fake_upstream.url, REPAIRING + FORMAT_PYTHON)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def unbounded(fake_upstream):
+    proc = start_proxy(fake_upstream.url, "[server]\nmax_answer_bytes = 100_000_000\n")
+    yield proc
+    proc.stop()
 
 
 def body(api: str, stream: bool) -> dict:
@@ -73,8 +90,8 @@ def warm(proxy, api: str) -> int:
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-def test_an_endless_stream_is_relayed_uninspected_past_the_bound_and_rss_stays_flat(proxy_factory, api):
-    proxy = proxy_factory(BOUNDED)
+def test_an_endless_stream_is_relayed_uninspected_past_the_bound_and_rss_stays_flat(bounded, api):
+    proxy = bounded
     before = warm(proxy, api)
     counted = scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large")
     got, peak = relay_and_sample(proxy, api, "huge:0", True, 12 * LIMIT)
@@ -97,11 +114,12 @@ def test_a_client_hanging_up_on_a_runaway_stream_leaves_the_proxy_serving_and_st
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-def test_many_small_deltas_are_checked_without_holding_the_loop(proxy_factory, api):
+def test_many_small_deltas_are_checked_without_holding_the_loop(unbounded, api):
     """30,000 deltas of 1,000 characters, under the bound: the conformance check reads them all (in time linear in
     the deltas, off the loop); /healthz answers meanwhile (the old check, quadratic, held the loop for minutes)."""
-    proxy = proxy_factory("[server]\nmax_answer_bytes = 100_000_000\n")
+    proxy = unbounded
     checks = scraped(proxy, "toolquake_conformance_checks_total")
+    uninspected = scraped(proxy, "toolquake_answers_uninspected_total")
     with httpx.stream("POST", proxy.url + PATHS[api], json=body(api, True), timeout=60,
                       headers={"X-Fake-Fault": "huge:30000000:1000"}) as r:
         assert r.status_code == 200
@@ -113,15 +131,16 @@ def test_many_small_deltas_are_checked_without_holding_the_loop(proxy_factory, a
     assert httpx.get(f"{proxy.url}/healthz", timeout=10).status_code == 200
     wait_for(lambda: scraped(proxy, "toolquake_conformance_checks_total") == checks + 1, timeout=120,
              what="the stream's conformance check")
-    assert scraped(proxy, "toolquake_answers_uninspected_total") == 0
+    assert scraped(proxy, "toolquake_answers_uninspected_total") == uninspected
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "models"])
-def test_a_huge_plain_answer_is_relayed_as_it_comes(proxy_factory, api):
+def test_a_huge_plain_answer_is_relayed_as_it_comes(bounded, api):
     """48 MB in one JSON answer (not streamed), 12 times the bound: relayed whole to the client, never held whole
     by the proxy; a model route counts it as uninspected."""
-    proxy = proxy_factory(BOUNDED)
+    proxy = bounded
     before = warm(proxy, "chat")
+    counted = scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large")
     size = 12 * LIMIT
     fault = f"huge:{size}:65536"
     path = "/v1/models" if api == "models" else None
@@ -129,8 +148,8 @@ def test_a_huge_plain_answer_is_relayed_as_it_comes(proxy_factory, api):
     assert got > size  # all of it, to its end
     assert peak - before < RSS_GROWTH, f"RSS grew by {(peak - before) / MIB:.1f} MiB over {got / MIB:.0f} MiB relayed"
     if api != "models":
-        wait_for(lambda: scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large") == 2,
-                 what="the plain answer to be counted as uninspected")  # the warm-up stream, then this one
+        wait_for(lambda: scraped(proxy, "toolquake_answers_uninspected_total", reason="too_large") == counted + 1,
+                 what="the plain answer to be counted as uninspected")
         r = httpx.post(proxy.url + PATHS[api], json=body(api, False), headers={"X-Fake-Fault": fault}, timeout=60)
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
         answer = r.json()
@@ -142,21 +161,23 @@ def test_a_huge_plain_answer_is_relayed_as_it_comes(proxy_factory, api):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_huge_answer_a_profile_must_rewrite_gets_an_openai_error(proxy_factory, api, stream):
-    proxy = proxy_factory(REPAIRING)
+def test_a_huge_answer_a_profile_must_rewrite_gets_an_openai_error(bounded, api, stream):
+    proxy = bounded
+    refused = scraped(proxy, "toolquake_upstream_errors_total", kind="too_large")
     r = httpx.post(f"{proxy.url}/p/fixed{PATHS[api]}", json=body(api, stream), timeout=60,
                    headers={"X-Fake-Fault": f"huge:{12 * LIMIT}:65536"})
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_answer_too_large"
     assert r.json()["error"]["type"] == "upstream_error"
-    assert scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
+    assert scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == refused + 1
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-def test_a_huge_text_through_stream_ends_with_an_in_band_error(proxy_factory, api):
+def test_a_huge_text_through_stream_ends_with_an_in_band_error(bounded, api):
     """A format-rewrite profile streams the text through and must restore the whole answer at its end: past the
     bound the stream ends with an OpenAI-shaped error event."""
-    proxy = proxy_factory(BOUNDED + FORMAT_PYTHON)
+    proxy = bounded
+    refused = scraped(proxy, "toolquake_upstream_errors_total", kind="too_large")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     if api == "responses":
@@ -168,7 +189,8 @@ def test_a_huge_text_through_stream_ends_with_an_in_band_error(proxy_factory, ap
     last = data.rstrip().rsplit(b"data: ", 1)[1]
     assert json.loads(last)["error"]["code"] == "upstream_answer_too_large"
     assert len(data) < 2 * LIMIT  # released as it came, up to the bound; nothing after it
-    assert scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == 1
+    wait_for(lambda: scraped(proxy, "toolquake_upstream_errors_total", kind="too_large") == refused + 1,
+             what="the refused stream to be counted")
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])

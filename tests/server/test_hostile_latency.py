@@ -1,119 +1,84 @@
 """One hostile client must not hold the proxy for the others (issue 28 item 1): while it sends the inputs that
 made two packaged profiles' perturbers scan in quadratic time (64 KiB of "a+" through `noisy` took 7.5 s, an
 80 KB description through `meta-paraphrase-target` 4.6 s, with `/healthz` waiting as long), another client's
-`/healthz` keeps a p99 under 100 ms, and the hostile requests themselves are answered. The event-loop lag
-histogram that would show such a stall is exported, and it does record a held loop."""
+`/healthz` is answered throughout, the hostile requests themselves are answered, and the proxy's own event-loop
+lag histogram shows no stall of the size those scans caused. The histogram does record a held loop.
+
+How fast `/healthz` answers meanwhile (its p99) is a speed, measured by `python -m tests.bench.hostile_latency`,
+not asserted here."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 
 import httpx
-import openai
 
 from tests.support import metric_samples, metric_value
+from tests.support.server import hostile_attack, hostile_requests
 from toolquake.proxy.server.metrics import Metrics
 
-KIB = 1024
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string", "description": "The city."}}}}},
-         {"type": "function", "function": {"name": "find_book", "description": "Find a book by its title.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "title": {"type": "string"}}}}}]
+#: the longest stall of the event loop allowed while the hostile requests are served: half the shortest stall the
+#: quadratic scans caused at these sizes (4.6 s, on an idle machine; a loaded one only makes those longer), as a
+#: bucket edge of the lag histogram. A loaded machine delays a timer by scheduling, tens of milliseconds, far below.
+STALL_BOUND_S = 2.5
 
 
-def hostile_requests() -> list[tuple[str, list[dict], list[dict]]]:
-    """(profile, messages, tools): the two reproduced attacks at their reported sizes, and their neighbours."""
-    user = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-    def described(text: str) -> list[dict]:
-        return [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": text}}, TOOLS[1]]
-
-    return [
-        ("noisy", [{"role": "user", "content": "a+" * (32 * KIB)}], TOOLS),
-        ("meta-paraphrase-target", user, described("Get it" + " " * (80 * 1000) + "(unclosed")),
-        ("noisy", [{"role": "user", "content": "\u201c" * (64 * KIB)}], TOOLS),
-        ("noisy", [{"role": "user", "content": "x-" * (32 * KIB) + "@a"}], TOOLS),
-        ("meta-paraphrase-target", user, described("a " * (40 * KIB))),
-        ("noisy", [{"role": "user", "content": "a+" * (32 * KIB)}], TOOLS),
-    ]
+def _stalls_past(text: str, bound_s: float) -> float:
+    """How many lag-probe timers of the scraped histogram ran more than `bound_s` (a bucket edge) late."""
+    return metric_value(text, "toolquake_event_loop_lag_seconds_count") - metric_value(
+        text, "toolquake_event_loop_lag_seconds_bucket", le=str(bound_s))
 
 
-POLLS = 50  # the other client's /healthz polls a p99 is read from, at least (the attack is repeated until then)
+def test_a_hostile_client_does_not_hold_the_loop_for_the_others(proxy):
+    text = httpx.get(f"{proxy.url}/metrics").text
+    stalls_before = _stalls_past(text, STALL_BOUND_S)
+    failures_before = metric_value(text, "toolquake_perturbation_failures_total")
+    lag_before = metric_value(text, "toolquake_event_loop_lag_seconds_count")
 
-
-def test_a_hostile_client_does_not_hold_the_loop_for_the_others(proxy_factory):
-    proxy = proxy_factory()
-    answered: list[str] = []
-    errors: list[BaseException] = []
-    rounds: list[int] = []  # the hostile requests sent over again until the other client polled enough
-    latencies: list[float] = []
-
-    def attack() -> None:
-        client = openai.OpenAI(api_key="sk-test", max_retries=0, timeout=60.0)
-        try:
-            while True:
-                for profile, messages, tools in hostile_requests():
-                    client.base_url = f"{proxy.url}/p/{profile}/v1"
-                    answer = client.chat.completions.create(model="fake-model", messages=messages, tools=tools)
-                    answered.append(answer.choices[0].finish_reason)
-                rounds.append(len(rounds))
-                # a fast machine answers them all before a p99 can be read: again, while time allows
-                if len(latencies) >= POLLS or time.monotonic() - t_start > 20:
-                    break
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    warm = openai.OpenAI(api_key="sk-test", max_retries=0, timeout=60.0)
-    for profile in ("noisy", "meta-paraphrase-target"):  # what a first request loads is not what is measured
-        warm.base_url = f"{proxy.url}/p/{profile}/v1"
-        warm.chat.completions.create(model="fake-model", tools=TOOLS,
-                                     messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    with httpx.Client(base_url=proxy.url, timeout=30.0) as health:
-        health.get("/healthz")
-        attacker = threading.Thread(target=attack, daemon=True)
-        t_start = time.monotonic()
-        attacker.start()
-        while attacker.is_alive() and time.monotonic() - t_start < 50:
-            t0 = time.perf_counter()
-            assert health.get("/healthz").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.01)
-        attacker.join(5)
-    assert not errors, errors
-    assert rounds and len(answered) == len(rounds) * len(hostile_requests()), \
+    got = hostile_attack(proxy.url)
+    assert not got["errors"], got["errors"]
+    assert got["rounds"] and len(got["answered"]) == len(got["rounds"]) * len(hostile_requests()), \
         "the hostile requests were not all answered within 50 s"
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    assert len(latencies) >= 20, latencies
-    assert p99 < 0.1, f"/healthz p99 {p99 * 1000:.0f} ms over {len(latencies)} polls (max {latencies[-1]:.2f} s)"
+    # the other client was served all along: every poll answered, and polled while the attack ran
+    assert len(got["statuses"]) >= 20 and set(got["statuses"]) == {200}, got["statuses"]
 
     text = httpx.get(f"{proxy.url}/metrics").text
     samples = metric_samples(text)
     assert ("toolquake_event_loop_lag_seconds_bucket", (("le", "30.0"),)) in samples, "no lag histogram"
-    assert metric_value(text, "toolquake_event_loop_lag_seconds_count") >= 1
+    assert metric_value(text, "toolquake_event_loop_lag_seconds_count") > lag_before  # the probe ran meanwhile
+    # no timer of the loop ran a scan's worth late while the hostile requests were served
+    assert _stalls_past(text, STALL_BOUND_S) == stalls_before, \
+        f"the event loop stalled past {STALL_BOUND_S} s (slowest /healthz: {max(got['latencies']):.2f} s)"
     # every hostile request went through its perturber (none failed open on the way)
-    assert metric_value(text, "toolquake_perturbation_failures_total") == 0
+    assert metric_value(text, "toolquake_perturbation_failures_total") == failures_before
+
+
+#: how long the next test holds its loop, and the probe's interval there
+HOLD_S = 0.6
+PROBE_S = 0.05
 
 
 async def test_the_lag_histogram_records_a_held_loop():
-    """The probe's own histogram, on a real event loop: a loop held for 0.6 s shows up as one timer at least
-    0.3 s late; a loop left alone shows timers well under that."""
+    """The probe's own histogram, on a real event loop: a loop held for HOLD_S shows up as a timer late by the hold
+    less one probe interval at least (a timer never fires early; a loaded machine only makes it later)."""
     metrics = Metrics()
-    probe = asyncio.get_running_loop().create_task(metrics.watch_loop_lag(0.05))
-    await asyncio.sleep(0.3)
-    time.sleep(0.6)  # holds the loop, as a CPU-bound perturber on it would
-    await asyncio.sleep(0.2)
+    probe = asyncio.get_running_loop().create_task(metrics.watch_loop_lag(PROBE_S))
+
+    def observed() -> float:
+        return metric_value(metrics.exposition().decode(), "toolquake_event_loop_lag_seconds_count")
+
+    while observed() < 2:  # the probe is running
+        await asyncio.sleep(PROBE_S)
+    before = observed()
+    time.sleep(HOLD_S)  # holds the loop, as a CPU-bound perturber on it would
+    while observed() == before:  # the timer due during the hold has fired, late
+        await asyncio.sleep(PROBE_S)
     probe.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await probe
     text = metrics.exposition().decode()
-    late = metric_value(text, "toolquake_event_loop_lag_seconds_count") - metric_value(
-        text, "toolquake_event_loop_lag_seconds_bucket", le="0.25")
-    assert late >= 1, text
-    assert metric_value(text, "toolquake_event_loop_lag_seconds_sum") >= 0.3
+    assert _stalls_past(text, 0.25) >= 1, text  # 0.25: a bucket edge below HOLD_S - PROBE_S
+    assert metric_value(text, "toolquake_event_loop_lag_seconds_sum") >= HOLD_S - PROBE_S
     assert probe.cancelled()

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.server import LOADED_MACHINE, Tagger
 from toolquake.perturbers import ChatRequest, PerturbContext, Perturber, Services, register
 from toolquake.proxy.server.config import PerturberSpec, ProfileSpec
 from toolquake.proxy.server.pipeline import PerturbationFailed, perturbation_seed_for, restore, run_profile
@@ -62,6 +63,7 @@ def test_every_single_split_position_gives_the_same_payloads():
         assert _payloads([STREAM[:i], STREAM[i:]]) == whole, f"split at byte {i}"
 
 
+@LOADED_MACHINE
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
 def test_arbitrary_multi_way_splits_give_the_same_payloads(cuts):
     bounds = [0, *sorted(cuts), len(STREAM)]
@@ -150,20 +152,7 @@ class _BlockingThread(Perturber):
 
 
 @register
-class _Tagger(Perturber):
-    name = "test_hot_path_tagger"
-    rewrites_response = True
-    tag: str = ""
-
-    def apply(self, request: ChatRequest, ctx: PerturbContext) -> ChatRequest:
-        return request
-
-    def restore(self, response: dict, ctx: PerturbContext) -> dict:
-        return {**response, "trail": [*response.get("trail", []), self.tag]}
-
-
-@register
-class _BadRestore(_Tagger):
+class _BadRestore(Tagger):
     name = "test_hot_path_bad_restore"
 
     def restore(self, response: dict, ctx: PerturbContext) -> dict:
@@ -280,6 +269,7 @@ def test_request_headers_keep_only_end_to_end_headers_in_order():
     assert request_headers(dropped[:7] + kept[:3] + dropped[7:] + kept[3:]) == kept
 
 
+@LOADED_MACHINE
 @given(st.text(alphabet="abcxyz-", min_size=1, max_size=10), st.lists(st.booleans(), min_size=12, max_size=12))
 def test_any_case_of_x_toolquake_prefix_is_dropped(suffix, upper):
     name = "".join(c.upper() if u else c for c, u in zip("x-toolquake-", upper)) + suffix

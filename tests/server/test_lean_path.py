@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from tests.support import metric_samples, metric_value, recorded, start_fake_upstream, start_proxy
+from tests.support import metric_samples, metric_value, recorded, scraped, start_fake_upstream, start_proxy, wait_for
 from tests.support.chat import body, tag
+from tests.support.server import runtime
 
 SECRET = "sk-lean-secret-123"
 CASES = [
@@ -63,7 +64,8 @@ def pair(fake_upstream):
     framework's route on aiohttp; the framework's arm last."""
     config = "[server]\nmax_body_bytes = 4096\nread_timeout = 1.0\nlean_path = {}\nlean_protocol = {}\n" \
         "upstream_client = {!r}\n[scoring]\nenabled = false\n" \
-        "[profiles.shuffled]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order' }}]\n"
+        "[profiles.shuffled]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order' }}]\n" \
+        "[profiles.rev]\nmode = 'perturb'\nperturbers = [{{ name = 'tool_order', params = {{ mode = 'reverse' }} }}]\n"
     procs = [start_proxy(fake_upstream.url, config.format("true", "true", "native")),
              start_proxy(fake_upstream.url, config.format("true", "false", "native")),
              start_proxy(fake_upstream.url, config.format("false", "true", "aiohttp"))]
@@ -117,7 +119,8 @@ def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path
     for _, _, _, t1 in leans:
         assert seen(t1) == framework_seen
     # the same metrics moved, by the same amounts (durations aside)
-    time.sleep(0.2)  # a stream is counted after its last byte
+    for p in pair:  # a stream is counted (and logged) after its last byte, then leaves the in-flight gauge
+        wait_for(lambda: scraped(p, "toolquake_in_flight_requests") == 0, what=f"{name} to be counted")
     after = [metric_samples(httpx.get(f"{p.url}/metrics").text) for p in pair]
     moved = []
     for b, a in zip(before, after):
@@ -136,19 +139,15 @@ def test_lean_path_answers_as_the_framework_does(pair, fake_upstream, name, path
     assert lines[0] == lines[2] and lines[1] == lines[2]
 
 
-def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(fake_upstream):
-    """A perturbing profile is left to the framework's route, and still perturbs."""
-    proc = start_proxy(fake_upstream.url, "[scoring]\nenabled = false\n[profiles.rev]\nmode = 'perturb'\n"
-                       "perturbers = [{ name = 'tool_order', params = { mode = 'reverse' } }]\n")
-    try:
+def test_a_perturbing_profile_still_perturbs_beside_the_lean_path(pair, fake_upstream):
+    """A perturbing profile is left to the framework's route, and still perturbs (on every arm)."""
+    for proc in pair:
         t = tag()
         r = httpx.post(f"{proc.url}/p/rev/v1/chat/completions", json=body(), headers={"x-test-tag": t})
         assert r.status_code == 200
         (seen,) = recorded(fake_upstream, t)
         names = [x["function"]["name"] for x in json.loads(seen["body"])["tools"]]
         assert names == [x["function"]["name"] for x in body()["tools"]][::-1]
-    finally:
-        proc.stop()
 
 
 def _peers(fake, t: str) -> list[tuple]:
@@ -158,8 +157,6 @@ def _peers(fake, t: str) -> list[tuple]:
 def test_native_client_reuses_connections_and_drops_failed_ones(proxy_factory, fake_upstream):
     """Sequential requests share one upstream connection; a connection whose answer timed out or was cut
     is closed, never handed to the next request; the pool's gauges say what it holds."""
-    from tests.server.test_reliability import runtime
-
     p = proxy_factory('[server]\nread_timeout = 1.0\nupstream_client = "native"\n[scoring]\nenabled = false\n')
 
     def ask(t: str, fault: str = "", stream: bool = False) -> int:
@@ -206,12 +203,12 @@ def test_native_client_skips_a_connection_the_backend_closed_while_idle():
         fake.stop()
 
 
-def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered():
+def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered(fake_upstream):
     """The one retry, deterministically: a request the backend read on a reused keep-alive connection and then
     dropped without a byte of answer is sent once more on a new connection (as Go's net/http does for a
     server that closed an idle connection), so the backend sees it twice; dropped again, the client gets 502
     and there is no third try; dropped on a fresh connection, it is not sent again."""
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url, '[server]\nupstream_client = "native"\n[scoring]\nenabled = false\n')
 
     def post(t: str, fault: str | None = None) -> httpx.Response:
@@ -239,7 +236,6 @@ def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswe
         assert metric_value(httpx.get(f"{proxy.url}/metrics").text, "toolquake_upstream_errors_total") == 2
     finally:
         proxy.stop()
-        fake.stop()
 
 
 ODD_TARGETS = [
@@ -318,8 +314,10 @@ def test_pipelined_and_slow_bodies_on_the_protocol_path(pair, fake_upstream):
         host, port = proc.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(head + raw[:10])
-            time.sleep(0.1)
-        time.sleep(0.2)
+            # the proxy is reading this request (it is in flight) when the client goes
+            wait_for(lambda: scraped(proc, "toolquake_in_flight_requests") == 1, what="the request to be read")
+        # the proxy gave the request up: only then can its absence upstream say anything
+        wait_for(lambda: scraped(proc, "toolquake_in_flight_requests") == 0, what="the request to be given up")
         assert recorded(fake_upstream, t4) == []
         assert httpx.post(proc.url + "/v1/chat/completions", json=body()).status_code == 200
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import free_port, start_process
+from tests.support import start_process, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the limits from /proc/<pid>/limits")
 
@@ -28,13 +28,12 @@ def _soft_limit(pid: int) -> int:
 
 
 def _serve(fake_upstream, soft: int, hard: int, config: str):
-    port = free_port()
-    cfg = Path(__file__).parent / f".open-files-{port}.toml"
+    """`toolquake serve` on a port of its own choosing (it logs the one it got), under the given limits."""
+    cfg = Path(tempfile.mkstemp(prefix="toolquake-open-files-", suffix=".toml")[1])
     cfg.write_text(config)
     try:
         return start_process(["-c", LAUNCH.format(soft=soft, hard=hard), "serve", "--upstream",
-                              f"{fake_upstream.url}/v1", "--port", str(port), "--workers", "1", "--config", str(cfg)],
-                             port)
+                              f"{fake_upstream.url}/v1", "--port", "0", "--workers", "1", "--config", str(cfg)])
     finally:
         cfg.unlink()
 
@@ -53,9 +52,7 @@ def test_short_hard_limit_is_used_whole_and_said(fake_upstream) -> None:
     proc = _serve(fake_upstream, 512, 2000, "[server]\nmax_client_connections = 4000\n")
     try:
         assert _soft_limit(proc.popen.pid) == 2000
-        deadline = time.monotonic() + 10
-        while "open_files_limit_low" not in proc.log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "open_files_limit_low" in proc.output(), timeout=10, what="the open_files_limit_low line")
         events = [json.loads(x) for x in proc.log.read_text().splitlines() if x.startswith("{")]
         low = [e for e in events if e.get("event") == "open_files_limit_low"]
         assert low and low[0]["soft"] == 2000 and low[0]["hard"] == 2000 and low[0]["wanted"] == 4000 + 2048 + 256

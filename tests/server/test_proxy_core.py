@@ -5,15 +5,46 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import ROOT, metric_value, recorded
+from tests.support import ROOT, metric_value, recorded, scraped, start_proxy, wait_for
 from tests.support.chat import MESSAGES, TOOLS, body, tag
+from tests.support.server import logged_requests, refusing_port
+from toolquake.proxy.cli import main as toolquake_main
+
+ADMIN_TOKEN = "adm-token-1"
+#: the limits, the admin API, a plugin's raising perturber, scoring off and a default profile, in one proxy the
+#: tests below share (each reads what its own requests moved: deltas of the counters, its own tags)
+CUSTOM_CONFIG = """
+[server]
+read_timeout = 1.0
+max_body_bytes = 2048
+model_allowlist = ["fake-model"]
+plugins = ["tests.plugins.raising"]
+
+[scoring]
+enabled = false
+
+[profiles.broken]
+perturbers = [{ name = "test_always_raises" }, { name = "tool_order", params = { mode = "reverse" } }]
+
+[profiles.reversed]
+mode = "perturb"
+perturbers = [{ name = "tool_order", params = { mode = "reverse" } }]
+"""
+
+
+@pytest.fixture(scope="module")
+def custom(fake_upstream):
+    proc = start_proxy(fake_upstream.url, CUSTOM_CONFIG, {"TOOLQUAKE_ADMIN_TOKEN": ADMIN_TOKEN,
+                                                          "TOOLQUAKE_DEFAULT_PROFILE": "reversed"})
+    yield proc
+    proc.stop()
+
 
 # --- same answers, same streams -------------------------------------------------------------------
 
@@ -107,15 +138,17 @@ def test_toolquake_headers_are_stripped_and_authorization_is_forwarded(proxy, fa
     assert "x-hop" not in headers
 
 
-def test_secrets_never_appear_in_logs_or_metrics(proxy_factory):
-    p = proxy_factory()
+def test_secrets_never_appear_in_logs_or_metrics(proxy):
+    p = proxy
     secret = "sk-never-log-this-" + tag()
+    logged = logged_requests(p)
     for stream in (False, True):
         httpx.post(f"{p.url}/v1/chat/completions", json=body(stream=stream),
                    headers={"authorization": f"Bearer {secret}", "x-api-key": secret})
     httpx.post(f"{p.url}/v1/chat/completions", content=b"{bad", headers={"authorization": f"Bearer {secret}"})
     metrics = httpx.get(f"{p.url}/metrics").text
-    time.sleep(0.2)
+    # the three requests' log lines were written (the stream's after its last byte): then nothing of them is secret
+    wait_for(lambda: logged_requests(p) >= logged + 3, what="the three requests to be logged")
     assert secret not in p.output()
     assert secret not in metrics
     assert "Paris" not in p.output()  # message contents are not logged unless log_contents is on
@@ -128,7 +161,7 @@ def _tool_order_seen(fake, t: str) -> list[str]:
     return [x["function"]["name"] for x in json.loads(seen["body"])["tools"]]
 
 
-def test_profile_by_path_header_and_default(proxy, fake_upstream, proxy_factory):
+def test_profile_by_path_header_and_default(proxy, fake_upstream, custom):
     original = [t["function"]["name"] for t in TOOLS]
     t1, t2, t3 = tag(), tag(), tag()
     httpx.post(f"{proxy.url}/p/reversed/v1/chat/completions", json=body(), headers={"x-test-tag": t1})
@@ -139,7 +172,7 @@ def test_profile_by_path_header_and_default(proxy, fake_upstream, proxy_factory)
     assert _tool_order_seen(fake_upstream, t2) == original[::-1]
     assert _tool_order_seen(fake_upstream, t3) == original
 
-    p = proxy_factory(None, {"TOOLQUAKE_DEFAULT_PROFILE": "reversed"})
+    p = custom  # TOOLQUAKE_DEFAULT_PROFILE=reversed
     t4 = tag()
     httpx.post(f"{p.url}/v1/chat/completions", json=body(), headers={"x-test-tag": t4})
     assert _tool_order_seen(fake_upstream, t4) == original[::-1]
@@ -181,17 +214,10 @@ def test_same_request_perturbs_the_same_way_and_seed_header_changes_it(proxy, fa
 
 # --- fail-open and faults -------------------------------------------------------------------------
 
-FAILING_CONFIG = """
-[server]
-plugins = ["tests.plugins.raising"]
-
-[profiles.broken]
-perturbers = [{ name = "test_always_raises" }, { name = "tool_order", params = { mode = "reverse" } }]
-"""
-
-
-def test_a_raising_perturber_fails_open_and_is_counted(proxy_factory, fake_upstream):
-    p = proxy_factory(FAILING_CONFIG)
+def test_a_raising_perturber_fails_open_and_is_counted(custom, fake_upstream):
+    p = custom  # [profiles.broken]: a raising step, then a reversing one
+    failures = scraped(p, "toolquake_perturbation_failures_total", perturber="test_always_raises")
+    applied = scraped(p, "toolquake_perturbations_total", perturber="tool_order")
     t = tag()
     client = openai.OpenAI(base_url=f"{p.url}/p/broken/v1", api_key="k",
                            default_headers={"x-test-tag": t})
@@ -201,8 +227,9 @@ def test_a_raising_perturber_fails_open_and_is_counted(proxy_factory, fake_upstr
     # the failing step was skipped, the next one still ran
     assert _tool_order_seen(fake_upstream, t) == [x["function"]["name"] for x in TOOLS][::-1]
     metrics = httpx.get(f"{p.url}/metrics").text
-    assert metric_value(metrics, "toolquake_perturbation_failures_total", perturber="test_always_raises") == 1
-    assert metric_value(metrics, "toolquake_perturbations_total", perturber="tool_order") == 1
+    assert metric_value(metrics, "toolquake_perturbation_failures_total",
+                        perturber="test_always_raises") == failures + 1
+    assert metric_value(metrics, "toolquake_perturbations_total", perturber="tool_order") == applied + 1
     assert "this perturber always fails" in p.output()
 
 
@@ -217,28 +244,27 @@ def test_upstream_error_status_and_body_pass_through(proxy):
 
 
 def test_unreachable_upstream_is_502_openai_shaped(proxy_factory):
-    from tests.support import free_port
+    with refusing_port() as port:
+        p = proxy_factory(None, None, f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as exc:
+            client.chat.completions.create(**body())
+        assert exc.value.status_code == 502
+        assert exc.value.body["code"] == "upstream_unreachable"
+        assert httpx.get(f"{p.url}/readyz").status_code == 503
+        assert httpx.get(f"{p.url}/healthz").status_code == 200
 
-    p = proxy_factory(None, None, f"http://127.0.0.1:{free_port()}")
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0)
-    with pytest.raises(openai.APIStatusError) as exc:
-        client.chat.completions.create(**body())
-    assert exc.value.status_code == 502
-    assert exc.value.body["code"] == "upstream_unreachable"
-    assert httpx.get(f"{p.url}/readyz").status_code == 503
-    assert httpx.get(f"{p.url}/healthz").status_code == 200
 
-
-def test_upstream_timeout_is_504_and_next_request_is_fine(proxy_factory):
-    p = proxy_factory("[server]\nread_timeout = 0.5\n")
+def test_upstream_timeout_is_504_and_next_request_is_fine(custom):
+    p = custom  # read_timeout = 1.0
     r = httpx.post(f"{p.url}/v1/chat/completions", json=body(), headers={"x-fake-fault": "hang"}, timeout=10)
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "upstream_timeout"
     assert httpx.post(f"{p.url}/v1/chat/completions", json=body()).status_code == 200
 
 
-def test_bad_requests_are_rejected_openai_shaped(proxy_factory):
-    p = proxy_factory("[server]\nmax_body_bytes = 2048\n")
+def test_bad_requests_are_rejected_openai_shaped(custom):
+    p = custom  # max_body_bytes = 2048
     url = f"{p.url}/v1/chat/completions"
     r = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
@@ -264,11 +290,13 @@ def test_invalid_json_from_upstream_is_an_openai_shaped_502_and_counted(proxy):
 
 @pytest.mark.parametrize("scoring", [True, False], ids=["answer_read", "answer_checked"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
-def test_upstream_json_nested_past_the_decoders_limit_is_an_invalid_response(proxy_factory, scoring, path):
+def test_upstream_json_nested_past_the_decoders_limit_is_an_invalid_response(proxy, custom, scoring, path):
     """A 2xx body that is valid JSON nested 100,000 lists deep: the decoder's RecursionError is the backend's
     invalid answer (502 upstream_invalid_response, counted), not a crash of the request; the proxy serves on.
-    With scoring on the answer is decoded for the scorers, with scoring off only checked; both paths."""
-    p = proxy_factory(None if scoring else "[scoring]\nenabled = false\n")
+    With scoring on the answer is decoded for the scorers, with scoring off only checked; both paths. (Scoring
+    off: the shared custom proxy, through the `off` profile as the default one was.)"""
+    p = proxy if scoring else custom
+    path = path if scoring else f"/p/off{path}"
     metrics = f"{p.url}/metrics"
     before = metric_value(httpx.get(metrics).text, "toolquake_upstream_errors_total", kind="invalid_response")
     payload = body() if path.endswith("completions") else {"model": "fake-model", "input": "hi"}
@@ -298,15 +326,10 @@ def test_client_abort_mid_stream_closes_the_upstream(proxy, fake_upstream):
         first = next(r.iter_raw())
         assert first.startswith(b"data: ")
     # the proxy must notice and close its upstream connection: the fake sees a disconnect
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if any(x["method"] == "EVENT" and x["path"] == "disconnect" for x in recorded(fake_upstream, t)):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the upstream stream was not closed after the client aborted")
-    metrics = httpx.get(f"{proxy.url}/metrics").text
-    assert metric_value(metrics, "toolquake_in_flight_requests") == 0
+    wait_for(lambda: any(x["method"] == "EVENT" and x["path"] == "disconnect" for x in recorded(fake_upstream, t)),
+             timeout=10, what="the upstream stream to be closed after the client aborted")
+    # and then leaves the in-flight gauge (it closes the upstream first)
+    wait_for(lambda: scraped(proxy, "toolquake_in_flight_requests") == 0, what="the aborted request to end")
 
 
 # --- other routes -------------------------------------------------------------------------------
@@ -335,8 +358,17 @@ def test_other_v1_paths_and_backend_extras_pass_through(proxy, fake_upstream):
     assert not any(h.startswith("x-toolquake-") for s in seen for h in s["headers"])
 
 
-def test_overhead_header_and_metrics_exposition(proxy_factory):
-    p = proxy_factory("[server]\nmodel_allowlist = [\"fake-model\"]\n")
+def test_overhead_header_and_metrics_exposition(custom):
+    p = custom  # model_allowlist = ["fake-model"]
+
+    def counts(text: str) -> tuple[float, ...]:
+        return (metric_value(text, "toolquake_requests_total", model="fake-model", stream="false",
+                             status_class="2xx"),
+                metric_value(text, "toolquake_requests_total", model="fake-model", stream="true"),
+                metric_value(text, "toolquake_requests_total", model="other"),
+                metric_value(text, "toolquake_proxy_overhead_seconds_count", route="chat_completions"))
+
+    before = counts(httpx.get(f"{p.url}/metrics").text)
     r = httpx.post(f"{p.url}/v1/chat/completions", json=body())
     assert float(r.headers["x-toolquake-overhead-ms"]) >= 0
     with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body(stream=True)) as s:
@@ -348,19 +380,16 @@ def test_overhead_header_and_metrics_exposition(proxy_factory):
                  "toolquake_time_to_first_byte_seconds", "toolquake_proxy_overhead_seconds",
                  "toolquake_in_flight_requests", "toolquake_perturbations", "toolquake_perturbation_failures"):
         assert name in families
-    assert metric_value(text, "toolquake_requests_total", model="fake-model", stream="false",
-                        status_class="2xx") == 1
-    assert metric_value(text, "toolquake_requests_total", model="fake-model", stream="true") == 1
-    assert metric_value(text, "toolquake_requests_total", model="other") == 1
-    assert metric_value(text, "toolquake_proxy_overhead_seconds_count", route="chat_completions") == 3
+    moved = [a - b for a, b in zip(counts(text), before)]
+    assert moved == [1, 1, 1, 3]
 
 
 # --- admin API ----------------------------------------------------------------------------------
 
-def test_admin_api_needs_the_token_and_validates(proxy_factory, fake_upstream):
-    p = proxy_factory(None, {"TOOLQUAKE_ADMIN_TOKEN": "adm-token-1"})
+def test_admin_api_needs_the_token_and_validates(custom, fake_upstream):
+    p = custom  # TOOLQUAKE_ADMIN_TOKEN
     url = f"{p.url}/admin/profiles"
-    good = {"Authorization": "Bearer adm-token-1"}
+    good = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.put(f"{url}/rev2", json={"perturbers": [{"name": "tool_order"}]}).status_code == 401
@@ -396,15 +425,19 @@ def test_admin_api_is_disabled_without_a_token(proxy):
 
 # --- configuration ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config, fragment", [
+BAD_CONFIGS = [
     ("[server]\nupstrem = 'http://x'\n", "upstrem"),
     ("[profiles.a]\nperturbers = [{ name = 'nope' }]\n", "unknown perturber 'nope'"),
     ("[profiles.a]\nmode = 'sideways'\n", "mode"),
     ("[server]\nupstream = 'ftp://x'\n", "http(s) URL"),
     ("[server\n", "invalid TOML"),
-])
-def test_bad_config_files_fail_with_a_clear_message(tmp_path, config, fragment):
+]
+
+
+def test_a_bad_config_file_stops_the_command_with_a_clear_message_and_no_traceback(tmp_path):
+    """The command itself, as a process: a non-zero exit, the message on stderr, no traceback."""
     cfg = tmp_path / "bad.toml"
+    config, fragment = BAD_CONFIGS[0]
     cfg.write_text(config)
     done = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--config", str(cfg), "--port", "1"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -413,7 +446,19 @@ def test_bad_config_files_fail_with_a_clear_message(tmp_path, config, fragment):
     assert "Traceback" not in done.stderr
 
 
-def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path):
+@pytest.mark.parametrize("config, fragment", BAD_CONFIGS)
+def test_bad_config_files_fail_with_a_clear_message(tmp_path, config, fragment):
+    """Each bad config, through the command's entry point in this process: it exits (SystemExit, which the
+    interpreter prints to stderr with status 1) with the message; any other exception would be a traceback."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(config)
+    with pytest.raises(SystemExit) as exc:
+        toolquake_main(["serve", "--config", str(cfg), "--port", "1"])
+    assert isinstance(exc.value.code, str) and exc.value.code.startswith("toolquake: ")
+    assert fragment in exc.value.code
+
+
+def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path, capsys):
     req = tmp_path / "req.json"
     req.write_text(json.dumps(body()))
     done = subprocess.run(
@@ -429,21 +474,13 @@ def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path)
     assert out["messages"] == MESSAGES
     summary = json.loads(done.stderr.strip().splitlines()[-1])
     assert summary["applied"][0]["name"] == "tool_order" and summary["token_counter"] == "estimate"
-    again = subprocess.run(
-        [sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request", str(req), "--seed", "7"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-    twice = subprocess.run(
-        [sys.executable, "-m", "toolquake", "perturb", "--profile", "shuffled", "--request", str(req), "--seed", "7"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-    assert again.stdout == twice.stdout
+
+    def shuffled() -> str:  # the same command in this process (its entry point), twice: the same output
+        assert toolquake_main(["perturb", "--profile", "shuffled", "--request", str(req), "--seed", "7"]) == 0
+        return capsys.readouterr().out
+
+    again, twice = shuffled(), shuffled()
+    assert again == twice and json.loads(again)["messages"] == MESSAGES
 
 
 @pytest.mark.needs_corpus
@@ -455,12 +492,12 @@ warm_up = true
 perturbers = [{ name = "conversation_lengthening", params = { budget_tokens = 2000 } }]
 """
     p = proxy_factory(config)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "perturbers_set_up" not in p.output():
-        time.sleep(0.5)
+    wait_for(lambda: "perturbers_set_up" in p.output(), timeout=120, what="the warm-up's perturbers_set_up line")
     line = next(json.loads(x) for x in p.output().splitlines() if "perturbers_set_up" in x)
     assert line["profiles"] == ["long", "off"] and line["perturbers"] == 1
     assert "perturber_setup_failed" not in p.output()
     cold = proxy_factory(config.replace("warm_up = true", "warm_up = false"))
-    time.sleep(1)
+    # the start-up that would have begun a warm-up is over: /readyz answers ready, which a warm-up in progress
+    # holds back; without warm_up none was begun (so none will log later)
+    assert httpx.get(f"{cold.url}/readyz").json()["status"] == "ready"
     assert "perturbers_set_up" not in cold.output()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import recorded, start_fake_upstream, start_proxy
+from tests.support import recorded, start_proxy
 from tests.support.perturbers import bfcl, corpus_present, names, needs_pool, send
 
 DEADLINE_S = 900  # the index build takes about a minute on two idle cores; a busy machine may take several
@@ -43,9 +43,9 @@ def readyz(proxy) -> httpx.Response:
 
 @needs_pool
 def test_a_fresh_cache_is_not_ready_until_the_index_exists_and_the_first_expanded_request_builds_nothing(
-        tmp_path) -> None:
+        tmp_path, fake_upstream) -> None:
     cache = tmp_path / "cache"
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url, None, fresh_cache_env(tmp_path, warm_up=True))
     try:
         warming_without_index = 0
@@ -81,28 +81,27 @@ def test_a_fresh_cache_is_not_ready_until_the_index_exists_and_the_first_expande
         assert proxy.output().count('"tool_pool_built"') == 1
     finally:
         proxy.stop()
-        fake.stop()
 
 
-def test_without_warm_up_readiness_is_immediate_and_nothing_is_built(tmp_path) -> None:
-    fake = start_fake_upstream()
+def test_without_warm_up_readiness_is_immediate_and_nothing_is_built(tmp_path, fake_upstream) -> None:
+    fake = fake_upstream
     proxy = start_proxy(fake.url, None, fresh_cache_env(tmp_path, warm_up=False))
     try:
+        # ready at once: the start-up is over and began no warm-up (one in progress holds /readyz back, and only
+        # a warm-up begun at start-up builds the pool or logs perturbers_set_up), so nothing can appear later
         r = readyz(proxy)
         assert r.status_code == 200 and r.json()["status"] == "ready"
-        time.sleep(1)
         assert not (tmp_path / "cache" / "tool_pool").exists()
         assert '"perturbers_set_up"' not in proxy.output()
     finally:
         proxy.stop()
-        fake.stop()
 
 
-def test_a_failed_warm_up_is_logged_and_readiness_goes_ready_anyway(tmp_path) -> None:
+def test_a_failed_warm_up_is_logged_and_readiness_goes_ready_anyway(tmp_path, fake_upstream) -> None:
     """Fail open: without an embedding model `expanded` cannot set up; the pod still becomes ready, and the
     log says which perturbers will load (and may fail) on first use."""
     env = {**fresh_cache_env(tmp_path, warm_up=True), "TOOLQUAKE_EMBEDDING_MODEL": str(tmp_path / "no-model-here")}
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url, None, env)
     try:
         deadline = time.monotonic() + 300
@@ -118,14 +117,13 @@ def test_a_failed_warm_up_is_logged_and_readiness_goes_ready_anyway(tmp_path) ->
         assert not (tmp_path / "cache" / "tool_pool").exists()
     finally:
         proxy.stop()
-        fake.stop()
 
 
 @pytest.mark.parametrize("workers", ["2"])
-def test_each_worker_answers_readyz_for_itself_once_warm(tmp_path, workers: str) -> None:
+def test_each_worker_answers_readyz_for_itself_once_warm(tmp_path, fake_upstream, workers: str) -> None:
     """Several workers: each warms its own process; all of them end up ready (the probe hits any)."""
     env = {**fresh_cache_env(tmp_path, warm_up=True), "TOOLQUAKE_EMBEDDING_MODEL": str(tmp_path / "no-model-here")}
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url, None, env, "--workers", workers)
     try:
         deadline = time.monotonic() + 300
@@ -138,4 +136,3 @@ def test_each_worker_answers_readyz_for_itself_once_warm(tmp_path, workers: str)
         assert proxy.output().count('"ready_after_failed_warm_up"') == int(workers)
     finally:
         proxy.stop()
-        fake.stop()

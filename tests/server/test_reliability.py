@@ -3,14 +3,16 @@ connection is released, no task is left behind, and the next request is fine."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
 import httpx
 import pytest
 
-from tests.support import free_port, metric_value
+from tests.support import start_proxy, wait_for
 from tests.support.chat import body
+from tests.support.server import on_every_worker, refusing_port, runtime
 
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
@@ -26,9 +28,6 @@ def proxy_1s(fake_upstream, request):
     is 0 until its event loop runs), so a baseline read then is short by that worker's idle tasks, and every
     later reading looks like "N task(s) left behind" (seen under load: the sum went 6 -> 11 in the first half
     second after `/healthz` answered). So the fixture waits until every worker has served a request."""
-    from tests.server.test_workers import on_every_worker
-    from tests.support import start_proxy
-
     client, workers = request.param
     config = CONFIG.replace("[server]\n", f'[server]\nupstream_client = "{client}"\n')
     proc = start_proxy(fake_upstream.url, config, None, "--workers", str(workers))
@@ -38,23 +37,19 @@ def proxy_1s(fake_upstream, request):
     proc.stop()
 
 
-def runtime(url: str) -> tuple[float, float, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return (metric_value(text, "toolquake_upstream_connections", state="active"),
-            metric_value(text, "toolquake_event_loop_tasks"),
-            metric_value(text, "toolquake_in_flight_requests"))
+def settled(url: str, baseline_tasks: float, timeout: float = 15.0) -> tuple[float, float, float]:
+    """Wait until no upstream connection is active, nothing is in flight, tasks are back to baseline; the state
+    then (or the last one seen, for the caller's assertions to name, after `timeout`)."""
+    state = [runtime(url)]
 
+    def at_rest() -> bool:
+        state[0] = runtime(url)
+        active, tasks, in_flight = state[0]
+        return active == 0 and in_flight == 0 and tasks <= baseline_tasks
 
-def settled(url: str, baseline_tasks: float, timeout: float = 5.0) -> tuple[float, float, float]:
-    """Wait until no upstream connection is active, nothing is in flight, tasks are back to baseline."""
-    deadline = time.monotonic() + timeout
-    state = runtime(url)
-    while time.monotonic() < deadline:
-        state = runtime(url)
-        if state[0] == 0 and state[2] == 0 and state[1] <= baseline_tasks:
-            return state
-        time.sleep(0.1)
-    return state
+    with contextlib.suppress(AssertionError):
+        wait_for(at_rest, timeout, "the proxy to be at rest")
+    return state[0]
 
 
 def fault_request(url: str, fault: str, stream: bool) -> tuple[int, bytes]:
@@ -99,9 +94,18 @@ def test_fault_gets_its_answer_and_leaves_nothing_behind(proxy_1s, fault, check,
     assert httpx.post(f"{url}/v1/chat/completions", json=body()).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def refused_proxy():
+    """A proxy whose upstream refuses every connection (a port this process holds and never listens on)."""
+    with refusing_port() as port:
+        proc = start_proxy(f"http://127.0.0.1:{port}", CONFIG)
+        yield proc
+        proc.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_upstream_refusing_connections_is_502_every_time(proxy_factory, stream):
-    p = proxy_factory(CONFIG, None, f"http://127.0.0.1:{free_port()}")
+def test_upstream_refusing_connections_is_502_every_time(refused_proxy, stream):
+    p = refused_proxy
     for _ in range(3):
         status, data = fault_request(p.url, "", stream)
         assert status == 502 and b"upstream_unreachable" in data

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import metric_value, recorded
+from tests.support import metric_value, recorded, start_proxy, wait_for
 
 NAMES = ["get_weather", "get_time", "get_news", "get_stock", "get_flight", "get_hotel"]
 TOOLS = [{"type": "function", "name": n, "description": f"{n} for a city.",
@@ -31,6 +31,9 @@ perturbers = [{ name = "tool_order", params = { mode = "shuffle" } }]
 [profiles.format-python]
 perturbers = [{ name = "format_rewrite", params = { return_format = "python", function_doc_format = "json" } }]
 
+[profiles.format-live]
+perturbers = [{ name = "format_rewrite", params = { return_format = "python", parse = "live" } }]
+
 [profiles.invented]
 perturbers = [{ name = "test_adds_tool" }]
 
@@ -42,9 +45,15 @@ perturbers = [{ name = "test_adds_tool" }]
 
 @pytest.fixture(scope="module")
 def tq(fake_upstream):
-    from tests.support import start_proxy
-
     proc = start_proxy(fake_upstream.url, CONFIG)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def unscored(fake_upstream):
+    """The same profiles with scoring off (`--no-scoring`): nobody observes the answers."""
+    proc = start_proxy(fake_upstream.url, CONFIG, None, "--no-scoring")
     yield proc
     proc.stop()
 
@@ -230,15 +239,6 @@ def test_an_empty_or_unfinished_stream_ends_with_an_error_event_and_is_counted(t
     assert metric_value(metrics(tq), "toolquake_upstream_errors_total", kind="invalid_response") == before + 1
 
 
-LIVE_CONFIG = """
-[profiles.format-python]
-perturbers = [{ name = "format_rewrite", params = { return_format = "python", function_doc_format = "json" } }]
-
-[profiles.format-live]
-perturbers = [{ name = "format_rewrite", params = { return_format = "python", parse = "live" } }]
-"""
-
-
 def timed_stream(proxy, profile: str, answer_text: str, delay_ms: int = 120) -> tuple[list, list[float], float]:
     """The SDK's chunks of a paced stream, when each arrived, and when the stream ended (seconds)."""
     import time
@@ -255,8 +255,8 @@ def timed_stream(proxy, profile: str, answer_text: str, delay_ms: int = 120) -> 
     return chunks, times, time.perf_counter() - t0
 
 
-def test_format_rewrite_streams_plain_text_as_it_arrives(proxy_factory):
-    proxy = proxy_factory(LIVE_CONFIG)
+def test_format_rewrite_streams_plain_text_as_it_arrives(tq):
+    proxy = tq
     text = "It is nine in the morning in Tokyo, and the trains are on time today."
     chunks, times, total = timed_stream(proxy, "format-python", text)
     content = [(i, ch.choices[0].delta.content) for i, ch in enumerate(chunks)
@@ -270,8 +270,8 @@ def test_format_rewrite_streams_plain_text_as_it_arrives(proxy_factory):
     ("format-python", "[get_time(city='Tokyo')]", ""),
     ("format-live", "Sure: [get_time(city='Tokyo')]", "Sure: "),
 ])
-def test_format_rewrite_stream_turns_call_syntax_into_tool_calls(proxy_factory, profile, text, prefix):
-    proxy = proxy_factory(LIVE_CONFIG)
+def test_format_rewrite_stream_turns_call_syntax_into_tool_calls(tq, profile, text, prefix):
+    proxy = tq
     chunks, _, _ = timed_stream(proxy, profile, text, delay_ms=20)
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(d.content or "" for d in deltas) == prefix  # the prose before the call, nothing of the call
@@ -283,17 +283,19 @@ def test_format_rewrite_stream_turns_call_syntax_into_tool_calls(proxy_factory, 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_invented_calls_are_counted_without_any_observer(proxy_factory, fake_upstream, stream):
+def test_invented_calls_are_counted_without_any_observer(unscored, fake_upstream, stream):
     """With scoring off nobody observes the answers; a call to an added tool is still counted."""
-    proxy = proxy_factory(CONFIG, None, None, "--no-scoring")
+    proxy = unscored
+    wanted = dict(profile="invented-pass", perturber="test_adds_tool")
+    before = metric_value(metrics(proxy), "toolquake_injected_tool_calls_total", **wanted)
     t = tag()
     c = client(proxy, "invented-pass", t, **{"x-fake-call-foreign": ",".join(NAMES)})
     out = c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Archive?"}],
                                     tools=CHAT_TOOLS, stream=stream)
     if stream:
         list(out)
-    wanted = dict(profile="invented-pass", perturber="test_adds_tool")
-    assert metric_value(metrics(proxy), "toolquake_injected_tool_calls_total", **wanted) == 1
+    wait_for(lambda: metric_value(metrics(proxy), "toolquake_injected_tool_calls_total", **wanted) == before + 1,
+             what="the invented call to be counted")
 
 
 def timed_responses_stream(proxy, profile: str, answer_text: str, delay_ms: int = 120) -> tuple[list, list[float]]:
@@ -309,8 +311,8 @@ def timed_responses_stream(proxy, profile: str, answer_text: str, delay_ms: int 
     return events, times
 
 
-def test_format_rewrite_streams_plain_text_through_on_the_responses_api(proxy_factory):
-    proxy = proxy_factory(LIVE_CONFIG)
+def test_format_rewrite_streams_plain_text_through_on_the_responses_api(tq):
+    proxy = tq
     text = "It is nine in the morning in Tokyo, and the trains are on time today."
     events, times = timed_responses_stream(proxy, "format-python", text)
     deltas = [(i, e.delta) for i, e in enumerate(events) if e.type == "response.output_text.delta"]
@@ -320,8 +322,8 @@ def test_format_rewrite_streams_plain_text_through_on_the_responses_api(proxy_fa
     assert events[-1].type == "response.completed" and final.output_text == text
 
 
-def test_format_rewrite_responses_stream_turns_call_syntax_into_a_function_call(proxy_factory):
-    proxy = proxy_factory(LIVE_CONFIG)
+def test_format_rewrite_responses_stream_turns_call_syntax_into_a_function_call(tq):
+    proxy = tq
     events, _ = timed_responses_stream(proxy, "format-live", "Sure: [get_time(city='Tokyo')]", delay_ms=20)
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure: "
     final = events[-1].response

@@ -8,6 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.server import LOADED_MACHINE
 from toolquake.proxy.server.responses import assemble_events
 from toolquake.proxy.server.streaming import SSEParser, decode_event, read_events
 
@@ -31,6 +32,7 @@ def test_a_whole_body_reads_as_its_json_objects_in_order():
     assert list(read_events(_body(crlf=True))) == EVENTS
 
 
+@LOADED_MACHINE
 @given(st.lists(st.integers(min_value=0, max_value=len(_body(crlf=True))), max_size=12), st.booleans())
 def test_the_same_objects_come_out_however_the_bytes_are_split(cuts, crlf):
     body = _body(crlf)

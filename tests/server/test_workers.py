@@ -14,35 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Proc, metric_value, recorded, start_proxy
+from tests.support import metric_value, recorded, scraped, start_proxy, wait_for
 from tests.support.chat import TOOLS, body, tag
+from tests.support.server import log_events, on_every_worker, worker_pids
 
 SCORING_OFF = "[scoring]\nenabled = false\n"
 ADMIN = {"Authorization": "Bearer adm-workers"}
-
-
-def log_events(proc: Proc) -> list[dict]:
-    events = []
-    for line in proc.output().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            events.append(event)
-    return events
-
-
-def worker_pids(proc: Proc) -> list[int]:
-    (started,) = [e for e in log_events(proc) if e.get("event") == "workers_started"]
-    return started["pids"]
-
-
-def served_by(proc: Proc, request_ids: list[str]) -> dict[str, int]:
-    """request id -> pid of the worker that logged it."""
-    wanted = set(request_ids)
-    return {e["request_id"]: e["worker"] for e in log_events(proc)
-            if e.get("event") == "request" and e.get("request_id") in wanted}
 
 
 def alive(pid: int) -> bool:
@@ -51,33 +28,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def on_every_worker(proc: Proc, send, per_worker: int = 3, limit: int = 300) -> dict[int, list[httpx.Response]]:
-    """Call send() (each call a new connection) until every worker answered at least `per_worker` times."""
-    pids = worker_pids(proc)
-    answers: list[httpx.Response] = []
-    by_worker: dict[int, list[httpx.Response]] = {}
-
-    def group() -> dict[int, list[httpx.Response]]:
-        ids = served_by(proc, [r.headers["x-toolquake-request-id"] for r in answers])
-        out: dict[int, list[httpx.Response]] = {}
-        for r in answers:
-            out.setdefault(ids.get(r.headers["x-toolquake-request-id"], 0), []).append(r)
-        return out
-
-    for _ in range(limit):
-        answers.append(send())
-        if len(answers) % 10 == 0 or len(answers) == limit:
-            by_worker = group()
-            if all(len(by_worker.get(pid, [])) >= per_worker for pid in pids):
-                deadline = time.monotonic() + 5  # a stream's log line is written after its last byte
-                while 0 in by_worker and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    by_worker = group()
-                assert 0 not in by_worker, "a request was not logged by any worker"
-                return by_worker
-    raise AssertionError(f"{limit} requests did not reach every worker: {({k: len(v) for k, v in by_worker.items()})}")
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +67,8 @@ def test_two_workers_serve_one_port_and_metrics_sum_over_them(two_workers):
     assert metric_value(text, "toolquake_request_duration_seconds_count") - before == sent
     assert metric_value(text, "toolquake_in_flight_requests") == 0
     # every worker's upstream pool shows up (each keeps at least one idle connection after its requests)
-    deadline = time.monotonic() + 5
-    while metric_value(httpx.get(f"{url}/metrics").text, "toolquake_upstream_connections", state="idle") < 2:
-        assert time.monotonic() < deadline, "the idle upstream connections of both workers are not summed"
-        time.sleep(0.1)
+    wait_for(lambda: scraped(two_workers, "toolquake_upstream_connections", state="idle") >= 2,
+             what="the idle upstream connections of both workers to be summed")
 
 
 def test_an_admin_profile_change_reaches_every_worker(two_workers, fake_upstream):
@@ -193,10 +141,7 @@ def test_workers_die_with_the_supervisor(fresh_workers):
     pids = worker_pids(proc)
     proc.popen.kill()  # no chance to stop them itself
     proc.popen.wait(5)
-    deadline = time.monotonic() + 10
-    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)]
+    wait_for(lambda: not [p for p in pids if alive(p)], timeout=10, what="every worker to die with the supervisor")
 
 
 def test_a_worker_that_dies_is_replaced(fresh_workers):
@@ -204,14 +149,15 @@ def test_a_worker_that_dies_is_replaced(fresh_workers):
     first = worker_pids(proc)
     time.sleep(5.5)  # past the start-up window in which a dying worker stops the server
     os.kill(first[0], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    started = []
-    while time.monotonic() < deadline and not started:
-        started = [e for e in log_events(proc) if e.get("event") == "worker_died"]
-        time.sleep(0.1)
-    assert started and started[0]["pid"] == first[0]
-    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
-    assert len(children) == 2 and str(first[0]) not in children
+    started = wait_for(lambda: [e for e in log_events(proc) if e.get("event") == "worker_died"], timeout=10,
+                       what="the supervisor to log worker_died")
+    assert started[0]["pid"] == first[0]
+
+    def replaced() -> list[str] | None:  # the supervisor logs the death, then forks the replacement
+        children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
+        return children if len(children) == 2 and str(first[0]) not in children else None
+
+    wait_for(replaced, timeout=10, what="a new worker in place of the dead one")
     for _ in range(20):
         assert httpx.post(f"{proc.url}/v1/chat/completions", json=body()).status_code == 200
     assert proc.popen.poll() is None
@@ -237,10 +183,11 @@ def test_workers_write_one_results_store(fake_upstream, tmp_path: Path):
 
         by_worker = on_every_worker(proc, send, per_worker=5)
         ids = {r.headers["x-toolquake-request-id"] for answers in by_worker.values() for r in answers}
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and len(read_rows(db)) < len(ids):
-            time.sleep(0.2)
-        rows = read_rows(db)
+        def all_rows() -> list | None:
+            rows = read_rows(db)
+            return rows if len(rows) >= len(ids) else None
+
+        rows = wait_for(all_rows, timeout=20, what="every scored request in the results store")
         assert sorted(r["request_id"] for r in rows) == sorted(ids)
         assert {r["case_id"] for r in rows} == {"multiple_0"}
         text = httpx.get(f"{proc.url}/metrics").text
