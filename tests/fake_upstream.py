@@ -1110,6 +1110,8 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=args.keep_alive,
+        # a `hang` or a slow stream still open at SIGTERM is cut after a second (else the stop waited 10 s, then killed)
+        timeout_graceful_shutdown=1,
         **({"ssl_certfile": args.tls[0], "ssl_keyfile": args.tls[1]} if args.tls else {}),
     )).run(sockets=[sock])
 
