@@ -24,6 +24,7 @@ import pytest
 
 from tests.support import ROOT, start_fake_upstream
 from tests.support.replay import kill_at_random_points, oracle_script, replay, row_counter, rows
+from tests.support.report import report_text as report
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -66,11 +67,6 @@ def scored_counter(db_path):
             return 0
 
     return count
-
-
-def report(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
 
 
 def expected_arm(stored: list[dict], profile: str) -> dict:

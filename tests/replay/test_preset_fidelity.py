@@ -49,7 +49,7 @@ def test_seed003_presets_refuse_the_estimate_and_say_how_to_pick_a_counter(no_to
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_allow_estimate_runs_and_the_report_names_the_counter_and_the_tokens_reached(no_tokenizer, tmp_path) -> None:
-    from tests.replay.test_seed003_tables import report
+    from tests.support.report import report_text as report
     from toolquake.bfcl.corpus import is_present
 
     if not is_present():
@@ -80,12 +80,13 @@ def test_the_report_gives_the_counter_and_tokens_reached_of_each_lengthening_arm
     tokens its requests reached, recomputed here from the reports written to a real results file."""
     import random
 
-    from tests.replay.test_seed003_tables import _arm, report, write
+    from tests.support.report import report_text as report
+    from tests.support.results import perturb_arm, write_results
     from toolquake.proxy.replay.store import Record
 
     arms = {"off": {"mode": "off", "perturbers": []},
-            "resp-10k": _arm("response_lengthening", budget_tokens=10000, position=0.0),
-            "conv-20k": _arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
+            "resp-10k": perturb_arm("response_lengthening", budget_tokens=10000, position=0.0),
+            "conv-20k": perturb_arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
     rng = random.Random(5)
     records, reached = [], {"resp-10k": [], "conv-20k": []}
     for i in range(9):
@@ -102,7 +103,7 @@ def test_the_report_gives_the_counter_and_tokens_reached_of_each_lengthening_arm
                                           for r in reports]}
             records.append(Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=rng.random() < 0.7,
                                   perturbers=perturbers))
-    write(tmp_path / "replay.sqlite", arms, records)
+    write_results(tmp_path / "replay.sqlite", arms, records)
     got = json.loads(report(tmp_path, "--format", "json"))["lengthening"]["m1"]
     assert set(got) == {"resp-10k", "conv-20k"}
     for p, tokens in reached.items():

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support import recorded, start_fake_upstream
 from tests.support.replay import replay, rows
+from tests.support.report import report_run
 from toolquake.scorers.aggregate import wilson
 
 pytestmark = pytest.mark.needs_corpus
@@ -147,13 +148,9 @@ def test_the_report_shows_the_recovered_share_per_kind_with_wilson_intervals(rep
 
 
 def replay_report(out: Path, fmt: str) -> str:
-    import subprocess
-    import sys
 
-    from tests.support import ROOT
 
-    done = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", fmt, "--no-plots"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = report_run(str(out), "--format", fmt, "--no-plots")
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -20,7 +20,7 @@ from toolquake.perturbers.helpers.tokens import MESSAGE_OVERHEAD, render_request
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_replay_pads_to_budgets_counted_in_the_named_openai_encoding(tmp_path, monkeypatch) -> None:
-    from tests.replay.test_seed003_tables import report
+    from tests.support.report import report_text as report
     from toolquake.bfcl.corpus import is_present
 
     if not is_present():
