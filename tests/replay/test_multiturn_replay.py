@@ -247,6 +247,7 @@ def cannot_generate(server: Any) -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> None:
     """SmolLM2-135M behind llama.cpp's server, behind the proxy: low accuracy expected, no crash of ours."""
     import importlib.util

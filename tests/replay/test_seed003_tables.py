@@ -299,6 +299,7 @@ def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings
 def test_a_real_catalog_padding_replay_gives_tables_5_6_and_the_reached_labels(tmp_path) -> None:
     """`toolquake replay` of a 2 × 2 padding grid (a test config) against the fake upstream playing an oracle that
     answers two cases in five wrong; the report's tables and labels recomputed from the rows it stored."""

@@ -287,6 +287,7 @@ def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_a_real_sweep_on_the_embedded_model_finds_non_trivial_breaking_points(tmp_path):
     """SmolLM2-135M on llama.cpp (`toolquake backend local`), BFCL `multiple` cases swept along `tools`: every case
     finishes, and the model breaks somewhere inside the range on at least one of them (right with its own tools,
