@@ -201,10 +201,10 @@ def test_a_sweep_past_the_api_s_tools_cap_is_not_comparable_and_below_it_breaks_
     assert "not comparable: the backend refused a point for the request's shape" in text
 
 
-def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_proxy(tmp_path):
+def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_proxy(fake_upstream, tmp_path):
     """Every arm that fills a token budget is refused on the estimate counter, whatever names it (not only
     `@seed003`), in replay and sweep, and with --proxy when that proxy says it counts with the estimate."""
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url)  # [server] token_counter: the estimate (the default)
     try:
         common = ("--backend", f"{fake.url}/v1", "--cases", str(_cases_file(tmp_path, ["w-1"])))
@@ -222,22 +222,18 @@ def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_
         assert r.returncode == 2 and "these arms fill a token budget" in r.stderr, r.stderr[-2000:]
     finally:
         proxy.stop()
-        fake.stop()
 
 
-def test_generated_related_tools_need_a_fixed_generator_or_consent(tmp_path):
+def test_generated_related_tools_need_a_fixed_generator_or_consent(fake_upstream, tmp_path):
     """`toolkit_expansion` with `source = "generate"` and no generator model would have the model under test write
     its own related tools: refused without --self-rephrase, as the rephraser is."""
     config = tmp_path / "config.toml"
     config.write_text('[profiles.gen-tools]\nmode = "perturb"\nperturbers = [{ name = "toolkit_expansion", params = '
                       '{ source = "generate", generator_url = "http://127.0.0.1:9/v1" } }]\n')
-    fake = start_fake_upstream()
-    try:
-        r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,gen-tools", "--config", str(config), "--cases",
-                   str(_cases_file(tmp_path, ["w-1"])), "--out", str(tmp_path / "out"),
-                   env={"TOOLQUAKE_GENERATOR_MODEL": ""})
-    finally:
-        fake.stop()
+    fake = fake_upstream
+    r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,gen-tools", "--config", str(config), "--cases",
+               str(_cases_file(tmp_path, ["w-1"])), "--out", str(tmp_path / "out"),
+               env={"TOOLQUAKE_GENERATOR_MODEL": ""})
     assert r.returncode == 2, r.stderr[-2000:]
     assert "gen-tools: no fixed generator model is configured" in r.stderr and "--self-rephrase" in r.stderr
 

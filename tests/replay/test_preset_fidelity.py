@@ -128,7 +128,7 @@ def _categories_replayed(out) -> dict[str, int]:
 
 
 @pytest.mark.needs_corpus
-def test_presets_replay_the_papers_categories_by_default_and_categories_overrides(tmp_path) -> None:
+def test_presets_replay_the_papers_categories_by_default_and_categories_overrides(fake_upstream, tmp_path) -> None:
     from toolquake.bfcl.corpus import format_sensitivity_ids, is_present
 
     if not is_present():
@@ -136,22 +136,20 @@ def test_presets_replay_the_papers_categories_by_default_and_categories_override
     # @seed003 is `off` + the config's pad-*: a cheap stand-in arm here (the selection is what is tested)
     config = tmp_path / "config.toml"
     config.write_text('[profiles.pad-stand-in]\nmode = "off"\n[profiles.fmt-stand-in]\nmode = "off"\n')
-    fake = start_fake_upstream()
-    try:
-        def run(out: str, *args: str) -> dict[str, int]:
-            r = replay("--backend", f"{fake.url}/v1", "--config", str(config), "--limit", "2", "--out",
-                       str(tmp_path / out), *args)
-            assert r.returncode in (0, 1), r.stderr[-2000:]
-            return _categories_replayed(tmp_path / out)
+    fake = fake_upstream
 
-        assert run("s3", "--profiles", "@seed003") == {"simple_python": 2, "live_simple": 2, "multiple": 2}
-        # seed 002: BFCL's format-sensitivity selection (its first two entries here), each under its own category
-        picked = [(cat, i) for cat, ids in format_sensitivity_ids().items() for i in ids][:2]
-        got = run("s2", "--profiles", "@seed002")
-        assert got == dict(Counter(cat for cat, _ in picked))
-        both = run("both", "--profiles", "@seed003,@seed002")
-        assert {"simple_python", "live_simple", "multiple"} <= set(both) and sum(both.values()) == 2 * 3 + 2
-        assert run("over", "--profiles", "@seed003", "--categories", "parallel") == {"parallel": 2}
-        assert run("plain", "--profiles", "off,pad-stand-in") == {"multiple": 2}
-    finally:
-        fake.stop()
+    def run(out: str, *args: str) -> dict[str, int]:
+        r = replay("--backend", f"{fake.url}/v1", "--config", str(config), "--limit", "2", "--out",
+                   str(tmp_path / out), *args)
+        assert r.returncode in (0, 1), r.stderr[-2000:]
+        return _categories_replayed(tmp_path / out)
+
+    assert run("s3", "--profiles", "@seed003") == {"simple_python": 2, "live_simple": 2, "multiple": 2}
+    # seed 002: BFCL's format-sensitivity selection (its first two entries here), each under its own category
+    picked = [(cat, i) for cat, ids in format_sensitivity_ids().items() for i in ids][:2]
+    got = run("s2", "--profiles", "@seed002")
+    assert got == dict(Counter(cat for cat, _ in picked))
+    both = run("both", "--profiles", "@seed003,@seed002")
+    assert {"simple_python", "live_simple", "multiple"} <= set(both) and sum(both.values()) == 2 * 3 + 2
+    assert run("over", "--profiles", "@seed003", "--categories", "parallel") == {"parallel": 2}
+    assert run("plain", "--profiles", "off,pad-stand-in") == {"multiple": 2}

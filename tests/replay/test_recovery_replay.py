@@ -155,13 +155,10 @@ def replay_report(out: Path, fmt: str) -> str:
     return done.stdout
 
 
-def test_fail_arms_on_single_turn_cases_are_named_as_changing_nothing(tmp_path: Path) -> None:
-    fake = start_fake_upstream()
-    try:
-        done = replay("--backend", f"{fake.url}/v1", "--profiles", "off,fail-timeout", "--out", str(tmp_path / "o"),
-                      "--categories", "simple_python", "--limit", "2")
-    finally:
-        fake.stop()
+def test_fail_arms_on_single_turn_cases_are_named_as_changing_nothing(fake_upstream, tmp_path: Path) -> None:
+    fake = fake_upstream
+    done = replay("--backend", f"{fake.url}/v1", "--profiles", "off,fail-timeout", "--out", str(tmp_path / "o"),
+                  "--categories", "simple_python", "--limit", "2")
     assert done.returncode == 0, done.stderr
     assert "tool_failure arms (fail-*) change nothing here" in done.stderr, done.stderr
     sent = {r["profile"]: r for r in rows(tmp_path / "o")}

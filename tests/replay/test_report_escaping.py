@@ -230,13 +230,13 @@ def _build_time(tmp: Path, size: int, attempts: int) -> float:
 
 def test_report_time_grows_linearly_with_the_names(tmp_path):
     """64 KiB and 1 MiB model names, case ids, tool names and error texts: the cost per KiB at 1 MiB stays within a
-    few times the cost at 64 KiB (quadratic code would be 16 times; the bound is wide for a loaded machine), and
-    under 30 ms per KiB."""
+    few times the cost at 64 KiB (quadratic code would be 16 times; the bound is wide for a loaded machine), and the
+    1 MiB report takes under 30 s of CPU (a ratio and a coarse bound: no sub-second threshold)."""
     small, big = 64 * 1024, 1024 * 1024
     t_small = _build_time(tmp_path, small, 2)
     t_big = _build_time(tmp_path, big, 1)
     per_kib_small, per_kib_big = t_small / 64, t_big / 1024
-    assert per_kib_big < 30e-3, f"{per_kib_big * 1e3:.2f} ms/KiB"
+    assert t_big < 30, f"{t_big:.1f} s of CPU for 1 MiB"
     assert per_kib_big < 5 * per_kib_small + 2e-3, (t_small, t_big)
 
 

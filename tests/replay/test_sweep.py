@@ -40,9 +40,17 @@ REAL_CASES = 4
 REAL_MIN, REAL_MAX = 2, 7
 
 
+#: the hidden breaking points of the other axes: a response size, a request size, a number of tools added
+HIDDEN_RESPONSE = {"r-300": [[301, None]], "r-1234": [[1235, None]]}
+HIDDEN_REQUEST = {"c-900": [[901, None]], "c-2500": [[2501, None]], "c-never": []}
+HIDDEN_RELATED = {"k-3": [[5, None]], "k-9": [[11, None]]}  # wrong from 1 + 4 and 1 + 10 tools on
+
+
 @pytest.fixture(scope="module")
 def tools_fake():
-    proc = start_fake_upstream("--breaking", str(breaking_file(HIDDEN_TOOLS, "tools")))
+    """One fake for every axis: the cases' ids tell apart which measure breaks them."""
+    proc = start_fake_upstream("--breaking", str(breaking_file(HIDDEN_TOOLS, "tools", (HIDDEN_RELATED, "tools"), (
+        HIDDEN_RESPONSE, "response_tokens"), (HIDDEN_REQUEST, "request_tokens"))))
     yield proc
     proc.stop()
 
@@ -71,15 +79,11 @@ def test_tools_axis_finds_every_hidden_breaking_point_exactly(tools_fake, tmp_pa
     assert "1 not monotone" in r.stdout and "1 right even at 200" in r.stdout, r.stdout
 
 
-def test_response_tokens_axis_finds_the_hidden_size_exactly(tmp_path):
-    hidden = {"r-300": [[301, None]], "r-1234": [[1235, None]]}
-    fake = start_fake_upstream("--breaking", str(breaking_file(hidden, "response_tokens")))
-    try:
-        out = tmp_path / "resp"
-        r = sweep("--backend", f"{fake.url}/v1", "--cases", str(cases_file(list(hidden), tool_message=True)),
-                  "--axis", "response_tokens", "--min", "0", "--max", "2000", "--resolution", "10", "--out", str(out))
-    finally:
-        fake.stop()
+def test_response_tokens_axis_finds_the_hidden_size_exactly(tools_fake, tmp_path):
+    hidden = HIDDEN_RESPONSE
+    out = tmp_path / "resp"
+    r = sweep("--backend", f"{tools_fake.url}/v1", "--cases", str(cases_file(list(hidden), tool_message=True)),
+              "--axis", "response_tokens", "--min", "0", "--max", "2000", "--resolution", "10", "--out", str(out))
     assert r.returncode == 0, r.stderr + r.stdout
     found = stored(out)
     for cid, wrong in hidden.items():
@@ -96,18 +100,15 @@ def test_response_tokens_axis_finds_the_hidden_size_exactly(tmp_path):
         assert all(v == (rep is None or rep["tokens_total"] <= limit) for _, v, rep in seen.values())
 
 
-def test_conversation_tokens_axis_finds_the_hidden_request_size_exactly(tmp_path):
+def test_conversation_tokens_axis_finds_the_hidden_request_size_exactly(tools_fake, tmp_path):
     """`--axis conversation_tokens`: filler turns before the final user message until the request holds x tokens; the
     fake breaks past a hidden request size (the estimate's tokens of messages and tools, what the axis counts)."""
-    hidden = {"c-900": [[901, None]], "c-2500": [[2501, None]], "c-never": []}
-    fake = start_fake_upstream("--breaking", str(breaking_file(hidden, "request_tokens")))
-    try:
-        out = tmp_path / "conv"
-        r = sweep("--backend", f"{fake.url}/v1", "--cases", str(cases_file(list(hidden))), "--axis",
-                  "conversation_tokens", "--min", "0", "--max", "4000", "--resolution", "50", "--out", str(out))
-        sent = httpx.get(f"{fake.url}/_fake/requests").json()
-    finally:
-        fake.stop()
+    hidden = HIDDEN_REQUEST
+    out = tmp_path / "conv"
+    httpx.delete(f"{tools_fake.url}/_fake/requests")  # the tests of a module run one after the other
+    r = sweep("--backend", f"{tools_fake.url}/v1", "--cases", str(cases_file(list(hidden))), "--axis",
+              "conversation_tokens", "--min", "0", "--max", "4000", "--resolution", "50", "--out", str(out))
+    sent = httpx.get(f"{tools_fake.url}/_fake/requests").json()
     assert r.returncode == 0, r.stderr + r.stdout
     from toolquake.perturbers.helpers.tokens import EstimateCounter
 
@@ -337,17 +338,13 @@ def test_shards_split_the_cases_and_report_as_one_run(tools_fake, tmp_path):
         "t-7": (7, 8), "t-50": (50, 51), "t-123": (123, 124), "t-never": (200, None)}
 
 
-def test_related_axis_counts_the_tools_added(tmp_path):
+def test_related_axis_counts_the_tools_added(tools_fake, tmp_path):
     """`--axis related`: x related tools added by toolkit expansion to the case's one tool; the fake breaks past a
     hidden number of tools in the request, so the breaking point is that number minus the case's own tool."""
-    hidden = {"k-3": [[5, None]], "k-9": [[11, None]]}  # wrong from 1 + 4 and 1 + 10 tools on
-    fake = start_fake_upstream("--breaking", str(breaking_file(hidden, "tools")))
-    try:
-        out = tmp_path / "related"
-        r = sweep("--backend", f"{fake.url}/v1", "--cases", str(cases_file(list(hidden))), "--axis", "related",
-                  "--out", str(out))
-    finally:
-        fake.stop()
+    hidden = HIDDEN_RELATED
+    out = tmp_path / "related"
+    r = sweep("--backend", f"{tools_fake.url}/v1", "--cases", str(cases_file(list(hidden))), "--axis", "related",
+              "--out", str(out))
     assert r.returncode == 0, r.stderr + r.stdout
     found = stored(out)
     for cid, (first, last) in {"k-3": (4, 3), "k-9": (10, 9)}.items():

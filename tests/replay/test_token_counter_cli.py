@@ -90,6 +90,6 @@ def test_serve_refuses_a_tokenizer_it_cannot_load_with_the_reason(tmp_path) -> N
 
     for spec, says in ((f"tiktoken:{tmp_path / 'none.tiktoken'}", "neither a known encoding"),
                        (f"tokenizer:{tmp_path / 'none.json'}", "tokenizer file not found")):
-        r = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--token-counter", spec, "--port", "9",
+        r = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--token-counter", spec, "--port", "0",
                             "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]

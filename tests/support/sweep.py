@@ -53,10 +53,12 @@ def cases_file(ids: list[str], tool_message: bool = False) -> Path:
     return path
 
 
-def breaking_file(hidden: dict[str, list], measure: str) -> Path:
+def breaking_file(hidden: dict[str, list], measure: str, *more: tuple[dict[str, list], str]) -> Path:
+    """The fake's `--breaking` file: each case of `hidden` wrong on its intervals of `measure` (and so for each
+    further (hidden, measure) pair: one fake for cases broken along several measures)."""
     path = Path(tempfile.mkstemp(prefix="toolquake-breaking-", suffix=".jsonl")[1])
-    path.write_text("".join(json.dumps({"match": f"[{cid}]", "answer": RIGHT, "measure": measure, "wrong": wrong})
-                            + "\n" for cid, wrong in hidden.items()))
+    path.write_text("".join(json.dumps({"match": f"[{cid}]", "answer": RIGHT, "measure": m, "wrong": wrong}) + "\n"
+                            for h, m in ((hidden, measure), *more) for cid, wrong in h.items()))
     return path
 
 
