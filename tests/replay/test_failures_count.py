@@ -109,6 +109,7 @@ def check_report(data: dict, stored: list[dict]) -> None:
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_refused_requests_are_failures_in_accuracy_mcnemar_and_the_paper_tables(refusing, tmp_path):
     fake, cases, wrong = refusing
     out = tmp_path / "run"
@@ -202,6 +203,7 @@ def test_a_refused_multi_turn_step_is_bfcl_s_inference_error(refusing, tmp_path)
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 @pytest.mark.slow
 def test_sigkill_then_resume_retries_the_503s_and_counts_every_refused_and_answered_pair_once(refusing, tmp_path):
     fake, cases, _ = refusing

@@ -49,6 +49,7 @@ def hosted():
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusal_stays_a_failure(hosted, tmp_path):
     fake, cases = hosted
     out = tmp_path / "run"
@@ -158,6 +159,7 @@ def sweep(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_a_sweep_past_the_api_s_tools_cap_is_not_comparable_and_below_it_breaks_at_the_context(tmp_path):
     """Past 60 tools the fake refuses the shape (OpenAI's cap), past 40 the context: a sweep to 200 tools has no
     breaking point to give (not comparable, out of every number); one to 60 breaks every case at 41."""

@@ -55,6 +55,7 @@ def tools_fake():
     proc.stop()
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_tools_axis_finds_every_hidden_breaking_point_exactly(tools_fake, tmp_path):
     cases = cases_file(list(HIDDEN_TOOLS))
     out = tmp_path / "tools"
@@ -136,6 +137,7 @@ def test_conversation_tokens_axis_finds_the_hidden_request_size_exactly(tools_fa
                                                                      else 0)
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_a_backend_that_refuses_past_n_tools_breaks_every_case_at_n_plus_one(tmp_path):
     """`--max-tools N`: past N tools the backend answers 400 context_length_exceeded. A refused request is a wrong
     answer (BFCL's inference error, proxy/replay/failures.py), recorded once and never sent again; the report says
@@ -183,6 +185,7 @@ def test_a_backend_that_refuses_past_n_tools_breaks_every_case_at_n_plus_one(tmp
     assert text.count("first wrong: failed on the backend (context_length_exceeded)") == len(ids)
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_sigkill_mid_sweep_then_resume_records_each_request_once_with_the_same_result(tools_fake, tmp_path):
     ids = ["t-7", "t-50", "t-123", "t-window"]
     cases = cases_file(ids)
@@ -226,6 +229,7 @@ def test_sigkill_mid_sweep_then_resume_records_each_request_once_with_the_same_r
     assert stored(killed) == reference  # the same points asked, the same verdicts
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_trials_majority_and_all_rules(tools_fake, tmp_path):
     """With K trials per point the fake (deterministic here) agrees with itself: both rules find the same point,
     and every point is asked K times."""
@@ -259,6 +263,7 @@ def test_unknown_axis_and_bad_settings_are_clear_errors(tools_fake, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
     """`--proxy URL`: the proxy as its own server in front of the fake; the sweep puts its profiles there through the
     admin API (its token from the environment) and finds the same breaking points as with its own proxy."""
@@ -289,6 +294,7 @@ def test_sweep_through_a_running_proxy(tools_fake, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.model
+@pytest.mark.needs_embeddings
 def test_a_real_sweep_on_the_embedded_model_finds_non_trivial_breaking_points(tmp_path):
     """SmolLM2-135M on llama.cpp (`toolquake backend local`), BFCL `multiple` cases swept along `tools`: every case
     finishes, and the model breaks somewhere inside the range on at least one of them (right with its own tools,
@@ -315,6 +321,7 @@ def test_a_real_sweep_on_the_embedded_model_finds_non_trivial_breaking_points(tm
     assert all(sum(len(rows) for rows in points.values()) <= REAL_MAX - REAL_MIN + 1 for points in found.values())
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_shards_split_the_cases_and_report_as_one_run(tools_fake, tmp_path):
     """`--shard I/N` as in replay: each shard sweeps every N-th case into its own file; the report merges them."""
     ids = ["t-7", "t-50", "t-123", "t-never"]
@@ -338,6 +345,7 @@ def test_shards_split_the_cases_and_report_as_one_run(tools_fake, tmp_path):
         "t-7": (7, 8), "t-50": (50, 51), "t-123": (123, 124), "t-never": (200, None)}
 
 
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_related_axis_counts_the_tools_added(tools_fake, tmp_path):
     """`--axis related`: x related tools added by toolkit expansion to the case's one tool; the fake breaks past a
     hidden number of tools in the request, so the breaking point is that number minus the case's own tool."""
