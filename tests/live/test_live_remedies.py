@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from tests.fake_upstream import LOST_TEXT
-from tests.replay.test_live_report import SAME, report
 from tests.support import scraped, start_fake_upstream, start_proxy, wait_for
 from tests.support.replay import replay
+from tests.support.report import SAME, report
 from toolquake.scorers.consistency import DISAGREE
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings]

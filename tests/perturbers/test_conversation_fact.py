@@ -258,7 +258,7 @@ def test_live_traffic_places_the_filler_after_the_first_message_of_the_kind(prox
 
 @pytest.mark.needs_corpus
 def test_a_replayed_conversation_without_a_fact_is_not_perturbed(backends, runs, tmp_path: Path) -> None:
-    from tests.replay.test_multiturn_replay import first_user, scripted_turns
+    from tests.support.multiturn import first_user, scripted_turns
     from toolquake.bfcl.corpus import load_category
     from toolquake.scorers import multiturn as mt
 

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from tests.replay.test_seed003_tables import _arm, report, write
+from tests.support.report import report_text as report
+from tests.support.results import perturb_arm, write_results
 from toolquake.proxy.replay.store import Record
 
 #: valid answers out of 10 per (category, budget, position)
@@ -44,7 +45,7 @@ def grid(tmp_path_factory):
     names = {}
     for j, (b, p) in enumerate(sorted({(b, p) for _, b, p in VALID})):
         names[(b, p)] = f"cell-{j}"
-        arms[f"cell-{j}"] = _arm("catalog_padding", budget_tokens=b, position=p)
+        arms[f"cell-{j}"] = perturb_arm("catalog_padding", budget_tokens=b, position=p)
     records = []
     for (cat, b, p), valid in VALID.items():
         for i in range(N):
@@ -53,7 +54,7 @@ def grid(tmp_path_factory):
             if (b, p) == (8192, 0.1):
                 records.append(Record(f"{cat}_{i}", "off", cat, "scored", valid=True))
     path = tmp_path_factory.mktemp("directional") / "replay.sqlite"
-    write(path, arms, records)
+    write_results(path, arms, records)
     return path
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from tests.support import ROOT, start_fake_upstream
 from tests.support.replay import kill_at_random_points, oracle_script, replay, row_counter, rows
+from tests.support.report import report_text as report
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -68,11 +69,6 @@ def scored_counter(db_path):
     return count
 
 
-def report(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
-
-
 def expected_arm(stored: list[dict], profile: str) -> dict:
     """An arm's figures from the stored rows: every scored row counts, a refused one as a wrong answer."""
     mine = [r for r in stored if r["profile"] == profile and r["status"] == "scored"]
@@ -113,6 +109,7 @@ def check_report(data: dict, stored: list[dict]) -> None:
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_refused_requests_are_failures_in_accuracy_mcnemar_and_the_paper_tables(refusing, tmp_path):
     fake, cases, wrong = refusing
     out = tmp_path / "run"
@@ -206,6 +203,7 @@ def test_a_refused_multi_turn_step_is_bfcl_s_inference_error(refusing, tmp_path)
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 @pytest.mark.slow
 def test_sigkill_then_resume_retries_the_503s_and_counts_every_refused_and_answered_pair_once(refusing, tmp_path):
     fake, cases, _ = refusing

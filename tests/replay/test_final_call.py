@@ -11,17 +11,16 @@ ground-truth conversion written here, then compared with what replay stored and 
 
 from __future__ import annotations
 
-import ast
 import json
 import sqlite3
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 
-from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
 from tests.support import ROOT, start_fake_upstream
+from tests.support.multiturn import first_user, load, possible_answer, scripted_turns
+from tests.support.report import report
 from toolquake.scorers import multiturn as mt
 
 pytestmark = pytest.mark.needs_corpus
@@ -73,23 +72,6 @@ def replayed(backends, tmp_path_factory):
     return root / "run", stored, Reference(root / "bfcl-eval")
 
 
-def _possible(text: str, functions: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ground-truth call string as BFCL's possible answer (each argument its one value; dict values wrapped)."""
-    node = ast.parse(text, mode="eval").body
-    assert isinstance(node, ast.Call)
-    doc = next(f for f in functions if f["name"] == node.func.id)
-    order = list(doc["parameters"]["properties"])
-    args = {order[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
-    args.update({k.arg: ast.literal_eval(k.value) for k in node.keywords})
-
-    def wrap(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: [wrap(x)] for k, x in v.items()}
-        return [wrap(x) for x in v] if isinstance(v, list) else v
-
-    return {node.func.id: {k: [wrap(v)] for k, v in args.items()}}
-
-
 def reference_final(reference, row: dict) -> bool:
     """BFCL's AST checker on the stored last turn's calls against that turn's ground truth."""
     case = load(row["case_id"])
@@ -97,7 +79,7 @@ def reference_final(reference, row: dict) -> bool:
     if len(turns) < len(case.ground_truth):
         return False
     calls = [c for step in turns[-1] for c in step.get("calls") or []]
-    expected = [_possible(t, case.functions) for t in case.ground_truth[-1]]
+    expected = [possible_answer(t, case.functions) for t in case.ground_truth[-1]]
     if not expected:
         return not calls
     valid, _ = reference.check(case.functions, expected, "parallel" if len(expected) > 1 else "multiple", calls)
@@ -122,8 +104,7 @@ def test_final_call_verdicts_are_bfcl_s_ast_verdicts_on_the_stored_last_turn(rep
     assert not off2["valid"] and not json.loads(off2["answer"])["final_call"]["valid"]
     assert json.loads(by[("multi_turn_base_1", "off")]["answer"])["final_call"]["valid"]
 
-    data = json.loads(subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json",
-                                      "--no-plots"], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    data = json.loads(report(str(out), "--format", "json", "--no-plots").stdout)
     for profile in PROFILES:
         mine = [x for x in stored if x["profile"] == profile and _in_arm(x)]
         final = data["arms"][profile]["final_call"]
@@ -136,8 +117,7 @@ def test_final_call_verdicts_are_bfcl_s_ast_verdicts_on_the_stored_last_turn(rep
     arm = data["arms"]["bfcl-conv-20k-s2"]
     assert cell["final_call"]["accuracy"] == pytest.approx(arm["final_call"]["accuracy"])
     assert cell["accuracy"] == pytest.approx(data["arms"]["bfcl-conv-20k-s2"]["accuracy"])
-    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--no-plots"], cwd=ROOT,
-                        capture_output=True, text=True, check=True).stdout
+    md = report(str(out), "--no-plots").stdout
     assert group == "played, fact tool_response"
     assert f"| fake-model | {group} | AST, the last turn's calls |" in md
     off = data["arms"]["off"]["final_call"]

@@ -23,18 +23,12 @@ import pytest
 
 from tests.support import ROOT, start_fake_upstream, start_proxy
 from tests.support.replay import oracle_script, replay, rows
+from tests.support.report import report_text
 
 LIMIT = 6  # of each category
 CAP = 20  # the tools array the fake accepts (OpenAI: 128)
 CONTEXT = 2  # the tools that fit its context
 SHAPE_CODE, CONTEXT_CODE = "array_above_max_length", "context_length_exceeded"
-
-
-def report(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", "--no-plots", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
 
 
 def sent(fake, tag: str) -> list[dict]:
@@ -55,6 +49,7 @@ def hosted():
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusal_stays_a_failure(hosted, tmp_path):
     fake, cases = hosted
     out = tmp_path / "run"
@@ -85,7 +80,7 @@ def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusa
     assert again.returncode == 0, again.stderr[-2000:]
     assert len(sent(fake, "hosted")) == before
 
-    data = json.loads(report("--format", "json", str(out)))
+    data = json.loads(report_text("--no-plots", "--format", "json", str(out)))
     pad, off = data["arms"]["pad-8k-p10"], data["arms"]["off"]
     assert pad["not_comparable"] == {SHAPE_CODE: len(cases)}
     assert (pad["n"], pad["accuracy"], pad["failed"], pad["unscored"]) == (0, None, 0, 0)  # out of n: not 0.0
@@ -99,11 +94,11 @@ def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusa
     assert "pad-8k-p10" not in (data["caused_errors"].get("fake-model") or {})
     assert not data["padding_extremes"]
 
-    md = report(str(out))
+    md = report_text("--no-plots", str(out))
     assert "not comparable (refused for the request's shape, in no number)" in md
     assert "| fake-model | pad-8k-p10 | 0 | – |" in md  # the arms table: n 0, no accuracy
     assert f"{len(cases)} ({SHAPE_CODE} {len(cases)})" in md
-    table = list(csv.DictReader(io.StringIO(report("--format", "csv", "--csv-stats", str(out)))))
+    table = list(csv.DictReader(io.StringIO(report_text("--no-plots", "--format", "csv", "--csv-stats", str(out)))))
     row = next(x for x in table if x["Profile"] == "pad-8k-p10")
     assert (row["N"], row["Not Comparable"], row["Not Comparable Codes"]) == (
         "0", str(len(cases)), f"{SHAPE_CODE}:{len(cases)}")
@@ -123,7 +118,7 @@ def test_a_model_that_refuses_temperature_is_not_comparable_and_temperature_none
         assert len(warned) == 1 and "--temperature none" in warned[0], r.stderr[-2000:]
         assert {(x["error_type"], x["error_code"], x["valid"]) for x in rows(tmp_path / "zero")} == {
             ("not_comparable", "unsupported_value", None)}
-        zero = json.loads(report("--format", "json", str(tmp_path / "zero")))
+        zero = json.loads(report_text("--no-plots", "--format", "json", str(tmp_path / "zero")))
         assert zero["arms"]["off"]["n"] == 0 and zero["arms"]["off"]["accuracy"] is None  # not 0.000
         assert zero["arms"]["off"]["not_comparable"] == {"unsupported_value": 3}
         assert zero["sent_with"]["fake-model"]["temperature"] == "0"
@@ -133,10 +128,11 @@ def test_a_model_that_refuses_temperature_is_not_comparable_and_temperature_none
         assert r.returncode == 0, r.stderr[-2000:]
         assert all("temperature" not in q for q in sent(fake, "none")) and len(sent(fake, "none")) == 3
         assert {(x["valid"], x["error_code"]) for x in rows(tmp_path / "none")} == {(1, None)}
-        data = json.loads(report("--format", "json", str(tmp_path / "none")))
+        data = json.loads(report_text("--no-plots", "--format", "json", str(tmp_path / "none")))
         assert data["arms"]["off"]["n"] == 3 and data["arms"]["off"]["accuracy"] == 1.0
         assert data["sent_with"]["fake-model"]["temperature"] == "none"
-        assert "| fake-model | none (not sent: the model's default) |" in report(str(tmp_path / "none"))
+        md = report_text("--no-plots", str(tmp_path / "none"))
+        assert "| fake-model | none (not sent: the model's default) |" in md
         # a resume with another temperature would mix two samplings: refused
         r = replay(*base, "--out", str(tmp_path / "none"))
         assert r.returncode == 2 and "temperature none" in r.stderr
@@ -163,6 +159,7 @@ def sweep(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_a_sweep_past_the_api_s_tools_cap_is_not_comparable_and_below_it_breaks_at_the_context(tmp_path):
     """Past 60 tools the fake refuses the shape (OpenAI's cap), past 40 the context: a sweep to 200 tools has no
     breaking point to give (not comparable, out of every number); one to 60 breaks every case at 41."""
@@ -193,22 +190,23 @@ def test_a_sweep_past_the_api_s_tools_cap_is_not_comparable_and_below_it_breaks_
     finally:
         db.close()
     assert sorted(c for c, _, _ in refused) == ids and {(code, v) for _, code, v in refused} == {(SHAPE_CODE, None)}
-    far_n = json.loads(report("--format", "json", str(tmp_path / "far")))["sweeps"]["fake-model"]["tools"]
+    far_n = json.loads(report_text("--no-plots", "--format", "json", tmp_path / "far"))["sweeps"]["fake-model"]["tools"]
     assert far_n["n"] == 0 and far_n["not_comparable"] == {SHAPE_CODE: 3} and far_n["not_comparable_cases"] == ids
     assert far_n["incomplete"] == [] and far_n["censored"] == [] and far_n["median"] is None
-    near_n = json.loads(report("--format", "json", str(tmp_path / "near")))["sweeps"]["fake-model"]["tools"]
+    near = json.loads(report_text("--no-plots", "--format", "json", tmp_path / "near"))
+    near_n = near["sweeps"]["fake-model"]["tools"]
     assert near_n["n"] == 3 and near_n["not_comparable"] == {}
     assert {c: (v["last_right"], v["first_wrong"]) for c, v in near_n["cases"].items()} == {
         cid: (40, 41) for cid in ids}
     assert near_n["first_wrong_failed"] == {cid: CONTEXT_CODE for cid in ids}  # the context: a failure
-    text = report(str(tmp_path / "far"))
+    text = report_text("--no-plots", str(tmp_path / "far"))
     assert "not comparable: the backend refused a point for the request's shape" in text
 
 
-def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_proxy(tmp_path):
+def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_proxy(fake_upstream, tmp_path):
     """Every arm that fills a token budget is refused on the estimate counter, whatever names it (not only
     `@seed003`), in replay and sweep, and with --proxy when that proxy says it counts with the estimate."""
-    fake = start_fake_upstream()
+    fake = fake_upstream
     proxy = start_proxy(fake.url)  # [server] token_counter: the estimate (the default)
     try:
         common = ("--backend", f"{fake.url}/v1", "--cases", str(_cases_file(tmp_path, ["w-1"])))
@@ -226,22 +224,18 @@ def test_budget_arms_are_refused_on_the_estimate_without_a_preset_and_through_a_
         assert r.returncode == 2 and "these arms fill a token budget" in r.stderr, r.stderr[-2000:]
     finally:
         proxy.stop()
-        fake.stop()
 
 
-def test_generated_related_tools_need_a_fixed_generator_or_consent(tmp_path):
+def test_generated_related_tools_need_a_fixed_generator_or_consent(fake_upstream, tmp_path):
     """`toolkit_expansion` with `source = "generate"` and no generator model would have the model under test write
     its own related tools: refused without --self-rephrase, as the rephraser is."""
     config = tmp_path / "config.toml"
     config.write_text('[profiles.gen-tools]\nmode = "perturb"\nperturbers = [{ name = "toolkit_expansion", params = '
                       '{ source = "generate", generator_url = "http://127.0.0.1:9/v1" } }]\n')
-    fake = start_fake_upstream()
-    try:
-        r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,gen-tools", "--config", str(config), "--cases",
-                   str(_cases_file(tmp_path, ["w-1"])), "--out", str(tmp_path / "out"),
-                   env={"TOOLQUAKE_GENERATOR_MODEL": ""})
-    finally:
-        fake.stop()
+    fake = fake_upstream
+    r = replay("--backend", f"{fake.url}/v1", "--profiles", "off,gen-tools", "--config", str(config), "--cases",
+               str(_cases_file(tmp_path, ["w-1"])), "--out", str(tmp_path / "out"),
+               env={"TOOLQUAKE_GENERATOR_MODEL": ""})
     assert r.returncode == 2, r.stderr[-2000:]
     assert "gen-tools: no fixed generator model is configured" in r.stderr and "--self-rephrase" in r.stderr
 

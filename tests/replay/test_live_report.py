@@ -12,17 +12,15 @@ reverse order) breaks exactly those. The expected verdicts are known before eith
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import openai
 import pytest
 
-from tests.replay.test_report_stats import _chromium, _console, _open
 from tests.support import ROOT, scraped, start_fake_upstream, start_proxy, wait_for
+from tests.support.browser import chromium, console, open_page
 from tests.support.replay import oracle_script, replay
+from tests.support.report import SAME, report
 
 pytestmark = pytest.mark.needs_corpus
 
@@ -30,10 +28,6 @@ N_CASES = 12
 WRONG = (0, 5)  # answered with another function under every profile
 BROKEN = (2, 3, 7, 9, 11)  # answered with a text when their tools come in reverse order
 PROFILES = ("off", "reversed")
-#: the statistics both sources must agree on, per arm
-SAME = ("n", "accuracy", "accuracy_ci", "errors", "errors_ci", "by_category", "drop_vs_off", "drop_vs_off_ci",
-        "paired", "not_perturbed", "perturbed_share", "semantic_flips", "accuracy_cs", "drop_vs_off_cs",
-        "anytime_pairs")
 
 
 def _name(function: dict) -> str:
@@ -77,13 +71,6 @@ def both(tmp_path_factory):
         fake.stop()
         script.unlink()
     yield cases, db, runs
-
-
-def report(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r
 
 
 def test_live_traffic_and_a_replay_of_the_same_verdicts_give_the_same_report(both):
@@ -162,14 +149,12 @@ def test_a_live_store_and_a_replay_directory_in_one_report(both, tmp_path):
 
 
 def test_the_live_html_report_in_headless_chromium(both, tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     _, db, _ = both
     page = tmp_path / "live.html"
     report("--db", str(db), "--format", "html", "--out", str(page))
-    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     html = r.stdout
     order = [html.index(s) for s in ("id=\"summary\"", "id=\"tables\"", "Fixed-sample and anytime-valid",
                                      "id=\"plots\"", "id=\"cases\"")]
@@ -177,8 +162,8 @@ def test_the_live_html_report_in_headless_chromium(both, tmp_path):
     lost = len(set(BROKEN) - set(WRONG))
     assert f"{lost} of {lost} flipped cases shown" in html  # the filter script ran over live traffic's diffs
     shot = tmp_path / "live.png"
-    r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,2400")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,2400")
+    assert console(r.stderr) == [] and requests == []
     from PIL import Image
 
     with Image.open(shot) as img:

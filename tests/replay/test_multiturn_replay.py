@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support import Proc, recorded, start_fake_upstream
+from tests.support.multiturn import first_user, load, scripted_turns
 from toolquake.bfcl.simulators import Backends
 from toolquake.scorers import multiturn as mt
 
@@ -21,25 +22,6 @@ GROUND_TRUTH_CASES = ("multi_turn_base_1", "multi_turn_miss_func_2", "multi_turn
                       "multi_turn_long_context_4")
 WRONG_DIRECTORY_CASE = "multi_turn_base_0"   # the model creates `tmp` instead of `temp`
 LOOPING_CASE = "multi_turn_base_5"           # the model calls pwd() forever in turn 0
-
-
-def load(case_id: str) -> Any:
-    from toolquake.bfcl.corpus import load_case
-
-    return load_case(case_id)
-
-
-def first_user(case: Any) -> str:
-    return case.turns[0][0]["content"]
-
-
-def scripted_turns(result: mt.MultiTurnResult) -> list[list[dict[str, Any]]]:
-    """A model run as the fake's answers: each step's calls, then a text answer that ends the turn."""
-    turns = []
-    for steps in result.turns:
-        answers = [{"calls": s.calls} for s in steps if s.calls]
-        turns.append([*answers, {"text": "Done."}])
-    return turns
 
 
 @pytest.fixture(scope="module")
@@ -238,15 +220,9 @@ def test_toolquake_replay_scores_multi_turn_categories_per_profile(model: Proc, 
     assert perturbers["steps"] == steps and perturbers["applied"] == {"tool_order": steps}
     assert json.loads(rows[2][7])["applied"] == {}
     # `toolquake report`: accuracy per profile and category, and the multi-turn error breakdown
-    report = subprocess.run(
-        [sys.executable, "-m", "toolquake", "report", str(out), "--format", "json", "--no-plots"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr[-2000:]
-    arms = next(iter(json.loads(report.stdout)["models"].values()))["arms"]
+    from tests.support.report import report
+
+    arms = next(iter(json.loads(report(out, "--format", "json", "--no-plots").stdout)["models"].values()))["arms"]
     for profile in ("off", "shuffled"):
         assert arms[profile]["by_category"]["multi_turn_base"]["accuracy"] == 0.5
         assert arms[profile]["errors"] == {mt.STATE: 1}
@@ -271,6 +247,7 @@ def cannot_generate(server: Any) -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_a_few_cases_against_the_embedded_model_complete(backends: Backends) -> None:
     """SmolLM2-135M behind llama.cpp's server, behind the proxy: low accuracy expected, no crash of ours."""
     import importlib.util

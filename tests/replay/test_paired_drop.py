@@ -9,12 +9,10 @@ paired comparison shows none; the expected figures are recomputed from the rows 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
+from tests.support.report import report
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 N = 40
@@ -65,8 +63,7 @@ def _drop(rows: list[Record], category: str | None = None) -> tuple[float, float
 
 def test_the_rephrasing_arm_is_compared_with_the_baseline_on_the_cases_it_perturbed(results, tmp_path):
     root, rows = results
-    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root), "--format", "json"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = report(str(root), "--format", "json").stdout
     arm = json.loads(out)["arms"]["rephrased"]
     paired, unpaired = _drop(rows)
     assert arm["not_perturbed"] == N // 4 and arm["n"] == N - N // 4
@@ -77,7 +74,6 @@ def test_the_rephrasing_arm_is_compared_with_the_baseline_on_the_cases_it_pertur
     for cat in ("simple_python", "multiple"):
         assert arm["by_category"][cat]["drop_vs_off"] == pytest.approx(_drop(rows, cat)[0])
     # seed 001 Table 2 in Markdown: the arm's accuracy with the paired drop in brackets
-    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root)], cwd=ROOT, capture_output=True,
-                        text=True, check=True).stdout
+    md = report(str(root)).stdout
     off = json.loads(out)["arms"]["off"]["accuracy"]
     assert f"| m1 | {off:.3f} | {arm['accuracy']:.3f} ({round(paired * 100):+d}%) |" in md

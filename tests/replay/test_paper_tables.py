@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from tests.support import ROOT
-from toolquake.proxy.replay.store import Record, ResultsFile
+from tests.support.report import report
+from tests.support.results import write_results
+from toolquake.proxy.replay.store import Record
 
 NINE = ["wrong_syntax", "wrong_function", "wrong_count", "wrong_param_value", "missing_param", "unexpected_param",
         "wrong_type", "irrelevance_violation", "relevance_miss"]
@@ -29,18 +28,8 @@ ARMS = {"off": {"mode": "off", "perturbers": []},
 
 
 def report_json(path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(path), "--format", "json"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = report(str(path), "--format", "json").stdout
     return json.loads(out)
-
-
-def write(path, arms: dict, records: list[Record]) -> None:
-    f = ResultsFile(path)
-    f.claim("m1", "http://backend/v1")
-    f.register_arms(arms)
-    for rec in records:
-        f.record(rec)
-    f.close()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def run(tmp_path_factory):
                 perturbers = {"applied": [{"name": "toolkit_expansion", "params": {"k": 3}, "report": report}]}
             records.append(Record(case, p, "multiple", "scored", valid=valid,
                                   taxonomy=None if valid else rng.choice(NINE), perturbers=perturbers))
-    write(path, ARMS, records)
+    write_results(path, ARMS, records)
     return path, records
 
 
@@ -91,8 +80,7 @@ def test_error_shares_count_only_the_failures_the_perturbation_caused(run) -> No
 
 def test_the_markdown_report_shows_the_four_classes_and_the_expansion_distribution(run) -> None:
     path, records = run
-    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(path)], cwd=ROOT, capture_output=True,
-                        text=True, check=True).stdout
+    md = report(str(path)).stdout
     assert "Seed 001 Table 2 (right)" in md
     for c in ("wrong syntax", "wrong function", "wrong number of functions", "wrong parameter assignment"):
         assert c in md
@@ -138,7 +126,7 @@ def test_seed_003_extremes_and_bfcl_format_statistics_are_recomputed_from_the_ve
     for r in records:
         r.taxonomy = None if r.valid else "wrong_function"
     path = tmp_path / "replay.sqlite"
-    write(path, arms, records)
+    write_results(path, arms, records)
     got = report_json(path)
 
     def acc(profile: str, cat: str | None = None) -> float:

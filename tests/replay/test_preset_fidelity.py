@@ -49,7 +49,7 @@ def test_seed003_presets_refuse_the_estimate_and_say_how_to_pick_a_counter(no_to
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_allow_estimate_runs_and_the_report_names_the_counter_and_the_tokens_reached(no_tokenizer, tmp_path) -> None:
-    from tests.replay.test_seed003_tables import report
+    from tests.support.report import report_text as report
     from toolquake.bfcl.corpus import is_present
 
     if not is_present():
@@ -80,12 +80,13 @@ def test_the_report_gives_the_counter_and_tokens_reached_of_each_lengthening_arm
     tokens its requests reached, recomputed here from the reports written to a real results file."""
     import random
 
-    from tests.replay.test_seed003_tables import _arm, report, write
+    from tests.support.report import report_text as report
+    from tests.support.results import perturb_arm, write_results
     from toolquake.proxy.replay.store import Record
 
     arms = {"off": {"mode": "off", "perturbers": []},
-            "resp-10k": _arm("response_lengthening", budget_tokens=10000, position=0.0),
-            "conv-20k": _arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
+            "resp-10k": perturb_arm("response_lengthening", budget_tokens=10000, position=0.0),
+            "conv-20k": perturb_arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
     rng = random.Random(5)
     records, reached = [], {"resp-10k": [], "conv-20k": []}
     for i in range(9):
@@ -102,7 +103,7 @@ def test_the_report_gives_the_counter_and_tokens_reached_of_each_lengthening_arm
                                           for r in reports]}
             records.append(Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=rng.random() < 0.7,
                                   perturbers=perturbers))
-    write(tmp_path / "replay.sqlite", arms, records)
+    write_results(tmp_path / "replay.sqlite", arms, records)
     got = json.loads(report(tmp_path, "--format", "json"))["lengthening"]["m1"]
     assert set(got) == {"resp-10k", "conv-20k"}
     for p, tokens in reached.items():
@@ -127,7 +128,7 @@ def _categories_replayed(out) -> dict[str, int]:
 
 
 @pytest.mark.needs_corpus
-def test_presets_replay_the_papers_categories_by_default_and_categories_overrides(tmp_path) -> None:
+def test_presets_replay_the_papers_categories_by_default_and_categories_overrides(fake_upstream, tmp_path) -> None:
     from toolquake.bfcl.corpus import format_sensitivity_ids, is_present
 
     if not is_present():
@@ -135,22 +136,20 @@ def test_presets_replay_the_papers_categories_by_default_and_categories_override
     # @seed003 is `off` + the config's pad-*: a cheap stand-in arm here (the selection is what is tested)
     config = tmp_path / "config.toml"
     config.write_text('[profiles.pad-stand-in]\nmode = "off"\n[profiles.fmt-stand-in]\nmode = "off"\n')
-    fake = start_fake_upstream()
-    try:
-        def run(out: str, *args: str) -> dict[str, int]:
-            r = replay("--backend", f"{fake.url}/v1", "--config", str(config), "--limit", "2", "--out",
-                       str(tmp_path / out), *args)
-            assert r.returncode in (0, 1), r.stderr[-2000:]
-            return _categories_replayed(tmp_path / out)
+    fake = fake_upstream
 
-        assert run("s3", "--profiles", "@seed003") == {"simple_python": 2, "live_simple": 2, "multiple": 2}
-        # seed 002: BFCL's format-sensitivity selection (its first two entries here), each under its own category
-        picked = [(cat, i) for cat, ids in format_sensitivity_ids().items() for i in ids][:2]
-        got = run("s2", "--profiles", "@seed002")
-        assert got == dict(Counter(cat for cat, _ in picked))
-        both = run("both", "--profiles", "@seed003,@seed002")
-        assert {"simple_python", "live_simple", "multiple"} <= set(both) and sum(both.values()) == 2 * 3 + 2
-        assert run("over", "--profiles", "@seed003", "--categories", "parallel") == {"parallel": 2}
-        assert run("plain", "--profiles", "off,pad-stand-in") == {"multiple": 2}
-    finally:
-        fake.stop()
+    def run(out: str, *args: str) -> dict[str, int]:
+        r = replay("--backend", f"{fake.url}/v1", "--config", str(config), "--limit", "2", "--out",
+                   str(tmp_path / out), *args)
+        assert r.returncode in (0, 1), r.stderr[-2000:]
+        return _categories_replayed(tmp_path / out)
+
+    assert run("s3", "--profiles", "@seed003") == {"simple_python": 2, "live_simple": 2, "multiple": 2}
+    # seed 002: BFCL's format-sensitivity selection (its first two entries here), each under its own category
+    picked = [(cat, i) for cat, ids in format_sensitivity_ids().items() for i in ids][:2]
+    got = run("s2", "--profiles", "@seed002")
+    assert got == dict(Counter(cat for cat, _ in picked))
+    both = run("both", "--profiles", "@seed003,@seed002")
+    assert {"simple_python", "live_simple", "multiple"} <= set(both) and sum(both.values()) == 2 * 3 + 2
+    assert run("over", "--profiles", "@seed003", "--categories", "parallel") == {"parallel": 2}
+    assert run("plain", "--profiles", "off,pad-stand-in") == {"multiple": 2}

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support import recorded, start_fake_upstream
 from tests.support.replay import replay, rows
+from tests.support.report import report_run
 from toolquake.scorers.aggregate import wilson
 
 pytestmark = pytest.mark.needs_corpus
@@ -147,24 +148,17 @@ def test_the_report_shows_the_recovered_share_per_kind_with_wilson_intervals(rep
 
 
 def replay_report(out: Path, fmt: str) -> str:
-    import subprocess
-    import sys
 
-    from tests.support import ROOT
 
-    done = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", fmt, "--no-plots"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = report_run(str(out), "--format", fmt, "--no-plots")
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-def test_fail_arms_on_single_turn_cases_are_named_as_changing_nothing(tmp_path: Path) -> None:
-    fake = start_fake_upstream()
-    try:
-        done = replay("--backend", f"{fake.url}/v1", "--profiles", "off,fail-timeout", "--out", str(tmp_path / "o"),
-                      "--categories", "simple_python", "--limit", "2")
-    finally:
-        fake.stop()
+def test_fail_arms_on_single_turn_cases_are_named_as_changing_nothing(fake_upstream, tmp_path: Path) -> None:
+    fake = fake_upstream
+    done = replay("--backend", f"{fake.url}/v1", "--profiles", "off,fail-timeout", "--out", str(tmp_path / "o"),
+                  "--categories", "simple_python", "--limit", "2")
     assert done.returncode == 0, done.stderr
     assert "tool_failure arms (fail-*) change nothing here" in done.stderr, done.stderr
     sent = {r["profile"]: r for r in rows(tmp_path / "o")}

@@ -237,14 +237,14 @@ SWEEP_MAX = 60
 
 
 def test_a_sweep_with_a_remedy_runs_its_twin_and_draws_both_curves(tmp_path):
-    from tests.replay.test_sweep import _breaking_file, _cases_file
+    from tests.support.sweep import breaking_file, cases_file
     from toolquake.proxy.replay.report import load, summarize, survival_plots
 
     hidden = {cid: [[x, None]] for cid, x in SWEEP_BREAKS.items()}
-    fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))
+    fake = start_fake_upstream("--breaking", str(breaking_file(hidden, "tools")))
     try:
         r = toolquake("sweep", "--no-progress", "--token-counter", "estimate", "--allow-estimate", "--backend",
-                      f"{fake.url}/v1", "--cases", str(_cases_file(list(SWEEP_BREAKS))), "--axis", "tools", "--min",
+                      f"{fake.url}/v1", "--cases", str(cases_file(list(SWEEP_BREAKS))), "--axis", "tools", "--min",
                       "1", "--max", str(SWEEP_MAX), "--remedy", 'tool_search:{"k": 8, "method": "bm25"}', "--out",
                       str(tmp_path / "sweep"))
     finally:

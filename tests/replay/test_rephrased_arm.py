@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.support import ROOT, start_fake_upstream
+from tests.support.report import report
 
 pytestmark = pytest.mark.needs_corpus
 N = 6
@@ -110,8 +111,7 @@ def test_rejected_rephrasings_are_counted_apart_and_kept_out_of_the_accuracy(set
     # every rephraser call asked the fixed model
     assert {b["model"] for b in chat_requests(gen)} == {"fixed-rephraser"}
 
-    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "a"), "--format", "json"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = report(str(root / "a"), "--format", "json").stdout
     arm = json.loads(out)["arms"]["rephrased"]
     # expected numbers from what was sent: the rephrased requests the oracle answers right, over those sent
     right = [s for s in rephrased_sent if s != rephrasing["multiple_2"]]
@@ -158,12 +158,10 @@ def test_without_a_fixed_rephraser_the_arm_is_refused_unless_self_rephrasing_is_
     # the rephrasing prompts went to the model under test, under its own name
     prompts = [b for b in chat_requests(model) if b["messages"][0]["content"].startswith("You are a helpful")]
     assert prompts and {b["model"] for b in prompts} == {"model-s"}
-    out = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "s1"), "--format", "json"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = report(str(root / "s1"), "--format", "json").stdout
     label = json.loads(out)["rephrasers"]["model-s"]["rephrased"]
     assert label["self"] is True and label["rephraser"] == "the model under test"
-    text_report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "s1")], cwd=ROOT,
-                                 capture_output=True, text=True, check=True).stdout
+    text_report = report(str(root / "s1")).stdout
     assert "the model under test (self-rephrasing)" in text_report
 
 
@@ -201,8 +199,7 @@ def test_the_drop_on_all_cases_sends_the_rejected_rephrasings_and_says_it_is_the
     assert done.returncode == 0, done.stderr[-2000:]
     sent = [last_user(b) for b in chat_requests(model)]
     assert sent.count(rephrasing["multiple_1"]) == 1  # sent by rephrased-all only
-    data = json.loads(subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "all"), "--format",
-                                      "json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    data = json.loads(report(str(root / "all"), "--format", "json").stdout)
     checked, every = data["arms"]["rephrased"], data["arms"]["rephrased-all"]
     assert (checked["n"], checked["not_perturbed"], every["n"], every["not_perturbed"]) == (5, 1, 6, 0)
     assert checked["accuracy"] == pytest.approx(4 / 5) and every["accuracy"] == pytest.approx(4 / 6)
@@ -220,8 +217,7 @@ def test_the_drop_on_all_cases_sends_the_rejected_rephrasings_and_says_it_is_the
     db.close()
     (step,) = json.loads(stored)["applied"]
     assert step["report"]["paraphrase"] == "rejected, sent" and step["report"]["rejected_for"]  # labelled
-    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(root / "all"), "--no-plots"], cwd=ROOT,
-                        capture_output=True, text=True, check=True).stdout
+    md = report(str(root / "all"), "--no-plots").stdout
     assert ("| model-all | rephrased-all | all cases, rejected rephrasings sent (labelled) | yes | 6 | 0.667 | "
             "-33.3 %") in md
     assert "| model-all | rephrased | cases whose rephrasing passed the value check | no | 5 | 0.800 | -20.0 %" in md

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import sys
 import httpx
 import pytest
 
-from tests.support import ROOT, free_port
+from tests.support import ROOT
 from tests.support.replay import N_CASES, kill_at_random_points, replay, row_counter, rows
 
 
@@ -105,8 +106,11 @@ def test_a_perturber_that_fails_fails_the_pair_instead_of_scoring_it_unperturbed
 
 
 def test_unreachable_backend_is_a_clear_error_before_anything_runs(tmp_path):
-    port = free_port()
-    r = replay("--backend", f"http://127.0.0.1:{port}/v1", "--profiles", "off", "--out", str(tmp_path / "x"))
+    # a port bound here and never listened on: a connection to it is refused for as long as the socket is held
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        r = replay("--backend", f"http://127.0.0.1:{port}/v1", "--profiles", "off", "--out", str(tmp_path / "x"))
     assert r.returncode == 2
     assert f"cannot reach the backend at http://127.0.0.1:{port}/v1/models" in r.stderr
     assert "toolquake backend local" in r.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.report import report_text as report
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 TAXA = ["wrong_function", "wrong_count", "wrong_param_value", "missing_param", "wrong_syntax"]
@@ -75,12 +76,6 @@ def _draw(rng: random.Random, profiles: list[str], n_cases: int) -> list[Record]
                 )
             )
     return out
-
-
-def report(*args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import ROOT
+from tests.support.browser import chromium, console, open_page
+from tests.support.report import report_run
 from toolquake.proxy.escape import FORMULA_STARTS
 from toolquake.proxy.replay import report
 from toolquake.proxy.replay.report import render_markdown, summarize_db
@@ -228,13 +230,13 @@ def _build_time(tmp: Path, size: int, attempts: int) -> float:
 
 def test_report_time_grows_linearly_with_the_names(tmp_path):
     """64 KiB and 1 MiB model names, case ids, tool names and error texts: the cost per KiB at 1 MiB stays within a
-    few times the cost at 64 KiB (quadratic code would be 16 times; the bound is wide for a loaded machine), and
-    under 30 ms per KiB."""
+    few times the cost at 64 KiB (quadratic code would be 16 times; the bound is wide for a loaded machine), and the
+    1 MiB report takes under 30 s of CPU (a ratio and a coarse bound: no sub-second threshold)."""
     small, big = 64 * 1024, 1024 * 1024
     t_small = _build_time(tmp_path, small, 2)
     t_big = _build_time(tmp_path, big, 1)
     per_kib_small, per_kib_big = t_small / 64, t_big / 1024
-    assert per_kib_big < 30e-3, f"{per_kib_big * 1e3:.2f} ms/KiB"
+    assert t_big < 30, f"{t_big:.1f} s of CPU for 1 MiB"
     assert per_kib_big < 5 * per_kib_small + 2e-3, (t_small, t_big)
 
 
@@ -293,8 +295,7 @@ def replayed(tmp_path_factory):
 
 
 def cli_report(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = report_run(*args)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -314,36 +315,25 @@ def test_replay_with_a_hostile_model_name_reports_it_as_text(replayed, tmp_path)
     assert {r[2] for r in rows[1:]} == {"'" + report_visible(HOSTILE_MODEL)}
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-
-
 def test_html_report_with_hostile_names_in_headless_chromium(tmp_path):
     """The page with a hostile model, profile, case id and tool name: no element of theirs, no script error,
     the filter script still runs, and the bidi override shows as text. The screenshot is kept for a person."""
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     path = tmp_path / "replay.sqlite"
     write(path, model="<svg onload=alert(1)>", profile="</script><script>alert(2)</script>",
           case="case\u202e1gnp.", tool="get\u202eweather\x00", error="<img src=x onerror=alert(3)>",
           category="simple")
     page = tmp_path / "report.html"
     cli_report(str(path), "--format", "html", "--no-plots", "--out", str(page))
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-             "--disable-background-networking", "--no-first-run", "--enable-logging=stderr", "--v=0",
-             "--virtual-time-budget=3000", f"--user-data-dir={tmp_path / 'profile'}"]
-    r = subprocess.run([browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [line for line in r.stderr.splitlines() if ":CONSOLE" in line] == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     dom = r.stdout
     assert "<svg" not in dom and "<img" not in dom and dom.count("<script") == 1  # the DOM has no element of theirs
     assert "2 of 2 flipped cases shown" in dom  # the page's script ran to the end
     assert "&lt;svg onload=alert(1)&gt;" in dom and "\u202e" not in dom and "\\u202e" in dom
     shot = tmp_path / "report.png"
-    r = subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1400,1000", page.as_uri()],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and shot.stat().st_size > 0, r.stderr[-2000:]
+    r, _ = open_page(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,1000")
+    assert shot.stat().st_size > 0, r.stderr[-2000:]
     keep = ROOT / ".pytest_cache" / "report-hostile-screenshot.png"  # for a person to look at
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)

@@ -14,12 +14,12 @@ import math
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.support import ROOT
+from tests.support.browser import chromium, console, open_page
+from tests.support.report import report_run
 from toolquake.proxy.replay.report import render_markdown, summarize_db
 from toolquake.proxy.replay.store import Record, ResultsFile
 from toolquake.scorers.aggregate import mcnemar, paired_drop_ci, wilson, wilson_ci
@@ -161,8 +161,7 @@ def replay_dir(tmp_path_factory):
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = report_run(*args)
     assert r.returncode == 0, r.stderr[-2000:]
     return r
 
@@ -312,58 +311,25 @@ def test_live_summary_has_intervals_and_the_paired_test(tmp_path):
 # the HTML report in a real browser
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-
-
-_CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                   "--no-first-run", "--disable-default-apps", "--enable-logging=stderr", "--v=0",
-                   "--virtual-time-budget=3000"]
-
-
-def _open(browser: str, tmp_path: Path, url: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run headless Chromium on `url`; returns the run and every network request the page itself started
-    (read from Chromium's net log: requests in the page's file:// network partition, other than file: and data:)."""
-    netlog = tmp_path / f"net-{len(list(tmp_path.glob('net-*')))}.json"
-    r = subprocess.run([browser, *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
-                        f"--log-net-log={netlog}", *args, url], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    log = json.loads(netlog.read_text())
-    started = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
-    requests = [e["params"]["url"] for e in log["events"] if e["type"] == started
-                and "file://" in e["params"].get("network_isolation_key", "")
-                and not e["params"]["url"].startswith(("file:", "data:"))]
-    return r, requests
-
-
-def _console(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
-
-
 def test_chromium_checks_catch_console_errors_and_network_requests(tmp_path):
     """The two checks below can fail: a page with a script error and a remote image trips both."""
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     bad = tmp_path / "bad.html"
     bad.write_text("<!doctype html><p>x</p><img src='http://192.0.2.1/x.png'><script>nope();</script>")
-    r, requests = _open(browser, tmp_path, bad.as_uri(), "--dump-dom")
-    assert any("nope is not defined" in line for line in _console(r.stderr))
+    r, requests = open_page(browser, tmp_path, bad.as_uri(), "--dump-dom")
+    assert any("nope is not defined" in line for line in console(r.stderr))
     assert requests == ["http://192.0.2.1/x.png"]
 
 
 def test_html_report_in_headless_chromium(replay_dir, tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     page = tmp_path / "report.html"
     report(str(replay_dir), "--format", "html", "--out", str(page))
     text = page.read_text()
     assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", text)  # one self-contained file
     assert text.count("data:image/svg+xml;base64,") == 1  # the accuracy plot
-    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     html = r.stdout
     assert "<section id=\"summary\">" in html and "which perturbations hurt most" in html
     order = [html.index(s) for s in ("id=\"summary\"", "id=\"tables\"", "AST accuracy per arm", "id=\"plots\"",
@@ -378,15 +344,15 @@ def test_html_report_in_headless_chromium(replay_dir, tmp_path):
     assert row.index("call_renamed_4") < row.index("call_off_4")
 
     # a #q= address filters the rows in the browser: one case left, its arm opened
-    r, requests = _open(browser, tmp_path, page.as_uri() + f"#q={case_id(4)}", "--dump-dom")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri() + f"#q={case_id(4)}", "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     shown = re.findall(r"<tr class=\"(?:valid_to_invalid|invalid_to_valid)\" data-direction=\"\w+\">", r.stdout)
     assert len(shown) == 1 and "1 of 18 flipped cases shown" in r.stdout  # case 4 flipped in `renamed` only
     assert "<details class=\"arm\" open=\"\">" in r.stdout
 
     shot = tmp_path / "report.png"
-    r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,1800")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,1800")
+    assert console(r.stderr) == [] and requests == []
     from PIL import Image
 
     with Image.open(shot) as img:
@@ -400,9 +366,7 @@ def test_html_report_in_headless_chromium(replay_dir, tmp_path):
 
 
 def test_html_report_with_hundreds_of_flipped_cases_stays_one_filterable_page(tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     n = 600
     f = ResultsFile(tmp_path / "big" / "replay.sqlite")
     f.claim("m1", "http://backend/v1")
@@ -421,13 +385,13 @@ def test_html_report_with_hundreds_of_flipped_cases_stays_one_filterable_page(tm
     f.close()
     page = tmp_path / "big.html"
     report(str(tmp_path / "big"), "--format", "html", "--out", str(page))
-    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     assert f"{len(lost)} of {len(lost)} flipped cases shown" in r.stdout
     assert r.stdout.count("data-direction=\"valid_to_invalid\"") == len(lost) == 400
     assert "<details class=\"arm\">" in r.stdout  # collapsed until asked
     # filtering by a case id finds exactly that case (multiple_5 also matches multiple_50..59, 500..599)
-    r, _ = _open(browser, tmp_path, page.as_uri() + "#q=multiple_5", "--dump-dom")
+    r, _ = open_page(browser, tmp_path, page.as_uri() + "#q=multiple_5", "--dump-dom")
     want = sum(1 for c in lost if c.startswith("multiple_5"))
     assert f"{want} of {len(lost)} flipped cases shown" in r.stdout
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
 from tests.support import ROOT, start_fake_upstream
+from tests.support.multiturn import first_user, load, possible_answer, scripted_turns
+from tests.support.report import report
 from toolquake.perturbers.helpers.tokens import EstimateCounter
 from toolquake.scorers import multiturn as mt
 
@@ -49,8 +50,7 @@ def _budget(profile: str) -> int | None:
 
 
 def _report(out: Any, *args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True).stdout
+    return report(str(out), *args).stdout
 
 
 def _trajectories(backends: Any, path: Any) -> None:
@@ -261,7 +261,6 @@ def test_the_next_call_verdict_is_bfcl_s_ast_verdict_on_the_first_call(backends,
     """Wrong answers too: the last turn's calls reversed (right as a set, wrong as the next call), a wrong argument
     in the first call, a text answer; each stored verdict is BFCL's own AST checker (the `bfcl-eval` wheel) on the
     answer's first call against the turn's first ground-truth call."""
-    from tests.replay.test_final_call import _possible
     from toolquake.scorers.bfcl_reference import Reference
 
     answers = {"multi_turn_base_0": lambda calls: list(reversed(calls)),
@@ -291,7 +290,7 @@ def test_the_next_call_verdict_is_bfcl_s_ast_verdict_on_the_first_call(backends,
         message = json.loads(row["answer"])["choices"][0]["message"]
         made = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
                 for c in message.get("tool_calls") or []]
-        expected = [_possible(case.ground_truth[-1][0], case.functions)]
+        expected = [possible_answer(case.ground_truth[-1][0], case.functions)]
         theirs = reference.check(case.functions, expected, "multiple", made[:1])[0] if made else False
         assert bool(row["valid"]) == theirs, row["case_id"]
         verdicts[row["case_id"]] = bool(row["valid"])

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.replay.test_hosted_api_refusals import report
 from tests.support import start_fake_upstream
 from tests.support.replay import replay, rows
+from tests.support.report import report_text
 
 CAP = 20
 #: the preset itself (off, prompt-off, the 25 prompting cells) and one native padded arm beside it
@@ -58,6 +58,7 @@ def test_the_preset_is_the_catalog_grid_in_prompting_mode_with_its_baseline():
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the_prompt(tmp_path):
     from toolquake.bfcl.corpus import load_category
 
@@ -103,7 +104,7 @@ def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the
             applied = json.loads(x["perturbers"])["applied"]
             assert applied[-1]["report"]["decode"]["strict"]["ok"] is True
 
-    data = json.loads(report("--format", "json", str(out)))
+    data = json.loads(report_text("--no-plots", "--format", "json", str(out)))
     pads = data["padding"]["fake-model"]
     assert len(pads) == 26 and pads.pop("pad-8k-p10")["mode"] == "native tools"
     assert {a["mode"] for a in pads.values()} == {"prompting"}
@@ -122,7 +123,7 @@ def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the
     counted = [a["report"]["tokens_after"] for x in stored.values() if x["profile"] == "prompt-pad-8k-p10"
                for a in json.loads(x["perturbers"])["applied"] if a["name"] == "catalog_padding"]
     assert len(counted) == 2 and b["counter_median"] == round(sum(counted) / 2)
-    md = report(str(out))
+    md = report_text("--no-plots", str(out))
     assert "| fake-model | prompt-pad-8k-p10 | prompting | 8192 |" in md
     assert "DIFFERS by more than 5%" in md
     assert "| fake-model [prompting] | simple_python |" in md

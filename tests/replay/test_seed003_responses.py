@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.replay.test_multiturn_replay import first_user, load, scripted_turns
 from tests.support import ROOT, start_fake_upstream
+from tests.support.multiturn import first_user, load, scripted_turns
+from tests.support.report import report_run
 from toolquake.bfcl.simulators import Backends
 from toolquake.scorers import multiturn as mt
 
@@ -62,8 +63,7 @@ def test_seed003_responses_replay(backends: Backends, tmp_path: Path) -> None:
     for k in (10_000, 20_000, 40_000, 80_000):
         assert any(abs(t - k) <= 0.02 * k for t in tokens.values()), (k, sorted(tokens.values())[-20:])
     assert max(tokens.values()) <= 1.02 * 80_000
-    report = subprocess.run([sys.executable, "-m", "toolquake", "report", str(tmp_path / "out"), "--format", "json",
-                             "--no-plots"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    report = report_run(str(tmp_path / "out"), "--format", "json", "--no-plots")
     assert report.returncode == 0, report.stderr[-2000:]
     arms = next(iter(json.loads(report.stdout)["models"].values()))["arms"]
     assert arms["off"]["not_perturbed"] == 0

@@ -10,43 +10,23 @@ import json
 import random
 import re
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.replay.test_report_stats import _chromium, _console, _open
 from tests.support import ROOT
-from toolquake.proxy.replay.store import Record, ResultsFile
+from tests.support.browser import chromium, console, open_page
+from tests.support.report import report_text as report
+from tests.support.results import perturb_arm, write_results
+from toolquake.proxy.replay.store import Record
 from toolquake.scorers.aggregate import wilson_ci
 
 CATS = ("simple_python", "multiple")
 
 
-def _arm(perturber: str, **params) -> dict:
-    return {"mode": "perturb", "perturbers": [{"name": perturber, "params": params, "probability": 1.0}]}
-
-
-def report(path, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", str(path), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
-
-
-def write(path, arms: dict, records: list[Record], model: str = "m1") -> None:
-    f = ResultsFile(path)
-    f.claim(model, "http://backend/v1")
-    f.register_arms(arms)
-    for rec in records:
-        f.record(rec)
-    f.close()
-
-
 # catalog padding: 3 budgets × 3 positions, named so that no name says its cell (the grid comes from the params)
 PAD = {"off": {"mode": "off", "perturbers": []}}
 for _j, (_b, _p) in enumerate([(b, p) for b in (8192, 32768, 65536) for p in (0.1, 0.5, 0.9)]):
-    PAD[f"catalog-arm-{_j}"] = _arm("catalog_padding", budget_tokens=_b, position=_p)
+    PAD[f"catalog-arm-{_j}"] = perturb_arm("catalog_padding", budget_tokens=_b, position=_p)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +48,7 @@ def padded(tmp_path_factory):
                 records.append(Record(f"{cat}_{i}", p, cat, "scored", valid=valid,
                                       taxonomy=None if valid else "wrong_function", perturbers=perturbers))
     path = tmp_path_factory.mktemp("pad") / "replay.sqlite"
-    write(path, PAD, records)
+    write_results(path, PAD, records)
     return path, records
 
 
@@ -149,19 +129,19 @@ def test_the_heatmap_labels_each_budget_with_the_tokens_reached(padded) -> None:
 
 # long tool responses: a test config's profiles with the params on main (budget_tokens, position)
 RESP = {"off": {"mode": "off", "perturbers": []},
-        **{f"resp-{k}k-p1": _arm("response_lengthening", budget_tokens=k * 1000, position=0.0)
+        **{f"resp-{k}k-p1": perturb_arm("response_lengthening", budget_tokens=k * 1000, position=0.0)
            for k in (10, 20, 40, 80)},
-        **{f"resp-80k-p{i + 1}": _arm("response_lengthening", budget_tokens=80000, position=round(i / 7, 4))
+        **{f"resp-80k-p{i + 1}": perturb_arm("response_lengthening", budget_tokens=80000, position=round(i / 7, 4))
            for i in range(1, 8)}}
 CONV = {"off": {"mode": "off", "perturbers": []},
         # the `conv` helper's profiles: `fact` names where the needed fact sits
-        **{f"conv-{k}k-s1": _arm("conversation_lengthening", budget_tokens=k * 1000, setting="unstructured",
+        **{f"conv-{k}k-s1": perturb_arm("conversation_lengthening", budget_tokens=k * 1000, setting="unstructured",
                                  fact="user_turn") for k in (10, 20, 40, 80)},
-        **{f"conv-{k}k-s2": _arm("conversation_lengthening", budget_tokens=k * 1000, setting="structured",
+        **{f"conv-{k}k-s2": perturb_arm("conversation_lengthening", budget_tokens=k * 1000, setting="structured",
                                  fact="tool_response") for k in (10, 20, 40, 80)},
         # arms without `fact`, or with the default `any`: grouped by their setting; two in one cell are pooled
-        "long-a": _arm("conversation_lengthening", budget_tokens=20000, setting="structured", fact="any"),
-        "long-b": _arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
+        "long-a": perturb_arm("conversation_lengthening", budget_tokens=20000, setting="structured", fact="any"),
+        "long-b": perturb_arm("conversation_lengthening", budget_tokens=20000, setting="structured")}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +158,7 @@ def long_runs(tmp_path_factory):
                 valid = rng.random() < 0.85 - 0.03 * j
                 mine.append(Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=valid,
                                    taxonomy=None if valid else "wrong_param_value"))
-        write(root / f"replay-{model}.sqlite", arms, mine, model)
+        write_results(root / f"replay-{model}.sqlite", arms, mine, model)
         records[model] = mine
     return root, records
 
@@ -240,23 +220,21 @@ def test_table_2_groups_by_fact_else_setting_with_wilson_intervals(long_runs) ->
 
 
 def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp_path) -> None:
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium; `make tools`)")
+    browser = chromium()
     root, _ = long_runs
     page = tmp_path / "long.html"
     report(root, "--format", "html", "--out", str(page))
     text = page.read_text()
     assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", text)
     assert text.count("data:image/svg+xml;base64,") == 3  # accuracy per arm, Fig. 4a, Fig. 4b
-    r, requests = _open(browser, tmp_path, page.as_uri(), "--dump-dom")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), "--dump-dom")
+    assert console(r.stderr) == [] and requests == []
     for title in ("Seed 003 Table 7", "Seed 003 Table 2", "seed 003 Fig. 4a: accuracy by response size",
                   "seed 003 Fig. 4b: accuracy by answer position"):
         assert title in r.stdout
     shot = tmp_path / "long.png"
-    r, requests = _open(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,5000")
-    assert _console(r.stderr) == [] and requests == []
+    r, requests = open_page(browser, tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1400,5000")
+    assert console(r.stderr) == [] and requests == []
     from PIL import Image
 
     with Image.open(shot) as img:
@@ -287,7 +265,7 @@ def test_the_packaged_seed003_responses_profiles_give_fig_4s_points_in_their_own
     rng = random.Random(23)
     records = [Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=(v := rng.random() < 0.6),
                       taxonomy=None if v else "wrong_param_value") for i in range(20) for p in names]
-    write(tmp_path / "replay.sqlite", arms, records)
+    write_results(tmp_path / "replay.sqlite", arms, records)
     got = json.loads(report(tmp_path, "--format", "json"))["response_experiments"]["m1"]
     sizes = sorted((p for p in resp if p.endswith("-p1")), key=lambda p: int(p.split("-")[1][:-1]))
     assert [pt["profile"] for pt in got["context_length"]["points"]] == sizes
@@ -308,7 +286,7 @@ def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(
     rng = random.Random(29)
     records = [Record(f"multi_turn_base_{i}", p, "multi_turn_base", "scored", valid=(v := rng.random() < 0.5),
                       taxonomy=None if v else "wrong_param_value") for i in range(20) for p in names]
-    write(tmp_path / "replay.sqlite", arms, records)
+    write_results(tmp_path / "replay.sqlite", arms, records)
     grid = json.loads(report(tmp_path, "--format", "json"))["conversation_grid"]["m1"]
     assert set(grid) == {"fact user_turn", "fact tool_response"}
     for group, suffix in (("fact user_turn", "s1"), ("fact tool_response", "s2")):
@@ -321,6 +299,7 @@ def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(
 
 
 @pytest.mark.needs_corpus
+@pytest.mark.needs_embeddings
 def test_a_real_catalog_padding_replay_gives_tables_5_6_and_the_reached_labels(tmp_path) -> None:
     """`toolquake replay` of a 2 × 2 padding grid (a test config) against the fake upstream playing an oracle that
     answers two cases in five wrong; the report's tables and labels recomputed from the rows it stored."""

@@ -7,12 +7,10 @@ written by the replay's own writer; each subset's cells are recomputed here from
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
+from tests.support.report import report
 from toolquake.proxy.replay.store import Record, ResultsFile
 
 BUDGETS = [8192, 32768]
@@ -84,8 +82,7 @@ def test_each_subset_gets_its_own_heatmap_cells(written):
 def test_the_reports_draw_one_heatmap_per_subset(written, tmp_path):
     root, _ = written
     out = tmp_path / "r.md"
-    subprocess.run([sys.executable, "-m", "toolquake", "report", *(str(root / m) for m in MODELS), "--out",
-                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    report(*(str(root / m) for m in MODELS), "--out", str(out))
     text = out.read_text()
     names = ["r-heatmap-catalog.png", *(f"r-heatmap-catalog-{s}.png" for s in ("live_simple", "simple_python",
                                                                                "multiple"))]
@@ -94,9 +91,7 @@ def test_the_reports_draw_one_heatmap_per_subset(written, tmp_path):
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
         assert f"]({name})" in text
     assert [text.index(f"]({n})") for n in names] == sorted(text.index(f"]({n})") for n in names)
-    html = subprocess.run([sys.executable, "-m", "toolquake", "report", *(str(root / m) for m in MODELS),
-                           "--format", "html"], cwd=ROOT, check=True, capture_output=True, text=True,
-                          timeout=300).stdout
+    html = report(*(str(root / m) for m in MODELS), "--format", "html").stdout
     for subset in ("live_simple", "simple_python", "multiple"):
         assert f"<h3>heatmap-catalog-{subset}.png</h3>" in html
 

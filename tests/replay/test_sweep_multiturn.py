@@ -11,18 +11,16 @@ and the report against that.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.replay.test_sweep import sweep
-from tests.support import ROOT, start_fake_upstream
+from tests.support import start_fake_upstream
+from tests.support.report import report_run
+from tests.support.sweep import sweep
 
 pytestmark = [pytest.mark.needs_corpus, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -45,7 +43,7 @@ def _size(body: dict[str, Any], what: str) -> int:
 @pytest.fixture(scope="module")
 def scripts(backends: Any) -> dict[str, dict[str, Any]]:
     """Case → its first user message, its turns' user messages, and the ground truth as the fake's answers."""
-    from tests.replay.test_multiturn_replay import load, scripted_turns
+    from tests.support.multiturn import load, scripted_turns
     from toolquake.scorers import multiturn as mt
 
     out = {}
@@ -109,9 +107,7 @@ def _rows(out: Path) -> list[tuple[str, float, bool, int]]:
 
 
 def _report(out: Path) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json", "--no-plots"],
-                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                       timeout=300)
+    r = report_run(str(out), "--format", "json", "--no-plots")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["sweeps"]["fake-model"]
 

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.replay.test_sweep import HIDDEN_TOOLS, _breaking_file, _cases_file, _is_wrong, sweep
 from tests.support import ROOT, start_fake_upstream
+from tests.support.report import report_run
+from tests.support.sweep import HIDDEN_TOOLS, breaking_file, cases_file, is_wrong, sweep
 
 stats = pytest.importorskip("scipy.stats", reason="scipy recomputes the intervals independently")
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# the tools axis adds tools screened with the embedding model
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.needs_embeddings]
 
 #: the second model: every case breaks 20 tools earlier (or at once)
 HIDDEN_B = {cid: [[max(1, w[0][0] - 20), w[0][1]]] if w else [[181, None]] for cid, w in HIDDEN_TOOLS.items()}
@@ -27,7 +29,7 @@ HIDDEN_B = {cid: [[max(1, w[0][0] - 20), w[0][1]]] if w else [[181, None]] for c
 
 def _truth(wrong: list) -> tuple[int | None, int | None]:
     """(last right, first wrong) on the grid 1..200 — the first break, as the sweep defines it."""
-    first = next((x for x in range(1, 201) if _is_wrong(x, wrong)), None)
+    first = next((x for x in range(1, 201) if is_wrong(x, wrong)), None)
     last = (first - 1 if first and first > 1 else None) if first is not None else 200
     return last, first
 
@@ -35,10 +37,10 @@ def _truth(wrong: list) -> tuple[int | None, int | None]:
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("sweep-report")
-    cases = _cases_file(list(HIDDEN_TOOLS))
+    cases = cases_file(list(HIDDEN_TOOLS))
     runs = []
     for name, hidden, model in (("a", HIDDEN_TOOLS, []), ("b", HIDDEN_B, ["--model", "model-b"])):
-        fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))
+        fake = start_fake_upstream("--breaking", str(breaking_file(hidden, "tools")))
         try:
             r = sweep("--backend", f"{fake.url}/v1", "--cases", str(cases), "--axis", "tools", "--min", "1", "--max",
                       "200", "--out", str(base / name), *model)
@@ -50,8 +52,7 @@ def two_runs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolquake", "report", *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    return report_run(*args)
 
 
 def _wilson(k: int, n: int) -> tuple[float, float]:
@@ -147,7 +148,7 @@ def test_the_title_says_what_the_results_hold(two_runs, tmp_path):
     fake = start_fake_upstream()
     try:
         r = subprocess.run([sys.executable, "-m", "toolquake", "replay", "--no-progress", "--backend", f"{fake.url}/v1",
-                            "--cases", str(_cases_file(["t-7"])), "--profiles", "off", "--out", str(tmp_path / "rp")],
+                            "--cases", str(cases_file(["t-7"])), "--profiles", "off", "--out", str(tmp_path / "rp")],
                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                            timeout=300)
     finally:

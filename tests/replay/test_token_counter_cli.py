@@ -21,7 +21,7 @@ from toolquake.perturbers.helpers.tokens import MESSAGE_OVERHEAD, render_request
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_replay_pads_to_budgets_counted_in_the_named_openai_encoding(tmp_path, monkeypatch) -> None:
-    from tests.replay.test_seed003_tables import report
+    from tests.support.report import report_text as report
     from toolquake.bfcl.corpus import is_present
 
     if not is_present():
@@ -91,6 +91,6 @@ def test_serve_refuses_a_tokenizer_it_cannot_load_with_the_reason(tmp_path) -> N
 
     for spec, says in ((f"tiktoken:{tmp_path / 'none.tiktoken'}", "neither a known encoding"),
                        (f"tokenizer:{tmp_path / 'none.json'}", "tokenizer file not found")):
-        r = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--token-counter", spec, "--port", "9",
+        r = subprocess.run([sys.executable, "-m", "toolquake", "serve", "--token-counter", spec, "--port", "0",
                             "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]

@@ -23,6 +23,7 @@ import pytest
 from tests.fake_upstream import flaky_hit
 from tests.support import ROOT
 from tests.support.replay import N_CASES, kill_at_random_points, replay, row_counter, rows
+from tests.support.report import report
 from toolquake.proxy.replay.run import trial_sampling_seed
 from toolquake.scorers.aggregate import pass_at_k, pass_hat_k, spread
 
@@ -100,8 +101,7 @@ def test_trials_send_each_pair_k_times_with_the_trial_seed_and_report_pass_k(ora
     assert sent == sorted(trial_sampling_seed(c.id, t) for c in cases for t in range(TRIALS) for _ in range(2))
     assert "× 3 trials" in r.stderr
 
-    data = json.loads(subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "json"],
-                                     cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout)
+    data = json.loads(report(str(out), "--format", "json").stdout)
     for profile in ("off", "reversed"):
         t = data["arms"][profile]["trials"]
         verdicts = [[_want_valid(c, k, wrong) for k in range(TRIALS)] for c in cases]
@@ -116,11 +116,9 @@ def test_trials_send_each_pair_k_times_with_the_trial_seed_and_report_pass_k(ora
         # the intervals and the paired test stay on trial 0
         assert data["arms"][profile]["accuracy"] == pytest.approx(per_trial[0])
     assert 0 < data["arms"]["off"]["trials"]["pass_hat_k"]["3"] < data["arms"]["off"]["trials"]["pass_at_k"]["3"]
-    md = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--no-plots"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=True).stdout
+    md = report(str(out), "--no-plots").stdout
     assert "## Repeated trials" in md and "| pass^3 |" in md
-    page = subprocess.run([sys.executable, "-m", "toolquake", "report", str(out), "--format", "html", "--no-plots"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    page = report(str(out), "--format", "html", "--no-plots").stdout
     assert "<section id='trials'>" in page and page.index("id='summary'") < page.index("id='trials'")
 
     # a second run with more trials sends only the new ones

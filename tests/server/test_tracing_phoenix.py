@@ -427,8 +427,11 @@ def test_replay_is_one_trace_per_case_with_a_span_per_arm(fake_upstream, phoenix
 def test_sweep_is_one_trace_per_case_with_a_span_per_point_asked(phoenix, tmp_path):
     """`toolquake sweep` traced: one trace per case, its span ending with the breaking point the results file
     holds, and one child span per request the sweep recorded (a point asked), each with its verdict."""
-    from tests.replay.test_sweep import _breaking_file, _cases_file, _first_wrong, stored, sweep
     from tests.support import start_fake_upstream
+    from tests.support.sweep import breaking_file as _breaking_file
+    from tests.support.sweep import cases_file as _cases_file
+    from tests.support.sweep import first_wrong as _first_wrong
+    from tests.support.sweep import stored, sweep
 
     hidden = {"t-5": [[6, None]], "t-never": []}
     fake = start_fake_upstream("--breaking", str(_breaking_file(hidden, "tools")))

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.replay.test_multiturn_replay import first_user, scripted_turns
 from tests.support import recorded, start_fake_upstream
+from tests.support.multiturn import first_user, scripted_turns
 
 
 def step_requests(cases: list[Any], backends: Any) -> dict[str, list[dict[str, Any]]]:
