@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.support import Proc, wait_for
-from tests.support.deploy import image_env
+from tests.support.deploy import image_env, warmed_up
 from tests.support.ports import held_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,14 +186,7 @@ def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
 
         # the compose file turns warm-up on: ready once the profiles' perturbers are set up (with this empty cache
         # their set-up fails fast, logged, and the proxy goes ready: tests/server/test_readiness_warmup.py)
-        def ready() -> bool:
-            r = httpx.get(f"{server.url}/readyz", timeout=10)
-            if r.status_code == 200:
-                return True
-            assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up", r.text
-            return False
-
-        wait_for(ready, 90, "the proxy to be ready")
+        wait_for(lambda: warmed_up(server.url), 90, "the proxy to be ready")
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
         assert models and models[0]["id"]
 

@@ -27,6 +27,7 @@ from tests.support.deploy import (
     image_env,
     parse_assignments,
     stages,
+    warmed_up,
 )
 from tests.support.processes import listening_url
 
@@ -224,15 +225,7 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
         wait_for(lambda: alive() and healthcheck() == 0, 30, "the healthcheck to pass")
         # the image sets TOOLQUAKE_WARM_UP=1: not ready (503 warming_up) until the profiles' perturbers are set
         # up; without the embeddings extra their set-up fails at once and the server goes ready anyway
-
-        def ready() -> bool:
-            r = httpx.get(f"{url}/readyz", timeout=10)
-            if r.status_code == 200:
-                return True
-            assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up", r.text
-            return False
-
-        wait_for(ready, 60, "/readyz")
+        wait_for(lambda: warmed_up(url), 60, "/readyz")
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
         r = httpx.post(f"{url}/p/reversed/v1/chat/completions", json={

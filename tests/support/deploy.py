@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.support.processes import ROOT
@@ -90,6 +91,16 @@ def exec_form(rest: str) -> list[str]:
     value = json.loads(rest)
     assert isinstance(value, list) and all(isinstance(v, str) for v in value), rest
     return value
+
+
+def warmed_up(url: str, path: str = "/readyz") -> bool:
+    """For wait_for: True once GET url+path answers 200, False while it answers 503 `warming_up` (the image and the
+    manifests turn TOOLQUAKE_WARM_UP on); any other answer fails."""
+    r = httpx.get(f"{url}{path}", timeout=10)
+    if r.status_code == 200:
+        return True
+    assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up", r.text
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
