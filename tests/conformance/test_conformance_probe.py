@@ -10,23 +10,12 @@ import sys
 import pytest
 
 from tests.support import ROOT, start_fake_upstream
+from tests.support.conformance import rule_rows
 
 
 def probe(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "toolquake", "conformance", "--backend", url, *extra],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-
-
-def rule_rows(out: str) -> dict[str, tuple[str, str]]:
-    """rule → (result, where) from the probe's rule table."""
-    from toolquake.proxy.server.conformance import RULES
-
-    rows = {}
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] in RULES:
-            rows[cells[0]] = (cells[1], cells[2])
-    return rows
 
 
 @pytest.fixture(scope="module")
