@@ -579,6 +579,7 @@ def compose_cpu_profile(tq_image: str, local: str, prometheus: str, ports: dict[
     return spec
 
 
+@pytest.mark.model  # SmolLM2 on llama.cpp, in the compose stack's llamacpp container
 def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_image: str, prometheus_image: str,
                                                              tmp_path: Path) -> None:
     compose_bin = shutil.which("podman-compose", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.support import Proc, wait_for
+from tests.support.backend import needs_model
 from tests.support.deploy import image_env, warmed_up
 from tests.support.ports import held_port
 
@@ -149,13 +150,13 @@ def test_cpu_profile_serves_the_packaged_smollm2_with_llama_cpp() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.model
+@needs_model
 def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
     """The cpu profile's two services as processes: the backend from its entrypoint and command, the
     proxy with the image's ENV plus its compose environment; only hosts and ports are moved to loopback, each
     server on a port of its own choosing (port 0, said on its output). Both healthchecks pass, the proxy is ready,
     and its `upstream` token counter counts with llama.cpp's own tokenizer."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed: `make install-local`")
     from tests.support import start_process
     from toolquake.perturbers.helpers.tokens import make_counter
 
