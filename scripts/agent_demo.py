@@ -44,24 +44,23 @@ PROFILES = "off,expanded,shuffled,fail-timeout,format-python"
 
 
 class Proxy:
-    """`toolquake serve` as a child process on loopback: its own process group, killed by the kernel if this
-    process dies (as the embedded backend is, proxy/backend/local.py)."""
+    """`toolquake serve` as a child process on loopback, on a port of its own choosing (`--port 0`; the port it got
+    is read from its `listening` log line): its own process group, killed by the kernel if this process dies (as the
+    embedded backend is, proxy/backend/local.py)."""
 
     def __init__(self, upstream: str, args: Sequence[str], log_path: Path) -> None:
-        from toolquake.proxy.backend.local import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # known once started
         self.cmd = [sys.executable, "-m", "toolquake", "serve", "--upstream", upstream, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--workers", "1", *args]
+                    "--port", "0", "--workers", "1", *args]
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> Proxy:
-        from toolquake.proxy.backend.local import die_with_parent_preexec
+        from toolquake.proxy.backend.local import ListeningLine, die_with_parent_preexec
 
         parent = os.getpid()
         with self.log_path.open("ab") as log:
+            listening = ListeningLine(self.log_path, log.tell())  # this start's lines: the log is appended to
             self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True,
                                             preexec_fn=lambda: die_with_parent_preexec(parent))
@@ -69,8 +68,10 @@ class Proxy:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"toolquake serve exited with {self.process.returncode}:\n{self.tail()}")
+            if not self.url:
+                self.url = listening.url() or ""
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2.0, trust_env=False).status_code == 200:
+                if self.url and httpx.get(f"{self.url}/healthz", timeout=2.0, trust_env=False).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

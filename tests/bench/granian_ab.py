@@ -17,7 +17,8 @@ from typing import Any
 
 from tests.bench.ab import compare
 from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
-from tests.support import free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import start_fake_upstream, start_process, start_proxy
+from tests.support.ports import held_port
 
 CONFIG = "[scoring]\nenabled = false\n"
 
@@ -58,11 +59,11 @@ def main() -> None:
         from toolquake.proxy.server.config import PACKAGED_CONFIG
 
         procs["uvicorn"] = start_proxy(fake.url, PACKAGED_CONFIG.read_text() + "\n" + CONFIG)
-        port = free_port()
-        procs["granian"] = start_process(
-            ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--loop", "uvloop", "--http", "1", "--no-access-log", "--factory", "tests.bench.granian_ab:make"],
-            port, env={"TOOLQUAKE_UPSTREAM": f"{fake.url}/v1"})
+        with held_port("127.0.0.1") as port:  # granian cannot say which port it got: held until it binds it
+            procs["granian"] = start_process(
+                ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                 "--loop", "uvloop", "--http", "1", "--no-access-log", "--factory", "tests.bench.granian_ab:make"],
+                port, env={"TOOLQUAKE_UPSTREAM": f"{fake.url}/v1"})
         for proc in procs.values():
             run_asyncio(proc.url, 4, 1.0)
         payload = json.dumps(BODY).encode()

@@ -45,9 +45,13 @@ def ensure_image(image: str) -> str | None:
 
 
 def one_start(image: str, upstream: str, warm_up: bool) -> dict[str, float]:
-    from tests.support import free_port
+    from tests.support.ports import held_port
 
-    port = free_port()
+    with held_port() as port:  # the container on the host's network binds it (held here until then)
+        return start_on(image, upstream, warm_up, port)
+
+
+def start_on(image: str, upstream: str, warm_up: bool, port: int) -> dict[str, float]:
     t0 = time.monotonic()
     cid = podman("run", "-d", "--rm", "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp",
                  "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1", "-e", f"TOOLQUAKE_PORT={port}",
@@ -80,8 +84,13 @@ def cgroup_mib(cid: str) -> list[float]:
 
 
 def memory(image: str, upstream: str, limit: str = "512m") -> None:
-    from tests.support import free_port
+    from tests.support.ports import held_port
 
+    with held_port() as port:  # the container on the host's network binds it (held here until then)
+        memory_on(image, upstream, limit, port)
+
+
+def memory_on(image: str, upstream: str, limit: str, port: int) -> None:
     try:
         from toolquake.bfcl import corpus
 
@@ -89,7 +98,6 @@ def memory(image: str, upstream: str, limit: str = "512m") -> None:
     except (FileNotFoundError, ImportError):
         body = {"model": "m", "messages": [{"role": "user", "content": "weather in Oslo?"}], "tools": [
             {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
-    port = free_port()
     t0 = time.monotonic()
     cid = podman("run", "-d", "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp", "--memory", limit,
                  "--memory-swap", limit, "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1", "-e", f"TOOLQUAKE_PORT={port}",

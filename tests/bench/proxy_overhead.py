@@ -50,7 +50,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.support import Proc, free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import Proc, start_fake_upstream, start_process, start_proxy
+from tests.support.ports import held_port
 
 TOOLS = [{"type": "function", "function": {
     "name": f"tool_{i}", "description": "Looks something up in a catalogue of things." * 2,
@@ -307,9 +308,8 @@ def where_time_goes(pid: int, url: str, conns: int, seconds: float, load) -> dic
 
 
 def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
-    """LiteLLM's proxy in its own virtualenv (created once under the cache dir), one worker."""
-    from tests.support import free_port
-
+    """LiteLLM's proxy in its own virtualenv (created once under the cache dir), one worker, on a port held until it
+    binds it (it cannot say which port it got)."""
     cache = Path(os.environ.get("TOOLQUAKE_CACHE", Path.home() / ".cache" / "toolquake")) / "bench"
     venv = cache / "litellm-venv"
     exe = venv / "bin" / "litellm"
@@ -325,38 +325,38 @@ def start_litellm(upstream: str) -> tuple[subprocess.Popen, str] | None:
         "model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
         f"      api_base: {upstream}/v1\n      api_key: none\n"
     )
-    port = free_port()
-    env = {
-        **os.environ,
-        "LITELLM_MASTER_KEY": LITELLM_KEY,
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "LITELLM_LOG": "ERROR",
-    }
-    log = open(cache / "litellm.log", "wb")
-    proc = subprocess.Popen(
-        [str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1", "--telemetry", "False"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            print("litellm exited; see", cache / "litellm.log", flush=True)
-            return None
-        try:
-            r = httpx.post(
-                f"{url}/v1/chat/completions",
-                content=PAYLOAD,
-                timeout=5,
-                headers={"content-type": "application/json", **AUTH},
-            )
-            if r.status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    with held_port("127.0.0.1") as port:
+        env = {
+            **os.environ,
+            "LITELLM_MASTER_KEY": LITELLM_KEY,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+        }
+        log = open(cache / "litellm.log", "wb")
+        proc = subprocess.Popen(
+            [str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1", "--telemetry", "False"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                print("litellm exited; see", cache / "litellm.log", flush=True)
+                return None
+            try:
+                r = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    content=PAYLOAD,
+                    timeout=5,
+                    headers={"content-type": "application/json", **AUTH},
+                )
+                if r.status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
     proc.kill()
     return None
 
@@ -381,9 +381,8 @@ def packaged_config_with(line: str) -> str:
 
 def start_without_metrics(upstream_url: str) -> Proc:
     """The default configuration with every metric update a no-op (tests/bench/no_metrics.py)."""
-    port = free_port()
-    return start_process(["-m", "tests.bench.no_metrics", "serve", "--upstream", f"{upstream_url}/v1", "--port",
-                          str(port), "--workers", "1"], port, "/healthz")
+    return start_process(["-m", "tests.bench.no_metrics", "serve", "--upstream", f"{upstream_url}/v1", "--port", "0",
+                          "--workers", "1"], None, "/healthz")
 
 
 def corpus_cases(url: str) -> int:

@@ -37,7 +37,8 @@ import httpx
 from tests.bench.ab import install_ref
 from tests.bench.proxy_overhead import BODY
 from tests.bench.tracing_overhead import OFF, floor_answers, floor_base, floor_request, on
-from tests.support import ROOT, free_port, start_fake_upstream, start_process
+from tests.support import ROOT, start_fake_upstream, start_process
+from tests.support.ports import held_port
 
 WARM_IN_PROCESS, WARM_PROXY = 300, 600
 
@@ -105,13 +106,12 @@ def whole_proxy(name: str, config: str, upstream: str, n: int, connections: int,
     cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
     cfg.write_text(config)
     out = tempfile.mkstemp(prefix=f"toolquake-cg-{name}-", suffix=".out")[1]
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(site or ROOT)}
-    proc = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
-                             "toolquake", "serve", "--upstream", f"{upstream}/v1", "--port", str(port),
-                             "--workers", "1", "--config", str(cfg)], cwd=site or ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with held_port("127.0.0.1") as port:  # held until the proxy binds it (an older commit's may not say its port)
+        proc = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                                 "-m", "toolquake", "serve", "--upstream", f"{upstream}/v1", "--port", str(port),
+                                 "--workers", "1", "--config", str(cfg)], cwd=site or ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -120,8 +120,10 @@ def whole_proxy(name: str, config: str, upstream: str, n: int, connections: int,
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
+                proc.terminate()
                 raise RuntimeError(f"{name}: the proxy under valgrind did not start")
             time.sleep(1)
+    try:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         asyncio.run(_send(url, WARM_PROXY, connections))  # a slow first request may time out: not counted
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
@@ -171,8 +173,8 @@ def main() -> None:
     if args.in_process_only:
         return
     fake = start_fake_upstream(*(() if args.fixed_usage else ("--usage-varies",)))
-    port = free_port()
-    sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
+    with held_port("127.0.0.1") as port:  # the sink cannot say which port it got: held until it binds it
+        sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
     try:
         arms = {"off": (OFF, None), "on": (on(sink.url), None)}
         arms.update({name: (on(sink.url), site) for name, site in refs.items()})

@@ -31,7 +31,8 @@ import httpx
 
 from tests.bench.ab import alternating_rounds, install_ref, start_ref_proxy
 from tests.bench.proxy_overhead import BODY, run_asyncio, run_wrk
-from tests.support import free_port, start_fake_upstream, start_process, start_proxy
+from tests.support import start_fake_upstream, start_process, start_proxy
+from tests.support.ports import held_port
 
 OFF = "[server]\n[scoring]\nenabled = false\n"
 
@@ -63,8 +64,8 @@ def main() -> None:
         return
     load = run_wrk if shutil.which("wrk") else run_asyncio
     fake = start_fake_upstream(*(() if args.fixed_usage else ("--usage-varies",)))
-    port = free_port()
-    sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
+    with held_port("127.0.0.1") as port:  # the sink cannot say which port it got: held until it binds it
+        sink = start_process(["-m", "tests.bench.otlp_sink", "--port", str(port)], port, "/_sink")
     tmp = tempfile.TemporaryDirectory(prefix="toolquake-trace-ab-")
     procs = {}
     try:

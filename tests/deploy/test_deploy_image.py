@@ -7,88 +7,32 @@ ENTRYPOINT is started with the runtime stage's ENV and its HEALTHCHECK command i
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import free_port, start_fake_upstream
+from tests.support import scraped, start_fake_upstream, wait_for
+from tests.support.deploy import (
+    DOCKERFILE,
+    exec_form,
+    expand,
+    image_env,
+    parse_assignments,
+    stages,
+    warmed_up,
+)
+from tests.support.processes import listening_url
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
-
-
-# ---------------------------------------------------------------------------------------------
-# reading the Dockerfile
-
-
-@dataclass
-class Stage:
-    image: str
-    name: str | None
-    instructions: list[tuple[str, str]] = field(default_factory=list)
-
-    def all(self, op: str) -> list[str]:
-        return [rest for o, rest in self.instructions if o == op]
-
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, rest) pairs; continuation lines joined the way the Dockerfile parser joins them."""
-    out: list[tuple[str, str]] = []
-    buf = ""
-    for raw in text.splitlines():
-        stripped = raw.strip()
-        if stripped.startswith("#") or (not buf and not stripped):
-            continue
-        line = raw.rstrip()
-        if line.endswith("\\"):
-            buf += line[:-1]
-            continue
-        buf += line
-        op, _, rest = buf.strip().partition(" ")
-        out.append((op.upper(), rest.strip()))
-        buf = ""
-    return out
-
-
-def parse_assignments(rest: str) -> dict[str, str]:
-    return dict(item.split("=", 1) if "=" in item else (item, "") for item in shlex.split(rest))
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
-
-
-def stages() -> tuple[dict[str, str], list[Stage]]:
-    global_args: dict[str, str] = {}
-    result: list[Stage] = []
-    for op, rest in instructions(DOCKERFILE.read_text()):
-        if op == "FROM":
-            parts = rest.split()
-            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
-            result.append(Stage(expand(parts[0], global_args), name))
-        elif not result:
-            assert op == "ARG", f"only ARG may come before the first FROM, got {op}"
-            global_args.update(parse_assignments(rest))
-        else:
-            result[-1].instructions.append((op, rest))
-    return global_args, result
-
-
-def exec_form(rest: str) -> list[str]:
-    value = json.loads(rest)
-    assert isinstance(value, list) and all(isinstance(v, str) for v in value), rest
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,9 +72,7 @@ def test_images_are_pinned_and_the_runtime_is_non_root_with_a_healthcheck() -> N
     (health,) = runtime.all("HEALTHCHECK")
     assert "/healthz" in health and " CMD " in f" {health} "
     assert exec_form(runtime.all("ENTRYPOINT")[-1]) == ["toolquake", "serve"]
-    env = {}
-    for rest in runtime.all("ENV"):
-        env.update(parse_assignments(rest))
+    env = image_env()
     assert env["TOOLQUAKE_HOST"] == "0.0.0.0", "inside a container the proxy must listen beyond loopback"
     # the runtime needs no compiler and no package manager run: only the build stage installs
     assert not any("pip install" in r or "apt-get" in r for r in runtime.all("RUN"))
@@ -258,29 +200,32 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
     assert binary and str(scratch) in binary, "the entrypoint comes from the image's virtual environment"
 
     fake = start_fake_upstream()
-    port = free_port()
-    env = {**image.runtime_env, "TOOLQUAKE_UPSTREAM": f"{fake.url}/v1", "TOOLQUAKE_PORT": str(port),
+    # port 0: the server binds a free port and logs it (its `listening` event)
+    env = {**image.runtime_env, "TOOLQUAKE_UPSTREAM": f"{fake.url}/v1", "TOOLQUAKE_PORT": "0",
            "TOOLQUAKE_HOST": "127.0.0.1"}
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(image.entrypoint, cwd=image.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(image.entrypoint, cwd=image.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def alive() -> bool:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        return True
+
+    def listening() -> str | None:
+        alive()
+        return next(filter(None, map(listening_url, log_path.read_text().splitlines())), None)
 
     def healthcheck() -> int:
         return subprocess.run(image.healthcheck, env=env, capture_output=True, timeout=10).returncode
 
     try:
-        deadline = time.monotonic() + 30
-        while healthcheck() != 0:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "the healthcheck never passed"
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{port}"
+        url = wait_for(listening, 60, "the `listening` log line")
+        # the healthcheck reads the port from TOOLQUAKE_PORT, as in a container started with the port it binds
+        env["TOOLQUAKE_PORT"] = url.rsplit(":", 1)[1]
+        wait_for(lambda: alive() and healthcheck() == 0, 30, "the healthcheck to pass")
         # the image sets TOOLQUAKE_WARM_UP=1: not ready (503 warming_up) until the profiles' perturbers are set
         # up; without the embeddings extra their set-up fails at once and the server goes ready anyway
-        deadline = time.monotonic() + 60
-        while (ready := httpx.get(f"{url}/readyz", timeout=10)).status_code != 200:
-            assert ready.status_code == 503 and ready.json()["error"]["code"] == "warming_up", ready.text
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for(lambda: warmed_up(url), 60, "/readyz")
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
         r = httpx.post(f"{url}/p/reversed/v1/chat/completions", json={
@@ -291,11 +236,8 @@ def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: 
         # the corpus baked into the image's cache is what the proxy loads its case index from
         baked = Path(image.runtime_env["TOOLQUAKE_CACHE"])
         assert str(baked).startswith(str(scratch)) and any(baked.glob("bfcl/*/BFCL_v4_*.json"))
-        deadline = time.monotonic() + 90
-        while not re.search(r"^toolquake_corpus_cases [1-9]", httpx.get(f"{url}/metrics").text, re.M):
-            assert time.monotonic() < deadline, "the proxy never loaded the baked corpus"
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
+        wait_for(lambda: alive() and scraped(url, "toolquake_corpus_cases") >= 1, 90,
+                 "the proxy to load the baked corpus")
         # the server imported the installed wheel, not the checkout
         site = next(scratch.rglob("site-packages/toolquake/proxy/profiles.toml"))
         assert site.is_file()

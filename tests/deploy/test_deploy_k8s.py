@@ -27,14 +27,13 @@ import pytest
 import yaml
 
 from tests.support import Proc
+from tests.support.deploy import K8S, build, image_env, key, load_docs
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
 KUBE_VERSION = "1.30.0"
 PODMONITOR_SCHEMA = K8S / "schemas" / "podmonitor-monitoring.coreos.com-v1.json"
 KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = [K8S / "base", *sorted((K8S / "overlays").iterdir())]
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,62 +42,6 @@ KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}
 
 def manifest_files() -> list[Path]:
     return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
-
-
-def load_docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-
-
-def _key(obj: dict[str, Any]) -> tuple[str, str]:
-    return obj["kind"], obj["metadata"]["name"]
-
-
-def strategic_merge(base: Any, patch: Any) -> Any:
-    """Strategic-merge `patch` into `base` for the cases used here: maps merge, lists of maps with a
-    `name` merge by name (patched items first, as kustomize orders them), other lists are replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            out[k] = strategic_merge(base[k], v) if k in base else copy.deepcopy(v)
-        return out
-    named = lambda xs: isinstance(xs, list) and xs and all(isinstance(x, dict) and "name" in x for x in xs)  # noqa: E731
-    if named(base) and named(patch):
-        by_name = {x["name"]: x for x in base}
-        merged = [strategic_merge(by_name[p["name"]], p) if p["name"] in by_name else copy.deepcopy(p)
-                  for p in patch]
-        patched = {p["name"] for p in patch}
-        return merged + [copy.deepcopy(x) for x in base if x["name"] not in patched]
-    return copy.deepcopy(patch)
-
-
-def build(directory: Path) -> list[dict[str, Any]]:
-    """What `kustomize build directory` gives for our subset; anything outside it is an error."""
-    kz = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(kz) - KUSTOMIZATION_KEYS
-    assert not unknown, f"{directory}: kustomization keys this test cannot check: {unknown}"
-    assert kz["kind"] == "Kustomization"
-    objects: list[dict[str, Any]] = []
-    for entry in kz.get("resources", []):
-        target = (directory / entry).resolve()
-        assert target.exists(), f"{directory}/kustomization.yaml: resource {entry} does not exist"
-        if target.is_dir():
-            objects += build(target)
-        else:
-            assert target.is_relative_to(directory.resolve()), \
-                f"{directory}: file resource {entry} lies outside the kustomization (kustomize refuses it)"
-            objects += load_docs(target)
-    keys = [_key(o) for o in objects]
-    assert len(keys) == len(set(keys)), f"{directory}: duplicate resources {keys}"
-    for entry in kz.get("patches", []):
-        assert set(entry) == {"path"}, f"{directory}: only file patches are used here, got {entry}"
-        path = directory / entry["path"]
-        assert path.is_file(), f"{directory}: patch {entry['path']} does not exist"
-        (patch,) = load_docs(path)
-        matches = [i for i, o in enumerate(objects) if _key(o) == _key(patch)
-                   and o["apiVersion"] == patch["apiVersion"]]
-        assert len(matches) == 1, f"{directory}: patch {entry['path']} matches {len(matches)} resources"
-        objects[matches[0]] = strategic_merge(objects[matches[0]], patch)
-    return objects
 
 
 def kustomize_command() -> list[str] | None:
@@ -112,7 +55,7 @@ def kustomize_command() -> list[str] | None:
 
 
 def objects_by_key(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    return {_key(o): o for o in build(directory)}
+    return {key(o): o for o in build(directory)}
 
 
 def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
@@ -223,8 +166,8 @@ def test_kustomize_builds_the_same_resources(directory: Path) -> None:
                     "file's own reader in test_each_overlay_builds_into_valid_resources")
     out = subprocess.run([*command, str(directory)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    theirs = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=_key)
-    ours = sorted(build(directory), key=_key)
+    theirs = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=key)
+    ours = sorted(build(directory), key=key)
     assert theirs == ours
 
 
@@ -262,12 +205,7 @@ def _config_mount(spec: dict[str, Any], container: dict[str, Any]) -> None:
 
 def image_cache_dir() -> str:
     """TOOLQUAKE_CACHE as deploy/Dockerfile sets it: where a baked corpus lives in the image."""
-    from tests.deploy.test_deploy_image import parse_assignments, stages
-
-    env: dict[str, str] = {}
-    for rest in stages()[1][-1].all("ENV"):
-        env.update(parse_assignments(rest))
-    return env["TOOLQUAKE_CACHE"]
+    return image_env()["TOOLQUAKE_CACHE"]
 
 
 def _hardened(spec: dict[str, Any], container: dict[str, Any]) -> None:

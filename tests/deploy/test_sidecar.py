@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,9 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import Proc, free_port, start_process
+from tests.support import Proc, scraped, start_fake_upstream, start_process, wait_for
+from tests.support.deploy import image_env
+from tests.support.ports import held_port
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DEPLOYMENT = ROOT / "k8s" / "overlays" / "sidecar" / "agent-deployment.yaml"
@@ -61,22 +62,11 @@ def probe(url: str, path: str) -> int:
         return 0
 
 
-def wait_for(url: str, path: str, status: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while probe(url, path) != status:
-        assert time.monotonic() < deadline, f"{path} never answered {status}"
-        time.sleep(0.1)
-
-
 def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: Path) -> None:
     sidecar, agent = pod()
     assert sidecar["restartPolicy"] == "Always"
     # the container's environment: the image's ENV, then the manifest's
-    from tests.deploy.test_deploy_image import parse_assignments, stages
-
-    env: dict[str, str] = {}
-    for rest in stages()[1][-1].all("ENV"):
-        env.update(parse_assignments(rest))
+    env = image_env()
     env.pop("PATH")
     env.update({e["name"]: e["value"] for e in sidecar["env"] if "value" in e})
     pod_port = int(env["TOOLQUAKE_PORT"])
@@ -89,11 +79,18 @@ def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: P
     local_config.parent.mkdir()
     local_config.write_text(cm["data"][config.name])
 
-    # the pod's ports and addresses, moved to free loopback ports on this machine
-    port, upstream_port = free_port(), free_port()
-    env.update(TOOLQUAKE_PORT=str(port), TOOLQUAKE_HOST="127.0.0.1", TOOLQUAKE_CONFIG=str(local_config),
-               TOOLQUAKE_UPSTREAM=f"http://127.0.0.1:{upstream_port}/v1", HOME=str(tmp_path),
-               XDG_CACHE_HOME=str(tmp_path / "xdg-cache"), TOOLQUAKE_CACHE=str(tmp_path / "cache-emptydir"))
+    # the pod's ports and addresses moved to loopback: the sidecar on a port of its own choosing (port 0, said in its
+    # `listening` log line); the upstream's port is named in the sidecar's environment before the upstream runs, so
+    # it is held here until the upstream binds it (tests/support/ports.py)
+    with held_port() as upstream_port:
+        env.update(TOOLQUAKE_PORT="0", TOOLQUAKE_HOST="127.0.0.1", TOOLQUAKE_CONFIG=str(local_config),
+                   TOOLQUAKE_UPSTREAM=f"http://127.0.0.1:{upstream_port}/v1", HOME=str(tmp_path),
+                   XDG_CACHE_HOME=str(tmp_path / "xdg-cache"), TOOLQUAKE_CACHE=str(tmp_path / "cache-emptydir"))
+        run_pod(sidecar, agent, env, pod_port, startup_path, local_config, upstream_port, tmp_path)
+
+
+def run_pod(sidecar: dict[str, Any], agent: dict[str, Any], env: dict[str, str], pod_port: int, startup_path: str,
+            local_config: Path, upstream_port: int, tmp_path: Path) -> None:
     agent_env = {e["name"]: e["value"] for e in agent["env"] if "value" in e}
     base_url = agent_env["OPENAI_BASE_URL"]
     m = re.fullmatch(rf"http://127\.0\.0\.1:{pod_port}/p/([^/]+)/v1", base_url)
@@ -101,32 +98,29 @@ def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: P
     profile = m.group(1)
     assert tomllib.loads(local_config.read_text())["profiles"][profile]["mode"] == "shadow", \
         "staging runs in shadow mode: the agent must get answers to its own requests"
-    base_url = base_url.replace(f":{pod_port}/", f":{port}/")
 
     started: list[Proc] = []
     try:
-        sidecar_proc = start_process(["-m", "toolquake", "serve"], port, "/healthz", env=env)
+        sidecar_proc = start_process(["-m", "toolquake", "serve"], None, "/healthz", env=env)
         started.append(sidecar_proc)
         url = sidecar_proc.url
+        base_url = base_url.replace(f":{pod_port}/", f":{sidecar_proc.port}/")
         # the manifest turns warm-up on (TOOLQUAKE_WARM_UP): /readyz says warming_up until the profiles' perturbers
         # are set up (here, with an empty emptyDir cache and no corpus, their set-up fails fast and the sidecar goes
         # on: tests/server/test_readiness_warmup.py covers the warm-up itself); the startup probe holds the agent
-        deadline = time.monotonic() + 90
-        while httpx.get(url + startup_path).json().get("error", {}).get("code") == "warming_up":
-            assert time.monotonic() < deadline, "the sidecar never finished warming up"
-            time.sleep(0.2)
-        # kubelet: the sidecar is alive but its upstream is not there, so the agent is held back
+        wait_for(lambda: httpx.get(url + startup_path).json().get("error", {}).get("code") != "warming_up", 90,
+                 "the sidecar to finish warming up")
+        # kubelet: the sidecar is alive but its upstream is not there, so the agent is held back (probed a few times,
+        # as the kubelet does)
         for _ in range(5):
             assert probe(url, "/healthz") == 200
             assert probe(url, startup_path) == 503
-            time.sleep(0.2)
         not_ready = httpx.get(url + startup_path).json()
         assert not_ready["error"]["type"] == "upstream_error"
 
-        upstream = start_process(["-m", "tests.fake_upstream", "--port", str(upstream_port)], upstream_port,
-                                 "/v1/models")
+        upstream = start_fake_upstream("--port", str(upstream_port))  # the last --port wins: the held one
         started.append(upstream)
-        wait_for(url, startup_path, 200, timeout=15)
+        wait_for(lambda: probe(url, startup_path) == 200, 15, f"{startup_path} to answer 200")
 
         # kubelet: startupProbe passed, start the agent container with only its own environment
         script = tmp_path / "agent.py"
@@ -146,14 +140,12 @@ def test_agent_pod_on_loopback_starts_only_when_the_upstream_answers(tmp_path: P
                      if [t["function"]["name"] for t in json.loads(r["body"])["tools"]] == result["tools"]]
         assert len(originals) >= 2, "the upstream got the agent's requests as sent"
         assert {r["headers"].get("authorization") for r in originals} == {"Bearer sk-agent-secret"}
-        metrics = httpx.get(url + "/metrics").text
-        served = sum(float(v) for v in re.findall(
-            rf'toolquake_requests_total{{[^}}]*profile="{profile}"[^}}]*status_class="2xx"[^}}]*}} (\S+)', metrics))
-        assert served == 2, metrics
+        assert scraped(url, "toolquake_requests_total", profile=profile, status_class="2xx") == 2
 
         # readiness follows the upstream: gone upstream, pod out of its Service
         upstream.stop()
-        wait_for(url, sidecar["readinessProbe"]["httpGet"]["path"], 503, timeout=15)
+        wait_for(lambda: probe(url, sidecar["readinessProbe"]["httpGet"]["path"]) == 503, 15,
+                 "readiness to fail without the upstream")
         assert probe(url, sidecar["livenessProbe"]["httpGet"]["path"]) == 200
     finally:
         for proc in reversed(started):
