@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import ROOT, start_fake_upstream
 from tests.support.conformance import rule_rows
-from tests.support.tracing import closed_port
+from tests.support.ports import refusing_url
 
 
 def probe(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -60,7 +60,7 @@ def test_a_backend_with_known_faults_gets_them_in_the_table_and_exit_1(faulty):
 
 
 def test_an_unreachable_backend_exits_2():
-    with closed_port() as nobody:  # bound, never listened on: the connection is refused
+    with refusing_url() as nobody:  # bound, never listened on: the connection is refused
         out = probe(f"{nobody}/v1", "--model", "m", "--timeout", "2")
     assert out.returncode == 2
     assert "error: ConnectError" in out.stdout

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import Proc, recorded, start_fake_upstream
 from tests.support.llama_server import start_llama_server
-from tests.support.perturbers import refusing_url
+from tests.support.ports import refusing_url
 from toolquake.perturbers import build
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.perturbers.helpers.protected import added_numbers, missing_from
@@ -102,7 +102,7 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
     assert report["cached"] is True and out["messages"][-1]["content"] == GOOD_REPHRASED
     assert len(generator_requests(generator)) == before, "a cached paraphrase asks the generator nothing"
     # another replica sharing the directory, whose generator is down, gets the same answer
-    with refusing_url() as dead:
+    with refusing_url("/v1") as dead:
         out, report = run(dead, GOOD, tmp_path)
     assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
 
@@ -130,7 +130,7 @@ def test_quotes_wrapping_the_whole_answer_are_removed(generator, tmp_path) -> No
 
 
 def test_unreachable_generator_raises_so_the_pipeline_serves_unperturbed(tmp_path) -> None:
-    with refusing_url() as dead, pytest.raises(httpx.HTTPError):
+    with refusing_url("/v1") as dead, pytest.raises(httpx.HTTPError):
         run(dead, GOOD, tmp_path, timeout_s=2)
     assert not list(tmp_path.rglob("*.json")), "failures are not cached"
 
@@ -165,7 +165,7 @@ def test_parameters_are_checked(monkeypatch) -> None:
 
 
 def test_through_the_proxy_the_upstream_gets_the_paraphrase(generator, proxy_factory, fake_upstream, tmp_path) -> None:
-    with refusing_url() as dead:  # a generator that is down
+    with refusing_url("/v1") as dead:  # a generator that is down
         config = f"""
 [profiles.rephrased]
 mode = "perturb"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.support import start_fake_upstream
-from tests.support.perturbers import refusing_url
+from tests.support.ports import refusing_url
 from tests.support.tokens import tiktoken_files, tiktokens_own
 from toolquake.perturbers.helpers.tokens import (
     MESSAGE_OVERHEAD,
@@ -140,7 +140,7 @@ def no_tokenizer():
 def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use(no_tokenizer) -> None:
     with pytest.raises(TokenCountError, match="estimate"):
         UpstreamCounter(f"{no_tokenizer.url}/v1").count_request(BODY)
-    with refusing_url() as dead, pytest.raises(TokenCountError, match="unreachable"):
+    with refusing_url("/v1") as dead, pytest.raises(TokenCountError, match="unreachable"):
         UpstreamCounter(dead).count_request(BODY)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.support import ROOT
+from tests.support.ports import refusing_url
 from tests.support.replay import N_CASES, kill_at_random_points, replay, row_counter, rows
 
 
@@ -106,13 +106,10 @@ def test_a_perturber_that_fails_fails_the_pair_instead_of_scoring_it_unperturbed
 
 
 def test_unreachable_backend_is_a_clear_error_before_anything_runs(tmp_path):
-    # a port bound here and never listened on: a connection to it is refused for as long as the socket is held
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        port = held.getsockname()[1]
-        r = replay("--backend", f"http://127.0.0.1:{port}/v1", "--profiles", "off", "--out", str(tmp_path / "x"))
+    with refusing_url("/v1") as dead:
+        r = replay("--backend", dead, "--profiles", "off", "--out", str(tmp_path / "x"))
     assert r.returncode == 2
-    assert f"cannot reach the backend at http://127.0.0.1:{port}/v1/models" in r.stderr
+    assert f"cannot reach the backend at {dead}/models" in r.stderr
     assert "toolquake backend local" in r.stderr
     assert not (tmp_path / "x").exists()
 

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import ROOT, metric_value, recorded, scraped, start_proxy, wait_for
 from tests.support.chat import MESSAGES, TOOLS, body, tag
-from tests.support.server import logged_requests, refusing_port
+from tests.support.ports import held_port
+from tests.support.server import logged_requests
 from toolquake.proxy.cli import main as toolquake_main
 
 ADMIN_TOKEN = "adm-token-1"
@@ -244,7 +245,7 @@ def test_upstream_error_status_and_body_pass_through(proxy):
 
 
 def test_unreachable_upstream_is_502_openai_shaped(proxy_factory):
-    with refusing_port() as port:
+    with held_port("127.0.0.1") as port:
         p = proxy_factory(None, None, f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0)
         with pytest.raises(openai.APIStatusError) as exc:

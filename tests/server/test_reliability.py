@@ -12,7 +12,8 @@ import pytest
 
 from tests.support import start_proxy, wait_for
 from tests.support.chat import body
-from tests.support.server import on_every_worker, refusing_port, runtime
+from tests.support.ports import held_port
+from tests.support.server import on_every_worker, runtime
 
 CONFIG = "[server]\nread_timeout = 1.0\n[scoring]\nenabled = false\n"
 
@@ -97,7 +98,7 @@ def test_fault_gets_its_answer_and_leaves_nothing_behind(proxy_1s, fault, check,
 @pytest.fixture(scope="module")
 def refused_proxy():
     """A proxy whose upstream refuses every connection (a port this process holds and never listens on)."""
-    with refusing_port() as port:
+    with held_port("127.0.0.1") as port:
         proc = start_proxy(f"http://127.0.0.1:{port}", CONFIG)
         yield proc
         proc.stop()

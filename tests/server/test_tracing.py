@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from tests.support import ROOT, metric_samples, metric_value, metrics_text, recorded, scraped, start_proxy, wait_for
 from tests.support import tracing as tracing_support
-from tests.support.tracing import LINEAR_GROWTH, SIZES, closed_port, per_byte_growth, sink_spans
+from tests.support.ports import refusing_url
+from tests.support.tracing import LINEAR_GROWTH, SIZES, per_byte_growth, sink_spans
 from toolquake.proxy.server.config import ConfigError, load_config
 from toolquake.proxy.tracing import otlp
 from toolquake.proxy.tracing.spans import Span
@@ -69,7 +70,7 @@ def test_tracing_off_lean_path_is_byte_identical(proxy, fake_upstream):
 @pytest.fixture
 def refused():
     """A collector's URL on a port bound but never listened on: every export to it is refused."""
-    with closed_port() as url:
+    with refusing_url() as url:
         yield url
 
 

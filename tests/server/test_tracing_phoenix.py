@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.support import Proc, recorded, start_proxy, wait_for
-from tests.support.tracing import listening_ports
+from tests.support.ports import listening_ports
 from toolquake.proxy.backend.local import die_with_parent_preexec
 
 pytestmark = [pytest.mark.slow, pytest.mark.phoenix]  # Phoenix takes 20-60 s to start on 2 cores

@@ -3,11 +3,9 @@ marks that skip a test without them), a BFCL case as a chat request, and a reque
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import socket
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -67,11 +65,3 @@ def send(proxy, profile: str, body: dict[str, Any], case_id: str | None = None) 
     return tag, answer
 
 
-@contextlib.contextmanager
-def refusing_url() -> Iterator[str]:
-    """An OpenAI-style base URL on loopback where every connection is refused, for as long as the block runs: its
-    port is bound here and never listened on, so no other process can take it meanwhile (a port picked, released
-    and hoped to stay free could be)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        held.bind(("127.0.0.1", 0))
-        yield f"http://127.0.0.1:{held.getsockname()[1]}/v1"

@@ -6,7 +6,6 @@ is picked here and bound later by a child (under pytest-xdist two workers could 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from toolquake.proxy.backend.local import listening_url
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -56,22 +57,6 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def listening_url(line: str) -> str | None:
-    """The URL a server's start-up line says it listens on: `toolquake serve`'s JSON `listening` event, or a plain
-    `listening on URL` line; None for any other line."""
-    line = line.strip()
-    if line.startswith("{"):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            return None
-        if isinstance(event, dict) and event.get("event") == "listening" and isinstance(event.get("url"), str):
-            return event["url"]
-        return None
-    head, sep, rest = line.partition("listening on ")
-    if sep and rest:
-        return rest.split()[0]
-    return None
 
 
 def _read_url(popen: subprocess.Popen, log: Path, args: list[str], deadline: float) -> str:

@@ -4,12 +4,10 @@ refuses connections, and the hostile client of test_hostile_latency (its benchma
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
 import openai
@@ -107,13 +105,6 @@ class Tagger(Perturber):
         return {**response, "trail": [*response.get("trail", []), self.tag]}
 
 
-@contextlib.contextmanager
-def refusing_port() -> Iterator[int]:
-    """A loopback port that refuses connections while the block runs: bound by this process (so no one else can
-    take it) and never listened on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 KIB = 1024

@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -69,45 +68,10 @@ def sink_spans(sink: Sink, trace_ids: set[str], at_least: int, timeout: float = 
     return wait_for(enough, timeout, f"{at_least} span(s) of {len(trace_ids)} trace(s) at the collector")
 
 
-@contextmanager
-def closed_port() -> Iterator[str]:
-    """`http://127.0.0.1:PORT` where nothing listens, for as long as the block runs: the port is bound (so no one
-    else gets it) but never listened on, so a connection to it is refused at once."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().as_posix()
-        except OSError:  # closed since listed
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
 
 
-def listening_ports(pid: int) -> set[int]:
-    """The TCP ports process `pid` listens on (IPv4 and IPv6), read from /proc (Linux): for a server that binds
-    port 0 when told but does not say which port it got."""
-    mine = _socket_inodes(pid)
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        path = Path(f"/proc/{pid}/net/{table}")
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            fields = line.split()
-            # local address (hex ip:port), state (0A: LISTEN), inode
-            if len(fields) > 9 and fields[3] == "0A" and fields[9] in mine:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 #: `per_byte_growth` from an input to one 32 times as large: about 1 for linear work (less where fixed costs weigh
