@@ -1,13 +1,17 @@
-"""What the tests share: starting and stopping real processes on loopback (`processes`), reading Prometheus
-metrics (`metrics`), waiting for a positive signal instead of sleeping (`waiting`), and the check that no process
-the suite started outlives it (`orphans`). Test modules import helpers from here, never from each other."""
+"""What the tests share. Test modules import helpers from here, never from each other.
+
+The basics, re-exported here: starting and stopping real processes on loopback, each on a port of its own choosing
+(`processes`), reading Prometheus metrics (`metrics`), waiting for a positive signal instead of sleeping
+(`waiting`), finding the processes the suite started (`orphans`). `ports`: a port held for a server that must be
+told one, a URL that refuses connections. Per area: `chat`, `shadow`, `live`, `cases`, `server`, `tracing`,
+`conformance`, `replay`, `multiturn`, `multiturn_steps`, `sweep`, `report`, `results`, `browser`, `perturbers`,
+`callformats`, `lengthening`, `hostile`, `catalogs`, `tokens`, `llama_server`, `backend`, `deploy`."""
 
 from tests.support.metrics import metric_samples, metric_value, metrics_text, scraped
 from tests.support.orphans import ORPHAN_MARK, marked_processes
 from tests.support.processes import (
     ROOT,
     Proc,
-    free_port,
     recorded,
     start_fake_upstream,
     start_process,
@@ -16,6 +20,6 @@ from tests.support.processes import (
 from tests.support.waiting import wait_for
 
 __all__ = [
-    "ORPHAN_MARK", "ROOT", "Proc", "free_port", "marked_processes", "metric_samples", "metric_value", "metrics_text",
+    "ORPHAN_MARK", "ROOT", "Proc", "marked_processes", "metric_samples", "metric_value", "metrics_text",
     "recorded", "scraped", "start_fake_upstream", "start_process", "start_proxy", "wait_for",
 ]

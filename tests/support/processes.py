@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 #: how long a server may take to start on a loaded 2-core machine (a bound on a hang, not a speed check)
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A port free right now, for the rare server that cannot bind port 0 and say which it got (an external
-    program). It can be taken by someone else before it is bound: prefer `--port 0`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -55,8 +46,6 @@ class Proc:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
 
 
 def _read_url(popen: subprocess.Popen, log: Path, args: list[str], deadline: float) -> str:
@@ -86,7 +75,7 @@ def start_process(args: list[str], port: int | None = None, ready_path: str = "/
                   scheme: str = "http") -> Proc:
     """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers (over `scheme`;
     https: any certificate). `port` None: the command binds port 0 (its `--port 0`) and its output says the URL;
-    a number: a server that cannot say, listening there."""
+    a number: a server that cannot say, told to listen there (a `tests.support.ports.held_port`)."""
     log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with log.open("wb") as out:
