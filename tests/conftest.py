@@ -75,6 +75,22 @@ def oracle() -> Iterator[tuple[Proc, list, set[str]]]:
     fake.stop()
 
 
+# -- the long files first ----------------------------------------------------------------------------------------
+
+#: the families whose files take minutes (the embedded model, containers, Phoenix, the slow ones)
+LONG_FAMILIES = ("model", "container", "phoenix", "slow")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files holding a test of a long family run first, the rest after, each in its collected order: under
+    pytest-xdist's `--dist loadfile` (`make test`) a worker takes the next file as it finishes one, so a long file
+    taken last would run alone while the other worker idles (seen: the agent demo on the embedded model, ~5 min,
+    was the last file of a run)."""
+    long_files = {item.nodeid.split("::")[0] for item in items
+                  if any(item.get_closest_marker(name) for name in LONG_FAMILIES)}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_files)
+
+
 # -- no orphans: every process the suite starts inherits this marker; at the end none may be alive ---------
 
 os.environ.setdefault(ORPHAN_MARK, f"{os.getpid()}-{time.time_ns()}")
