@@ -9,7 +9,9 @@ export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 # `make test` runs the tests in this many pytest-xdist worker processes, a test file at a time on each (a file's
 # tests share its servers): most tests wait on the servers they start, so two workers on two cores halve the
-# wall time. TEST_WORKERS=0 runs them in one process.
+# wall time. TEST_WORKERS=0 runs them in one process. The files are handed out in the order tests/conftest.py
+# puts them (the long families first), not reordered by pytest-xdist by their number of tests (which left the
+# one-test agent demo on the embedded model, ~5 minutes, to run alone at the end).
 TEST_WORKERS ?= 2
 
 .PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast coverage bench demo agent-demo sweep-demo \
@@ -133,21 +135,21 @@ lint: install
 
 # the README's test command: everything, as CI runs it (exit code 5 = no tests ran = failure)
 test: install-embeddings corpus tools install-local containers phoenix tiktoken-files
-	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # the edit loop: no heavy extra, no corpus, no slow family (the embedded model, containers, Phoenix); a family
 # alone with PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-m model"`
 FAST := not slow and not needs_corpus and not needs_embeddings and not container and not model and not phoenix
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "$(FAST)" $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "$(FAST)" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # the suite under coverage.py (child processes included: pyproject.toml's [tool.coverage.run]); the report of the
 # product's packages on the terminal and in build/coverage.json
 coverage: install-embeddings corpus tools install-local containers phoenix tiktoken-files
 	rm -f .coverage .coverage.*
-	$(BIN)/coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	$(BIN)/coverage combine -q && $(BIN)/coverage report && $(BIN)/coverage json -q -o build/coverage.json; exit $$rc
 
 # every benchmark under tests/bench/, one after another (see tests/bench/run_all.py; results in bench-results/)

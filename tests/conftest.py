@@ -85,7 +85,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """The files holding a test of a long family run first, the rest after, each in its collected order: under
     pytest-xdist's `--dist loadfile` (`make test`) a worker takes the next file as it finishes one, so a long file
     taken last would run alone while the other worker idles (seen: the agent demo on the embedded model, ~5 min,
-    was the last file of a run)."""
+    was the last file of a run). `make test` passes `--no-loadscope-reorder`, else pytest-xdist hands out the
+    files with the most tests first, whatever this order."""
     long_files = {item.nodeid.split("::")[0] for item in items
                   if any(item.get_closest_marker(name) for name in LONG_FAMILIES)}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_files)
