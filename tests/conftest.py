@@ -77,6 +77,8 @@ def oracle() -> Iterator[tuple[Proc, list, set[str]]]:
 
 # -- the long files first ----------------------------------------------------------------------------------------
 
+#: this file's fixtures that start processes: the tests using them are marked `processes` at collection
+PROCESS_FIXTURES = frozenset({"fake_upstream", "proxy", "proxy_factory", "backends", "oracle"})
 #: the families whose files take minutes (the embedded model, containers, Phoenix, the slow ones)
 LONG_FAMILIES = ("model", "container", "phoenix", "slow")
 
@@ -87,9 +89,67 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     taken last would run alone while the other worker idles (seen: the agent demo on the embedded model, ~5 min,
     was the last file of a run). `make test` passes `--no-loadscope-reorder`, else pytest-xdist hands out the
     files with the most tests first, whatever this order."""
+    for item in items:  # the shared servers above are processes: a test using one starts (or shares) them
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker("processes")
     long_files = {item.nodeid.split("::")[0] for item in items
                   if any(item.get_closest_marker(name) for name in LONG_FAMILIES)}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_files)
+
+
+# -- the `processes` marker: a test that starts a process says so (`make test-fast` leaves those tests out) ---
+
+#: markers that say a test starts processes: `processes` itself, and the families that always do
+PROCESS_MARKERS = ("processes", "container", "model", "phoenix")
+#: the audit events (PEP 578) raised when this interpreter starts a process (asyncio's subprocesses and
+#: multiprocessing's go through them too)
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.fork", "os.exec"})
+_spawned: list[str] = []  # what the running test (its setup, call and teardown) started
+_testing = False
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event in _SPAWN_EVENTS and _testing and len(_spawned) < 8:
+        try:  # the command line (the first list among the event's arguments), else the program, else the event
+            argv = next((a for a in args if isinstance(a, (list, tuple))), None)
+            program = next((a for a in args if isinstance(a, (str, bytes, os.PathLike))), event)
+            _spawned.append(" ".join(map(str, argv))[:200] if argv else str(program))
+        except Exception:  # an audit hook must never raise into the code it watches
+            _spawned.append(event)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _testing
+    _spawned.clear()
+    _testing = True
+    try:
+        yield
+    finally:
+        _testing = False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test that started a process without a marker saying so fails (in its teardown report): `make test-fast`
+    selects tests by that marker, so a missing one would put a process-starting test into the edit loop. A
+    process started by a fixture shared at module scope is seen in the setup of the first test that uses it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "teardown" or not _spawned or report.failed:
+        return
+    if any(item.get_closest_marker(name) for name in PROCESS_MARKERS):
+        return
+    if survey := os.environ.get("TOOLQUAKE_TEST_SPAWN_SURVEY"):  # list them all in one run instead of failing
+        with open(survey, "a", encoding="utf-8") as f:
+            f.write(f"{item.nodeid}\t{'; '.join(_spawned)}\n")
+        return
+    report.outcome = "failed"
+    report.longrepr = ("this test started a process without the `processes` marker (tests/conftest.py; add "
+                       "`pytest.mark.processes` to it or to its module's pytestmark): " + "; ".join(_spawned))
 
 
 # -- no orphans: every process the suite starts inherits this marker; at the end none may be alive ---------

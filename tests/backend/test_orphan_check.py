@@ -1,4 +1,5 @@
-"""The suite's own orphan check (tests/conftest.py, pytest_sessionfinish) fails a run that leaks a process."""
+"""The suite's own checks (tests/conftest.py): the orphan check (pytest_sessionfinish) fails a run that leaks a
+process; the `processes` marker check fails a test that starts a process without that marker."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import pytest
 
 from tests.support import ORPHAN_MARK, ROOT, wait_for
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the check reads /proc")
+pytestmark = [pytest.mark.processes,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the check reads /proc")]
 
 LEAKY = """
 import subprocess, sys
+import pytest
+pytestmark = pytest.mark.processes  # else tests/conftest.py fails it for starting a process unmarked
 
 def test_leaks():
     p = subprocess.Popen([sys.executable, "-c", "import time; print('leaked', flush=True); time.sleep(120)"],
@@ -24,6 +28,8 @@ def test_leaks():
 """
 TIDY = """
 import subprocess, sys
+import pytest
+pytestmark = pytest.mark.processes
 
 def test_tidy():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -32,11 +38,13 @@ def test_tidy():
 """
 
 
-def nested(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
+def nested(tmp_path, source: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     test = tmp_path / "test_nested.py"
     test.write_text(source)
     # the nested run is a session of its own (and not a worker of this one, when this one runs under xdist)
-    env = {k: v for k, v in os.environ.items() if k != ORPHAN_MARK and not k.startswith("PYTEST_XDIST")}
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in (ORPHAN_MARK, "TOOLQUAKE_TEST_SPAWN_SURVEY") and not k.startswith("PYTEST_XDIST")},
+           **(env or {})}
     # only the plugins it needs: loading every installed one costs seconds of CPU in each of its processes
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "tests.conftest", "-p", "xdist.plugin",
@@ -62,3 +70,31 @@ def test_a_tidy_run_passes(tmp_path, workers):
     r = nested(tmp_path, TIDY, *workers)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "outlived" not in r.stdout + r.stderr
+
+
+UNMARKED = """
+import subprocess, sys
+def test_starts_a_process_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+def test_in_process():
+    assert sum(range(4)) == 6
+"""
+
+
+@pytest.mark.parametrize("survey", [False, True], ids=["fails", "surveyed"])
+def test_a_test_that_starts_a_process_without_the_processes_marker_fails(tmp_path, survey):
+    """tests/conftest.py's other check: `make test-fast` leaves out the tests marked `processes`, so one that
+    starts a process unmarked fails (its teardown), naming what it started; the in-process test beside it passes.
+    With TOOLQUAKE_TEST_SPAWN_SURVEY set, the run lists such tests in that file instead of failing them."""
+    survey_file = tmp_path / "survey.tsv"
+    r = nested(tmp_path, UNMARKED, env={"TOOLQUAKE_TEST_SPAWN_SURVEY": str(survey_file)} if survey else None)
+    out = r.stdout + r.stderr
+    if survey:
+        assert r.returncode == 0, out
+        lines = survey_file.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("test_nested.py::test_starts_a_process_unmarked\t"), lines
+        assert lines[0].endswith(f"{sys.executable} -c pass"), lines
+    else:
+        assert r.returncode == 1, out
+        assert "2 passed, 1 error" in out, out  # the unmarked test's call passed, its teardown report failed
+        assert "started a process without the `processes` marker" in out and f"{sys.executable} -c pass" in out

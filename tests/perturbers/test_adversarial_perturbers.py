@@ -1,4 +1,5 @@
-"""Every registered perturber, with the parameters of every packaged profile that uses it, against hostile text
+"""Every registered perturber, with the parameters of every packaged profile that uses it (of a grid of numbers,
+its ends), against hostile text
 (issue 28 item 1): repeated regex metacharacters, long runs of spaces, deep nesting, control and bidi characters,
 in every place a client controls (user and system messages, tool names, descriptions, parameter descriptions and
 defaults, tool results). Nothing raises out of `apply`, and the time it takes grows at most linearly with the text:
@@ -38,7 +39,9 @@ NEEDS = {"catalog_padding": (True, True), "toolkit_expansion": (True, True), "co
 
 def packaged_params() -> list[tuple[str, dict[str, Any]]]:
     """(perturber, params) for every distinct step of the packaged profiles, and each registered perturber that no
-    packaged profile uses with its defaults."""
+    packaged profile uses with its defaults. Of steps that differ only in numbers (the paper grids: catalog padding
+    at 5 budgets x 5 positions, response lengthening at 8 positions), those at the ends of each number's range:
+    the numbers say how much is added and where, the code that reads the client's text is the same."""
     profiles = tomllib.loads((ROOT / "proxy" / "profiles.toml").read_text())["profiles"]
     seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     for profile in profiles.values():
@@ -48,7 +51,29 @@ def packaged_params() -> list[tuple[str, dict[str, Any]]]:
     for name in registry():
         if not any(key[0] == name for key in seen):
             seen[(name, "{}")] = (name, {})
-    return list(seen.values())
+    return at_the_ends(list(seen.values()))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def at_the_ends(steps: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """The steps whose every number is the smallest or the largest among the steps of the same perturber with the
+    same other params (and the same numeric keys)."""
+    def family(step: tuple[str, dict[str, Any]]) -> str:
+        name, params = step
+        return json.dumps([name, {k: (None if _is_number(v) else v) for k, v in params.items()}], sort_keys=True)
+
+    ends: dict[str, dict[str, set[Any]]] = {}
+    for step in steps:
+        values = ends.setdefault(family(step), {})
+        for key, value in step[1].items():
+            if _is_number(value):
+                values.setdefault(key, set()).add(value)
+    return [step for step in steps
+            if all(not _is_number(v) or v in (min(ends[family(step)][k]), max(ends[family(step)][k]))
+                   for k, v in step[1].items())]
 
 
 def _param_id(item: tuple[str, dict[str, Any]]) -> str:

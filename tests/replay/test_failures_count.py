@@ -50,25 +50,6 @@ def _args(fake, out) -> list[str]:
             "simple_python,multiple", "--limit", str(LIMIT), "--out", str(out)]
 
 
-def scored_counter(db_path):
-    """A function counting the scored rows recorded so far (0 while the store is locked)."""
-    count_all = row_counter(db_path)
-
-    def count() -> int:
-        if not count_all():
-            return 0
-        try:
-            db = sqlite3.connect(db_path, timeout=5)
-            try:
-                return db.execute("SELECT COUNT(*) FROM results WHERE status = 'scored'").fetchone()[0]
-            finally:
-                db.close()
-        except sqlite3.OperationalError:
-            return 0
-
-    return count
-
-
 def expected_arm(stored: list[dict], profile: str) -> dict:
     """An arm's figures from the stored rows: every scored row counts, a refused one as a wrong answer."""
     mine = [r for r in stored if r["profile"] == profile and r["status"] == "scored"]
@@ -217,7 +198,7 @@ def test_sigkill_then_resume_retries_the_503s_and_counts_every_refused_and_answe
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert {(x["status"], x["http_status"]) for x in rows(out)} == {("error", 503)} and len(rows(out)) == total
-    scored = scored_counter(out / "replay.sqlite")
+    scored = row_counter(out / "replay.sqlite", where="status = 'scored'")
     kills = kill_at_random_points(args, env, scored, total, random.Random(31), rounds=4, max_step=10)
     assert kills >= 2 and scored() < total
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

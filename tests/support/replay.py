@@ -60,8 +60,10 @@ def rows(out: Path) -> list[dict]:
     return found
 
 
-def row_counter(db_path: Path):
-    """A function counting the results rows recorded so far (0 while the store does not exist or is locked)."""
+def row_counter(db_path: Path, where: str = ""):
+    """A function counting the results rows recorded so far (0 while the store does not exist or is locked); `where`
+    (an SQL condition written by the test, e.g. "status = 'scored'") counts only the rows that meet it."""
+    query = "SELECT COUNT(*) FROM results" + (f" WHERE {where}" if where else "")
 
     def count() -> int:
         if not db_path.exists():
@@ -69,7 +71,7 @@ def row_counter(db_path: Path):
         try:
             db = sqlite3.connect(db_path, timeout=5)
             try:
-                return db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+                return db.execute(query).fetchone()[0]
             finally:
                 db.close()
         except sqlite3.OperationalError:
