@@ -165,7 +165,8 @@ def _suite_processes() -> dict[int, str]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[None]:
-    """Fail the run if a process the suite started is still alive after it (then stop those processes).
+    """Fail the run if a process the suite started is still alive after it (then stop those processes); a process
+    still exiting gets TOOLQUAKE_TEST_ORPHAN_GRACE_S seconds (10; tests/backend/test_orphan_check.py's nested runs: 1).
 
     A wrapper, checking after every other `pytest_sessionfinish`: under pytest-xdist (`make test` runs the suite
     in worker processes) the controller's own hook stops the workers there, and the workers' sessions do not
@@ -173,7 +174,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[N
     yield
     if not sys.platform.startswith("linux") or os.environ.get(ORPHAN_MARK, "").split("-")[0] != str(os.getpid()):
         return  # only the session that set the marker checks (not pytest runs nested inside tests, nor workers)
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + float(os.environ.get("TOOLQUAKE_TEST_ORPHAN_GRACE_S", "10"))
     left = _suite_processes()
     while left and time.monotonic() < deadline:
         time.sleep(0.2)

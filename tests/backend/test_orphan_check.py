@@ -20,8 +20,9 @@ import pytest
 pytestmark = pytest.mark.processes  # else tests/conftest.py fails it for starting a process unmarked
 
 def test_leaks():
-    p = subprocess.Popen([sys.executable, "-c", "import time; print('leaked', flush=True); time.sleep(120)"],
-                         start_new_session=True)
+    # its own standard streams: one inheriting a pytest-xdist worker's held the controller ~30 s past the run
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print("PID", p.pid)
     with open(__file__ + ".pid", "w") as f:  # an xdist worker's output is not shown
         f.write(str(p.pid))
@@ -47,6 +48,7 @@ def nested(tmp_path, source: str, *args: str, env: dict[str, str] | None = None)
            **(env or {})}
     # only the plugins it needs: loading every installed one costs seconds of CPU in each of its processes
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env.setdefault("TOOLQUAKE_TEST_ORPHAN_GRACE_S", "1")  # the leaked process sleeps 120 s: no need to wait 10
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "tests.conftest", "-p", "xdist.plugin",
                            "-p", "no:cacheprovider", *args, "--rootdir", str(tmp_path), str(test)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
