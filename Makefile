@@ -138,9 +138,10 @@ test: install-embeddings corpus tools install-local containers phoenix tiktoken-
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-# the edit loop: no heavy extra, no corpus, no slow family (the embedded model, containers, Phoenix); a family
-# alone with PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-m model"`
-FAST := not slow and not needs_corpus and not needs_embeddings and not container and not model and not phoenix
+# the edit loop: the tests that run in-process (no test marked `processes`: none that starts the proxy, a fake
+# upstream, the CLI or any program; the families `model`, `container`, `phoenix` are among them) and need no heavy
+# extra and no corpus; a family alone with PYTEST_ARGS, e.g. `make test PYTEST_ARGS="-m model"`
+FAST := not slow and not needs_corpus and not needs_embeddings and not processes
 test-fast: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "$(FAST)" $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc

@@ -89,8 +89,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     taken last would run alone while the other worker idles (seen: the agent demo on the embedded model, ~5 min,
     was the last file of a run). `make test` passes `--no-loadscope-reorder`, else pytest-xdist hands out the
     files with the most tests first, whatever this order."""
-    for item in items:  # the shared servers above are processes: a test using one starts (or shares) them
-        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    for item in items:  # the shared servers above are processes, and so are the long families' tests
+        if (PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or any(item.get_closest_marker(name) for name in PROCESS_MARKERS[1:])):
             item.add_marker("processes")
     long_files = {item.nodeid.split("::")[0] for item in items
                   if any(item.get_closest_marker(name) for name in LONG_FAMILIES)}
@@ -113,7 +114,7 @@ def _audit(event: str, args: tuple) -> None:
         try:  # the command line (the first list among the event's arguments), else the program, else the event
             argv = next((a for a in args if isinstance(a, (list, tuple))), None)
             program = next((a for a in args if isinstance(a, (str, bytes, os.PathLike))), event)
-            _spawned.append(" ".join(map(str, argv))[:200] if argv else str(program))
+            _spawned.append((" ".join(map(str, argv)) if argv else str(program))[:200].replace("\n", " "))
         except Exception:  # an audit hook must never raise into the code it watches
             _spawned.append(event)
 

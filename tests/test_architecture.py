@@ -19,6 +19,8 @@ import pytest
 
 from tests.support import ROOT
 
+pytestmark = pytest.mark.processes
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 

@@ -17,6 +17,8 @@ from tests.support import start_process
 from tests.support.backend import STAND_IN, STAND_IN_MODEL, stand_in_env
 from tests.support.ports import held_port
 
+pytestmark = pytest.mark.processes
+
 
 def test_the_cli_on_port_0_says_the_port_it_got_and_serves_there():
     proc = start_process(["-m", "toolquake", "backend", "local", "--port", "0", "--model-path", str(STAND_IN_MODEL)],

@@ -22,6 +22,8 @@ import pytest
 from tests.support import ROOT, Proc, start_process
 from tests.support.backend import STAND_IN_MODEL, needs_model, stand_in_env
 
+pytestmark = pytest.mark.processes
+
 REQUEST_TIMEOUT = 2.0
 LONG = 2000  # tokens: 100 s of the stand-in's
 USER = [{"role": "user", "content": "hi"}]

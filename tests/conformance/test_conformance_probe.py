@@ -13,6 +13,8 @@ from tests.support import ROOT, start_fake_upstream
 from tests.support.conformance import rule_rows
 from tests.support.ports import refusing_url
 
+pytestmark = pytest.mark.processes
+
 
 def probe(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "toolquake", "conformance", "--backend", url, *extra],

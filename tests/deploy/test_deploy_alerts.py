@@ -24,6 +24,7 @@ def promtool() -> str:
     return path
 
 
+@pytest.mark.processes
 def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
     check = subprocess.run([promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -34,6 +35,7 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
     assert "SUCCESS" in out.stdout, out.stdout
 
 
+@pytest.mark.processes
 def test_the_rule_tests_fail_when_an_alert_reads_the_wrong_end(tmp_path: Path) -> None:
     # the unit tests can fail: an alert on the lower end of the drop (fires far too late) does not pass them
     rules = yaml.safe_load(ALERTS.read_text())

@@ -201,6 +201,7 @@ def test_cpu_profile_comes_up_on_loopback(tmp_path: Path) -> None:
             proc.stop()
 
 
+@pytest.mark.processes
 def test_prometheus_config_is_valid_and_targets_the_compose_services() -> None:
     promtool = need("promtool")
     out = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True,

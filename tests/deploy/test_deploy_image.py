@@ -47,11 +47,13 @@ def hadolint() -> str:
     return found
 
 
+@pytest.mark.processes
 def test_hadolint_finds_nothing() -> None:
     out = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.processes
 def test_hadolint_does_flag_a_careless_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN pip install toolquake\n")
@@ -190,6 +192,7 @@ def emulate_build(scratch: Path, build_args: dict[str, str]) -> EmulatedImage:
     return EmulatedImage(scratch, renv, exec_form(runtime.all("ENTRYPOINT")[-1]), health_cmd, workdir)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_the_built_image_serves_and_its_healthcheck_tracks_the_server(tmp_path: Path) -> None:
     """Built with BAKE_CORPUS=1; the server then finds the baked corpus without any download."""

@@ -158,6 +158,7 @@ def test_every_kustomization_lists_only_existing_files() -> None:
     assert not orphans, f"manifests no kustomization uses: {orphans}"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
 def test_kustomize_builds_the_same_resources(directory: Path) -> None:
     command = kustomize_command()

@@ -29,6 +29,7 @@ def check_metrics(text: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.processes
 def test_promtool_rejects_badly_named_and_malformed_metrics() -> None:
     lint = check_metrics("# HELP jobs_count Jobs.\n# TYPE jobs_count counter\njobs_count 1\n")
     assert lint.returncode != 0 and "_total" in lint.stdout + lint.stderr

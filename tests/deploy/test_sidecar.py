@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.support import Proc, scraped, start_fake_upstream, start_process, wait_for
 from tests.support.deploy import image_env
 from tests.support.ports import held_port
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DEPLOYMENT = ROOT / "k8s" / "overlays" / "sidecar" / "agent-deployment.yaml"

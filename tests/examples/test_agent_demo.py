@@ -22,6 +22,8 @@ from examples.agent.tasks import TASKS
 from scripts.agent_demo import Demo
 from tests.support import ORPHAN_MARK, marked_processes, start_fake_upstream
 
+pytestmark = pytest.mark.processes
+
 PROFILES = ["off", "shuffled", "fail-timeout", "meta-namespace-twin"]
 TOOLS = ["get_weather", "convert_currency", "list_events", "convert_units", "search_notes"]
 

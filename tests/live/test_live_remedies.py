@@ -24,7 +24,7 @@ from tests.support.replay import replay
 from tests.support.report import SAME, report
 from toolquake.scorers.consistency import DISAGREE
 
-pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings]
+pytestmark = [pytest.mark.processes, pytest.mark.needs_corpus, pytest.mark.needs_embeddings]
 
 K = 8
 PAD = 40

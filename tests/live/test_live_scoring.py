@@ -383,6 +383,7 @@ def test_dashboard_queries_name_only_metrics_the_proxy_exports(shared):
         assert contract in used
 
 
+@pytest.mark.processes
 def test_dashboard_queries_are_valid_promql(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -196,6 +196,7 @@ def test_summary_is_computed_from_the_stored_verdicts(tmp_path):
     assert "| sh | 4 | 2 | 1 | 1 | 75.0 % [30.1, 95.4] |" in text
 
 
+@pytest.mark.processes
 def test_report_db_prints_the_summary(tmp_path):
     path = tmp_path / "cli.sqlite"
     store = ResultsStore(path)
@@ -221,6 +222,7 @@ def test_report_db_prints_the_summary(tmp_path):
     assert missing.returncode == 2 and "no results file" in missing.stderr
 
 
+@pytest.mark.processes
 def test_report_db_counts_not_perturbed_pairs_apart_and_out_of_the_accuracy(tmp_path):
     """Rows as the live scorer writes them: a rephrasing the value check rejected went out unchanged."""
     path = tmp_path / "np.sqlite"

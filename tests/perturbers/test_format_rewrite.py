@@ -303,6 +303,7 @@ def toolquake(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.processes
 def test_formats_lists_the_26_configurations() -> None:
     out = toolquake("formats", "--json")
     assert out.returncode == 0, out.stderr
@@ -313,6 +314,7 @@ def test_formats_lists_the_26_configurations() -> None:
     assert table.returncode == 0 and len(table.stdout.splitlines()) == 27
 
 
+@pytest.mark.processes
 def test_formats_renders_a_configuration_for_a_request() -> None:
     body = json.dumps({"model": "m", "tools": TOOLS, "messages": [{"role": "user", "content": "5!"}]})
     out = toolquake("formats", "--request", "-", "--config", "20", "--show", "body", stdin=body)
@@ -335,6 +337,7 @@ def test_formats_renders_a_configuration_for_a_request() -> None:
     assert bad.returncode != 0 and "1…26" in bad.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_formats_renders_a_configuration_for_a_bfcl_case() -> None:
     out = toolquake("formats", "--case", "simple_python_0", "--config", "1")

@@ -362,6 +362,7 @@ def test_conversation_with_the_upstream_counter_within_5_percent(fake_upstream) 
     check_tool_call_ids(out["messages"])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "profile", ["long_response", pytest.param("long_conversation", marks=pytest.mark.needs_corpus)]
 )

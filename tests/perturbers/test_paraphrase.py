@@ -77,6 +77,7 @@ def run(gen_url: str, text: str, cache_dir: Path, **params: Any) -> tuple[dict[s
     return out.body, ctx.report
 
 
+@pytest.mark.processes
 def test_accepted_paraphrase_replaces_the_last_user_message(generator, tmp_path) -> None:
     before = len(generator_requests(generator))
     out, report = run(f"{generator.url}/v1", GOOD, tmp_path, generator_model="rephraser")
@@ -93,6 +94,7 @@ def test_accepted_paraphrase_replaces_the_last_user_message(generator, tmp_path)
     assert asked["messages"][-1] == {"role": "user", "content": GOOD}
 
 
+@pytest.mark.processes
 def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tmp_path) -> None:
     run(f"{generator.url}/v1", GOOD, tmp_path)
     files = list(tmp_path.rglob("*.json"))
@@ -107,6 +109,7 @@ def test_the_disk_cache_makes_replays_stable_without_the_generator(generator, tm
     assert out["messages"][-1]["content"] == GOOD_REPHRASED and report["cached"] is True
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "text,lost", [(LOSES_NUMBER, ["5"]), (LOSES_QUOTE, ['"quarterly report"']), (ANSWERED, ["new 2"])]
 )
@@ -117,12 +120,14 @@ def test_paraphrase_losing_a_value_is_rejected_and_counted(generator, tmp_path, 
     assert report["not_perturbed"] == "rephrasing rejected"  # the pair is counted apart, not scored in the arm
 
 
+@pytest.mark.processes
 def test_numbers_spelled_out_in_the_rephrasing_are_kept_values(generator, tmp_path) -> None:
     out, report = run(f"{generator.url}/v1", IN_WORDS, tmp_path)
     assert report["paraphrase"] == "accepted" and "not_perturbed" not in report
     assert out["messages"][-1]["content"] == IN_WORDS_REPHRASED
 
 
+@pytest.mark.processes
 def test_quotes_wrapping_the_whole_answer_are_removed(generator, tmp_path) -> None:
     out, report = run(f"{generator.url}/v1", QUOTED_QUERY, tmp_path)
     assert report["paraphrase"] == "accepted"
@@ -164,6 +169,7 @@ def test_parameters_are_checked(monkeypatch) -> None:
         build("paraphrase", {"generator_url": "http://x/v1", "temperature": 0.5})
 
 
+@pytest.mark.processes
 def test_through_the_proxy_the_upstream_gets_the_paraphrase(generator, proxy_factory, fake_upstream, tmp_path) -> None:
     with refusing_url("/v1") as dead:  # a generator that is down
         config = f"""

@@ -98,6 +98,7 @@ def _received(fake, path: str) -> list[dict]:
     return [r for r in httpx.get(f"{fake.url}/_fake/requests").json() if r["path"] == path]
 
 
+@pytest.mark.processes
 def test_upstream_counter_sends_the_chat_request_to_vllm_tokenize(vllm_like) -> None:
     httpx.delete(f"{vllm_like.url}/_fake/requests")
     counter = UpstreamCounter(f"{vllm_like.url}/v1")
@@ -113,6 +114,7 @@ def test_upstream_counter_sends_the_chat_request_to_vllm_tokenize(vllm_like) -> 
     assert counter.count_tool(STOCK) > counter.count_tool(TIME)
 
 
+@pytest.mark.processes
 def test_upstream_counter_falls_back_to_llamacpp_count_endpoint() -> None:
     fake = start_fake_upstream("--tokenize", "llamacpp")
     try:
@@ -137,6 +139,7 @@ def no_tokenizer():
     proc.stop()
 
 
+@pytest.mark.processes
 def test_upstream_counter_without_any_tokenize_endpoint_says_what_to_use(no_tokenizer) -> None:
     with pytest.raises(TokenCountError, match="estimate"):
         UpstreamCounter(f"{no_tokenizer.url}/v1").count_request(BODY)
@@ -236,6 +239,7 @@ def test_tiktoken_refuses_a_file_that_is_not_openais_and_says_where_it_looked(tm
         make_counter("tiktoken:o300k_base")
 
 
+@pytest.mark.processes
 def test_auto_uses_the_backends_tokenizer_and_falls_back_loudly_without_one(vllm_like, no_tokenizer, caplog) -> None:
     counter = make_counter("auto", f"{vllm_like.url}/v1")
     assert counter.source == "upstream" and getattr(counter, "fallback", None) is None

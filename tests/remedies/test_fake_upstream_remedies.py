@@ -17,6 +17,8 @@ from tests.support import Proc, start_fake_upstream
 from toolquake.perturbers.base import ChatRequest, PerturbContext, Services
 from toolquake.remedies import build
 
+pytestmark = pytest.mark.processes
+
 RIGHT = {"calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
 NEEDLE = "station-7731 reads -4 C"
 

@@ -26,6 +26,8 @@ from tests.support import ROOT, start_fake_upstream
 from tests.support.replay import kill_at_random_points, oracle_script, replay, row_counter, rows
 from tests.support.report import report_text as report
 
+pytestmark = pytest.mark.processes
+
 stats = pytest.importorskip("scipy.stats")
 
 LIMIT = 8  # of each category

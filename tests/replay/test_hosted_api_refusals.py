@@ -48,6 +48,7 @@ def hosted():
     fake.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusal_stays_a_failure(hosted, tmp_path):
@@ -104,6 +105,7 @@ def test_a_refusal_of_the_request_s_shape_is_not_comparable_and_a_context_refusa
         "0", str(len(cases)), f"{SHAPE_CODE}:{len(cases)}")
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_a_model_that_refuses_temperature_is_not_comparable_and_temperature_none_sends_none(tmp_path):
     from toolquake.bfcl.corpus import load_category
@@ -158,6 +160,7 @@ def sweep(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings  # the tools and related axes add tools screened with the embedding model
 def test_a_sweep_past_the_api_s_tools_cap_is_not_comparable_and_below_it_breaks_at_the_context(tmp_path):

@@ -22,7 +22,7 @@ from tests.support.browser import chromium, console, open_page
 from tests.support.replay import oracle_script, replay
 from tests.support.report import SAME, report
 
-pytestmark = pytest.mark.needs_corpus
+pytestmark = [pytest.mark.processes, pytest.mark.needs_corpus]
 
 N_CASES = 12
 WRONG = (0, 5)  # answered with another function under every profile

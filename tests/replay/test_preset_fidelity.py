@@ -25,6 +25,7 @@ def no_tokenizer():
     fake.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("counter", ["auto", "estimate"])
 def test_seed003_presets_refuse_the_estimate_and_say_how_to_pick_a_counter(no_tokenizer, tmp_path, counter) -> None:
     cases = tmp_path / "cases.jsonl"  # one case of one's own: no corpus needed to get to the check
@@ -46,6 +47,7 @@ def test_seed003_presets_refuse_the_estimate_and_say_how_to_pick_a_counter(no_to
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_allow_estimate_runs_and_the_report_names_the_counter_and_the_tokens_reached(no_tokenizer, tmp_path) -> None:

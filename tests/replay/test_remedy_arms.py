@@ -18,7 +18,7 @@ import pytest
 
 from tests.support import ROOT, start_fake_upstream
 
-pytestmark = [pytest.mark.needs_corpus, pytest.mark.needs_embeddings,
+pytestmark = [pytest.mark.processes, pytest.mark.needs_corpus, pytest.mark.needs_embeddings,
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 #: tools cases: a distinctive word per case names its tool and fills its question (what a search can find)

@@ -21,7 +21,7 @@ import pytest
 from tests.support import ROOT, start_fake_upstream
 from tests.support.report import report
 
-pytestmark = pytest.mark.needs_corpus
+pytestmark = [pytest.mark.processes, pytest.mark.needs_corpus]
 N = 6
 PREFIX = "Kindly tell me this: "
 

@@ -105,6 +105,7 @@ def test_a_perturber_that_fails_fails_the_pair_instead_of_scoring_it_unperturbed
     assert all(json.loads(x["perturbers"])["failed"] == ["tool_removal"] for x in got)
 
 
+@pytest.mark.processes
 def test_unreachable_backend_is_a_clear_error_before_anything_runs(tmp_path):
     with refusing_url("/v1") as dead:
         r = replay("--backend", dead, "--profiles", "off", "--out", str(tmp_path / "x"))

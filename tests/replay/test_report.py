@@ -145,6 +145,7 @@ def _paired_drop(records: list[Record], profile: str) -> float:
     return (acc - acc_off) / acc_off
 
 
+@pytest.mark.processes
 def test_markdown_has_table_2_with_relative_drops_and_the_error_breakdown(shards, tmp_path):
     root, records, _ = shards
     out = tmp_path / "report.md"
@@ -228,6 +229,7 @@ def test_several_models_get_their_own_arms(tmp_path):
     assert "off [m1]" in data["arms"] and "off [m2]" in data["arms"]
 
 
+@pytest.mark.processes
 def test_report_errors_are_clear(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "toolquake", "report", str(tmp_path)], cwd=ROOT, capture_output=True, text=True

@@ -300,6 +300,7 @@ def cli_report(*args: str) -> str:
     return r.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_replay_with_a_hostile_model_name_reports_it_as_text(replayed, tmp_path):
     files = sorted(replayed.glob("replay*.sqlite*"))
@@ -315,6 +316,7 @@ def test_replay_with_a_hostile_model_name_reports_it_as_text(replayed, tmp_path)
     assert {r[2] for r in rows[1:]} == {"'" + report_visible(HOSTILE_MODEL)}
 
 
+@pytest.mark.processes
 def test_html_report_with_hostile_names_in_headless_chromium(tmp_path):
     """The page with a hostile model, profile, case id and tool name: no element of theirs, no script error,
     the filter script still runs, and the bidi override shows as text. The screenshot is kept for a person."""

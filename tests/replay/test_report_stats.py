@@ -311,6 +311,7 @@ def test_live_summary_has_intervals_and_the_paired_test(tmp_path):
 # the HTML report in a real browser
 
 
+@pytest.mark.processes
 def test_chromium_checks_catch_console_errors_and_network_requests(tmp_path):
     """The two checks below can fail: a page with a script error and a remote image trips both."""
     browser = chromium()
@@ -321,6 +322,7 @@ def test_chromium_checks_catch_console_errors_and_network_requests(tmp_path):
     assert requests == ["http://192.0.2.1/x.png"]
 
 
+@pytest.mark.processes
 def test_html_report_in_headless_chromium(replay_dir, tmp_path):
     browser = chromium()
     page = tmp_path / "report.html"
@@ -365,6 +367,7 @@ def test_html_report_in_headless_chromium(replay_dir, tmp_path):
     shutil.copy(shot, keep)
 
 
+@pytest.mark.processes
 def test_html_report_with_hundreds_of_flipped_cases_stays_one_filterable_page(tmp_path):
     browser = chromium()
     n = 600

@@ -57,6 +57,7 @@ def test_the_preset_is_the_catalog_grid_in_prompting_mode_with_its_baseline():
         assert steps[-1] == {"name": "format_rewrite", "params": {"parse": "strict"}}, name
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings  # catalog padding screens its tools with the embedding model
 def test_prompting_mode_sends_no_native_tools_and_puts_the_padded_catalog_in_the_prompt(tmp_path):

@@ -219,6 +219,7 @@ def test_table_2_groups_by_fact_else_setting_with_wilson_intervals(long_runs) ->
     assert (f"{c['accuracy']:.3f} [{c['accuracy_ci'][0]:.3f}, {c['accuracy_ci'][1]:.3f}] (n={c['n']})") in md
 
 
+@pytest.mark.processes
 def test_html_report_with_the_seed_003_plots_in_headless_chromium(long_runs, tmp_path) -> None:
     browser = chromium()
     root, _ = long_runs
@@ -298,6 +299,7 @@ def test_the_packaged_seed003_conversations_profiles_give_table_2s_two_settings(
             assert cell["accuracy_ci"] == pytest.approx(list(wilson_ci(valid, 20)))
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings
 def test_a_real_catalog_padding_replay_gives_tables_5_6_and_the_reached_labels(tmp_path) -> None:

@@ -33,7 +33,7 @@ from tests.support.sweep import (
     sweep_command,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.processes, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 #: the real sweep's size: the first N `multiple` cases, up to this many tools (small: a 135M model on two shared cores)
 REAL_CASES = 4

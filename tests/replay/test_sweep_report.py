@@ -21,7 +21,8 @@ from tests.support.sweep import HIDDEN_TOOLS, breaking_file, cases_file, is_wron
 stats = pytest.importorskip("scipy.stats", reason="scipy recomputes the intervals independently")
 
 # the tools axis adds tools screened with the embedding model
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.needs_embeddings]
+pytestmark = [pytest.mark.processes, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.needs_embeddings]
 
 #: the second model: every case breaks 20 tools earlier (or at once)
 HIDDEN_B = {cid: [[max(1, w[0][0] - 20), w[0][1]]] if w else [[181, None]] for cid, w in HIDDEN_TOOLS.items()}

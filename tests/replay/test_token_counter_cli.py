@@ -17,6 +17,8 @@ from tests.support.tokens import tiktoken_files as _tiktoken_files
 from tests.support.tokens import tiktokens_own as _tiktokens_own
 from toolquake.perturbers.helpers.tokens import MESSAGE_OVERHEAD, render_request
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.mark.needs_corpus
 @pytest.mark.needs_embeddings

@@ -48,6 +48,7 @@ def _compare(reference: Reference, case: Any, calls: list[dict[str, Any]], u2d: 
     return mine, theirs
 
 
+@pytest.mark.processes
 def test_every_ground_truth_answer_gets_bfcl_verdict(reference: Reference) -> None:
     cases = _ast_cases()
     assert len(cases) == 2501

@@ -303,6 +303,7 @@ def run_score(lines: list[str], *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_score_cli_keeps_input_order_and_counts_bad_lines(tmp_path: Path) -> None:
     stock = "get_stock_price(company_name='{}', date='{}', exchange='NASDAQ')"
@@ -382,6 +383,7 @@ def test_score_cli_keeps_input_order_and_counts_bad_lines(tmp_path: Path) -> Non
     assert summary["categories"]["parallel"] == {"total": 1, "valid": 1, "flipped_to_valid": 1, "accuracy": 1.0}
 
 
+@pytest.mark.processes
 @pytest.mark.needs_corpus
 def test_score_cli_reads_the_tag_flag_of_format_sensitivity_ids() -> None:
     config = "ret_fmt=python&tool_call_tag=True&func_doc_fmt=xml&prompt_fmt=plaintext&style=classic"

@@ -183,6 +183,7 @@ def test_native_client_reuses_connections_and_drops_failed_ones(proxy_factory, f
         assert runtime(p.url)[0] == 0
 
 
+@pytest.mark.processes
 def test_native_client_skips_a_connection_the_backend_closed_while_idle():
     """The backend closes idle connections after 0.5 s: the next request goes on a new one, and is answered."""
     fake = start_fake_upstream("--keep-alive", "0.5")

@@ -435,6 +435,7 @@ BAD_CONFIGS = [
 ]
 
 
+@pytest.mark.processes
 def test_a_bad_config_file_stops_the_command_with_a_clear_message_and_no_traceback(tmp_path):
     """The command itself, as a process: a non-zero exit, the message on stderr, no traceback."""
     cfg = tmp_path / "bad.toml"
@@ -459,6 +460,7 @@ def test_bad_config_files_fail_with_a_clear_message(tmp_path, config, fragment):
     assert fragment in exc.value.code
 
 
+@pytest.mark.processes
 def test_perturb_cli_prints_the_perturbed_request_and_what_was_applied(tmp_path, capsys):
     req = tmp_path / "req.json"
     req.write_text(json.dumps(body()))

@@ -104,6 +104,7 @@ def refused_proxy():
         proc.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_upstream_refusing_connections_is_502_every_time(refused_proxy, stream):
     p = refused_proxy

@@ -12,6 +12,8 @@ import secrets
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import ROOT, recorded
 
 #: every module of the span machinery, where it lives now and where it lived inside the server
@@ -84,6 +86,7 @@ def test_create_app_without_the_wing_serves_untraced_even_with_tracing_enabled(f
     assert _span_modules(out["modules"]) == [] and out["tracer"] == "Tracer"
 
 
+@pytest.mark.processes
 def test_serve_attaches_the_wing_first_and_only_when_tracing_is_enabled():
     """`toolquake serve`'s extensions: off, live scoring and the recorder, and nothing of the wing imported; on,
     the wing first (live scoring hands it the redactor when spans carry contents)."""
