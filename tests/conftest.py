@@ -77,8 +77,6 @@ def oracle() -> Iterator[tuple[Proc, list, set[str]]]:
 
 # -- the long files first ----------------------------------------------------------------------------------------
 
-#: this file's fixtures that start processes: the tests using them are marked `processes` at collection
-PROCESS_FIXTURES = frozenset({"fake_upstream", "proxy", "proxy_factory", "backends", "oracle"})
 #: the families whose files take minutes (the embedded model, containers, Phoenix, the slow ones)
 LONG_FAMILIES = ("model", "container", "phoenix", "slow")
 
@@ -91,7 +89,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     files with the most tests first, whatever this order."""
     for item in items:  # the shared servers above are processes, and so are the long families' tests
         if (PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-                or any(item.get_closest_marker(name) for name in PROCESS_MARKERS[1:])):
+                or any(item.get_closest_marker(name) for name in PROCESS_MARKERS)):
             item.add_marker("processes")
     long_files = {item.nodeid.split("::")[0] for item in items
                   if any(item.get_closest_marker(name) for name in LONG_FAMILIES)}
@@ -102,6 +100,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 #: markers that say a test starts processes: `processes` itself, and the families that always do
 PROCESS_MARKERS = ("processes", "container", "model", "phoenix")
+#: this file's fixtures that start processes: the tests using them are marked `processes` at collection
+PROCESS_FIXTURES = frozenset({"fake_upstream", "proxy", "proxy_factory", "backends", "oracle"})
 #: the audit events (PEP 578) raised when this interpreter starts a process (asyncio's subprocesses and
 #: multiprocessing's go through them too)
 _SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.fork", "os.exec"})

@@ -65,15 +65,14 @@ def at_the_ends(steps: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict
         name, params = step
         return json.dumps([name, {k: (None if _is_number(v) else v) for k, v in params.items()}], sort_keys=True)
 
-    ends: dict[str, dict[str, set[Any]]] = {}
+    values: dict[tuple[str, str], set[Any]] = {}  # (family, numeric key) -> the values the steps give it
     for step in steps:
-        values = ends.setdefault(family(step), {})
         for key, value in step[1].items():
             if _is_number(value):
-                values.setdefault(key, set()).add(value)
+                values.setdefault((family(step), key), set()).add(value)
+    ends = {where: (min(found), max(found)) for where, found in values.items()}
     return [step for step in steps
-            if all(not _is_number(v) or v in (min(ends[family(step)][k]), max(ends[family(step)][k]))
-                   for k, v in step[1].items())]
+            if all(not _is_number(v) or v in ends[(family(step), k)] for k, v in step[1].items())]
 
 
 def _param_id(item: tuple[str, dict[str, Any]]) -> str:
