@@ -27,6 +27,21 @@ def test_leaks():
     with open(__file__ + ".pid", "w") as f:  # an xdist worker's output is not shown
         f.write(str(p.pid))
 """
+# started with no environment, it takes on the session's (the orphan marker with it) a moment later: as a process
+# still inside its exec looks when the check runs (its environment not yet set up), then what it is once it runs
+LEAKY_LATE = """
+import os, subprocess, sys
+import pytest
+pytestmark = pytest.mark.processes
+
+def test_leaks_late():
+    later = ("import os, sys, time; time.sleep(0.5); "
+             f"os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(120)'], {dict(os.environ)!r})")
+    p = subprocess.Popen([sys.executable, "-c", later], env={}, start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(__file__ + ".pid", "w") as f:
+        f.write(str(p.pid))
+"""
 TIDY = """
 import subprocess, sys
 import pytest
@@ -59,6 +74,17 @@ def test_a_run_that_leaks_a_process_fails_and_the_process_is_stopped(tmp_path, w
     """Also when the tests run in pytest-xdist's workers, as `make test` runs them: the controller checks, after
     its workers are gone (a worker's own session does not), and finds what a worker's test left running."""
     r = nested(tmp_path, LEAKY, *workers)
+    out = r.stdout + r.stderr
+    pid = int((tmp_path / "test_nested.py.pid").read_text())
+    assert r.returncode == 1, out
+    assert "outlived it" in out and str(pid) in out
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 5, "the leaked process to be stopped")
+
+
+def test_a_process_whose_environment_is_not_yet_readable_is_looked_at_again(tmp_path):
+    """The check does not take a process it cannot read the environment of yet for one that is not the suite's: it
+    looks again within its grace time, finds the marker and fails the run."""
+    r = nested(tmp_path, LEAKY_LATE)
     out = r.stdout + r.stderr
     pid = int((tmp_path / "test_nested.py.pid").read_text())
     assert r.returncode == 1, out

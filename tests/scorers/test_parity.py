@@ -23,7 +23,8 @@ from toolquake.scorers import mutations
 from toolquake.scorers.ast_checker import CHECKER_ERROR, check, language_of
 from toolquake.scorers.bfcl_reference import Reference
 
-pytestmark = pytest.mark.needs_corpus
+# every test here uses the module's `reference`, whose set-up runs pip (a process)
+pytestmark = [pytest.mark.needs_corpus, pytest.mark.processes]
 
 MUTATIONS_PER_CASE = 21  # 2,501 AST cases × 21 = 52,521 mutated answers
 
@@ -48,7 +49,6 @@ def _compare(reference: Reference, case: Any, calls: list[dict[str, Any]], u2d: 
     return mine, theirs
 
 
-@pytest.mark.processes
 def test_every_ground_truth_answer_gets_bfcl_verdict(reference: Reference) -> None:
     cases = _ast_cases()
     assert len(cases) == 2501
