@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
 ORPHAN_MARK = "TOOLQUAKE_TEST_SESSION"
 #: children of pytest that exit with it by design (multiprocessing's helpers)
@@ -16,26 +17,29 @@ def boot_ticks() -> int:
         return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
 
 
-def unsettled_processes(since: int) -> set[int]:
-    """Processes started at or after `since` (boot_ticks()) whose environment reads empty: in the middle of an
-    exec (the kernel sets a new program's environment after the old one's close-on-exec files are closed, i.e.
-    after `subprocess.Popen` returns) or of an exit. Such a process may carry a marker a moment later."""
-    found: set[int] = set()
+def _other_processes(keep: Callable[[bytes], bool]) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of each process other than this one whose
+    environment (its raw bytes) `keep` accepts; processes gone meanwhile or not ours to read are left out."""
     me = os.getpid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if f.read(1):
+                if not keep(f.read()):
                     continue
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone, a kernel thread, or not ours to read
             continue
-        if stat[0] != "Z" and int(stat[19]) >= since:
-            found.add(int(entry))
-    return found
+        yield int(entry), stat
+
+
+def unsettled_processes(since: int) -> set[int]:
+    """Processes started at or after `since` (boot_ticks()) whose environment reads empty: in the middle of an
+    exec (the kernel sets a new program's environment after the old one's close-on-exec files are closed, i.e.
+    after `subprocess.Popen` returns) or of an exit. Such a process may carry a marker a moment later."""
+    return {pid for pid, stat in _other_processes(lambda env: not env) if stat[0] != "Z" and int(stat[19]) >= since}
 
 
 def marked_processes(mark: bytes) -> dict[int, str]:
@@ -43,19 +47,11 @@ def marked_processes(mark: bytes) -> dict[int, str]:
     command lines; pytest's own helpers left out."""
     found: dict[int, str] = {}
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        pid = int(entry)
+    for pid, stat in _other_processes(lambda env: mark in env.split(b"\0")):
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
-        except OSError:  # gone meanwhile, or not ours to read
+        except OSError:  # gone meanwhile
             continue
         if stat[0] == "Z" or (int(stat[1]) == me and any(h in cmdline for h in HELPERS)):
             continue
