@@ -27,7 +27,6 @@ import io
 import json
 import math
 import os
-import queue
 import signal
 import socket
 import sys
@@ -159,7 +158,11 @@ class GrammarCache:
 
 
 class Engine:
-    """N `Llama` instances over one GGUF file; each request borrows one for its whole generation."""
+    """N `Llama` instances over one GGUF file; each request borrows one for its whole generation: the free one
+    whose last sequence shares the longest prefix with the request's prompt. An instance keeps the KV cache of
+    what it last evaluated and evaluates only the rest of a prompt that starts the same way (llama-cpp-python),
+    so an agent's next turn, or another request with the same system prompt and tools, goes where most of its
+    prompt is already evaluated (prompt evaluation is most of a small model's time on a CPU)."""
 
     def __init__(self, model_path: str, *, n_ctx: int = 8192, threads: int = 1, parallel: int = 1,
                  sampling_seed: int = 0) -> None:
@@ -168,13 +171,13 @@ class Engine:
         self.n_ctx = n_ctx
         #: the sampling seed of a request that sends none
         self.sampling_seed = sampling_seed
-        self.pool: queue.Queue = queue.Queue()
         self.instances = []
         for _ in range(max(1, parallel)):
-            llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                        seed=sampling_seed, verbose=False)
-            self.instances.append(llm)
-            self.pool.put(llm)
+            self.instances.append(Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads,
+                                        n_threads_batch=threads, seed=sampling_seed, verbose=False))
+        #: the instances no request holds, the longest free first (the choice among equals)
+        self.free = list(self.instances)
+        self.free_changed = threading.Condition()
         self.n_vocab = self.instances[0].n_vocab()
         self.grammars = GrammarCache()
 
@@ -244,7 +247,7 @@ class Engine:
         room = self.n_ctx - len(tokens)
         max_tokens = min(max_tokens, room)
         grammar = self.grammar(schema) if schema is not None else None
-        llm = self.pool.get()
+        llm = self.borrow(tokens)
         try:
             kwargs = dict(max_tokens=max_tokens, temperature=max(0.0, temperature), top_p=top_p,
                           seed=self.sampling_seed if sampling_seed is None else sampling_seed, stop=[t.IM_END, *stop],
@@ -273,7 +276,38 @@ class Engine:
             whole = "".join(text)
             return Generation(whole, len(tokens), len(self.tokenize(whole, special=False)) if whole else n, finish)
         finally:
-            self.pool.put(llm)
+            self.give_back(llm)
+
+    def borrow(self, tokens: list[int]) -> Any:
+        """The free instance that has evaluated the longest prefix of `tokens` (the longest free among equals);
+        waits for one when every instance is busy."""
+        with self.free_changed:
+            while not self.free:
+                self.free_changed.wait()
+            best = 0 if len(self.free) == 1 else max(range(len(self.free)),
+                                                     key=lambda i: shared_prefix(self.free[i], tokens))
+            return self.free.pop(best)
+
+    def give_back(self, llm: Any) -> None:
+        with self.free_changed:
+            self.free.append(llm)
+            self.free_changed.notify()
+
+
+def shared_prefix(llm: Any, tokens: list[int]) -> int:
+    """How many of `tokens` the instance `llm` has evaluated already: the length of the common prefix of its last
+    sequence (prompt and answer) and `tokens`. One vectorised comparison (at most n_ctx tokens)."""
+    import numpy as np
+
+    ids, evaluated = getattr(llm, "input_ids", None), getattr(llm, "n_tokens", 0)
+    if ids is None or not evaluated:  # nothing evaluated (or a llama-cpp-python that does not say): no prefix
+        return 0
+    seen = ids[:evaluated]
+    n = min(len(seen), len(tokens))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(seen[:n] != np.asarray(tokens[:n], dtype=seen.dtype))
+    return int(differ[0]) if differ.size else n
 
 
 # -- request parsing shared by both APIs ------------------------------------------------------------------
