@@ -8,8 +8,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from tests.support import ROOT, start_fake_upstream
 from tests.support.cases import TIME, WEATHER
 from tests.support.replay import replay, rows
+from tests.support.scratch import scratch_file
 
 pytestmark = pytest.mark.processes
 
@@ -85,7 +84,7 @@ def setup(tmp_path_factory):
         truth[cid] = ("no_call", kind)
     (d / "agent.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
     (d / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in texts) + "{torn\n")
-    script_file = Path(tempfile.mkstemp(prefix="toolquake-cases-script-", suffix=".jsonl")[1])
+    script_file = scratch_file("cases-script-", ".jsonl")
     script_file.write_text("".join(json.dumps(s) + "\n" for s in script))
     fake = start_fake_upstream("--script", str(script_file))
     yield fake, d, truth

@@ -6,7 +6,6 @@ report keeps the prompting arms apart from native ones and names their mode."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from tests.support import start_fake_upstream
 from tests.support.replay import replay, rows
 from tests.support.report import report_text
+from tests.support.scratch import scratch_file
 
 CAP = 20
 #: the preset itself (off, prompt-off, the 25 prompting cells) and one native padded arm beside it
@@ -31,7 +31,7 @@ def _text_oracle(cases: list) -> Path:
         calls = ", ".join(f"{c['name']}(" + ", ".join(f"{k}={v!r}" for k, v in c["arguments"].items()) + ")"
                           for c in ground_truth_calls(case))
         lines.append({"match": case.turns[0][-1]["content"], "answer": {"text": f"[{calls}]"}})
-    path = Path(tempfile.mkstemp(prefix="toolquake-text-oracle-", suffix=".jsonl")[1])
+    path = scratch_file("text-oracle-", ".jsonl")
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support import start_process, wait_for
+from tests.support.scratch import scratch_file
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the limits from /proc/<pid>/limits")
 
@@ -29,7 +29,7 @@ def _soft_limit(pid: int) -> int:
 
 def _serve(fake_upstream, soft: int, hard: int, config: str):
     """`toolquake serve` on a port of its own choosing (it logs the one it got), under the given limits."""
-    cfg = Path(tempfile.mkstemp(prefix="toolquake-open-files-", suffix=".toml")[1])
+    cfg = scratch_file("open-files-", ".toml")
     cfg.write_text(config)
     try:
         return start_process(["-c", LAUNCH.format(soft=soft, hard=hard), "serve", "--upstream",

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from tests.support import recorded, start_fake_upstream
 from tests.support.multiturn import first_user, scripted_turns
+from tests.support.scratch import scratch_dir
 
 
 def step_requests(cases: list[Any], backends: Any) -> dict[str, list[dict[str, Any]]]:
@@ -22,7 +21,7 @@ def step_requests(cases: list[Any], backends: Any) -> dict[str, list[dict[str, A
     from toolquake.scorers import multiturn as mt
 
     script = {first_user(c): scripted_turns(mt.ground_truth_result(c, backends)) for c in cases}
-    path = Path(tempfile.mkdtemp(prefix="toolquake-steps-")) / "trajectories.jsonl"
+    path = scratch_dir("steps-") / "trajectories.jsonl"
     path.write_text("".join(json.dumps({"first_user": k, "turns": v}) + "\n" for k, v in script.items()))
     fake = start_fake_upstream("--trajectories", str(path))
     out: dict[str, list[dict[str, Any]]] = {}

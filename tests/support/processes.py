@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from tests.support.scratch import scratch_file
 from toolquake.proxy.backend.local import listening_url
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -76,7 +76,7 @@ def start_process(args: list[str], port: int | None = None, ready_path: str = "/
     """Start `args` (a python module command line) in `cwd` and wait until GET ready_path answers (over `scheme`;
     https: any certificate). `port` None: the command binds port 0 (its `--port 0`) and its output says the URL;
     a number: a server that cannot say, told to listen there (a `tests.support.ports.held_port`)."""
-    log = Path(tempfile.mkstemp(prefix="toolquake-proc-", suffix=".log")[1])
+    log = scratch_file("proc-", ".log")
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with log.open("wb") as out:
         popen = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=out,
@@ -115,7 +115,7 @@ def start_proxy(upstream_url: str, config_text: str | None = None, env: dict[str
     if "--workers" not in extra:
         args += ["--workers", "1"]
     if config_text is not None:
-        cfg = Path(tempfile.mkstemp(prefix="toolquake-", suffix=".toml")[1])
+        cfg = scratch_file("config-", ".toml")
         cfg.write_text(config_text)
         args += ["--config", str(cfg)]
     return start_process([*args, *extra], None, "/healthz", env=env)

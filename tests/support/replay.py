@@ -11,11 +11,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from tests.support.processes import ROOT
+from tests.support.scratch import scratch_file
 
 N_CASES = 20
 
@@ -37,7 +37,7 @@ def oracle_script(cases: list, wrong: set[str]) -> Path:
         lines.append({"match": case.turns[0][-1]["content"], "answer": {"calls": calls}})
     # a longer message first, so that a message that contains another one is matched by its own entry
     lines.sort(key=lambda e: -len(e["match"]))
-    path = Path(tempfile.mkstemp(prefix="toolquake-oracle-", suffix=".jsonl")[1])
+    path = scratch_file("oracle-", ".jsonl")
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 

@@ -9,10 +9,10 @@ import os
 import sqlite3
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from tests.support.processes import ROOT
+from tests.support.scratch import scratch_file
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
@@ -48,7 +48,7 @@ def cases_file(ids: list[str], tool_message: bool = False) -> Path:
                         {"role": "user", "content": user_text(cid)}]
         lines.append({"id": cid, "category": "sweepfake", "messages": messages, "tools": [TOOL],
                       "expected": [{"name": "get_weather", "arguments": {"city": ["Paris"]}}]})
-    path = Path(tempfile.mkstemp(prefix="toolquake-sweep-cases-", suffix=".jsonl")[1])
+    path = scratch_file("sweep-cases-", ".jsonl")
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -56,7 +56,7 @@ def cases_file(ids: list[str], tool_message: bool = False) -> Path:
 def breaking_file(hidden: dict[str, list], measure: str, *more: tuple[dict[str, list], str]) -> Path:
     """The fake's `--breaking` file: each case of `hidden` wrong on its intervals of `measure` (and so for each
     further (hidden, measure) pair: one fake for cases broken along several measures)."""
-    path = Path(tempfile.mkstemp(prefix="toolquake-breaking-", suffix=".jsonl")[1])
+    path = scratch_file("breaking-", ".jsonl")
     path.write_text("".join(json.dumps({"match": f"[{cid}]", "answer": RIGHT, "measure": m, "wrong": wrong}) + "\n"
                             for h, m in ((hidden, measure), *more) for cid, wrong in h.items()))
     return path
