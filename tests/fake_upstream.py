@@ -125,8 +125,6 @@ LOST_TEXT = "Lost: the needed tool or record was not found."
 TRAJECTORIES: dict[str, list[list[dict[str, Any]]]] = {}
 #: first user message → the user messages of the conversation's own turns (`users` of a trajectory)
 TRAJECTORY_USERS: dict[str, set[str]] = {}
-#: the connections (client address and port) that carried a request, for `drop-reused`
-PEERS: set[tuple] = set()
 MODEL = "fake-model"
 #: `--max-tools N`: a chat request with more tools than this is refused as too long for the context (None: never)
 MAX_TOOLS: int | None = None
@@ -607,10 +605,7 @@ async def app(scope, receive, send) -> None:
     )
     fault = headers.get("x-fake-fault", "")
     kind, _, arg = fault.partition(":")
-    peer = tuple(scope.get("client") or ())
-    reused = peer in PEERS
-    PEERS.add(peer)
-    if kind == "drop" or (kind == "drop-reused" and reused):
+    if kind == "drop" or (kind == "drop-reused" and scope.get("fake.reused")):
         scope["fake.transport"].close()  # set by _Protocol: no answer at all, the connection just ends
         await asyncio.sleep(0.05)  # until uvicorn saw the connection go (else it would try to answer 500)
         return
@@ -1024,12 +1019,18 @@ async def _stream(send, frames: list[bytes], kind: str, arg: str, state: dict[st
 
 
 def _protocol() -> type:
-    """uvicorn's httptools protocol, handing the app its connection's transport (the `drop` faults close it)."""
+    """uvicorn's httptools protocol, handing the app its connection's transport (the `drop` faults close it) and
+    whether the connection carried a request before (`drop-reused`): counted per connection, as a client address
+    and port can come back on a later connection once the kernel hands the port out again."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class _Protocol(HttpToolsProtocol):
+        _fake_requests = 0
+
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            self._fake_requests += 1
             cycle.scope["fake.transport"] = self.transport
+            cycle.scope["fake.reused"] = self._fake_requests > 1
             super()._start_asgi_task(cycle, app)
 
     return _Protocol

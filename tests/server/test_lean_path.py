@@ -204,6 +204,37 @@ def test_native_client_skips_a_connection_the_backend_closed_while_idle():
         fake.stop()
 
 
+def _raw_answer(port: int, source_port: int, fault: str) -> tuple[bytes, int]:
+    """The status line the fake answers a request sent on a new connection from `source_port` (0: any) with
+    `Connection: close` (the fake closes first: the client's port is free at once), b"" when it dropped it; and
+    the port it was sent from."""
+    import socket
+
+    raw = json.dumps(body()).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: fake\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nX-Fake-Fault: {fault}\r\nConnection: close\r\n\r\n").encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", source_port))
+        sock.settimeout(20)
+        sock.connect(("127.0.0.1", port))
+        sent_from = sock.getsockname()[1]
+        sock.sendall(head + raw)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data.split(b"\r\n", 1)[0], sent_from
+
+
+def test_the_fakes_drop_reused_is_per_connection_not_per_client_port(fake_upstream):
+    """A new connection from a port an earlier connection used (the kernel hands ports out again) is a new
+    connection: `drop-reused` answers it. Counted by client address and port, the fake dropped it, and a native
+    client's one retry on a new connection (below) failed now and then with a 502 in a full run."""
+    status, source = _raw_answer(fake_upstream.port, 0, "none")
+    assert status == b"HTTP/1.1 200 OK"
+    assert _raw_answer(fake_upstream.port, source, "drop-reused") == (b"HTTP/1.1 200 OK", source)
+
+
 def test_native_client_sends_again_only_what_a_reused_connection_dropped_unanswered(fake_upstream):
     """The one retry, deterministically: a request the backend read on a reused keep-alive connection and then
     dropped without a byte of answer is sent once more on a new connection (as Go's net/http does for a
