@@ -11,9 +11,16 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support import ORPHAN_MARK, Proc, marked_processes, start_fake_upstream, start_proxy
+from tests.support import ORPHAN_MARK, Proc, marked_processes, scratch, start_fake_upstream, start_proxy
 from tests.support.orphans import boot_ticks, unsettled_processes
 from tests.support.replay import N_CASES, WRONG_EVERY, oracle_script
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_in_the_sessions_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Helpers' scratch files (servers' logs, configs) in the session's temporary folder, which pytest keeps for
+    the last three runs: a failed test's server log can be read afterwards (tests.support.scratch)."""
+    scratch.use(tmp_path_factory.getbasetemp() / "scratch")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Scratch files of a test process (servers' logs, their configs, a fake's scripted answers): made in one folder per
-process, which is removed when the process exits. Made with `tempfile.mkstemp` directly they stayed behind in /tmp,
-thousands a day (a test's `tmp_path` is for files a test owns; these belong to helpers that outlive no test but
-have no test's folder at hand)."""
+process. Under pytest it is `scratch` in the session's temporary folder (tests/conftest.py says so at session
+start), which pytest keeps for the last three runs, so a failed run's server logs can be read; elsewhere (a script
+using these helpers) a folder removed when the process exits. Made with `tempfile.mkstemp` directly they stayed
+behind in /tmp, thousands a day."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ import tempfile
 from pathlib import Path
 
 _folder: Path | None = None
+
+
+def use(folder: Path) -> None:
+    """Make this process's scratch files in `folder` (created if missing; not removed at exit)."""
+    global _folder
+    folder.mkdir(parents=True, exist_ok=True)
+    _folder = folder
 
 
 def _scratch() -> Path:
