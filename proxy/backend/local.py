@@ -122,6 +122,8 @@ class LocalBackend:
         self.max_tokens = max_tokens
         self.request_timeout = request_timeout  # None: the server's default (`--request-timeout`)
         self.log_path = Path(log_path) if log_path else None
+        #: the log is a temporary file start() made (no log_path given): removed once the server is stopped
+        self._temporary_log = False
         self.process: subprocess.Popen | None = None
 
     @property
@@ -162,7 +164,9 @@ class LocalBackend:
         check_server_installed()
         cmd = self.command()
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="toolquake-backend-", suffix=".log")[1])
+            fd, name = tempfile.mkstemp(prefix="toolquake-backend-", suffix=".log")
+            os.close(fd)
+            self.log_path, self._temporary_log = Path(name), True
         log = self.log_path.open("wb")
         listening = ListeningLine(self.log_path)
         self.port = self.asked_port  # the port of this start, once it says it
@@ -176,8 +180,10 @@ class LocalBackend:
         said = False
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                said_last = self.tail()
+                self.stop()
                 raise BackendUnavailable(f"the embedded server exited with code {self.process.returncode}; "
-                                         f"last output:\n{self.tail()}")
+                                         f"last output:\n{said_last}")
             if not said:
                 url = listening.url()
                 if url:
@@ -186,10 +192,11 @@ class LocalBackend:
             if said and self.ready():
                 return self
             time.sleep(0.25)
+        said_last = self.tail()
         self.stop()
         where = f"on {self.url}" if said else "(it never said where it listens)"
         raise BackendUnavailable(f"the embedded server did not answer {where} within {timeout:.0f} s; "
-                                 f"last output:\n{self.tail()}")
+                                 f"last output:\n{said_last}")
 
     def ready(self) -> bool:
         try:
@@ -203,10 +210,19 @@ class LocalBackend:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code (None if never started)."""
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code (None if never started). A temporary log
+        (no log_path was given) is removed then."""
         proc = self.process
         if proc is None:
             return None
+        try:
+            return self._stop(proc, timeout)
+        finally:
+            if self._temporary_log and proc.poll() is not None and self.log_path is not None:
+                self.log_path.unlink(missing_ok=True)
+                self.log_path, self._temporary_log = None, False
+
+    def _stop(self, proc: subprocess.Popen, timeout: float) -> int | None:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)

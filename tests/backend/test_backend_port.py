@@ -62,3 +62,28 @@ def test_local_backend_on_a_port_asked_for_serves_there(on_the_stand_in, tmp_pat
         assert backend.url == f"http://127.0.0.1:{port}"
         assert f"listening on {backend.url}\n" in (tmp_path / "backend.log").read_text()
         assert httpx.get(f"{backend.api_url}/models", timeout=30).status_code == 200
+
+
+def test_a_log_local_backend_made_itself_is_removed_when_it_stops_and_a_given_one_is_kept(on_the_stand_in, tmp_path):
+    from toolquake.proxy.backend.local import BackendUnavailable, LocalBackend
+
+    backend = LocalBackend(model_path=STAND_IN_MODEL)
+    with backend:
+        made = backend.log_path
+        assert made is not None and f"listening on {backend.url}\n" in made.read_text()
+    assert not made.exists() and backend.log_path is None
+    with backend:  # started again: a new log of its own, removed again
+        again = backend.log_path
+        assert again is not None and again.exists()
+    assert not again.exists()
+
+    given = tmp_path / "backend.log"
+    with LocalBackend(model_path=STAND_IN_MODEL, log_path=given):
+        pass
+    assert "listening on" in given.read_text()  # the caller's file stays
+
+    broken = LocalBackend(model_path=STAND_IN_MODEL, host="no-such-host.invalid")  # cannot listen: it exits
+    with pytest.raises(BackendUnavailable, match="exited with code") as failed:
+        broken.start(timeout=60)
+    assert "Name or service not known" in str(failed.value)  # its last output is in the error, its log gone
+    assert broken.log_path is None
