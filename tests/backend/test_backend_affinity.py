@@ -1,7 +1,7 @@
 """The embedded backend's choice of model instance (`--parallel N`): a request goes to the free instance that has
 already evaluated the longest prefix of its prompt (llama-cpp-python then evaluates only the rest), the longest
 free one among equals, and waits while every instance is busy. On the real model: the prefixes are the instances'
-own record of what they evaluated."""
+own record of what they evaluated (the whole blocks of their last prompt, prompt_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.support.backend import MODEL
+from toolquake.proxy.backend.prompt_cache import BLOCK
 
 pytestmark = [*MODEL]
 
@@ -28,15 +29,14 @@ def _answer(engine, tokens: list[int]) -> None:
 
 
 def test_a_prompt_goes_to_the_instance_that_evaluated_its_prefix(engine) -> None:
-    from toolquake.proxy.backend.server import shared_prefix
-
     head = engine.tokenize("You are a helpful assistant. The tools: get_weather(city), convert_currency(amount, "
                            "from, to), list_events(day). Answer with one call. " * 3, special=False)
     first = head + engine.tokenize(" What is the weather in Paris?", special=False)
     _answer(engine, first)
     served = engine.free[-1]  # given back last: FIFO order alone would hand out the other one first
     other = engine.free[0]
-    assert shared_prefix(served, first) >= len(head) and shared_prefix(other, first) < len(head)
+    reusable = engine.prompt_cache.reusable
+    assert reusable(served, first) >= len(head) - BLOCK and reusable(other, first) < len(head) - BLOCK
     second = head + engine.tokenize(" Convert 100 USD to EUR.", special=False)
     got = engine.borrow(second)
     try:
@@ -45,7 +45,7 @@ def test_a_prompt_goes_to_the_instance_that_evaluated_its_prefix(engine) -> None
         engine.give_back(got)
     # a prompt neither instance has seen any of: the one free the longest
     unrelated = engine.tokenize("Zebras graze.", special=False)
-    assert shared_prefix(served, unrelated) == 0 == shared_prefix(other, unrelated)
+    assert reusable(served, unrelated) == 0 == reusable(other, unrelated)
     longest_free = engine.free[0]
     got = engine.borrow(unrelated)
     try:

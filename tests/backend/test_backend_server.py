@@ -242,6 +242,26 @@ def test_greedy_answers_are_reproducible_at_temperature_zero(backend):
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"] != ""
 
 
+def test_usage_says_how_many_prompt_tokens_were_not_evaluated_again(backend):
+    """The second of two requests with the same tools starts from what the first evaluated: `cached_tokens` in
+    the usage of both APIs (OpenAI's fields), whole blocks, fewer than the prompt."""
+    from toolquake.proxy.backend.prompt_cache import BLOCK
+
+    def chat(question: str) -> dict[str, Any]:
+        body = {"model": backend.model, "messages": [{"role": "user", "content": question}], "tools": CHAT_TOOLS,
+                "max_tokens": 8, "temperature": 0}
+        return httpx.post(f"{backend.api_url}/chat/completions", json=body, timeout=60).json()["usage"]
+
+    chat("What is the temperature in Oslo?")
+    usage = chat("What is the temperature in Lima?")
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert BLOCK <= cached < usage["prompt_tokens"] and cached % BLOCK == 0, usage
+    body = {"model": backend.model, "input": "What is the temperature in Quito?", "tools": RESP_TOOLS,
+            "max_output_tokens": 8, "temperature": 0}
+    usage = httpx.post(f"{backend.api_url}/responses", json=body, timeout=60).json()["usage"]
+    assert BLOCK <= usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"], usage
+
+
 def chat_loop(base_url: str) -> tuple[list[str], str]:
     """The raw openai SDK running a two-tool agent loop: (tools called, final answer)."""
     c = client(base_url)
