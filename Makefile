@@ -8,11 +8,14 @@ export TOOLQUAKE_CACHE ?= $(HOME)/.cache/toolquake
 export HF_HUB_OFFLINE := 1
 PYTEST_ARGS ?=
 # `make test` runs the tests in this many pytest-xdist worker processes, a test file at a time on each (a file's
-# tests share its servers): most tests wait on the servers they start, so two workers on two cores halve the
-# wall time. TEST_WORKERS=0 runs them in one process. The files are handed out in the order tests/conftest.py
-# puts them (the long families first), not reordered by pytest-xdist by their number of tests (which left the
-# one-test agent demo on the embedded model, ~5 minutes, to run alone at the end).
-TEST_WORKERS ?= 2
+# tests share its servers). Three on two cores: many tests wait on timers and on the servers they start, so with
+# two workers a waiting one left a core idle (the tests' CPU was 83 % of the two cores' time; with three the
+# machine was 94 % busy, /proc/stat), and the suite took 18 min 13 s with two, 17 min 3 s with three (idle
+# machine, fresh clone, installs cached, one run each). TEST_WORKERS=0 runs
+# them in one process. The files are handed out in the order tests/conftest.py puts them (the long families
+# first), not reordered by pytest-xdist by their number of tests (which left the one-test agent demo on the
+# embedded model to run alone at the end).
+TEST_WORKERS ?= 3
 
 .PHONY: install install-embeddings install-local phoenix corpus tools tiktoken-files lint test test-fast coverage bench demo agent-demo sweep-demo \
 	remedy-demo clean image \
