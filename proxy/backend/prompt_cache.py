@@ -64,6 +64,12 @@ def whole_blocks(n: int) -> int:
     return n // BLOCK * BLOCK
 
 
+def start_in(seen: np.ndarray | None, prompt: np.ndarray) -> int:
+    """Where a prompt can start from reusable tokens `seen`: the whole blocks they share with it, leaving at least
+    one prompt token to evaluate (the logits come from evaluating it)."""
+    return whole_blocks(min(common_prefix(seen, prompt), len(prompt) - 1))
+
+
 class PromptCache:
     """What each instance may reuse of its sequence, and the kept sequences (tokens and llama.cpp state) by
     recency, at most `max_bytes` of state in all (0: none kept), one at most half of that. Thread-safe: request
@@ -85,16 +91,13 @@ class PromptCache:
         return len(self._entries)
 
     def reusable(self, llm: Any, tokens: list[int] | np.ndarray) -> int:
-        """How many of the prompt `tokens` the instance `llm` can start from: its reusable tokens they share,
-        whole blocks only, leaving at least one token to evaluate (the logits come from evaluating it)."""
+        """How many of the prompt `tokens` the instance `llm` can start from (`start_in` its reusable tokens)."""
         seen = evaluated(llm)
         if seen is None:
             return 0
         import numpy as np
 
-        prompt = np.asarray(tokens, dtype=seen.dtype)
-        shared = common_prefix(seen[:self._reusable.get(id(llm), 0)], prompt)
-        return whole_blocks(min(shared, len(prompt) - 1))
+        return start_in(seen[:self._reusable.get(id(llm), 0)], np.asarray(tokens, dtype=seen.dtype))
 
     def prepare(self, llm: Any, tokens: list[int]) -> int:
         """Before `llm` (held by the caller) evaluates the prompt `tokens`: keep the sequence it holds when the
@@ -108,7 +111,7 @@ class PromptCache:
 
         prompt = np.asarray(tokens, dtype=seen.dtype)
         reusable = self._reusable.pop(id(llm), 0)  # until `finished` says again (an exception: nothing reusable)
-        own = whole_blocks(min(common_prefix(seen[:reusable], prompt), len(prompt) - 1))
+        own = start_in(seen[:reusable], prompt)
         if self.max_bytes and reusable - own >= MIN_TOKENS:
             self.keep(llm, seen[:reusable])
         start = own
