@@ -81,7 +81,6 @@ def expand(source: Path, target: Path, *, ftype: str = EXPANDED_TYPE, threads: i
     ftypes = {"F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "F32": llama_cpp.LLAMA_FTYPE_ALL_F32}
     if ftype not in ftypes:
         raise ValueError(f"weights expand to one of {', '.join(ftypes)}, not {ftype!r}")
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[ftype]
     params.allow_requantize = True
@@ -89,6 +88,9 @@ def expand(source: Path, target: Path, *, ftype: str = EXPANDED_TYPE, threads: i
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     os.close(fd)
+    log = logging.getLogger("llama-cpp-python")  # llama.cpp's log goes through it: one line per tensor
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         code = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(), ctypes.byref(params))
         if code != 0:
@@ -96,6 +98,7 @@ def expand(source: Path, target: Path, *, ftype: str = EXPANDED_TYPE, threads: i
         os.chmod(partial, 0o644)  # mkstemp's 0600 would keep the file from another user sharing the cache
         os.replace(partial, target)
     finally:
+        log.setLevel(level)
         if os.path.exists(partial):
             os.unlink(partial)
 

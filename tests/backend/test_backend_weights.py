@@ -5,6 +5,7 @@ converting, and the shipped file served as it is where the cache cannot be writt
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,10 @@ def test_expanded_once_then_found_and_kept_to_the_weights_values(cache: Path, mo
 
     monkeypatch.setenv("TOOLQUAKE_CACHE", str(cache))
     said: list[str] = []
+    llama_log = logging.getLogger("llama-cpp-python")  # silenced while converting, then as it was
+    llama_log.setLevel(logging.INFO)
     weights = default_weights(said.append)
+    assert llama_log.level == logging.INFO
     assert weights.parent == models_dir() == cache / "models" and f".{EXPANDED_TYPE}." in weights.name
     assert len(said) == 1 and said[0].startswith("expanding ") and str(weights) in said[0], said
     assert [p.name for p in (cache / "models").iterdir()] == [weights.name]  # no partial file left beside it
