@@ -39,9 +39,13 @@ def test_expanded_once_then_found_and_kept_to_the_weights_values(cache: Path, mo
     monkeypatch.setenv("TOOLQUAKE_CACHE", str(cache))
     said: list[str] = []
     llama_log = logging.getLogger("llama-cpp-python")  # silenced while converting, then as it was
+    before = llama_log.level
     llama_log.setLevel(logging.INFO)
-    weights = default_weights(said.append)
-    assert llama_log.level == logging.INFO
+    try:
+        weights = default_weights(said.append)
+        assert llama_log.level == logging.INFO
+    finally:
+        llama_log.setLevel(before)
     assert weights.parent == models_dir() == cache / "models" and f".{EXPANDED_TYPE}." in weights.name
     assert len(said) == 1 and said[0].startswith("expanding ") and str(weights) in said[0], said
     assert [p.name for p in (cache / "models").iterdir()] == [weights.name]  # no partial file left beside it
