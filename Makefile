@@ -163,7 +163,7 @@ bench: install-embeddings corpus
 	$(BIN)/python -m tests.bench.run_all
 
 # the README's first command: the embedded model through the proxy, a leaderboard table, what the drop
-# means, and an HTML report in out/demo (the `expanded` arm needs the embeddings extra); ~9 min on 2 cores
+# means, and an HTML report in out/demo (the `expanded` arm needs the embeddings extra); ~4 min on 2 cores
 demo: install-local install-embeddings corpus
 	$(BIN)/python scripts/demo.py
 

@@ -4,7 +4,7 @@ Starts the embedded backend (toolquake's own OpenAI-compatible server on llama.c
 grammar-constrained tool calling), replays BFCL `multiple` cases through the proxy (started in-process by the
 replay) under three arms — unperturbed (`off`), the tool list shuffled (`shuffled`), and three related tools
 added to the toolkit (`expanded`, seed 001) — prints the leaderboard and what the drop means, writes the
-HTML report, and stops everything. About 9 minutes on 2 cores once installed (docs/backend.md).
+HTML report, and stops everything. About 4 minutes on 2 cores once installed (docs/backend.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ scripts/agent_demo.py with its default profiles, in a process of its own, into a
 
 Checks summary.json: every task accounted for under every profile, the unperturbed run's accuracy well above
 zero, and at least one profile measurably lower than `off` (a paired drop McNemar's test tells from noise, or
-fewer tasks completed); and no process of the demo (backend, proxies) outlives it. About 10 minutes on 2 cores.
+fewer tasks completed); and no process of the demo (backend, proxies) outlives it. About 3 minutes on 2 idle cores
+(6 in a full run of the suite).
 """
 
 from __future__ import annotations
