@@ -16,6 +16,21 @@ from tests.support.orphans import boot_ticks, unsettled_processes
 from tests.support.replay import N_CASES, WRONG_EVERY, oracle_script
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Once, in the controlling process (before any worker runs a test): the caches the tests share and that the
+    product builds on first use by starting a process. The record bank of response_lengthening (~1 s; it runs BFCL's
+    multi-turn ground truth in the simulators' sandboxed worker) was built by whichever test first padded a tool
+    response — on a fresh cache an in-process test then started a process (seen: the corpus bank test, flagged by
+    the `processes` check below). Without the corpus or its simulators the bank stays unbuilt (its tests skip)."""
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    try:
+        from toolquake.perturbers.helpers.lengthening.record_bank import CorpusBank
+    except ImportError:  # the project is not installed: collection says so
+        return
+    CorpusBank.load()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_in_the_sessions_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Helpers' scratch files (servers' logs, configs) in the session's temporary folder, which pytest keeps for
