@@ -7,6 +7,9 @@ binds port 0 and says `listening on http://HOST:PORT`: no port is picked here an
 another process could take in between), waits until it answers, and stops it. The child dies with its parent even
 when the parent is killed: it runs in its own process group and asks the kernel for SIGKILL when the process that
 started it dies (prctl PR_SET_PDEATHSIG).
+
+This module imports only the standard library and httpx: deploy/Dockerfile runs it as a file of its own
+(`default_weights`) to expand the weights in a layer built before the rest of the project is copied in.
 """
 
 from __future__ import annotations

@@ -160,13 +160,18 @@ def emulate_build(scratch: Path, build_args: dict[str, str]) -> EmulatedImage:
             workdir.mkdir(parents=True, exist_ok=True)
         elif op == "COPY":
             *sources, dest = shlex.split(rest)
-            target = workdir / dest
+            # an absolute destination lands in its stand-in: nothing the emulation copies leaves `scratch`
+            target = Path(remap(dest)) if dest.startswith("/") else workdir / dest
+            assert target.resolve().is_relative_to(scratch.resolve()), f"COPY {rest}: outside the emulated image"
             for src in sources:
                 if (ROOT / src).is_dir():
                     shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
-                else:
+                elif dest.endswith("/") or len(sources) > 1:  # into a folder, as Docker reads the destination
                     target.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(ROOT / src, target / Path(src).name)
+                else:  # a file's own name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ROOT / src, target)
         elif op == "RUN":
             out = subprocess.run(["/bin/sh", "-c", remap(rest)], cwd=workdir, env=env, capture_output=True,
                                  text=True, timeout=900)
