@@ -144,8 +144,10 @@ def test_the_server_dies_with_a_parent_that_is_killed(tmp_path):
               "b = LocalBackend(n_ctx=512).start()\n"
               "print(b.process.pid, flush=True)\n"
               "sys.stdin.read()\n")
+    # TMPDIR: the server's temporary log, which the killed owner cannot remove, stays in the test's folder
     owner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
     try:
         server_pid = int(owner.stdout.readline())
         assert _alive(server_pid)

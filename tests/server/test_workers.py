@@ -38,9 +38,10 @@ def two_workers(fake_upstream):
 
 
 @pytest.fixture
-def fresh_workers(fake_upstream):
-    """Two workers of their own, for a test that stops or kills them."""
-    proc = start_proxy(fake_upstream.url, SCORING_OFF, None, "--workers", "2")
+def fresh_workers(fake_upstream, tmp_path):
+    """Two workers of their own, for a test that stops or kills them. Their temporary files (the supervisor's
+    runtime folder, which a SIGKILLed supervisor cannot remove) go to the test's own folder, not /tmp."""
+    proc = start_proxy(fake_upstream.url, SCORING_OFF, {"TMPDIR": str(tmp_path)}, "--workers", "2")
     yield proc
     proc.stop()
 
